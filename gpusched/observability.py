@@ -1,0 +1,107 @@
+"""Structured logs, Prometheus metrics and OpenTelemetry traces for every service.
+
+Trace context travels in NATS headers (W3C ``traceparent``), so one job's spans, from the CLI's
+submit through admission, quota, scheduler, executor and accounting, share one trace id.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagate import extract, inject
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from pythonjsonlogger.json import JsonFormatter
+
+EVENTS_APPENDED = Counter("gpusched_events_appended_total", "Events appended to the log", ["type", "duplicate"])
+EVENTS_CONSUMED = Counter("gpusched_events_consumed_total", "Events consumed", ["service", "type"])
+DEAD_LETTERS = Counter("gpusched_dead_letters_total", "Poison messages sent to the dead-letter subject", ["service"])
+CONFLICTS = Counter(
+    "gpusched_concurrency_conflicts_total", "Appends refused: the writer had not seen the newest event", ["service"]
+)
+DECISIONS = Counter("gpusched_decisions_total", "Decisions emitted by a service core", ["service", "type"])
+APPLIED_SEQUENCE = Gauge("gpusched_applied_sequence", "Highest stream sequence applied to state", ["service"])
+BATCH_SECONDS = Histogram(
+    "gpusched_batch_seconds", "Time to handle one batch of events", ["service"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+
+_tracer_name = "gpusched"
+
+
+def setup(service: str, *, level: str = "INFO", fmt: str = "json", metrics_port: int = 0,
+          otel_exporter: str = "none", trace_dir: Path | None = None) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                rename_fields={"asctime": "ts", "levelname": "level", "name": "logger"},
+                static_fields={"service": service},
+            )
+        )
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.getLogger("nats").setLevel("WARNING")
+
+    if metrics_port:
+        start_http_server(metrics_port)
+
+    provider = TracerProvider(resource=Resource.create({"service.name": f"gpusched-{service}"}))
+    if otel_exporter == "console":
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    elif otel_exporter == "file":
+        directory = trace_dir or Path(".")
+        directory.mkdir(parents=True, exist_ok=True)
+        out = open(directory / f"{service}.jsonl", "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+        provider.add_span_processor(
+            BatchSpanProcessor(
+                ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"),
+                schedule_delay_millis=500,
+            )
+        )
+    trace.set_tracer_provider(provider)
+
+
+def shutdown() -> None:
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.shutdown()
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(_tracer_name)
+
+
+def inject_trace(headers: dict[str, str]) -> None:
+    """Put the current span's context into outgoing NATS headers (unless already set)."""
+    if "traceparent" not in headers:
+        inject(headers)
+
+
+@contextmanager
+def span_from_headers(name: str, headers: Mapping[str, str] | None, **attributes: str | int) -> Iterator[None]:
+    """A consumer span that continues the trace carried by a message's headers."""
+    ctx = extract(dict(headers or {}))
+    token = otel_context.attach(ctx)
+    try:
+        with tracer().start_as_current_span(name, kind=trace.SpanKind.CONSUMER, attributes=attributes):
+            yield
+    finally:
+        otel_context.detach(token)
+
+
+def trace_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """The trace-context part of a message's headers, to continue the trace later."""
+    return {k: v for k, v in (headers or {}).items() if k in ("traceparent", "tracestate")}

@@ -1,0 +1,87 @@
+"""Configuration from the environment. Every variable is documented in docs/configuration.md.
+
+A bad value fails at start with the variable's name, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the variable and the accepted values."""
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return default if value in (None, "") else value
+
+
+def _number(name: str, default: float, *, minimum: float, maximum: float, integer: bool = False) -> float:
+    raw = _env(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{name}={raw!r} is not {kind}; accepted: {minimum}..{maximum}") from None
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{name}={raw!r} is out of range; accepted: {minimum}..{maximum}")
+    return value
+
+
+def _choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
+    value = _env(name, default)
+    assert value is not None
+    if value not in accepted:
+        raise ConfigError(f"{name}={value!r} is not accepted; accepted: {', '.join(accepted)}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password: str | None = None
+    pg_dsn: str | None = None
+    stream_replicas: int = 1
+    duplicate_window_s: float = 120.0
+    time_scale: float = 1.0
+    clock_epoch: float = field(default_factory=time.time)
+    metrics_port: int = 0  # 0: no metrics endpoint
+    log_level: str = "INFO"
+    log_format: str = "json"
+    otel_exporter: str = "none"
+    trace_dir: Path | None = None
+    executor_backend: str = "sim"
+    sim_cluster: Path | None = None
+    batch_size: int = 256
+    tick_s: float = 0.5
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        trace_dir = _env("GPUSCHED_TRACE_DIR")
+        sim_cluster = _env("GPUSCHED_SIM_CLUSTER")
+        return cls(
+            nats_url=_env("GPUSCHED_NATS_URL", cls.nats_url) or cls.nats_url,
+            nats_user=_env("GPUSCHED_NATS_USER"),
+            nats_password=_env("GPUSCHED_NATS_PASSWORD"),
+            pg_dsn=_env("GPUSCHED_PG_DSN"),
+            stream_replicas=int(_number("GPUSCHED_STREAM_REPLICAS", 1, minimum=1, maximum=5, integer=True)),
+            duplicate_window_s=_number("GPUSCHED_DUPLICATE_WINDOW_S", 120.0, minimum=1, maximum=86_400),
+            time_scale=_number("GPUSCHED_TIME_SCALE", 1.0, minimum=0.001, maximum=1_000_000),
+            clock_epoch=_number("GPUSCHED_CLOCK_EPOCH", time.time(), minimum=0, maximum=4e9),
+            metrics_port=int(_number("GPUSCHED_METRICS_PORT", 0, minimum=0, maximum=65535, integer=True)),
+            log_level=_choice("GPUSCHED_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
+            log_format=_choice("GPUSCHED_LOG_FORMAT", "json", ("json", "text")),
+            otel_exporter=_choice("GPUSCHED_OTEL_EXPORTER", "none", ("none", "console", "file")),
+            trace_dir=Path(trace_dir) if trace_dir else None,
+            executor_backend=_choice("GPUSCHED_EXECUTOR_BACKEND", "sim", ("sim",)),
+            sim_cluster=Path(sim_cluster) if sim_cluster else None,
+            batch_size=int(_number("GPUSCHED_BATCH_SIZE", 256, minimum=1, maximum=10_000, integer=True)),
+            tick_s=_number("GPUSCHED_TICK_S", 0.5, minimum=0.01, maximum=60),
+        )

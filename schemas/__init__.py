@@ -1,0 +1,87 @@
+"""gpusched event contract: the one thing every service shares.
+
+Every fact in the platform is an immutable event on the JetStream stream ``GPUSCHED_EVENTS``.
+Upstream systems send *commands* (``SubmitJob``, ``CancelJob``) to the intake subjects; the
+admission service turns them into events. Each event type has exactly one producing service
+(``PRODUCERS`` in :mod:`schemas.registry`), and NATS permissions enforce it.
+
+Job state machine (one job, many attempts; ``attempt`` starts at 1)::
+
+    (SubmitJob) ──► Submitted ──► Rejected                                   [terminal]
+                        │
+                        ▼
+                    Admitted ──► QuotaReserved ──► Scheduled ──► Running ──► Succeeded [terminal]
+                        ▲            (queued)                       │
+                        │                                           ├──► Failed ──► RetryScheduled ─┐
+                        │                                           │      └── no attempts left     │
+                        │                                           │          [terminal]           │
+                        │                                           └──► Preempted ─────────────────┤
+                        └───────────────────── requeued with attempt + 1 ◄──────────────────────────┘
+
+    CancelRequested may arrive in any non-terminal state; it ends in Cancelled [terminal].
+
+Events and their producers:
+
+==========================  ===========  ====================================================
+event                       producer     meaning
+==========================  ===========  ====================================================
+JobSubmitted                admission    a well-formed SubmitJob arrived (the spec, verbatim)
+JobAdmitted                 admission    the spec is valid, the queue exists, the submitter may use it
+JobRejected                 admission    refused; reason code, the field and the accepted values
+JobCancelRequested          admission    a valid CancelJob for a known, unfinished job
+QuotaReserved               quota        quota for one attempt is held (flavor, borrowed part)
+QuotaReleased               quota        that quota is free again (attempt ended)
+JobRetryScheduled           quota        a failed attempt will be retried as attempt + 1
+JobScheduled                scheduler    placement of one attempt on nodes
+JobStarted                  executor     the attempt runs (the whole gang)
+JobSucceeded                executor     the attempt exited 0
+JobFailed                   executor     the attempt failed; classified reason, retryable or not
+JobPreempted                executor     the attempt was stopped to make room; not a failure
+JobCancelled                executor     the job was stopped or dropped on request
+NodeRegistered/Updated/Lost executor     node inventory as the backend sees it
+QueueConfigured/Deleted     config       queue definitions (``gpusched apply``)
+CohortConfigured            config       cohort definitions
+==========================  ===========  ====================================================
+
+Evolution: a change that an old reader cannot parse is a new ``schema_version`` with an upcaster
+in :mod:`schemas.registry`; a retired type name is never reused.
+"""
+
+from schemas.commands import CancelJob, SubmitJob
+from schemas.envelope import Event, new_event
+from schemas.job import (
+    DatasetRef,
+    FailureReason,
+    JobAdmitted,
+    JobCancelled,
+    JobCancelRequested,
+    JobFailed,
+    JobKind,
+    JobPreempted,
+    JobRejected,
+    JobRetryScheduled,
+    JobScheduled,
+    JobSpec,
+    JobStarted,
+    JobSubmitted,
+    JobSucceeded,
+    NodeAssignment,
+    QuotaReleased,
+    QuotaReserved,
+    RejectReason,
+    RetryPolicy,
+)
+from schemas.node import NodeLost, NodeRegistered, NodeUpdated
+from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass
+from schemas.queue import CohortConfigured, FlavorQuota, QueueConfigured, QueueDeleted
+from schemas.registry import (
+    ALL_EVENT_TYPES,
+    PRODUCERS,
+    AnyEvent,
+    dumps,
+    event_subject,
+    parse_event,
+    subject_suffix,
+)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

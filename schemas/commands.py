@@ -1,0 +1,31 @@
+"""Commands: what upstream systems send to the intake subjects. Not events: admission decides."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.envelope import NAME_PATTERN, Contract
+from schemas.job import JobSpec
+
+MAX_COMMAND_BYTES = 64 * 1024
+"""Admission rejects larger commands (PAYLOAD_TOO_LARGE); the intake stream refuses > 1 MiB."""
+
+
+class SubmitJob(Contract):
+    """Published to ``gpusched.intake.<team>.submit``; ``spec.team`` must match the subject."""
+
+    job_id: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Client-chosen id; derived from the idempotency key or intake position if absent",
+    )
+    submitter: str = Field(min_length=1, max_length=253, description="User or system submitting")
+    spec: JobSpec
+
+
+class CancelJob(Contract):
+    """Published to ``gpusched.intake.<team>.cancel``."""
+
+    job_id: str = Field(pattern=NAME_PATTERN)
+    requested_by: str = Field(min_length=1, max_length=253)
+    reason: str = Field(default="", max_length=1024)

@@ -1,0 +1,247 @@
+"""Job spec and job lifecycle events (subjects ``gpusched.job.<job_id>.<suffix>``)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import AwareDatetime, Field, StringConstraints, model_validator
+
+from schemas.envelope import NAME_PATTERN, Contract, Event
+
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+
+MAX_GPUS_PER_NODE = 64
+"""No GPU node built today has more; a larger per-node request is a typo, not a job."""
+MAX_GANG_SIZE = 1024
+
+
+class JobKind(StrEnum):
+    """What the job is for; drives defaults such as priority class and preemptibility."""
+
+    TRAINING = "training"
+    INFERENCE = "inference"
+    EVALUATION = "evaluation"
+    BATCH = "batch"
+
+
+class FailureReason(StrEnum):
+    """Classified cause of a failed attempt."""
+
+    EXIT_CODE = "exit-code"  # the process exited non-zero
+    OOM_KILLED = "oom-killed"
+    IMAGE_PULL = "image-pull"
+    DEADLINE_EXCEEDED = "deadline-exceeded"  # ran past max_runtime_seconds
+    NODE_LOST = "node-lost"
+    EVICTED = "evicted"
+    BACKEND_ERROR = "backend-error"  # the executor could not create or observe the job
+
+
+class RejectReason(StrEnum):
+    """Machine-readable reason codes of JobRejected."""
+
+    SCHEMA_INVALID = "schema-invalid"
+    PAYLOAD_TOO_LARGE = "payload-too-large"
+    UNKNOWN_QUEUE = "unknown-queue"
+    FORBIDDEN = "forbidden"  # the submitter may not use the queue or priority class
+    UNKNOWN_FLAVOR = "unknown-flavor"
+    UNSATISFIABLE = "unsatisfiable"  # no node in the inventory could ever host it
+    DUPLICATE_IDEMPOTENCY_KEY = "duplicate-idempotency-key"
+    DUPLICATE_JOB_ID = "duplicate-job-id"
+
+
+def rejection_id(intake_sequence: int) -> str:
+    """Aggregate id of a rejection that cannot be filed under a fresh job id (malformed command,
+    duplicate id or key): derived from the command's intake sequence, so a publisher that knows
+    the sequence from its publish ack can watch ``gpusched.job.<rejection_id>.rejected``."""
+    return f"rejected-{intake_sequence}"
+
+
+class DatasetRef(Contract):
+    """A dataset the job reads."""
+
+    uri: str = Field(min_length=1, max_length=1024, description="e.g. s3://bucket/prefix or pvc://name")
+    locality_hint: str | None = Field(
+        default=None, max_length=253, description="Node label value where the data is local or cached."
+    )
+
+
+class RetryPolicy(Contract):
+    """How the platform retries failed attempts (Kubernetes backoffLimit is always 0)."""
+
+    max_attempts: int = Field(default=1, ge=1, le=20, description="Attempts in all, the first included.")
+    backoff_seconds: float = Field(default=30.0, ge=0, le=86_400, description="Wait before each retry.")
+    retry_on: tuple[FailureReason, ...] = Field(
+        default=(FailureReason.NODE_LOST, FailureReason.EVICTED, FailureReason.BACKEND_ERROR),
+        description="Failure reasons that are retried; others end the job.",
+    )
+
+
+class JobSpec(Contract):
+    """What a team asks for. Resources are per node; the gang multiplies them."""
+
+    kind: JobKind = Field(description="training, inference, evaluation or batch")
+    queue: Name = Field(description="Queue to submit to")
+    team: Name = Field(description="Owning team (chargeback)")
+    project: Name | None = Field(default=None, description="Project within the team (chargeback)")
+    priority_class: Name = Field(default="training", description="One of the configured priority classes")
+    image: str = Field(min_length=1, max_length=512, description="Container image")
+    command: tuple[Annotated[str, StringConstraints(max_length=4096)], ...] = Field(
+        default=(), max_length=64, description="Entrypoint"
+    )
+    args: tuple[Annotated[str, StringConstraints(max_length=4096)], ...] = Field(default=(), max_length=256)
+    env: dict[EnvName, Annotated[str, StringConstraints(max_length=8192)]] = Field(
+        default_factory=dict, max_length=128
+    )
+    datasets: tuple[DatasetRef, ...] = Field(default=(), max_length=32)
+    gpus: int = Field(ge=0, le=MAX_GPUS_PER_NODE, description="GPUs per node (per gang member)")
+    gpu_flavors: tuple[Name, ...] = Field(
+        default=(), max_length=16, description="Allowed GPU flavors in preference order; empty = any"
+    )
+    min_gpu_memory_mib: int | None = Field(default=None, ge=1, le=1_048_576)
+    cpu_millis: int = Field(default=1000, ge=1, le=1_024_000, description="CPU per node, millicores")
+    memory_mib: int = Field(default=4096, ge=1, le=16_777_216, description="Memory per node, MiB")
+    node_features: tuple[Annotated[str, StringConstraints(max_length=128)], ...] = Field(
+        default=(), max_length=16, description="Required node features, e.g. 'rdma', 'zone=eu-1'"
+    )
+    gang_size: int = Field(default=1, ge=1, le=MAX_GANG_SIZE, description="Nodes, all-or-nothing")
+    max_runtime_seconds: int | None = Field(default=None, ge=1, le=90 * 86_400)
+    expected_runtime_seconds: float | None = Field(
+        default=None, gt=0, le=90 * 86_400, description="Declared runtime: ETAs; the sim runs this long"
+    )
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
+    annotations: dict[Annotated[str, StringConstraints(max_length=253)], Annotated[str, StringConstraints(max_length=4096)]] = Field(
+        default_factory=dict, max_length=64, description="Free-form; e.g. sim.gpusched.io/exit-code"
+    )
+
+    @model_validator(mode="after")
+    def _runtime_within_max(self) -> "JobSpec":
+        if (
+            self.max_runtime_seconds is not None
+            and self.expected_runtime_seconds is not None
+            and self.expected_runtime_seconds > self.max_runtime_seconds
+        ):
+            raise ValueError(
+                f"expected_runtime_seconds {self.expected_runtime_seconds} exceeds "
+                f"max_runtime_seconds {self.max_runtime_seconds}"
+            )
+        return self
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus * self.gang_size
+
+
+class NodeAssignment(Contract):
+    """One node's share of a placement."""
+
+    node: str = Field(min_length=1, max_length=253)
+    gpus: int = Field(ge=0, le=MAX_GPUS_PER_NODE)
+    gpu_indices: tuple[int, ...] = Field(default=(), description="Device indices on the node")
+
+
+class _JobEvent(Event):
+    aggregate: ClassVar[str] = "job"
+
+
+class JobSubmitted(_JobEvent):
+    type: Literal["JobSubmitted"] = "JobSubmitted"
+    spec: JobSpec
+    submitter: str = Field(min_length=1, max_length=253, description="User or system that submitted")
+    intake_sequence: int = Field(ge=1, description="Stream sequence of the SubmitJob command")
+
+
+class JobAdmitted(_JobEvent):
+    type: Literal["JobAdmitted"] = "JobAdmitted"
+    queue: Name
+    priority: int = Field(description="Resolved value of the priority class; higher runs first")
+    preemptible: bool
+
+
+class JobRejected(_JobEvent):
+    type: Literal["JobRejected"] = "JobRejected"
+    reason: RejectReason
+    message: str = Field(max_length=4096, description="Human-readable: what, which value, what is accepted")
+    field: str | None = Field(default=None, max_length=256, description="Dotted path of the offending field")
+    accepted: tuple[str, ...] = Field(default=(), description="Accepted values, where a list applies")
+    intake_sequence: int | None = Field(default=None, ge=1, description="Stream sequence of the command")
+    requested_job_id: str | None = Field(
+        default=None, max_length=256, description="Job id the command asked for, when it is not this aggregate"
+    )
+
+
+class JobCancelRequested(_JobEvent):
+    type: Literal["JobCancelRequested"] = "JobCancelRequested"
+    requested_by: str = Field(min_length=1, max_length=253)
+    reason: str = Field(default="", max_length=1024)
+
+
+class QuotaReserved(_JobEvent):
+    type: Literal["QuotaReserved"] = "QuotaReserved"
+    attempt: int = Field(ge=1)
+    queue: Name
+    flavor: Name
+    gpus: int = Field(ge=0, description="GPUs held for the attempt (per node × gang)")
+    borrowed: int = Field(default=0, ge=0, description="Part of gpus borrowed from the cohort")
+
+
+class QuotaReleased(_JobEvent):
+    type: Literal["QuotaReleased"] = "QuotaReleased"
+    attempt: int = Field(ge=1)
+    queue: Name
+    flavor: Name
+    gpus: int = Field(ge=0)
+    reason: str = Field(max_length=64, description="The terminal event type that released it")
+
+
+class JobRetryScheduled(_JobEvent):
+    type: Literal["JobRetryScheduled"] = "JobRetryScheduled"
+    failed_attempt: int = Field(ge=1)
+    next_attempt: int = Field(ge=2)
+    not_before: AwareDatetime
+
+
+class JobScheduled(_JobEvent):
+    type: Literal["JobScheduled"] = "JobScheduled"
+    attempt: int = Field(ge=1)
+    flavor: Name
+    placement: tuple[NodeAssignment, ...] = Field(min_length=1)
+
+
+class JobStarted(_JobEvent):
+    type: Literal["JobStarted"] = "JobStarted"
+    attempt: int = Field(ge=1)
+    nodes: tuple[str, ...]
+
+
+class JobSucceeded(_JobEvent):
+    type: Literal["JobSucceeded"] = "JobSucceeded"
+    attempt: int = Field(ge=1)
+    started_at: AwareDatetime
+
+
+class JobFailed(_JobEvent):
+    type: Literal["JobFailed"] = "JobFailed"
+    attempt: int = Field(ge=1)
+    started_at: AwareDatetime | None = Field(description="None when it never started")
+    reason: FailureReason
+    exit_code: int | None = None
+    message: str = Field(default="", max_length=4096)
+    retryable: bool
+
+
+class JobPreempted(_JobEvent):
+    type: Literal["JobPreempted"] = "JobPreempted"
+    attempt: int = Field(ge=1)
+    started_at: AwareDatetime | None
+    preempted_by: str | None = Field(default=None, description="Job id that needed the GPUs")
+    reason: str = Field(default="", max_length=1024)
+
+
+class JobCancelled(_JobEvent):
+    type: Literal["JobCancelled"] = "JobCancelled"
+    attempt: int | None = Field(default=None, description="Attempt that was stopped, if one ran")
+    started_at: AwareDatetime | None = None
+    reason: str = Field(default="", max_length=1024)

@@ -1,0 +1,51 @@
+"""Queue and cohort configuration events (``gpusched.queue.<name>.*``, ``gpusched.cohort.<name>.*``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from schemas.envelope import NAME_PATTERN, Contract, Event
+
+
+class FlavorQuota(Contract):
+    """Quota of one GPU flavor in one queue, in GPUs."""
+
+    flavor: str = Field(pattern=NAME_PATTERN)
+    nominal: int = Field(ge=0, le=1_000_000, description="Guaranteed GPUs")
+    borrowing_limit: int | None = Field(default=None, ge=0, description="Max GPUs borrowed; None = unlimited")
+    lending_limit: int | None = Field(default=None, ge=0, description="Max GPUs lent; None = all unused")
+
+
+class QueueConfigured(Event):
+    aggregate: ClassVar[str] = "queue"
+    type: Literal["QueueConfigured"] = "QueueConfigured"
+    name: str = Field(pattern=NAME_PATTERN)
+    cohort: str | None = Field(default=None, pattern=NAME_PATTERN)
+    allowed_teams: tuple[str, ...] = Field(default=(), description="Teams that may submit; empty = none")
+    allowed_users: tuple[str, ...] = Field(default=(), description="Extra users; empty = any user of the teams")
+    allowed_priority_classes: tuple[str, ...] = Field(default=(), description="Empty = all classes")
+    quotas: tuple[FlavorQuota, ...] = Field(default=(), max_length=64)
+    strict_fifo: bool = Field(default=False, description="A head that does not fit blocks the queue")
+
+    @model_validator(mode="after")
+    def _unique_flavors(self) -> "QueueConfigured":
+        flavors = [q.flavor for q in self.quotas]
+        dupes = sorted({f for f in flavors if flavors.count(f) > 1})
+        if dupes:
+            raise ValueError(f"quotas lists flavor(s) {dupes} more than once")
+        return self
+
+
+class QueueDeleted(Event):
+    aggregate: ClassVar[str] = "queue"
+    type: Literal["QueueDeleted"] = "QueueDeleted"
+    name: str = Field(pattern=NAME_PATTERN)
+
+
+class CohortConfigured(Event):
+    aggregate: ClassVar[str] = "cohort"
+    type: Literal["CohortConfigured"] = "CohortConfigured"
+    name: str = Field(pattern=NAME_PATTERN)
+    parent: str | None = Field(default=None, pattern=NAME_PATTERN)

@@ -1,0 +1,110 @@
+"""Type registry: parsing, subjects, producers, upcasting."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Callable, Union
+
+from pydantic import Field, TypeAdapter
+
+from schemas.envelope import Event
+from schemas.job import (
+    JobAdmitted,
+    JobCancelled,
+    JobCancelRequested,
+    JobFailed,
+    JobPreempted,
+    JobRejected,
+    JobRetryScheduled,
+    JobScheduled,
+    JobStarted,
+    JobSubmitted,
+    JobSucceeded,
+    QuotaReleased,
+    QuotaReserved,
+)
+from schemas.node import NodeLost, NodeRegistered, NodeUpdated
+from schemas.queue import CohortConfigured, QueueConfigured, QueueDeleted
+
+SUBJECT_PREFIX = "gpusched"
+
+# type -> (producing service, last subject token). The subject of an event is
+# gpusched.<aggregate>.<aggregate id>.<token>; NATS permissions are built from this table, so a
+# service can only publish the event types it owns.
+_TABLE: dict[type[Event], tuple[str, str]] = {
+    JobSubmitted: ("admission", "submitted"),
+    JobAdmitted: ("admission", "admitted"),
+    JobRejected: ("admission", "rejected"),
+    JobCancelRequested: ("admission", "cancel_requested"),
+    QuotaReserved: ("quota", "quota_reserved"),
+    QuotaReleased: ("quota", "quota_released"),
+    JobRetryScheduled: ("quota", "retry_scheduled"),
+    JobScheduled: ("scheduler", "scheduled"),
+    JobStarted: ("executor", "started"),
+    JobSucceeded: ("executor", "succeeded"),
+    JobFailed: ("executor", "failed"),
+    JobPreempted: ("executor", "preempted"),
+    JobCancelled: ("executor", "cancelled"),
+    NodeRegistered: ("executor", "registered"),
+    NodeUpdated: ("executor", "updated"),
+    NodeLost: ("executor", "lost"),
+    QueueConfigured: ("config", "configured"),
+    QueueDeleted: ("config", "deleted"),
+    CohortConfigured: ("config", "configured"),
+}
+
+ALL_EVENT_TYPES: tuple[type[Event], ...] = tuple(_TABLE)
+EVENT_TYPES_BY_NAME: dict[str, type[Event]] = {cls.model_fields["type"].default: cls for cls in _TABLE}
+PRODUCERS: dict[str, str] = {name: _TABLE[cls][0] for name, cls in EVENT_TYPES_BY_NAME.items()}
+
+AnyEvent = Annotated[Union[tuple(_TABLE)], Field(discriminator="type")]  # type: ignore[valid-type]
+_ADAPTER: TypeAdapter[Event] = TypeAdapter(AnyEvent)
+
+# (type, from_version) -> function raising a raw dict to from_version + 1. None yet: every type
+# is at version 1. Add an entry, never edit an old one.
+UPCASTERS: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def subject_token(name: str) -> str:
+    """Node names may contain dots (Kubernetes DNS subdomains); '.' separates subject tokens and
+    '_' never appears in a DNS name, so '.' -> '_' is unambiguous."""
+    return name.replace(".", "_")
+
+
+def subject_suffix(event_type: str) -> str:
+    return _TABLE[EVENT_TYPES_BY_NAME[event_type]][1]
+
+
+def event_subject(event: Event, prefix: str = SUBJECT_PREFIX) -> str:
+    cls = type(event)
+    return f"{prefix}.{cls.aggregate}.{subject_token(event.aggregate_id)}.{_TABLE[cls][1]}"
+
+
+def aggregate_subjects(aggregate: str, aggregate_id: str, prefix: str = SUBJECT_PREFIX) -> str:
+    """Wildcard over every event of one aggregate: the optimistic-concurrency scope."""
+    return f"{prefix}.{aggregate}.{subject_token(aggregate_id)}.>"
+
+
+def producer_subjects(service: str, prefix: str = SUBJECT_PREFIX) -> list[str]:
+    """Subjects a service may publish events on."""
+    return sorted(
+        {f"{prefix}.{cls.aggregate}.*.{token}" for cls, (svc, token) in _TABLE.items() if svc == service}
+    )
+
+
+def _upcast(raw: dict[str, Any]) -> dict[str, Any]:
+    while (step := UPCASTERS.get((raw.get("type", ""), raw.get("schema_version", 1)))) is not None:
+        raw = step(raw)
+    return raw
+
+
+def parse_event(data: bytes | str | dict[str, Any]) -> Event:
+    """Parse and validate one event; raises ValueError (json) or pydantic.ValidationError."""
+    raw = json.loads(data) if isinstance(data, (bytes, str)) else data
+    if not isinstance(raw, dict):
+        raise ValueError(f"an event is a JSON object, got {type(raw).__name__}")
+    return _ADAPTER.validate_python(_upcast(raw))
+
+
+def dumps(event: Event) -> bytes:
+    return event.model_dump_json().encode()

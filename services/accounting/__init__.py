@@ -1,0 +1,1 @@
+"""Accounting: Postgres read models (jobs, usage ledger) rebuilt from the event log."""

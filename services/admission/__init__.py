@@ -1,0 +1,1 @@
+"""Admission: validates submissions and cancel requests from the intake subjects."""

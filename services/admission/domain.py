@@ -1,0 +1,320 @@
+"""Admission's pure core: is this submission well-formed, may this team use this queue, could it
+ever run? No I/O, no clock.
+
+Intake commands become events in two steps, so that a crash between them loses nothing:
+``handle_submit`` turns a raw SubmitJob into JobSubmitted (or a JobRejected when it is malformed);
+``decide`` then admits or rejects every submitted job that has no decision yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from pydantic import ValidationError
+
+from schemas import (
+    DEFAULT_PRIORITY_CLASSES,
+    CancelJob,
+    Event,
+    JobAdmitted,
+    JobCancelRequested,
+    JobRejected,
+    JobSpec,
+    JobSubmitted,
+    NodeLost,
+    NodeRegistered,
+    NodeUpdated,
+    QueueConfigured,
+    QueueDeleted,
+    RejectReason,
+    SubmitJob,
+    new_event,
+)
+from schemas.commands import MAX_COMMAND_BYTES
+from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
+from schemas.node import NodeInfo
+
+PRODUCER = "admission"
+TERMINAL = (JobRejected, JobSucceeded, JobCancelled)
+
+
+class PoisonCommand(ValueError):
+    """Not a command at all (not JSON, or a cancel that names nothing); goes to the dead-letter
+    subject with this message."""
+
+
+def job_id_for_key(team: str, idempotency_key: str) -> str:
+    """The job id a keyed submission gets when it names none: the same key, the same job."""
+    return "j-" + uuid.uuid5(uuid.NAMESPACE_URL, f"gpusched:{team}:{idempotency_key}").hex[:20]
+
+
+def spec_digest(spec: JobSpec) -> str:
+    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+
+
+@dataclass
+class JobRecord:
+    team: str
+    spec: JobSpec
+    digest: str
+    intake_sequence: int
+    submitted: JobSubmitted
+    decided: bool = False
+    finished: bool = False
+    cancel_requested: bool = False
+
+
+@dataclass
+class AdmissionState:
+    queues: dict[str, QueueConfigured] = field(default_factory=dict)
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    jobs: dict[str, JobRecord] = field(default_factory=dict)
+    keys: dict[tuple[str, str], str] = field(default_factory=dict)  # (team, key) -> job id
+    undecided: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
+
+
+def _field_path(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _validation_message(err: ValidationError) -> tuple[str, str]:
+    """First error as (field, message), plus how many more there were."""
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    path = _field_path(first["loc"]) or "(root)"
+    value = first.get("input")
+    shown = json.dumps(value, default=str)[:120] if not isinstance(value, dict) else "{...}"
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return path, f"{path}: {first['msg']}; got {shown}{more}"
+
+
+class AdmissionCore:
+    def __init__(self, priority_classes=DEFAULT_PRIORITY_CLASSES) -> None:
+        self.state = AdmissionState()
+        self.priority_classes = priority_classes
+
+    # -- evolve ------------------------------------------------------------------------------
+    def evolve(self, event: Event) -> None:
+        s = self.state
+        match event:
+            case QueueConfigured():
+                s.queues[event.name] = event
+            case QueueDeleted():
+                s.queues.pop(event.name, None)
+            case NodeRegistered() | NodeUpdated():
+                s.nodes[event.node.name] = event.node
+            case NodeLost():
+                s.nodes.pop(event.name, None)
+            case JobSubmitted():
+                spec = event.spec
+                s.jobs[event.aggregate_id] = JobRecord(
+                    team=spec.team, spec=spec, digest=spec_digest(spec),
+                    intake_sequence=event.intake_sequence, submitted=event,
+                )
+                if spec.idempotency_key:
+                    s.keys[(spec.team, spec.idempotency_key)] = event.aggregate_id
+                s.undecided[event.aggregate_id] = None
+            case JobAdmitted() | JobRejected():
+                if (job := s.jobs.get(event.aggregate_id)) is not None:
+                    job.decided = True
+                    job.finished = isinstance(event, JobRejected)
+                s.undecided.pop(event.aggregate_id, None)
+            case JobSucceeded() | JobCancelled():
+                if (job := s.jobs.get(event.aggregate_id)) is not None:
+                    job.finished = True
+            case JobFailed():
+                # Whether a failure ends the job is quota's retry decision; a cancel after a
+                # final failure is harmless (the executor answers it with JobCancelled).
+                pass
+            case JobCancelRequested():
+                if (job := s.jobs.get(event.aggregate_id)) is not None:
+                    job.cancel_requested = True
+
+    # -- intake ------------------------------------------------------------------------------
+    def handle_submit(self, raw: bytes, subject_team: str, intake_seq: int, now: datetime) -> list[Event]:
+        """A SubmitJob command from ``gpusched.intake.<subject_team>.submit``."""
+        def reject(reason: RejectReason, message: str, field_: str | None = None, accepted=(), requested=None):
+            return [
+                new_event(
+                    JobRejected, aggregate_id=rejection_id(intake_seq), producer=PRODUCER, occurred_at=now,
+                    key=str(intake_seq), reason=reason, message=message, field=field_, accepted=tuple(accepted),
+                    intake_sequence=intake_seq, requested_job_id=requested,
+                )
+            ]
+
+        if len(raw) > MAX_COMMAND_BYTES:
+            return reject(
+                RejectReason.PAYLOAD_TOO_LARGE,
+                f"command is {len(raw)} bytes; accepted: at most {MAX_COMMAND_BYTES} bytes",
+                "(root)",
+            )
+        try:
+            payload = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise PoisonCommand(f"not JSON: {err}") from None
+        requested = payload.get("job_id") if isinstance(payload, dict) else None
+        requested = requested if isinstance(requested, str) else None
+        try:
+            command = SubmitJob.model_validate(payload)
+        except ValidationError as err:
+            path, message = _validation_message(err)
+            return reject(RejectReason.SCHEMA_INVALID, message, path, requested=requested)
+        spec = command.spec
+        if spec.team != subject_team:
+            return reject(
+                RejectReason.FORBIDDEN,
+                f"spec.team {spec.team!r} does not match the intake subject's team {subject_team!r}; "
+                f"a team submits on gpusched.intake.<team>.submit",
+                "spec.team", accepted=[subject_team], requested=command.job_id,
+            )
+
+        s = self.state
+        job_id = command.job_id
+        if job_id is None:
+            job_id = (
+                job_id_for_key(spec.team, spec.idempotency_key)
+                if spec.idempotency_key else f"j-{intake_seq}"
+            )
+        if spec.idempotency_key and (owner := s.keys.get((spec.team, spec.idempotency_key))) is not None:
+            original = s.jobs[owner]
+            if original.intake_sequence == intake_seq:
+                return []  # redelivered command, already recorded
+            if owner == job_id and original.digest == spec_digest(spec):
+                return []  # an idempotent resubmission: the job exists, nothing new happens
+            return reject(
+                RejectReason.DUPLICATE_IDEMPOTENCY_KEY,
+                f"spec.idempotency_key {spec.idempotency_key!r} already identifies job {owner} "
+                f"(submitted at intake sequence {original.intake_sequence}) with a different spec or job id; "
+                f"resubmit the same spec, or use a new key",
+                "spec.idempotency_key", requested=job_id,
+            )
+        if (existing := s.jobs.get(job_id)) is not None:
+            if existing.intake_sequence == intake_seq:
+                return []
+            return reject(
+                RejectReason.DUPLICATE_JOB_ID,
+                f"job_id {job_id!r} already exists (intake sequence {existing.intake_sequence}); "
+                f"job ids are never reused; omit job_id to have one assigned",
+                "job_id", requested=job_id,
+            )
+        return [
+            new_event(
+                JobSubmitted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(intake_seq),
+                spec=spec, submitter=command.submitter, intake_sequence=intake_seq,
+            )
+        ]
+
+    def handle_cancel(self, raw: bytes, subject_team: str, now: datetime) -> list[Event]:
+        try:
+            command = CancelJob.model_validate_json(raw)
+        except ValidationError as err:
+            raise PoisonCommand(f"invalid CancelJob: {_validation_message(err)[1]}") from None
+        job = self.state.jobs.get(command.job_id)
+        if job is None:
+            raise PoisonCommand(f"CancelJob: job_id {command.job_id!r} does not exist")
+        if job.team != subject_team:
+            raise PoisonCommand(
+                f"CancelJob: job {command.job_id} belongs to team {job.team!r}, not {subject_team!r}"
+            )
+        if job.finished or job.cancel_requested:
+            return []  # nothing to cancel, or already asked: idempotent
+        return [
+            new_event(
+                JobCancelRequested, aggregate_id=command.job_id, producer=PRODUCER, occurred_at=now,
+                key="cancel", cause=job.submitted, requested_by=command.requested_by, reason=command.reason,
+            )
+        ]
+
+    # -- decide ------------------------------------------------------------------------------
+    def decisions_refused(self) -> None:
+        """Undecided jobs stay undecided until their decision is in the log: nothing to do."""
+
+    def decide(self, now: datetime) -> list[Event]:
+        out: list[Event] = []
+        for job_id in list(self.state.undecided):
+            job = self.state.jobs[job_id]
+            out.append(self._decide_one(job_id, job, now))
+        return out
+
+    def _decide_one(self, job_id: str, job: JobRecord, now: datetime) -> Event:
+        spec = job.spec
+        cause = job.submitted
+
+        def reject(reason: RejectReason, message: str, field_: str, accepted=()) -> Event:
+            return new_event(
+                JobRejected, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key="decision",
+                cause=cause, reason=reason, message=message, field=field_, accepted=tuple(sorted(accepted)),
+                intake_sequence=job.intake_sequence,
+            )
+
+        queue = self.state.queues.get(spec.queue)
+        if queue is None:
+            known = self.state.queues.keys()
+            return reject(
+                RejectReason.UNKNOWN_QUEUE,
+                f"spec.queue {spec.queue!r} does not exist; accepted: {', '.join(sorted(known)) or '(no queues configured)'}",
+                "spec.queue", known,
+            )
+        if spec.team not in queue.allowed_teams:
+            return reject(
+                RejectReason.FORBIDDEN,
+                f"team {spec.team!r} may not submit to queue {queue.name!r}; accepted teams: "
+                f"{', '.join(queue.allowed_teams) or '(none)'}",
+                "spec.team", queue.allowed_teams,
+            )
+        if queue.allowed_users and job.submitted.submitter not in queue.allowed_users:
+            return reject(
+                RejectReason.FORBIDDEN,
+                f"submitter {job.submitted.submitter!r} may not submit to queue {queue.name!r}",
+                "submitter", queue.allowed_users,
+            )
+        pc = self.priority_classes.get(spec.priority_class)
+        allowed_classes = queue.allowed_priority_classes or tuple(self.priority_classes)
+        if pc is None or spec.priority_class not in allowed_classes:
+            return reject(
+                RejectReason.FORBIDDEN if pc is not None else RejectReason.SCHEMA_INVALID,
+                f"spec.priority_class {spec.priority_class!r} is not accepted on queue {queue.name!r}; "
+                f"accepted: {', '.join(sorted(allowed_classes))}",
+                "spec.priority_class", allowed_classes,
+            )
+        queue_flavors = [q.flavor for q in queue.quotas]
+        wanted = spec.gpu_flavors or tuple(queue_flavors)
+        unknown = [f for f in spec.gpu_flavors if f not in queue_flavors]
+        if spec.gpus > 0 and (unknown or not wanted):
+            return reject(
+                RejectReason.UNKNOWN_FLAVOR,
+                f"spec.gpu_flavors {list(spec.gpu_flavors)} includes flavor(s) {unknown} that queue "
+                f"{queue.name!r} has no quota for; accepted: {', '.join(queue_flavors) or '(none)'}",
+                "spec.gpu_flavors", queue_flavors,
+            )
+        if spec.gpus > 0 and self.state.nodes and (problem := self._unsatisfiable(spec, wanted)):
+            return reject(RejectReason.UNSATISFIABLE, problem, "spec.gpus")
+        return new_event(
+            JobAdmitted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key="decision", cause=cause,
+            queue=queue.name, priority=pc.value, preemptible=pc.preemptible,
+        )
+
+    def _unsatisfiable(self, spec: JobSpec, flavors: tuple[str, ...]) -> str | None:
+        """Resource sanity against the inventory: could any node shape ever host one gang member,
+        and are there enough such nodes for the gang? (Free capacity is the scheduler's business.)"""
+        fitting: dict[str, int] = {}
+        largest: dict[str, int] = {}
+        for node in self.state.nodes.values():
+            if node.gpu_flavor not in flavors:
+                continue
+            largest[node.gpu_flavor] = max(largest.get(node.gpu_flavor, 0), node.gpu_count)
+            memory_ok = spec.min_gpu_memory_mib is None or (node.gpu_memory_mib or 0) >= spec.min_gpu_memory_mib
+            if node.gpu_count >= spec.gpus and memory_ok and set(spec.node_features) <= set(node.features):
+                fitting[node.gpu_flavor] = fitting.get(node.gpu_flavor, 0) + 1
+        if any(count >= spec.gang_size for count in fitting.values()):
+            return None
+        shapes = ", ".join(f"{f}: {n} GPUs" for f, n in sorted(largest.items())) or "no nodes of those flavors"
+        return (
+            f"spec.gpus {spec.gpus} × gang_size {spec.gang_size} with min_gpu_memory_mib "
+            f"{spec.min_gpu_memory_mib} and node_features {list(spec.node_features)} fits no "
+            f"{spec.gang_size} node(s) of flavors {list(flavors)}; largest node per flavor: {shapes}"
+        )

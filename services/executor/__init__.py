@@ -1,0 +1,1 @@
+"""Executor: materialises placements on a backend and reports what happens to them."""

@@ -1,0 +1,1 @@
+"""Quota: guaranteed quota per queue and GPU flavor; reservations, releases and retries."""

