@@ -101,7 +101,9 @@ class DecisionService:
             await self._caught_up.wait()
 
     async def side_loop(self, js, appender: eventlog.EventLog) -> None:
-        """A second input some services have (admission's intake). Runs beside the main loop."""
+        """A second input some services have (admission's intake). Runs beside the main loop;
+        returning ends the service, so the default waits for stop()."""
+        await self._stop.wait()
 
     async def append_all(self, log_: eventlog.EventLog, events: Iterable[Event]) -> set[tuple[str, str]]:
         """Append decisions in order; returns the aggregates whose decisions were refused
@@ -142,11 +144,12 @@ class DecisionService:
             log.info("consuming", extra={"durable": self.name})
             main = asyncio.create_task(self._main_loop(js, sub, appender))
             side = asyncio.create_task(self.side_loop(js, appender))
-            done, _ = await asyncio.wait({main, side}, return_when=asyncio.FIRST_EXCEPTION)
-            if main not in done:  # the side loop failed: stop, and let a supervisor restart us
-                main.cancel()
-            elif not side.done():
-                side.cancel()
+            done, _ = await asyncio.wait({main, side}, return_when=asyncio.FIRST_COMPLETED)
+            # Either loop ending ends the service: stop() ends the main loop; a side loop that
+            # fails takes the process down so that its supervisor restarts it.
+            for task in (main, side):
+                if task not in done:
+                    task.cancel()
             for task in (main, side):
                 try:
                     await task

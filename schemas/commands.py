@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from pydantic import Field
 
 from schemas.envelope import NAME_PATTERN, Contract
@@ -29,3 +31,8 @@ class CancelJob(Contract):
     job_id: str = Field(pattern=NAME_PATTERN)
     requested_by: str = Field(min_length=1, max_length=253)
     reason: str = Field(default="", max_length=1024)
+
+
+def job_id_for_key(team: str, idempotency_key: str) -> str:
+    """The job id of a keyed submission that names none: the same team and key, the same job."""
+    return "j-" + uuid.uuid5(uuid.NAMESPACE_URL, f"gpusched:{team}:{idempotency_key}").hex[:20]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -34,7 +33,7 @@ from schemas import (
     SubmitJob,
     new_event,
 )
-from schemas.commands import MAX_COMMAND_BYTES
+from schemas.commands import MAX_COMMAND_BYTES, job_id_for_key
 from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
 from schemas.node import NodeInfo
 
@@ -45,11 +44,6 @@ TERMINAL = (JobRejected, JobSucceeded, JobCancelled)
 class PoisonCommand(ValueError):
     """Not a command at all (not JSON, or a cancel that names nothing); goes to the dead-letter
     subject with this message."""
-
-
-def job_id_for_key(team: str, idempotency_key: str) -> str:
-    """The job id a keyed submission gets when it names none: the same key, the same job."""
-    return "j-" + uuid.uuid5(uuid.NAMESPACE_URL, f"gpusched:{team}:{idempotency_key}").hex[:20]
 
 
 def spec_digest(spec: JobSpec) -> str:

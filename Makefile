@@ -1,0 +1,44 @@
+# gpusched — run `make help` for the targets.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.DEFAULT_GOAL := help
+.PHONY: help setup run test test-unit test-integration test-e2e bench schemas lint clean
+
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: $(STAMP) ## Create .venv and install gpusched with NATS and Postgres wheels (idempotent)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+run: setup ## Run NATS, Postgres and the five services with the demo workload (Ctrl-C stops)
+	$(BIN)/gpusched dev up $(ARGS)
+
+test: setup ## Unit, integration and end-to-end tests (real nats-server and Postgres)
+	$(BIN)/python -m pytest -q tests e2e $(ARGS)
+
+test-unit: setup ## Pure cores only (fast)
+	$(BIN)/python -m pytest -q tests/unit $(ARGS)
+
+test-integration: setup ## Each service against real NATS and Postgres
+	$(BIN)/python -m pytest -q tests/integration $(ARGS)
+
+test-e2e: setup ## All services as processes, faults included
+	$(BIN)/python -m pytest -q e2e $(ARGS)
+
+bench: setup ## Benchmarks: figures beside the raw JetStream ceiling, as ratios
+	$(BIN)/python -m bench $(ARGS)
+
+schemas: setup ## Regenerate schemas/json from the pydantic models
+	$(BIN)/python -m schemas.export
+
+clean: ## Remove the virtualenv and local data (.data)
+	rm -rf $(VENV) .data .pytest_cache .hypothesis

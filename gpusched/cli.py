@@ -1,0 +1,258 @@
+"""The `gpusched` command line. Reads come from the Postgres read models or the event log;
+changes are only ever published as commands or configuration events. Every command takes
+``--output json``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from datetime import date, datetime
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gpusched import client, eventlog
+from gpusched.client import Connection, UserError
+
+app = typer.Typer(help="gpusched: GPU job scheduling on an event log.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+dev_app = typer.Typer(help="Local platform for development and demos.", no_args_is_help=True)
+app.add_typer(dev_app, name="dev")
+console = Console()
+err_console = Console(stderr=True)
+
+
+class Output(str, Enum):
+    table = "table"
+    json = "json"
+
+
+OutputOpt = typer.Option(Output.table, "--output", "-o", help="table or json")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    return str(value)
+
+
+def emit(data: Any, output: Output, columns: list[str] | None = None, title: str | None = None) -> None:
+    if output == Output.json:
+        print(json.dumps(data, default=_json_default, indent=2))
+        return
+    rows = data if isinstance(data, list) else [data]
+    if not rows:
+        console.print("(nothing)")
+        return
+    columns = columns or list(rows[0].keys())
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*("" if r.get(c) is None else str(r.get(c)) for c in columns))
+    console.print(table)
+
+
+def run(coro) -> Any:
+    try:
+        return asyncio.run(coro)
+    except UserError as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def init() -> None:
+    """Create or update the JetStream streams (needs the admin user)."""
+    async def go():
+        nc = await Connection.resolve().nats()
+        try:
+            await eventlog.provision(nc.jetstream())
+        finally:
+            await nc.close()
+    run(go())
+    console.print("streams provisioned")
+
+
+@app.command()
+def submit(
+    file: Path = typer.Option(..., "-f", "--file", help="Job YAML: a job spec, or a SubmitJob with `spec:`"),
+    wait: bool = typer.Option(True, help="Wait for admission's decision"),
+    output: Output = OutputOpt,
+) -> None:
+    """Submit a job."""
+    async def go():
+        command = client.submit_command_from_file(file)
+        nc = await Connection.resolve().nats()
+        try:
+            js = nc.jetstream()
+            seq = await client.publish_command(js, command.spec.team, "submit", command)
+            result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": seq, "decision": None}
+            if wait:
+                decision = await client.wait_for_decision(js, command.job_id, seq)
+                if decision is not None:
+                    result["decision"] = decision.type
+                    if decision.type == "JobRejected":
+                        result.update(reason=decision.reason.value, message=decision.message)
+            return result
+        finally:
+            await nc.close()
+    result = run(go())
+    emit(result, output)
+    if result.get("decision") == "JobRejected":
+        raise typer.Exit(1)
+
+
+@app.command("cancel")
+def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the job"),
+               reason: str = typer.Option("", help="Why"), output: Output = OutputOpt) -> None:
+    """Ask to cancel a job."""
+    async def go():
+        nc = await Connection.resolve().nats()
+        try:
+            return await client.cancel(nc.jetstream(), job_id, team, requested_by="cli", reason=reason)
+        finally:
+            await nc.close()
+    emit({"job_id": job_id, "intake_sequence": run(go())}, output)
+
+
+@app.command()
+def apply(
+    file: Path = typer.Option(..., "-f", "--file", help="queues.yaml"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the changes, publish nothing"),
+    prune: bool = typer.Option(False, help="Delete queues the file does not list"),
+    output: Output = OutputOpt,
+) -> None:
+    """Make the queue configuration equal to a file (publishes QueueConfigured / QueueDeleted)."""
+    async def go():
+        nc = await Connection.resolve().nats()
+        try:
+            js = nc.jetstream()
+            events = client.plan_queues(file, await client.current_queues(js), client.utcnow(), prune=prune)
+            if not dry_run:
+                log = eventlog.EventLog(js)
+                for e in events:
+                    await log.append(e)
+            return [{"change": e.type, "queue": e.aggregate_id} for e in events]
+        finally:
+            await nc.close()
+    changes = run(go())
+    emit(changes, output, title="dry run: nothing published" if dry_run else None)
+
+
+@app.command()
+def jobs(team: Optional[str] = None, state: Optional[str] = None, limit: int = 50, output: Output = OutputOpt) -> None:
+    """List jobs from the read model."""
+    async def go():
+        conn = await Connection.resolve().pg()
+        try:
+            return await client.list_jobs(conn, team, state, limit)
+        finally:
+            await conn.close()
+    emit(run(go()), output)
+
+
+@app.command()
+def job(job_id: str, output: Output = OutputOpt) -> None:
+    """One job: state, timestamps, placement, usage."""
+    async def go():
+        conn = await Connection.resolve().pg()
+        try:
+            found = await client.get_job(conn, job_id)
+        finally:
+            await conn.close()
+        if found is None:
+            raise UserError(f"job {job_id!r} is not in the read model (yet); try `gpusched events {job_id}`")
+        return found
+    data = run(go())
+    if output == Output.json:
+        emit(data, output)
+    else:
+        usage = data.pop("usage")
+        emit([{"field": k, "value": v} for k, v in data.items()], output)
+        emit(usage, output, title="usage")
+
+
+@app.command()
+def events(job_id: str, output: Output = OutputOpt) -> None:
+    """A job's history from the event log."""
+    async def go():
+        nc = await Connection.resolve().nats()
+        try:
+            return await client.job_events(nc.jetstream(), job_id)
+        finally:
+            await nc.close()
+    history = run(go())
+    if output == Output.json:
+        emit([{"sequence": s, **e.model_dump(mode="json")} for s, e in history], output)
+        return
+    rows = []
+    for seq, e in history:
+        detail = {k: v for k, v in e.model_dump(mode="json").items()
+                  if k not in ("event_id", "type", "schema_version", "aggregate_id", "occurred_at",
+                               "producer", "causation_id", "correlation_id", "spec")}
+        rows.append({"seq": seq, "time": e.occurred_at.isoformat(timespec="seconds"), "type": e.type,
+                     "producer": e.producer, "detail": json.dumps(detail)[:100]})
+    emit(rows, output)
+
+
+@app.command()
+def usage(output: Output = OutputOpt) -> None:
+    """GPU-hours by team and flavor, from the usage ledger."""
+    async def go():
+        conn = await Connection.resolve().pg()
+        try:
+            return await client.usage_by_team(conn)
+        finally:
+            await conn.close()
+    rows = run(go())
+    for r in rows:
+        r["gpu_hours"] = round(r["gpu_hours"], 3)
+    emit(rows, output)
+
+
+@app.command()
+def dlq(limit: int = 20, output: Output = OutputOpt) -> None:
+    """Dead-lettered messages with their reasons."""
+    async def go():
+        nc = await Connection.resolve().nats()
+        try:
+            rows = []
+            async for msg in eventlog.read(nc.jetstream(), stream=eventlog.DLQ_STREAM):
+                h = msg.headers or {}
+                rows.append({"seq": msg.metadata.sequence.stream, "subject": msg.subject,
+                             "original": f"{h.get('Gpusched-Original-Stream')}#{h.get('Gpusched-Original-Sequence')}",
+                             "reason": h.get("Gpusched-Reason", ""), "bytes": len(msg.data)})
+            return rows[-limit:]
+        finally:
+            await nc.close()
+    emit(run(go()), output)
+
+
+@dev_app.command("up")
+def dev_up(
+    data_dir: Path = typer.Option(Path(".data"), help="Where NATS, Postgres and logs keep their data"),
+    time_scale: float = typer.Option(120.0, help="Platform seconds per wall second (120: a GPU hour in 30 s)"),
+    demo: bool = typer.Option(True, help="Submit the demo workload"),
+    demo_jobs: int = typer.Option(60, help="Jobs in the demo workload"),
+    duration: float = typer.Option(0, help="Stop after this many seconds (0: run until Ctrl-C)"),
+) -> None:
+    """Run NATS, Postgres and the five services locally, with an optional demo workload."""
+    from gpusched.devrun import run_dev
+
+    sys.exit(run_dev(data_dir=data_dir, time_scale=time_scale, demo=demo, demo_jobs=demo_jobs, duration=duration))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""What the CLI, the dev stack, the tests and the benchmarks use to talk to a running platform:
+operator connections, submitting commands, reading a job's history, applying queue config, and
+the read-model queries. Changes happen only by publishing; reads come from Postgres or the log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import nats
+import yaml
+from nats.js import JetStreamContext
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpusched import eventlog, observability
+from schemas import CancelJob, Event, QueueConfigured, QueueDeleted, SubmitJob, new_event, parse_event
+from schemas.commands import job_id_for_key
+from schemas.job import rejection_id
+from schemas.registry import SUBJECT_PREFIX
+
+CONNECTION_FILE = Path(".data/run/connection.json")
+TERMINAL_TYPES = {"JobSucceeded", "JobRejected", "JobCancelled"}
+
+
+class UserError(Exception):
+    """Shown to the user as is: what was wrong, which value, what is accepted."""
+
+
+@dataclass(frozen=True)
+class Connection:
+    nats_url: str
+    nats_user: str | None
+    nats_password: str | None
+    pg_dsn: str | None
+
+    @classmethod
+    def resolve(cls) -> "Connection":
+        """Environment first (GPUSCHED_NATS_URL, GPUSCHED_NATS_USER, GPUSCHED_NATS_PASSWORD,
+        GPUSCHED_PG_DSN); otherwise what a local `make run` wrote to .data/run/connection.json."""
+        saved: dict[str, Any] = {}
+        path = Path(os.environ.get("GPUSCHED_CONNECTION_FILE", CONNECTION_FILE))
+        if path.exists():
+            saved = json.loads(path.read_text())
+        return cls(
+            nats_url=os.environ.get("GPUSCHED_NATS_URL") or saved.get("nats_url") or "nats://127.0.0.1:4222",
+            nats_user=os.environ.get("GPUSCHED_NATS_USER") or saved.get("nats_user"),
+            nats_password=os.environ.get("GPUSCHED_NATS_PASSWORD") or saved.get("nats_password"),
+            pg_dsn=os.environ.get("GPUSCHED_PG_DSN") or saved.get("pg_dsn"),
+        )
+
+    async def nats(self) -> nats.NATS:
+        kwargs: dict[str, Any] = {}
+        if self.nats_user:
+            kwargs = {"user": self.nats_user, "password": self.nats_password or ""}
+        try:
+            return await nats.connect(self.nats_url, connect_timeout=3, max_reconnect_attempts=2,
+                                      allow_reconnect=False, name="gpusched-cli", **kwargs)
+        except Exception as err:  # nats-py raises several unrelated types here
+            raise UserError(f"cannot connect to NATS at {self.nats_url}: {err!r} (is `make run` running?)") from None
+
+    async def pg(self) -> asyncpg.Connection:
+        if not self.pg_dsn:
+            raise UserError("no Postgres configured: set GPUSCHED_PG_DSN or start `make run`")
+        try:
+            return await asyncpg.connect(self.pg_dsn, timeout=5)
+        except (OSError, asyncpg.PostgresError) as err:
+            raise UserError(f"cannot connect to Postgres: {err}") from None
+
+
+def _first_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors(include_url=False)[:5]:
+        where = ".".join(str(p) for p in e["loc"]) or "(root)"
+        lines.append(f"{source}: {where}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise UserError(f"{path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise UserError(f"{path}: not valid YAML: {err}") from None
+
+
+def submit_command_from_file(path: Path, submitter: str | None = None) -> SubmitJob:
+    """A job file is either a SubmitJob (with `spec:`) or a bare job spec."""
+    raw = load_yaml(path)
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected a mapping with the job spec, got {type(raw).__name__}")
+    if "spec" not in raw:
+        raw = {"spec": raw}
+    raw.setdefault("submitter", submitter or os.environ.get("USER") or "cli")
+    try:
+        command = SubmitJob.model_validate(raw)
+    except ValidationError as err:
+        raise UserError(_first_error(err, str(path))) from None
+    if command.job_id is None:
+        command = command.model_copy(update={"job_id": new_job_id(command)})
+    return command
+
+
+def new_job_id(command: SubmitJob) -> str:
+    if command.spec.idempotency_key:
+        return job_id_for_key(command.spec.team, command.spec.idempotency_key)
+    return "j-" + uuid.uuid4().hex[:16]
+
+
+async def publish_command(js: JetStreamContext, team: str, verb: str, command: BaseModel,
+                          headers: dict[str, str] | None = None) -> int:
+    hdrs = dict(headers or {})
+    observability.inject_trace(hdrs)
+    ack = await js.publish(f"{SUBJECT_PREFIX}.intake.{team}.{verb}", command.model_dump_json().encode(),
+                           headers=hdrs or None, timeout=10)
+    return ack.seq
+
+
+async def job_events(js: JetStreamContext, job_id: str) -> list[tuple[int, Event]]:
+    out = []
+    async for msg in eventlog.read(js, subjects=[f"{SUBJECT_PREFIX}.job.{job_id}.>"]):
+        out.append((msg.metadata.sequence.stream, parse_event(msg.data)))
+    return out
+
+
+async def wait_for_decision(js: JetStreamContext, job_id: str, intake_seq: int, timeout_s: float = 15.0) -> Event | None:
+    """JobAdmitted / JobRejected for this submission (filed under the job id, or under the
+    rejection id derived from the intake sequence), or the existing job's JobSubmitted when the
+    submission was an idempotent repeat."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        for subject_id in (job_id, rejection_id(intake_seq)):
+            for _, event in await job_events(js, subject_id):
+                if event.type in ("JobAdmitted", "JobRejected"):
+                    return event
+        await asyncio.sleep(0.2)
+    return None
+
+
+async def cancel(js: JetStreamContext, job_id: str, team: str, requested_by: str, reason: str = "") -> int:
+    return await publish_command(js, team, "cancel", CancelJob(job_id=job_id, requested_by=requested_by, reason=reason))
+
+
+# -- queue configuration ----------------------------------------------------------------------
+
+
+class QueueSpec(BaseModel):
+    """One queue in queues.yaml: the QueueConfigured fields without the envelope."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    cohort: str | None = None
+    allowed_teams: list[str] = Field(default_factory=list)
+    allowed_users: list[str] = Field(default_factory=list)
+    allowed_priority_classes: list[str] = Field(default_factory=list)
+    quotas: list[dict[str, Any]] = Field(default_factory=list)
+    strict_fifo: bool = False
+
+
+class QueuesFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    queues: list[QueueSpec]
+
+
+def _config_payload(event: QueueConfigured) -> dict[str, Any]:
+    return event.model_dump(mode="json", exclude={"event_id", "occurred_at", "producer", "causation_id",
+                                                   "correlation_id", "aggregate_id", "schema_version", "type"})
+
+
+async def current_queues(js: JetStreamContext) -> dict[str, QueueConfigured]:
+    queues: dict[str, QueueConfigured] = {}
+    async for msg in eventlog.read(js, subjects=[f"{SUBJECT_PREFIX}.queue.>"]):
+        event = parse_event(msg.data)
+        if isinstance(event, QueueConfigured):
+            queues[event.name] = event
+        elif isinstance(event, QueueDeleted):
+            queues.pop(event.name, None)
+    return queues
+
+
+def plan_queues(path: Path, current: dict[str, QueueConfigured], now: datetime, prune: bool = False) -> list[Event]:
+    """The events that make the log's queue configuration equal the file's."""
+    raw = load_yaml(path)
+    try:
+        parsed = QueuesFile.model_validate(raw)
+    except ValidationError as err:
+        raise UserError(_first_error(err, str(path))) from None
+    out: list[Event] = []
+    names = [q.name for q in parsed.queues]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise UserError(f"{path}: queues: name(s) {dupes} appear more than once; each queue once")
+    for i, q in enumerate(parsed.queues):
+        try:
+            event = QueueConfigured(
+                event_id="pending", aggregate_id=q.name, occurred_at=now, producer="config", **q.model_dump()
+            )
+        except ValidationError as err:
+            raise UserError(_first_error(err, f"{path}: queues[{i}] ({q.name})")) from None
+        existing = current.get(q.name)
+        if existing is not None and _config_payload(existing) == _config_payload(event):
+            continue
+        digest = json.dumps(_config_payload(event), sort_keys=True)
+        out.append(new_event(QueueConfigured, aggregate_id=q.name, producer="config", occurred_at=now,
+                             key=f"{digest}@{now.isoformat()}", **q.model_dump()))
+    if prune:
+        for name in sorted(current.keys() - set(names)):
+            out.append(new_event(QueueDeleted, aggregate_id=name, producer="config", occurred_at=now,
+                                 key=now.isoformat(), name=name))
+    return out
+
+
+# -- read models ------------------------------------------------------------------------------
+
+
+async def list_jobs(conn: asyncpg.Connection, team: str | None = None, state: str | None = None,
+                    limit: int = 50) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        """SELECT job_id, team, queue, state, attempt, total_gpus, flavor, submitted_at, finished_at
+           FROM jobs WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
+           ORDER BY submitted_at DESC NULLS LAST, job_id LIMIT $3""",
+        team, state, limit,
+    )
+    return [dict(r) for r in rows]
+
+
+async def get_job(conn: asyncpg.Connection, job_id: str) -> dict[str, Any] | None:
+    row = await conn.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
+    if row is None:
+        return None
+    job = dict(row)
+    job["usage"] = [dict(r) for r in await conn.fetch(
+        "SELECT attempt, flavor, gpus, started_at, ended_at, gpu_seconds, outcome FROM usage_ledger "
+        "WHERE job_id = $1 ORDER BY attempt", job_id)]
+    return job
+
+
+async def usage_by_team(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        """SELECT team, flavor, count(*) AS attempts, sum(gpu_seconds) / 3600.0 AS gpu_hours
+           FROM usage_ledger GROUP BY team, flavor ORDER BY team, flavor"""
+    )
+    return [dict(r) for r in rows]
+
+
+async def state_counts(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    rows = await conn.fetch("SELECT coalesce(team, '-') AS team, state, count(*) AS n FROM jobs GROUP BY 1, 2")
+    return [dict(r) for r in rows]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,213 @@
+"""`make run`: the whole platform on this machine, with a demo workload and a live summary.
+
+NATS and Postgres are started from their wheels unless GPUSCHED_NATS_URL / GPUSCHED_PG_DSN
+point at external ones. Data stays in ``.data/`` so a second run continues where the first
+stopped. Services that die are restarted (they rebuild from the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from importlib import resources
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from gpusched import client, devstack, eventlog
+from schemas import JobSpec, SubmitJob
+from schemas.job import JobKind
+
+console = Console(width=None if Console().is_terminal else 150)
+TEAMS = ("team-research", "team-product", "team-platform")
+QUEUE_OF = {"team-research": "research", "team-product": "product", "team-platform": "platform"}
+
+
+def example(name: str) -> Path:
+    return Path(str(resources.files("gpusched.examples") / name))
+
+
+def demo_workload(n: int, seed: int = 7) -> list[tuple[float, SubmitJob]]:
+    """(delay before it, command): a mixed, reproducible workload for three teams."""
+    rng = random.Random(seed)
+    shapes = {
+        "team-research": [("h100-80gb", 8, JobKind.TRAINING), ("a100-40gb", 4, JobKind.TRAINING),
+                          ("a100-40gb", 1, JobKind.EVALUATION), ("h100-80gb", 2, JobKind.TRAINING)],
+        "team-product": [("l4", 1, JobKind.INFERENCE), ("l4", 2, JobKind.INFERENCE), ("h100-80gb", 4, JobKind.TRAINING)],
+        "team-platform": [("a100-40gb", 2, JobKind.BATCH), ("l4", 1, JobKind.BATCH), ("a100-40gb", 8, JobKind.TRAINING)],
+    }
+    out = []
+    for i in range(n):
+        team = TEAMS[i % 3]
+        flavor, gpus, kind = rng.choice(shapes[team])
+        annotations = {}
+        if i % 17 == 5:  # a flaky job: first attempt fails on a lost node, the retry succeeds
+            annotations = {"sim.gpusched.io/exit-code": "1", "sim.gpusched.io/fail-attempts": "1",
+                           "sim.gpusched.io/failure-reason": "node-lost"}
+        spec = JobSpec(
+            kind=kind, queue=QUEUE_OF[team] if i % 23 != 11 else "no-such-queue", team=team,
+            project=rng.choice(["llm", "vision", "ranking"]),
+            priority_class="inference-sla" if kind == JobKind.INFERENCE else "training",
+            image="registry.example/train:latest", command=("python", "train.py"),
+            gpus=gpus, gpu_flavors=(flavor,), expected_runtime_seconds=rng.choice([600, 1200, 1800, 3600]),
+            retry={"max_attempts": 3, "backoff_seconds": 60}, annotations=annotations,
+        )
+        out.append((rng.uniform(0.05, 0.6), SubmitJob(job_id=f"demo-{i:04d}", submitter=f"{team}-bot", spec=spec)))
+    return out
+
+
+async def _submit_demo(js, workload, stop: asyncio.Event) -> None:
+    for delay, command in workload:
+        if stop.is_set():
+            return
+        await asyncio.sleep(delay)
+        await client.publish_command(js, command.spec.team, "submit", command)
+
+
+def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dict[str, int],
+             last_seq: int, usage: list[dict], capacity: int, running_gpus: int) -> Table:
+    states = ["submitted", "queued", "reserved", "scheduled", "running", "retrying", "succeeded", "failed",
+              "rejected", "cancelled"]
+    table = Table(title=f"gpusched — {last_seq} events in the log — GPUs busy {running_gpus}/{capacity}")
+    table.add_column("team")
+    for s in states:
+        table.add_column(s, justify="right")
+    table.add_column("GPU-h", justify="right")
+    gpu_hours = {}
+    for u in usage:
+        gpu_hours[u["team"]] = gpu_hours.get(u["team"], 0) + float(u["gpu_hours"])
+    teams = sorted({c["team"] for c in counts})
+    for team in teams:
+        row = {c["state"]: c["n"] for c in counts if c["team"] == team}
+        table.add_row(team, *(str(row.get(s, "")) for s in states), f"{gpu_hours.get(team, 0):.1f}")
+    alive = ", ".join(
+        f"{name}{'' if p.poll() is None else ' (down)'}{f' ↻{restarts[name]}' if restarts.get(name) else ''}"
+        for name, p in procs.procs.items()
+    )
+    table.caption = f"services: {alive}    (Ctrl-C stops everything)"
+    return table
+
+
+async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float) -> int:
+    data_dir = data_dir.resolve()
+    run_dir = data_dir / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cluster = example("cluster.yaml")
+    started: list = []
+
+    nats_server = None
+    if os.environ.get("GPUSCHED_NATS_URL"):
+        nats_env = {"GPUSCHED_NATS_URL": os.environ["GPUSCHED_NATS_URL"]}
+        admin = client.Connection.resolve()
+    else:
+        nats_server = devstack.NatsServer(data_dir / "nats", teams=TEAMS).start()
+        started.append(nats_server)
+        admin = client.Connection(nats_server.url(), "admin", nats_server.creds.users["admin"], None)
+    pg = None
+    if os.environ.get("GPUSCHED_PG_DSN"):
+        dsn = os.environ["GPUSCHED_PG_DSN"]
+    else:
+        pg = devstack.Postgres(data_dir / "postgres").start()
+        started.append(pg)
+        dsn = pg.dsn
+
+    clock_file = run_dir / "clock.json"
+    clock = json.loads(clock_file.read_text()) if clock_file.exists() else {"epoch": time.time(), "time_scale": time_scale}
+    if clock["time_scale"] != time_scale:
+        console.print(f"[yellow]keeping time scale {clock['time_scale']} of the existing data "
+                      f"(delete {clock_file} to change it)[/yellow]")
+    clock_file.write_text(json.dumps(clock))
+
+    operator = client.Connection(admin.nats_url, "operator" if nats_server else admin.nats_user,
+                                 nats_server.creds.users["operator"] if nats_server else admin.nats_password, dsn)
+    (run_dir / "connection.json").write_text(json.dumps(operator.__dict__))
+    (run_dir / "connection.json").chmod(0o600)
+
+    nc = await admin.nats()
+    js = nc.jetstream()
+    await eventlog.provision(js)
+    for event in client.plan_queues(example("queues.yaml"), await client.current_queues(js), client.utcnow()):
+        await eventlog.EventLog(js).append(event)
+
+    metrics_ports = {name: devstack.free_port() for name in devstack.SERVICES}
+    if nats_server:
+        env = devstack.service_env(nats_server, pg, cluster=cluster, time_scale=clock["time_scale"],
+                                   epoch=clock["epoch"], metrics_ports=metrics_ports) if pg else None
+    if not nats_server or not pg:
+        env = {}
+        for name in devstack.SERVICES:
+            creds = nats_server.env(name) if nats_server else nats_env
+            env[name] = {**creds, "GPUSCHED_TIME_SCALE": str(clock["time_scale"]),
+                         "GPUSCHED_CLOCK_EPOCH": repr(clock["epoch"]), "GPUSCHED_SIM_CLUSTER": str(cluster),
+                         "GPUSCHED_METRICS_PORT": str(metrics_ports[name]), "PYTHONUNBUFFERED": "1",
+                         **({"GPUSCHED_PG_DSN": dsn} if name == "accounting" else {})}
+    procs = devstack.ServiceProcesses(data_dir / "logs", env)
+    procs.start_all()
+    console.print(f"NATS {admin.nats_url}   Postgres {dsn}   logs {data_dir / 'logs'}")
+    console.print("metrics: " + "  ".join(f"{n} :{p}" for n, p in metrics_ports.items()))
+    console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage   (reads .data/run/connection.json)")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    demo_task = None
+    if demo:
+        already = await client.job_events(js, "demo-0000")
+        offset = 0 if not already else int(time.time()) % 100000  # a second run submits new jobs
+        workload = [(d, c.model_copy(update={"job_id": f"{c.job_id}-{offset}" if offset else c.job_id}))
+                    for d, c in demo_workload(demo_jobs)]
+        demo_task = asyncio.create_task(_submit_demo(js, workload, stop))
+
+    from services.executor.cluster import load_cluster  # the dev stack knows the sim cluster it started
+
+    capacity = sum(n.gpu_count for n in load_cluster(cluster).nodes())
+    restarts: dict[str, int] = {}
+    conn = await operator.pg()
+    deadline = time.monotonic() + duration if duration else None
+    live = Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal else None
+    last_print = 0.0
+    try:
+        if live:
+            live.start()
+        while not stop.is_set():
+            for name in procs.restart_dead():
+                restarts[name] = restarts.get(name, 0) + 1
+            counts = await client.state_counts(conn)
+            usage = await client.usage_by_team(conn)
+            running = await conn.fetchval("SELECT coalesce(sum(total_gpus), 0) FROM jobs WHERE state = 'running'")
+            table = _summary(counts, procs, restarts, await eventlog.last_sequence(js), usage, capacity, running)
+            if live:
+                live.update(table)
+            elif time.monotonic() - last_print > 5:
+                console.print(table)
+                last_print = time.monotonic()
+            if deadline and time.monotonic() > deadline:
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        if live:
+            live.stop()
+        if demo_task:
+            demo_task.cancel()
+        console.print("stopping services…")
+        procs.stop_all()
+        await conn.close()
+        await nc.close()
+        for piece in reversed(started):
+            piece.stop()
+        console.print(f"stopped; data kept in {data_dir}")
+    return 0
+
+
+def run_dev(*, data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float) -> int:
+    return asyncio.run(_main(data_dir, time_scale, demo, demo_jobs, duration))

@@ -1,0 +1,50 @@
+"""Export the contract as JSON Schema files for publishers in other languages.
+
+    python -m schemas.export          # rewrite schemas/json/
+    python -m schemas.export --check  # exit 1 if the committed files differ from the models
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from schemas.commands import CancelJob, SubmitJob
+from schemas.registry import ALL_EVENT_TYPES
+
+OUT = Path(__file__).parent / "json"
+
+
+def rendered() -> dict[str, str]:
+    models = [SubmitJob, CancelJob, *ALL_EVENT_TYPES]
+    out = {}
+    for model in models:
+        schema = model.model_json_schema()
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["$id"] = f"https://gpusched.dev/schemas/{model.__name__}.json"
+        out[f"{model.__name__}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    return out
+
+
+def main(argv: list[str]) -> int:
+    files = rendered()
+    if "--check" in argv:
+        stale = [name for name, text in files.items() if not (OUT / name).exists() or (OUT / name).read_text() != text]
+        extra = [p.name for p in OUT.glob("*.json") if p.name not in files]
+        if stale or extra:
+            print(f"schemas/json is out of date: {stale + extra}; run `make schemas`", file=sys.stderr)
+            return 1
+        return 0
+    OUT.mkdir(exist_ok=True)
+    for p in OUT.glob("*.json"):
+        if p.name not in files:
+            p.unlink()
+    for name, text in files.items():
+        (OUT / name).write_text(text)
+    print(f"wrote {len(files)} schemas to {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,174 @@
+"""Admission against a real nats-server: every kind of bad input gets a clear rejection or a
+dead-letter record, and valid submissions keep flowing past them."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from conftest import connect_as, eventually, running, service_settings
+from gpusched import eventlog
+from schemas import NodeRegistered, QueueConfigured, SubmitJob, new_event, parse_event
+from schemas.commands import MAX_COMMAND_BYTES
+from schemas.job import rejection_id
+from schemas.node import NodeInfo
+from schemas.queue import FlavorQuota
+from services.admission.__main__ import AdmissionService
+from services.admission.domain import AdmissionCore
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def good(job_id: str, **spec) -> dict:
+    base = {"kind": "training", "queue": "research", "team": "team-a", "image": "img", "gpus": 2,
+            "gpu_flavors": ["a100"]}
+    base.update(spec)
+    return {"job_id": job_id, "submitter": "alice", "spec": base}
+
+
+@pytest.fixture
+async def admission(nats_server, admin_js):
+    log = eventlog.EventLog(admin_js)
+    await log.append(new_event(QueueConfigured, aggregate_id="research", producer="config", occurred_at=NOW, key="1",
+                               name="research", allowed_teams=("team-a",),
+                               quotas=(FlavorQuota(flavor="a100", nominal=8),)))
+    await log.append(new_event(NodeRegistered, aggregate_id="n1", producer="executor", occurred_at=NOW, key="1",
+                               node=NodeInfo(name="n1", gpu_flavor="a100", gpu_count=8, gpu_memory_mib=40960)))
+    service = AdmissionService("admission", AdmissionCore(), service_settings(nats_server, "admission"))
+    async with running(service):
+        tenant = await connect_as(nats_server, "team-a")
+        yield admin_js, tenant.jetstream()
+        await tenant.close()
+
+
+async def outcome(js, job_id: str):
+    """The admission decision filed under a job id."""
+    async def find():
+        async for m in eventlog.read(js, subjects=[f"gpusched.job.{job_id}.>"]):
+            e = parse_event(m.data)
+            if e.type in ("JobAdmitted", "JobRejected"):
+                return e
+        return None
+    return await eventually(find)
+
+
+async def submit(tenant, payload) -> int:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return (await tenant.publish("gpusched.intake.team-a.submit", data)).seq
+
+
+@pytest.mark.parametrize(
+    "payload, reason, field, in_message",
+    [
+        ({"submitter": "alice"}, "schema-invalid", "spec", "Field required"),
+        (good("x1", gpus=-1), "schema-invalid", "spec.gpus", "greater than or equal to 0"),
+        (good("x2", gpus=100000), "schema-invalid", "spec.gpus", "less than or equal to 64"),
+        (good("x3", kind="party"), "schema-invalid", "spec.kind", "'training', 'inference', 'evaluation' or 'batch'"),
+        ([1, 2, 3], "schema-invalid", "(root)", "valid dictionary"),
+        (good("x4", team="team-b"), "forbidden", "spec.team", "does not match the intake subject"),
+    ],
+)
+async def test_malformed_submissions_are_rejected_by_intake_sequence(admission, payload, reason, field, in_message):
+    admin_js, tenant = admission
+    seq = await submit(tenant, payload)
+    rejected = await outcome(admin_js, rejection_id(seq))
+    assert rejected.type == "JobRejected"
+    assert (rejected.reason.value, rejected.field) == (reason, field)
+    assert in_message in rejected.message
+    assert rejected.intake_sequence == seq
+
+
+@pytest.mark.parametrize(
+    "spec, reason, field, in_message",
+    [
+        ({"queue": "nope"}, "unknown-queue", "spec.queue", "accepted: research"),
+        ({"gpu_flavors": ["h100"]}, "unknown-flavor", "spec.gpu_flavors", "accepted: a100"),
+        ({"gpus": 16}, "unsatisfiable", "spec.gpus", "a100: 8 GPUs"),
+        ({"priority_class": "vip"}, "schema-invalid", "spec.priority_class", "accepted: batch-low"),
+    ],
+)
+async def test_well_formed_but_unacceptable_jobs_are_rejected_under_their_id(admission, spec, reason, field, in_message):
+    admin_js, tenant = admission
+    job_id = f"bad-{reason}"
+    await submit(tenant, good(job_id, **spec))
+    rejected = await outcome(admin_js, job_id)
+    assert rejected.type == "JobRejected"
+    assert (rejected.reason.value, rejected.field) == (reason, field)
+    assert in_message in rejected.message
+
+
+async def test_poison_and_oversize_input_do_not_block_valid_submissions(admission):
+    admin_js, tenant = admission
+    await submit(tenant, b"{not json")
+    big = good("huge", env={"PAD": "x" * 8000})
+    big["spec"]["args"] = ["y" * 4000] * 20  # over MAX_COMMAND_BYTES, under the 1 MiB stream limit
+    assert len(json.dumps(big)) > MAX_COMMAND_BYTES
+    big_seq = await submit(tenant, big)
+    await tenant.publish("gpusched.intake.team-a.resubmit", b"{}")  # unknown verb
+    await submit(tenant, good("fine-1"))
+
+    assert (await outcome(admin_js, "fine-1")).type == "JobAdmitted"
+    too_big = await outcome(admin_js, rejection_id(big_seq))
+    assert too_big.reason.value == "payload-too-large"
+    dead = [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
+    reasons = sorted(m.headers["Gpusched-Reason"].split(":")[0] for m in dead)
+    assert reasons == ["not JSON", "unknown intake subject 'gpusched.intake.team-a.resubmit'; accepted"]
+    assert dead[0].data == b"{not json"
+
+
+async def test_idempotency_key_and_job_id_duplicates(admission):
+    admin_js, tenant = admission
+    first = good("keyed-1", idempotency_key="run-42")
+    await submit(tenant, first)
+    assert (await outcome(admin_js, "keyed-1")).type == "JobAdmitted"
+    # the same submission again: nothing new happens
+    await submit(tenant, first)
+    # same key, different spec: rejected, naming the original job
+    changed = good("keyed-1", idempotency_key="run-42", gpus=4)
+    seq = await submit(tenant, changed)
+    dup = await outcome(admin_js, rejection_id(seq))
+    assert dup.reason.value == "duplicate-idempotency-key"
+    assert "keyed-1" in dup.message
+    # a reused job id without a key
+    seq2 = await submit(tenant, good("keyed-1"))
+    reused = await outcome(admin_js, rejection_id(seq2))
+    assert reused.reason.value == "duplicate-job-id"
+    await submit(tenant, good("after-dupes"))
+    await outcome(admin_js, "after-dupes")
+    history = [parse_event(m.data).type async for m in eventlog.read(admin_js, subjects=["gpusched.job.keyed-1.>"])]
+    assert history == ["JobSubmitted", "JobAdmitted"]
+
+
+async def test_a_restarted_admission_rebuilds_and_does_not_decide_twice(nats_server, admission):
+    admin_js, tenant = admission
+    await submit(tenant, good("before-restart", idempotency_key="k-restart"))
+    await outcome(admin_js, "before-restart")
+    second = AdmissionService("admission", AdmissionCore(), service_settings(nats_server, "admission"))
+    async with running(second):
+        # the rebuilt state knows the key: the repeat is a no-op, a new job is admitted
+        await submit(tenant, good("before-restart", idempotency_key="k-restart"))
+        await submit(tenant, good("after-restart"))
+        assert (await outcome(admin_js, "after-restart")).type == "JobAdmitted"
+    types = [parse_event(m.data).type async for m in eventlog.read(admin_js, subjects=["gpusched.job.before-restart.>"])]
+    assert types == ["JobSubmitted", "JobAdmitted"]
+
+
+async def test_cancel_requests(admission):
+    admin_js, tenant = admission
+    await submit(tenant, good("to-cancel"))
+    await outcome(admin_js, "to-cancel")
+    cancel = json.dumps({"job_id": "to-cancel", "requested_by": "alice", "reason": "wrong data"}).encode()
+    await tenant.publish("gpusched.intake.team-a.cancel", cancel)
+    await tenant.publish("gpusched.intake.team-a.cancel", json.dumps({"job_id": "ghost", "requested_by": "a"}).encode())
+
+    async def cancel_requested():
+        return [m async for m in eventlog.read(admin_js, subjects=["gpusched.job.to-cancel.cancel_requested"])]
+    [msg] = await eventually(cancel_requested)
+    assert parse_event(msg.data).reason == "wrong data"
+
+    async def ghost_dead_lettered():
+        return [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
+    [dead] = await eventually(ghost_dead_lettered)
+    assert "'ghost' does not exist" in dead.headers["Gpusched-Reason"]

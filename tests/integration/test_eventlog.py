@@ -1,0 +1,103 @@
+"""The event log layer against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from gpusched import eventlog
+from schemas import JobAdmitted, JobSpec, JobSubmitted, new_event
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+SPEC = JobSpec(kind="training", queue="q", team="team-a", image="img", gpus=1)
+
+
+def submitted(job_id: str, key: str = "1") -> JobSubmitted:
+    return new_event(JobSubmitted, aggregate_id=job_id, producer="admission", occurred_at=NOW, key=key,
+                     spec=SPEC, submitter="u", intake_sequence=1)
+
+
+def admitted(job_id: str, cause) -> JobAdmitted:
+    return new_event(JobAdmitted, aggregate_id=job_id, producer="admission", occurred_at=NOW, key="d",
+                     cause=cause, queue="q", priority=500, preemptible=True)
+
+
+async def test_append_deduplicates_on_event_id(admin_js):
+    log = eventlog.EventLog(admin_js)
+    event = submitted("j1")
+    first = await log.append(event)
+    again = await log.append(event)
+    assert again == first
+    assert await eventlog.last_sequence(admin_js) == first
+
+
+async def test_expected_last_subject_sequence_refuses_a_stale_writer(admin_js):
+    log = eventlog.EventLog(admin_js)
+    s = submitted("j1")
+    seq = await log.append(s, expected_last_seq=0)
+    # a second "first event" of the same job: the job is not new any more
+    with pytest.raises(eventlog.ConcurrencyConflict):
+        await log.append(submitted("j1", key="other"), expected_last_seq=0)
+    # a writer that has seen the latest event wins; the scope is all of the job's subjects
+    seq2 = await log.append(admitted("j1", s), expected_last_seq=seq)
+    assert seq2 == seq + 1
+    with pytest.raises(eventlog.ConcurrencyConflict):
+        await log.append(new_event(JobAdmitted, aggregate_id="j1", producer="admission", occurred_at=NOW, key="x",
+                                   queue="q", priority=1, preemptible=True), expected_last_seq=seq)
+    # other jobs are unaffected
+    await log.append(submitted("j2"), expected_last_seq=0)
+
+
+async def test_durable_consumer_redelivers_until_acked(admin_js):
+    log = eventlog.EventLog(admin_js)
+    await log.append(submitted("j1"))
+    sub = await eventlog.durable_consumer(admin_js, stream=eventlog.EVENTS_STREAM, durable="t1", ack_wait_s=1)
+    [msg] = await eventlog.fetch(sub, 10, 2)
+    await msg.nak()
+    [again] = await eventlog.fetch(sub, 10, 2)
+    assert again.metadata.sequence.stream == msg.metadata.sequence.stream
+    assert again.metadata.num_delivered == 2
+    await again.ack()
+    await asyncio.sleep(0.1)
+    assert await eventlog.fetch(sub, 10, 0.5) == []
+    # binding again resumes after the acked message (durable position)
+    await log.append(submitted("j2"))
+    sub2 = await eventlog.durable_consumer(admin_js, stream=eventlog.EVENTS_STREAM, durable="t1")
+    [nxt] = await eventlog.fetch(sub2, 10, 2)
+    assert eventlog.parse_message(nxt).aggregate_id == "j2"
+
+
+async def test_dead_letter_keeps_reason_and_original_bytes(admin_js):
+    await admin_js.publish("gpusched.job.j9.submitted", b"\x00not json")
+    sub = await eventlog.durable_consumer(admin_js, stream=eventlog.EVENTS_STREAM, durable="t2")
+    [msg] = await eventlog.fetch(sub, 10, 2)
+    with pytest.raises(ValueError):
+        eventlog.parse_message(msg)
+    await eventlog.dead_letter(admin_js, "tester", msg, "invalid event: not JSON")
+    await eventlog.dead_letter(admin_js, "tester", msg, "invalid event: not JSON")  # redelivered: one record
+    records = [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
+    assert len(records) == 1
+    rec = records[0]
+    assert rec.subject == "gpusched.deadletter.tester"
+    assert rec.data == b"\x00not json"
+    assert rec.headers["Gpusched-Reason"] == "invalid event: not JSON"
+    assert rec.headers["Gpusched-Original-Subject"] == "gpusched.job.j9.submitted"
+    assert rec.headers["Gpusched-Original-Sequence"] == str(msg.metadata.sequence.stream)
+
+
+async def test_replay_from_sequence_and_time(admin_js):
+    log = eventlog.EventLog(admin_js)
+    for i in range(5):
+        await log.append(submitted(f"j{i}"))
+    all_seqs = [m.metadata.sequence.stream async for m in eventlog.read(admin_js)]
+    assert all_seqs == [1, 2, 3, 4, 5]
+    assert [m.metadata.sequence.stream async for m in eventlog.read(admin_js, from_seq=4)] == [4, 5]
+    assert [m.metadata.sequence.stream async for m in eventlog.read(admin_js, from_seq=2, to_seq=3)] == [2, 3]
+    only_j3 = [m.subject async for m in eventlog.read(admin_js, subjects=["gpusched.job.j3.>"])]
+    assert only_j3 == ["gpusched.job.j3.submitted"]
+    future = datetime.now(UTC) + timedelta(hours=1)
+    assert [m async for m in eventlog.read(admin_js, from_time=future)] == []
+    past = datetime.now(UTC) - timedelta(hours=1)
+    assert len([m async for m in eventlog.read(admin_js, from_time=past)]) == 5

@@ -1,0 +1,242 @@
+"""Builders for the unit tests of the pure cores.
+
+Every builder returns a real, validated contract object with sensible defaults; keyword
+arguments override any field. Events are built with :func:`schemas.new_event`, so their ids are
+the deterministic ids the services would derive.
+
+``drive`` simulates the log for one core: it feeds the given events through ``evolve``, then
+repeatedly calls ``decide`` and feeds each decided event back (de-duplicated by event id, as
+JetStream's duplicate window would) until a cycle decides nothing new.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any, Iterable
+
+from schemas import (
+    Event,
+    FailureReason,
+    FlavorQuota,
+    JobAdmitted,
+    JobCancelled,
+    JobCancelRequested,
+    JobFailed,
+    JobPreempted,
+    JobRetryScheduled,
+    JobScheduled,
+    JobSpec,
+    JobStarted,
+    JobSubmitted,
+    JobSucceeded,
+    NodeAssignment,
+    NodeLost,
+    NodeRegistered,
+    NodeUpdated,
+    QueueConfigured,
+    QuotaReleased,
+    QuotaReserved,
+    new_event,
+)
+from schemas.node import NodeInfo
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(seconds: float) -> datetime:
+    """T0 plus ``seconds``."""
+    return T0 + timedelta(seconds=seconds)
+
+
+# -- specs and commands ------------------------------------------------------------------------
+
+DEFAULT_SPEC: dict[str, Any] = {
+    "kind": "training",
+    "queue": "research",
+    "team": "team-a",
+    "image": "registry.example/train:1",
+    "gpus": 1,
+}
+
+
+def spec(**overrides: Any) -> JobSpec:
+    return JobSpec.model_validate({**DEFAULT_SPEC, **overrides})
+
+
+def spec_dict(**overrides: Any) -> dict[str, Any]:
+    """A raw spec as a publisher would send it (no defaults filled in)."""
+    return {**DEFAULT_SPEC, **overrides}
+
+
+def submit_payload(spec_: dict[str, Any] | None = None, *, job_id: str | None = None,
+                   submitter: str = "alice", **extra: Any) -> dict[str, Any]:
+    payload: dict[str, Any] = {"submitter": submitter, "spec": spec_ if spec_ is not None else spec_dict()}
+    if job_id is not None:
+        payload["job_id"] = job_id
+    payload.update(extra)
+    return payload
+
+
+# -- configuration and inventory ---------------------------------------------------------------
+
+
+def queue(name: str = "research", teams: Iterable[str] = ("team-a",), quotas: dict[str, int] | None = None,
+          *, when: datetime = T0, **fields: Any) -> QueueConfigured:
+    quotas = {"a100": 8} if quotas is None else quotas
+    return new_event(
+        QueueConfigured, aggregate_id=name, producer="config", occurred_at=when, key=f"{name}/{sorted(quotas.items())}/{sorted(fields.items())}",
+        name=name, allowed_teams=tuple(teams),
+        quotas=tuple(FlavorQuota(flavor=f, nominal=n) for f, n in quotas.items()), **fields,
+    )
+
+
+def node_info(name: str, flavor: str | None = "a100", gpus: int = 8, **fields: Any) -> NodeInfo:
+    fields.setdefault("gpu_memory_mib", 81920)
+    return NodeInfo(name=name, gpu_flavor=flavor, gpu_count=gpus, **fields)
+
+
+def node(name: str, flavor: str | None = "a100", gpus: int = 8, *, when: datetime = T0,
+         **fields: Any) -> NodeRegistered:
+    info = node_info(name, flavor, gpus, **fields)
+    return new_event(NodeRegistered, aggregate_id=name, producer="executor", occurred_at=when,
+                     key=info.model_dump_json(), node=info)
+
+
+def node_updated(name: str, flavor: str | None = "a100", gpus: int = 8, *, when: datetime = T0,
+                 **fields: Any) -> NodeUpdated:
+    info = node_info(name, flavor, gpus, **fields)
+    return new_event(NodeUpdated, aggregate_id=name, producer="executor", occurred_at=when,
+                     key=info.model_dump_json(), node=info)
+
+
+def node_lost(name: str, *, when: datetime = T0) -> NodeLost:
+    return new_event(NodeLost, aggregate_id=name, producer="executor", occurred_at=when, key="lost", name=name)
+
+
+# -- job lifecycle -----------------------------------------------------------------------------
+
+
+def submitted(job_id: str, spec_: JobSpec | None = None, *, seq: int = 1, when: datetime = T0,
+              submitter: str = "alice") -> JobSubmitted:
+    return new_event(JobSubmitted, aggregate_id=job_id, producer="admission", occurred_at=when, key=str(seq),
+                     spec=spec_ if spec_ is not None else spec(), submitter=submitter, intake_sequence=seq)
+
+
+def admitted(job_id: str, queue_: str = "research", priority: int = 500, *, preemptible: bool = True,
+             when: datetime = T0) -> JobAdmitted:
+    return new_event(JobAdmitted, aggregate_id=job_id, producer="admission", occurred_at=when, key="decision",
+                     queue=queue_, priority=priority, preemptible=preemptible)
+
+
+def cancel_requested(job_id: str, *, when: datetime = T0, by: str = "alice", reason: str = "") -> JobCancelRequested:
+    return new_event(JobCancelRequested, aggregate_id=job_id, producer="admission", occurred_at=when,
+                     key="cancel", requested_by=by, reason=reason)
+
+
+def reserved(job_id: str, queue_: str = "research", flavor: str = "a100", gpus: int = 1, *, attempt: int = 1,
+             when: datetime = T0) -> QuotaReserved:
+    return new_event(QuotaReserved, aggregate_id=job_id, producer="quota", occurred_at=when, key=str(attempt),
+                     attempt=attempt, queue=queue_, flavor=flavor, gpus=gpus)
+
+
+def released(job_id: str, queue_: str = "research", flavor: str = "a100", gpus: int = 1, *, attempt: int = 1,
+             reason: str = "JobSucceeded", when: datetime = T0) -> QuotaReleased:
+    return new_event(QuotaReleased, aggregate_id=job_id, producer="quota", occurred_at=when, key=str(attempt),
+                     attempt=attempt, queue=queue_, flavor=flavor, gpus=gpus, reason=reason)
+
+
+def retry_scheduled(job_id: str, failed_attempt: int = 1, *, not_before: datetime | None = None,
+                    when: datetime = T0) -> JobRetryScheduled:
+    return new_event(JobRetryScheduled, aggregate_id=job_id, producer="quota", occurred_at=when,
+                     key=str(failed_attempt), failed_attempt=failed_attempt, next_attempt=failed_attempt + 1,
+                     not_before=not_before or when)
+
+
+def scheduled(job_id: str, placement: dict[str, tuple[int, ...]] | None = None, *, flavor: str = "a100",
+              attempt: int = 1, when: datetime = T0) -> JobScheduled:
+    placement = {"n1": (0,)} if placement is None else placement
+    return new_event(
+        JobScheduled, aggregate_id=job_id, producer="scheduler", occurred_at=when, key=str(attempt),
+        attempt=attempt, flavor=flavor,
+        placement=tuple(NodeAssignment(node=n, gpus=len(ix), gpu_indices=tuple(ix)) for n, ix in placement.items()),
+    )
+
+
+def started(job_id: str, nodes: Iterable[str] = ("n1",), *, attempt: int = 1, when: datetime = T0) -> JobStarted:
+    return new_event(JobStarted, aggregate_id=job_id, producer="executor", occurred_at=when, key=str(attempt),
+                     attempt=attempt, nodes=tuple(nodes))
+
+
+def succeeded(job_id: str, *, attempt: int = 1, started_at: datetime = T0, when: datetime | None = None) -> JobSucceeded:
+    return new_event(JobSucceeded, aggregate_id=job_id, producer="executor",
+                     occurred_at=when or started_at + timedelta(seconds=60), key=str(attempt),
+                     attempt=attempt, started_at=started_at)
+
+
+def failed(job_id: str, reason: FailureReason = FailureReason.EXIT_CODE, *, attempt: int = 1,
+           retryable: bool | None = None, exit_code: int | None = 1, started_at: datetime | None = T0,
+           when: datetime | None = None, message: str = "") -> JobFailed:
+    if retryable is None:
+        retryable = reason in (FailureReason.NODE_LOST, FailureReason.EVICTED, FailureReason.BACKEND_ERROR)
+    return new_event(JobFailed, aggregate_id=job_id, producer="executor",
+                     occurred_at=when or (started_at or T0) + timedelta(seconds=60), key=str(attempt),
+                     attempt=attempt, started_at=started_at, reason=reason, exit_code=exit_code,
+                     message=message, retryable=retryable)
+
+
+def preempted(job_id: str, *, attempt: int = 1, started_at: datetime | None = T0, when: datetime | None = None,
+              by: str | None = None) -> JobPreempted:
+    return new_event(JobPreempted, aggregate_id=job_id, producer="executor",
+                     occurred_at=when or (started_at or T0) + timedelta(seconds=30), key=str(attempt),
+                     attempt=attempt, started_at=started_at, preempted_by=by, reason="make room")
+
+
+def cancelled(job_id: str, *, attempt: int | None = None, started_at: datetime | None = None,
+              when: datetime = T0, reason: str = "") -> JobCancelled:
+    return new_event(JobCancelled, aggregate_id=job_id, producer="executor", occurred_at=when, key="cancelled",
+                     attempt=attempt, started_at=started_at, reason=reason)
+
+
+# -- the simulated log -------------------------------------------------------------------------
+
+
+class Log:
+    """An append-only list of events that drops a second copy of an event id (the duplicate
+    window), like the stream the services share."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.ids: set[str] = set()
+
+    def append(self, event: Event) -> bool:
+        if event.event_id in self.ids:
+            return False
+        self.ids.add(event.event_id)
+        self.events.append(event)
+        return True
+
+
+def drive(core: Any, events: Iterable[Event] = (), now: datetime = T0, *, log: Log | None = None,
+          max_cycles: int = 100) -> list[Event]:
+    """Evolve ``events``, then decide and feed the decisions back until nothing new is decided.
+
+    Returns the newly decided events, in the order they were appended. ``log`` (optional) is the
+    shared log: events already in it are not evolved again.
+    """
+    log = log if log is not None else Log()
+    for event in events:
+        if log.append(event):
+            core.evolve(event)
+    decided: list[Event] = []
+    for _ in range(max_cycles):
+        new = [e for e in core.decide(now) if log.append(e)]
+        if not new:
+            return decided
+        for event in new:
+            core.evolve(event)
+        decided.extend(new)
+    raise AssertionError(f"{type(core).__name__} still deciding after {max_cycles} cycles: {decided[-5:]}")
+
+
+def types(events: Iterable[Event]) -> list[str]:
+    return [e.type for e in events]
