@@ -23,8 +23,8 @@ app = typer.Typer(help="gpusched: GPU job scheduling on an event log.", no_args_
                   pretty_exceptions_enable=False)
 dev_app = typer.Typer(help="Local platform for development and demos.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")
-console = Console()
-err_console = Console(stderr=True)
+console = Console(width=None if Console().is_terminal else 200)
+err_console = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 200)
 
 
 class Output(str, Enum):
@@ -213,8 +213,9 @@ def usage(output: Output = OutputOpt) -> None:
         finally:
             await conn.close()
     rows = run(go())
-    for r in rows:
-        r["gpu_hours"] = round(r["gpu_hours"], 3)
+    if output == Output.table:
+        for r in rows:
+            r["gpu_hours"] = round(r["gpu_hours"], 3)
     emit(rows, output)
 
 

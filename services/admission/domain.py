@@ -285,7 +285,7 @@ class AdmissionCore:
                 f"{queue.name!r} has no quota for; accepted: {', '.join(queue_flavors) or '(none)'}",
                 "spec.gpu_flavors", queue_flavors,
             )
-        if spec.gpus > 0 and self.state.nodes and (problem := self._unsatisfiable(spec, wanted)):
+        if spec.gpus > 0 and (problem := self._unsatisfiable(spec, wanted)):
             return reject(RejectReason.UNSATISFIABLE, problem, "spec.gpus")
         return new_event(
             JobAdmitted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key="decision", cause=cause,
@@ -293,8 +293,10 @@ class AdmissionCore:
         )
 
     def _unsatisfiable(self, spec: JobSpec, flavors: tuple[str, ...]) -> str | None:
-        """Resource sanity against the inventory: could any node shape ever host one gang member,
-        and are there enough such nodes for the gang? (Free capacity is the scheduler's business.)"""
+        """Resource sanity against the inventory: could any known node shape ever host one gang
+        member, and are there enough such nodes for the gang? Free capacity is the scheduler's
+        business. A flavor with no node registered yet is given the benefit of the doubt (its
+        nodes may still be registering), so only a flavor whose nodes are all too small rejects."""
         fitting: dict[str, int] = {}
         largest: dict[str, int] = {}
         for node in self.state.nodes.values():
@@ -304,9 +306,11 @@ class AdmissionCore:
             memory_ok = spec.min_gpu_memory_mib is None or (node.gpu_memory_mib or 0) >= spec.min_gpu_memory_mib
             if node.gpu_count >= spec.gpus and memory_ok and set(spec.node_features) <= set(node.features):
                 fitting[node.gpu_flavor] = fitting.get(node.gpu_flavor, 0) + 1
+        if any(f not in largest for f in flavors):
+            return None
         if any(count >= spec.gang_size for count in fitting.values()):
             return None
-        shapes = ", ".join(f"{f}: {n} GPUs" for f, n in sorted(largest.items())) or "no nodes of those flavors"
+        shapes = ", ".join(f"{f}: {n} GPUs" for f, n in sorted(largest.items()))
         return (
             f"spec.gpus {spec.gpus} × gang_size {spec.gang_size} with min_gpu_memory_mib "
             f"{spec.min_gpu_memory_mib} and node_features {list(spec.node_features)} fits no "

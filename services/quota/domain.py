@@ -75,8 +75,13 @@ class QuotaCore:
         self.state.pending.setdefault(job.queue, set()).add(job_id)
         self._dirty = True
 
-    def _dequeue(self, job_id: str, job: QuotaJob) -> None:
-        self.state.pending.get(job.queue, set()).discard(job_id)
+    def _dequeue(self, job_id: str, job: QuotaJob) -> bool:
+        """Take the job out of its queue; True if it was waiting there."""
+        pending = self.state.pending.get(job.queue)
+        if pending is None or job_id not in pending:
+            return False
+        pending.discard(job_id)
+        return True
 
     def evolve(self, event: Event) -> None:
         s = self.state
@@ -118,7 +123,8 @@ class QuotaCore:
                     self._attempt_ended(job_id, job)
             case JobCancelled():
                 job.ended, job.finished = event, True
-                self._dequeue(job_id, job)
+                if self._dequeue(job_id, job):
+                    self._dirty = True  # it may have been the head blocking a strict-FIFO queue
                 self._attempt_ended(job_id, job)
             case JobFailed():
                 if event.attempt == job.attempt:
@@ -146,7 +152,8 @@ class QuotaCore:
                 self._enqueue(job_id, job)
             case JobCancelRequested():
                 job.cancel_requested = True
-                self._dequeue(job_id, job)
+                if self._dequeue(job_id, job):
+                    self._dirty = True  # it may have been the head blocking a strict-FIFO queue
 
     def decisions_refused(self) -> None:
         """Some decisions were not recorded (conflict or transient error): decide again."""

@@ -141,6 +141,16 @@ def test_strict_fifo_blocks_behind_a_head_that_does_not_fit(strict, expected):
     assert h.core.state.used[("research", "a100")] == (8 if strict else 2)
 
 
+def test_cancelling_the_blocked_head_of_a_strict_fifo_queue_unblocks_it():
+    # Regression: the cancel took the head out of the queue but did not trigger a new scan, so
+    # the jobs behind it waited for an unrelated event.
+    h = Harness(queue("research", ("team-a",), {"a100": 4}, strict_fifo=True))
+    assert h.feed(job("head", 8), job("small", 1, when=at(1), seq=2), now=at(1)) == []
+    out = h.feed(cancel_requested("head", when=at(2)), now=at(2))
+    assert reservations(out) == {"small": ("a100", 1, 1)}
+    assert out[0].occurred_at == at(2)
+
+
 def test_strict_fifo_only_blocks_its_own_queue():
     h = Harness(queue("a", ("team-a",), {"a100": 4}, strict_fifo=True), queue("b", ("team-a",), {"a100": 4}))
     out = h.feed(job("too-big", 8, queue_="a"), job("a-small", 1, queue_="a", when=at(1), seq=2),
@@ -351,7 +361,7 @@ def scenarios(draw):
                       st.sampled_from(["succeed", "fail-retryable", "fail-final", "preempt"])),
             st.tuples(st.just("cancel"), st.integers(0, 50)),
         ),
-        max_size=40,
+        min_size=5, max_size=40,
     ))
     return queues, jobs, steps
 

@@ -1,0 +1,113 @@
+"""Accounting against a real nats-server and a real Postgres: read models from the log, the
+stream position in the same transaction, nothing counted twice."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import pytest
+
+from conftest import eventually, service_settings
+from gpusched import eventlog
+from schemas import (
+    JobAdmitted, JobScheduled, JobSpec, JobStarted, JobSubmitted, JobSucceeded, NodeAssignment, QuotaReserved,
+    new_event,
+)
+from services.accounting import __main__ as accounting
+from services.accounting import projection, sink
+
+T0 = datetime(2026, 11, 3, 9, 0, tzinfo=UTC)
+
+
+def lifecycle(job_id: str, gpus: int, runtime_s: float, team: str = "team-a") -> list:
+    spec = JobSpec(kind="training", queue="q", team=team, image="img", gpus=gpus)
+    s = new_event(JobSubmitted, aggregate_id=job_id, producer="admission", occurred_at=T0, key="1", spec=spec,
+                  submitter="u", intake_sequence=1)
+    start = T0 + timedelta(seconds=5)
+    return [
+        s,
+        new_event(JobAdmitted, aggregate_id=job_id, producer="admission", occurred_at=T0, key="d", queue="q",
+                  priority=500, preemptible=True),
+        new_event(QuotaReserved, aggregate_id=job_id, producer="quota", occurred_at=T0, key="1", attempt=1,
+                  queue="q", flavor="a100", gpus=gpus),
+        new_event(JobScheduled, aggregate_id=job_id, producer="scheduler", occurred_at=T0, key="1", attempt=1,
+                  flavor="a100", placement=(NodeAssignment(node="n1", gpus=gpus),)),
+        new_event(JobStarted, aggregate_id=job_id, producer="executor", occurred_at=start, key="1", attempt=1,
+                  nodes=("n1",)),
+        new_event(JobSucceeded, aggregate_id=job_id, producer="executor", occurred_at=start + timedelta(seconds=runtime_s),
+                  key="1", attempt=1, started_at=start),
+    ]
+
+
+async def totals(dsn: str):
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT job_id, gpu_seconds FROM usage_ledger ORDER BY job_id")
+        pos = await sink.position(conn)
+        states = dict(await conn.fetch("SELECT job_id, state FROM jobs"))
+        return {r["job_id"]: r["gpu_seconds"] for r in rows}, pos, states
+    finally:
+        await conn.close()
+
+
+async def test_service_projects_the_log_and_resumes_after_restart(nats_server, admin_js, pg_dsn):
+    log = eventlog.EventLog(admin_js)
+    for e in lifecycle("a1", gpus=2, runtime_s=100):
+        await log.append(e)
+    await admin_js.publish("gpusched.job.zz.submitted", b"garbage")  # poison: dead-lettered, skipped
+    settings = service_settings(nats_server, "accounting", pg_dsn=pg_dsn)
+    stop = asyncio.Event()
+    task = asyncio.create_task(accounting.run(settings, stop))
+    try:
+        usage, pos, states = await eventually(lambda: _at(pg_dsn, 7))
+        assert usage == {"a1": 200.0}
+        assert states == {"a1": "succeeded"}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    # events while it is down are applied after the restart, once
+    for e in lifecycle("a2", gpus=4, runtime_s=10):
+        await log.append(e)
+    stop2 = asyncio.Event()
+    task2 = asyncio.create_task(accounting.run(settings, stop2))
+    try:
+        usage, pos, _ = await eventually(lambda: _at(pg_dsn, 13))
+        assert usage == {"a1": 200.0, "a2": 40.0}
+    finally:
+        stop2.set()
+        await asyncio.wait_for(task2, 10)
+    dead = [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
+    assert [m.subject for m in dead] == ["gpusched.deadletter.accounting"]
+
+
+async def _at(dsn, seq):
+    try:
+        result = await totals(dsn)
+    except asyncpg.UndefinedTableError:  # migrations not applied yet
+        return None
+    return result if result[1] >= seq else None
+
+
+async def test_sink_is_idempotent_and_all_or_nothing(pg_dsn):
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await sink.migrate(conn)
+        assert await sink.migrate(conn) == []  # second start applies nothing
+        batch = [(i + 1, projection.convert(e, i + 1)) for i, e in enumerate(lifecycle("b1", 8, 3600))]
+        assert await sink.apply_batch(conn, batch) == 6
+        assert await sink.apply_batch(conn, batch) == 0  # redelivered batch: no effect
+        assert await sink.apply_batch(conn, batch[3:]) == 0
+        # a batch that fails half way commits nothing, position included
+        later = [(i + 7, projection.convert(e, i + 7)) for i, e in enumerate(lifecycle("b2", 1, 60))]
+        broken = later[:3] + [(10, [projection.Op("job_rejected", ("b2", None, None, None, None))])]
+        with pytest.raises(asyncpg.PostgresError):
+            await sink.apply_batch(conn, broken)
+        assert await sink.position(conn) == 6
+        assert await conn.fetchval("SELECT count(*) FROM jobs WHERE job_id = 'b2'") == 0
+        assert await sink.apply_batch(conn, later) == 6
+        rows = await conn.fetch("SELECT job_id, gpu_seconds FROM usage_ledger ORDER BY job_id")
+        assert [(r["job_id"], r["gpu_seconds"]) for r in rows] == [("b1", 8 * 3600.0), ("b2", 60.0)]
+    finally:
+        await conn.close()
