@@ -31,6 +31,8 @@ from schemas.registry import parse_event
 
 log = logging.getLogger(__name__)
 
+APPEND_WINDOW = 128  # appends in flight at once (different aggregates only)
+
 
 class Core(Protocol):
     """A pure decision core: no I/O, no wall clock."""
@@ -106,30 +108,43 @@ class DecisionService:
         await self._stop.wait()
 
     async def append_all(self, log_: eventlog.EventLog, events: Iterable[Event]) -> set[tuple[str, str]]:
-        """Append decisions in order; returns the aggregates whose decisions were refused
-        (concurrency conflict) or failed transiently. Those are re-derived on a later cycle."""
-        refused: set[tuple[str, str]] = set()
+        """Append decisions; returns the aggregates whose decisions were refused (concurrency
+        conflict) or failed transiently. Those are re-derived on a later cycle.
+
+        One aggregate's events are appended in order, each conditional on the one before;
+        different aggregates are independent, so their appends are pipelined."""
+        groups: dict[tuple[str, str], list[Event]] = {}
         for event in events:
-            key = aggregate_key(event)
-            if key in refused:
-                continue  # the rest of this aggregate's decisions assumed the refused one
-            headers = self.trace_ctx.get(event.aggregate_id, {}) if key[0] == "job" else {}
-            with observability.span_from_headers(f"{self.name} {event.type}", headers, job=event.aggregate_id):
-                try:
-                    seq = await log_.append(event, expected_last_seq=self.last_seq.get(key, 0))
-                except eventlog.ConcurrencyConflict as err:
-                    refused.add(key)
-                    observability.CONFLICTS.labels(service=self.name).inc()
-                    log.info("decision refused, re-deciding after catch-up", extra={"reason": str(err)})
-                    continue
-                except eventlog.TRANSIENT_ERRORS as err:
-                    refused.add(key)
-                    log.warning("append failed, will retry", extra={"type": event.type, "error": repr(err)})
-                    continue
-            self.last_seq[key] = max(self.last_seq.get(key, 0), seq)
-            self.own_high_water = max(self.own_high_water, seq)
-            observability.DECISIONS.labels(service=self.name, type=event.type).inc()
+            groups.setdefault(aggregate_key(event), []).append(event)
+        refused: set[tuple[str, str]] = set()
+        window = asyncio.Semaphore(APPEND_WINDOW)
+
+        async def append_group(key: tuple[str, str], group: list[Event]) -> None:
+            async with window:
+                for event in group:
+                    if not await self._append_one(log_, key, event):
+                        refused.add(key)  # the rest of the group assumed this one
+                        return
+
+        await asyncio.gather(*(append_group(k, g) for k, g in groups.items()))
         return refused
+
+    async def _append_one(self, log_: eventlog.EventLog, key: tuple[str, str], event: Event) -> bool:
+        headers = self.trace_ctx.get(event.aggregate_id, {}) if key[0] == "job" else {}
+        with observability.span_from_headers(f"{self.name} {event.type}", headers, job=event.aggregate_id):
+            try:
+                seq = await log_.append(event, expected_last_seq=self.last_seq.get(key, 0))
+            except eventlog.ConcurrencyConflict as err:
+                observability.CONFLICTS.labels(service=self.name).inc()
+                log.info("decision refused, re-deciding after catch-up", extra={"reason": str(err)})
+                return False
+            except eventlog.TRANSIENT_ERRORS as err:
+                log.warning("append failed, will retry", extra={"type": event.type, "error": repr(err)})
+                return False
+        self.last_seq[key] = max(self.last_seq.get(key, 0), seq)
+        self.own_high_water = max(self.own_high_water, seq)
+        observability.DECISIONS.labels(service=self.name, type=event.type).inc()
+        return True
 
     async def run(self) -> None:
         nc = await eventlog.connect(self.settings, f"gpusched-{self.name}")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 
+from nats.aio.msg import Msg
+
 from gpusched import eventlog, observability
 from gpusched.service import DecisionService, run_service
+from schemas import Event, JobSubmitted
 from services.admission.domain import AdmissionCore, PoisonCommand
 
 log = logging.getLogger("admission")
@@ -14,44 +17,82 @@ INTAKE_DURABLE = "admission-intake"
 DEAD_LETTER_NAME = "admission.intake"
 
 
+def _identity(events: list[Event]) -> set[str]:
+    """What later commands of the same batch could collide on: job ids and idempotency keys."""
+    out = {e.aggregate_id for e in events}
+    out |= {f"key:{e.spec.team}:{e.spec.idempotency_key}" for e in events
+            if isinstance(e, JobSubmitted) and e.spec.idempotency_key}
+    return out
+
+
 class AdmissionService(DecisionService):
+    """Commands are validated against state that includes everything admission wrote so far.
+    A batch of commands is handled together and its events appended at once, unless a command
+    collides with an earlier one of the same batch (same job id or key) or is a cancel: then
+    what came before is appended and folded in first."""
+
     async def side_loop(self, js, appender: eventlog.EventLog) -> None:
         sub = await eventlog.durable_consumer(js, stream=eventlog.INTAKE_STREAM, durable=INTAKE_DURABLE)
-        core: AdmissionCore = self.core  # type: ignore[assignment]
         while True:
             msgs = await eventlog.fetch(sub, self.settings.batch_size, 1.0)
+            await self.wait_caught_up()
+            pending: list[tuple[Msg, list[Event]]] = []
+            seen: set[str] = set()
             for msg in msgs:
-                # Commands are validated against state that includes everything admission wrote
-                # so far, so a second submission with the same key sees the first.
-                await self.wait_caught_up()
-                parts = msg.subject.split(".")  # gpusched.intake.<team>.<verb>
-                seq = msg.metadata.sequence.stream
-                with observability.span_from_headers(f"admission intake {parts[-1]}", msg.headers, sequence=seq):
-                    try:
-                        if len(parts) != 4 or parts[3] not in ("submit", "cancel"):
-                            raise PoisonCommand(
-                                f"unknown intake subject {msg.subject!r}; accepted: "
-                                "gpusched.intake.<team>.submit, gpusched.intake.<team>.cancel"
-                            )
-                        team, verb = parts[2], parts[3]
-                        now = self.clock.now()
-                        if verb == "submit":
-                            events = core.handle_submit(msg.data, team, seq, now)
-                        else:
-                            events = core.handle_cancel(msg.data, team, now)
-                    except PoisonCommand as err:
-                        await eventlog.dead_letter(js, DEAD_LETTER_NAME, msg, str(err))
-                        await msg.ack()
+                if msg.subject.endswith(".cancel") and pending:
+                    await self._flush(appender, pending)
+                    pending, seen = [], set()
+                events = await self._handle(js, msg)
+                if events is None:
+                    continue
+                if _identity(events) & seen:
+                    await self._flush(appender, pending)
+                    pending, seen = [], set()
+                    events = await self._handle(js, msg)
+                    if events is None:
                         continue
-                    for event in events:
-                        ctx = observability.trace_headers(msg.headers)
-                        if ctx:
-                            self.trace_ctx[event.aggregate_id] = ctx
-                    if await self.append_all(appender, events):
-                        # Refused or failed: decide again on redelivery, with fresher state.
-                        await msg.nak(delay=0.2)
-                        continue
+                pending.append((msg, events))
+                seen |= _identity(events)
+            await self._flush(appender, pending)
+
+    async def _handle(self, js, msg: Msg) -> list[Event] | None:
+        """The events a command leads to; None when it was dead-lettered."""
+        core: AdmissionCore = self.core  # type: ignore[assignment]
+        parts = msg.subject.split(".")  # gpusched.intake.<team>.<verb>
+        seq = msg.metadata.sequence.stream
+        with observability.span_from_headers(f"admission intake {parts[-1]}", msg.headers, sequence=seq):
+            try:
+                if len(parts) != 4 or parts[3] not in ("submit", "cancel"):
+                    raise PoisonCommand(
+                        f"unknown intake subject {msg.subject!r}; accepted: "
+                        "gpusched.intake.<team>.submit, gpusched.intake.<team>.cancel"
+                    )
+                team, verb = parts[2], parts[3]
+                now = self.clock.now()
+                if verb == "submit":
+                    events = core.handle_submit(msg.data, team, seq, now)
+                else:
+                    events = core.handle_cancel(msg.data, team, now)
+            except PoisonCommand as err:
+                await eventlog.dead_letter(js, DEAD_LETTER_NAME, msg, str(err))
                 await msg.ack()
+                return None
+        ctx = observability.trace_headers(msg.headers)
+        for event in events:
+            if ctx:
+                self.trace_ctx[event.aggregate_id] = ctx
+        return events
+
+    async def _flush(self, appender: eventlog.EventLog, pending: list[tuple[Msg, list[Event]]]) -> None:
+        if not pending:
+            return
+        refused = await self.append_all(appender, [e for _, events in pending for e in events])
+        for msg, events in pending:
+            if any((type(e).aggregate, e.aggregate_id) in refused for e in events):
+                await msg.nak(delay=0.2)  # decide again on redelivery, with fresher state
+            else:
+                await msg.ack()
+        await self.wait_caught_up()
 
 
 def main() -> None:

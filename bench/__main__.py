@@ -1,0 +1,185 @@
+"""`make bench`: end-to-end throughput and latency through all five services, beside the raw
+JetStream publish/consume rates measured in the same run.
+
+    python -m bench [--jobs N] [--repeats R] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import nats
+import psutil
+
+from gpusched import client, devstack, eventlog
+from schemas import JobSpec, SubmitJob, parse_event
+from schemas.queue import FlavorQuota, QueueConfigured
+
+PAYLOAD = b"x" * 700  # about the size of a lifecycle event
+CLUSTER = "groups:\n  - {prefix: n, count: 64, gpu_flavor: a100, gpu_count: 8, gpu_memory_mib: 40960}\n"
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    k = max(0, min(len(values) - 1, round(p / 100 * (len(values) - 1))))
+    return values[k]
+
+
+async def raw_publish(js, n: int, subject_prefix: str) -> float:
+    """Sequential acknowledged publishes with a Nats-Msg-Id each: what one service append costs."""
+    t = time.perf_counter()
+    for i in range(n):
+        await js.publish(f"{subject_prefix}.{i % 1000}.raw", PAYLOAD, headers={"Nats-Msg-Id": f"{subject_prefix}-{i}"})
+    return n / (time.perf_counter() - t)
+
+
+async def raw_consume(js, n: int) -> float:
+    t = time.perf_counter()
+    count = 0
+    async for _ in eventlog.read(js, batch=1000):
+        count += 1
+    return count / (time.perf_counter() - t)
+
+
+async def e2e(server: devstack.NatsServer, pg: devstack.Postgres, admin_js, n_jobs: int, workdir: Path) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    cluster = workdir / "cluster.yaml"
+    cluster.write_text(CLUSTER)
+    env = devstack.service_env(server, pg, cluster=cluster, time_scale=1.0, epoch=time.time(),
+                               extra={"GPUSCHED_TICK_S": "0.02", "GPUSCHED_LOG_LEVEL": "WARNING"})
+    log = eventlog.EventLog(admin_js)
+    await log.append(QueueConfigured(event_id="bench-q", aggregate_id="bench", occurred_at=client.utcnow(),
+                                     producer="config", name="bench", allowed_teams=("team-a",),
+                                     quotas=(FlavorQuota(flavor="a100", nominal=100_000),)))
+    procs = devstack.ServiceProcesses(workdir / "logs", env)
+    procs.start_all()
+    try:
+        await asyncio.sleep(3)  # services rebuild and register nodes
+        start_seq = await eventlog.last_sequence(admin_js)
+        nc = await nats.connect(server.url(), user="operator", password=server.creds.users["operator"])
+        ojs = nc.jetstream()
+        submitted_at: dict[str, float] = {}
+        t0 = time.time()
+        for i in range(n_jobs):
+            job = SubmitJob(job_id=f"{workdir.name}-{i}", submitter="bench", spec=JobSpec(
+                kind="batch", queue="bench", team="team-a", image="img", gpus=1, gpu_flavors=("a100",),
+                expected_runtime_seconds=0.05))
+            submitted_at[job.job_id] = time.time()
+            await client.publish_command(ojs, "team-a", "submit", job)
+            if i % 50 == 49:
+                await asyncio.sleep(0.05)  # an arrival rate, not one burst
+        submit_s = time.time() - t0
+
+        async def done() -> int:
+            info = await admin_js.stream_info(eventlog.EVENTS_STREAM, subjects_filter="gpusched.job.*.succeeded")
+            return len(info.state.subjects or {})
+        while await done() < n_jobs:
+            if time.time() - t0 > 600:
+                raise TimeoutError("bench jobs did not finish in 10 minutes")
+            await asyncio.sleep(0.2)
+        rss = {name: psutil.Process(p.pid).memory_info().rss / 2**20 for name, p in procs.procs.items()}
+        scheduled, succeeded = {}, {}
+        events = 0
+        async for m in eventlog.read(admin_js, from_seq=start_seq + 1):
+            events += 1
+            e = parse_event(m.data)
+            if e.type == "JobScheduled":
+                scheduled[e.aggregate_id] = e.occurred_at.timestamp()
+            elif e.type == "JobSucceeded":
+                succeeded[e.aggregate_id] = e.occurred_at.timestamp()
+        wall = max(succeeded.values()) - t0
+        await nc.close()
+        lat = [(scheduled[j] - submitted_at[j]) * 1000 for j in submitted_at]
+        return {"jobs": n_jobs, "wall_s": wall, "submit_s": submit_s, "jobs_per_s": n_jobs / wall,
+                "events": events, "events_per_job": events / n_jobs, "events_per_s": events / wall,
+                "submit_to_scheduled_ms_p50": pct(lat, 50), "submit_to_scheduled_ms_p99": pct(lat, 99),
+                "rss_mib": rss}
+    finally:
+        procs.stop_all()
+
+
+async def main(args) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="gpusched-bench-"))
+    server = devstack.NatsServer(work / "nats", teams=("team-a",)).start()
+    pg = devstack.Postgres(work / "pg").start()
+    try:
+        nc = await nats.connect(server.url(), user="admin", password=server.creds.users["admin"])
+        js = nc.jetstream()
+        await eventlog.provision(js)
+        # the raw ceiling, in the same run, on the same server: a scratch stream
+        from nats.js.api import StorageType, StreamConfig
+        await js.add_stream(StreamConfig(name="RAW", subjects=["raw.>"], storage=StorageType.FILE, duplicate_window=120))
+        pub = [await raw_publish(js, args.raw, f"raw.r{r}") for r in range(args.repeats)]
+        runs = []
+        for r in range(args.repeats):
+            for stream in (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM):
+                await js.purge_stream(stream)
+            for durable in ("admission", "quota", "scheduler", "executor", "accounting"):
+                try:
+                    await js.delete_consumer(eventlog.EVENTS_STREAM, durable)
+                except Exception:
+                    pass
+            try:
+                await js.delete_consumer(eventlog.INTAKE_STREAM, "admission-intake")
+            except Exception:
+                pass
+            runs.append(await e2e(server, pg, js, args.jobs, work / f"run{r}"))
+        consume = [await raw_consume(js, 0) for _ in range(args.repeats)]
+        await nc.close()
+    finally:
+        pg.stop()
+        server.stop()
+    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    raw_pub = statistics.median(pub)
+    result = {
+        "machine": f"{platform.node()} {os.cpu_count()} CPUs {round(psutil.virtual_memory().total / 2**30)} GiB",
+        "raw_publish_msgs_per_s": raw_pub,
+        "raw_consume_msgs_per_s": statistics.median(consume),
+        "jobs_per_s": med("jobs_per_s"),
+        "events_per_s": med("events_per_s"),
+        "events_per_job": med("events_per_job"),
+        "submit_to_scheduled_ms_p50": med("submit_to_scheduled_ms_p50"),
+        "submit_to_scheduled_ms_p99": med("submit_to_scheduled_ms_p99"),
+        "ratio_events_per_s_to_raw_publish": med("events_per_s") / raw_pub,
+        "runs": runs,
+    }
+    return result
+
+
+def report(r: dict) -> None:
+    print(f"\ngpusched bench — {r['machine']} (medians of {len(r['runs'])} runs; noisy 2-core box: read the ratios)")
+    rows = [
+        ("raw JetStream publish (acked, sequential)", f"{r['raw_publish_msgs_per_s']:.0f} msg/s", "1.00 (ceiling)"),
+        ("raw JetStream consume (pull, batch 1000)", f"{r['raw_consume_msgs_per_s']:.0f} msg/s", ""),
+        ("e2e jobs submit → succeeded", f"{r['jobs_per_s']:.1f} jobs/s", ""),
+        ("e2e events appended by the services", f"{r['events_per_s']:.0f} events/s",
+         f"{r['ratio_events_per_s_to_raw_publish']:.2f} of raw publish"),
+        ("events per job", f"{r['events_per_job']:.2f}", ""),
+        ("submit → scheduled latency p50", f"{r['submit_to_scheduled_ms_p50']:.1f} ms", ""),
+        ("submit → scheduled latency p99", f"{r['submit_to_scheduled_ms_p99']:.1f} ms", ""),
+    ]
+    for name, value, ratio in rows:
+        print(f"  {name:<44} {value:>18}   {ratio}")
+    rss = r["runs"][-1]["rss_mib"]
+    print("  service RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--raw", type=int, default=5000, help="messages per raw publish run")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    result = asyncio.run(main(args))
+    report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
