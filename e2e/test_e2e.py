@@ -43,7 +43,8 @@ async def stack(nats_server, postgres, admin_js, pg_dsn, tmp_path):
     cluster.write_text(CLUSTER)
     pg = devstack.Postgres(postgres.data_dir, port=postgres.port)
     env = devstack.service_env(nats_server, pg, cluster=cluster, time_scale=TIME_SCALE, epoch=time.time(),
-                               extra={"GPUSCHED_TICK_S": "0.1"})
+                               extra={"GPUSCHED_TICK_S": "0.1", "GPUSCHED_OTEL_EXPORTER": "file",
+                                      "GPUSCHED_TRACE_DIR": str(tmp_path / "traces")})
     env["accounting"]["GPUSCHED_PG_DSN"] = pg_dsn
     log = eventlog.EventLog(admin_js)
     for i, team in enumerate(TEAMS):
@@ -202,6 +203,17 @@ async def test_cli_submit_and_read_back(stack, nats_server, tmp_path):
         return json.loads(r.stdout) if r.returncode == 0 and json.loads(r.stdout)["state"] == "succeeded" else None
     row = await eventually(job_row, timeout_s=30, interval_s=0.5)
     assert row["usage"][0]["gpu_seconds"] == pytest.approx(60.0, rel=0.01)
+
+    # one trace follows the job from the CLI through every service, via NATS headers
+    def services_in_trace():
+        found = set()
+        for f in (tmp_path / "traces").glob("*.jsonl"):
+            for line in f.read_text().splitlines():
+                span = json.loads(line)
+                if span["context"]["trace_id"] == "0x" + out["trace_id"]:
+                    found.add(f.stem)
+        return found if found >= set(devstack.SERVICES) else None
+    assert await eventually(services_in_trace, timeout_s=15, interval_s=0.5) == set(devstack.SERVICES)
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: training\nqueue: q-team-a\nteam: team-a\nimage: img\ngpus: -3\n")

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gpusched import client, eventlog
+from gpusched import client, eventlog, observability
 from gpusched.client import Connection, UserError
 
 app = typer.Typer(help="gpusched: GPU job scheduling on an event log.", no_args_is_help=True,
@@ -91,10 +91,14 @@ def submit(
     async def go():
         command = client.submit_command_from_file(file)
         nc = await Connection.resolve().nats()
+        observability.client_tracing()
         try:
             js = nc.jetstream()
-            seq = await client.publish_command(js, command.spec.team, "submit", command)
-            result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": seq, "decision": None}
+            with observability.tracer().start_as_current_span("gpusched submit", attributes={"job": command.job_id}):
+                seq = await client.publish_command(js, command.spec.team, "submit", command)
+                trace_id = observability.current_trace_id()
+            result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": seq, "decision": None,
+                                      "trace_id": trace_id}
             if wait:
                 decision = await client.wait_for_decision(js, command.job_id, seq)
                 if decision is not None:

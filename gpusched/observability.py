@@ -74,6 +74,18 @@ def setup(service: str, *, level: str = "INFO", fmt: str = "json", metrics_port:
     trace.set_tracer_provider(provider)
 
 
+def client_tracing() -> None:
+    """For short-lived clients (the CLI): a provider without exporters, so that the spans they
+    start have real ids and the trace context they put in headers starts the job's trace."""
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        trace.set_tracer_provider(TracerProvider(resource=Resource.create({"service.name": "gpusched-cli"})))
+
+
+def current_trace_id() -> str | None:
+    ctx = trace.get_current_span().get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else None
+
+
 def shutdown() -> None:
     provider = trace.get_tracer_provider()
     if isinstance(provider, TracerProvider):

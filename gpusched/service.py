@@ -130,8 +130,10 @@ class DecisionService:
         return refused
 
     async def _append_one(self, log_: eventlog.EventLog, key: tuple[str, str], event: Event) -> bool:
-        headers = self.trace_ctx.get(event.aggregate_id, {}) if key[0] == "job" else {}
-        with observability.span_from_headers(f"{self.name} {event.type}", headers, job=event.aggregate_id):
+        # The decision is a span in the job's trace (continued from the job's latest event); the
+        # append carries this span's context on to whoever consumes the event.
+        parent = self.trace_ctx.get(event.aggregate_id, {}) if key[0] == "job" else {}
+        with observability.span_from_headers(f"{self.name} {event.type}", parent, job=event.aggregate_id):
             try:
                 seq = await log_.append(event, expected_last_seq=self.last_seq.get(key, 0))
             except eventlog.ConcurrencyConflict as err:

@@ -47,16 +47,16 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             batch: list[tuple[int, list[projection.Op]]] = []
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
-                try:
-                    event = eventlog.parse_message(msg)
-                    ops = projection.convert(event, seq)
-                except (ValueError, ValidationError, LookupError) as err:
-                    await eventlog.dead_letter(js, NAME, msg, f"cannot project: {err}")
-                    ops = []
-                else:
-                    observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
-                with observability.span_from_headers(f"accounting {msg.headers.get('Gpusched-Type', '') if msg.headers else ''}", msg.headers, sequence=seq):
-                    pass
+                kind = (msg.headers or {}).get("Gpusched-Type", "event")
+                with observability.span_from_headers(f"accounting {kind}", msg.headers, sequence=seq):
+                    try:
+                        event = eventlog.parse_message(msg)
+                        ops = projection.convert(event, seq)
+                    except (ValueError, ValidationError, LookupError) as err:
+                        await eventlog.dead_letter(js, NAME, msg, f"cannot project: {err}")
+                        ops = []
+                    else:
+                        observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
                 batch.append((seq, ops))
             try:
                 with observability.BATCH_SECONDS.labels(service=NAME).time():

@@ -21,7 +21,7 @@ KUBECTL = Path(sys.executable).parent / "kubectl"
 NAMESPACE = "gpusched"
 
 SERVICES = ("admission", "quota", "scheduler", "executor", "accounting")
-SINGLE_ACTIVE = {"quota", "scheduler", "executor"}
+SINGLE_ACTIVE = {"quota", "scheduler", "executor", "accounting"}
 
 # (apiGroup, resource, verb) triples the executor may use, and nothing more.
 EXECUTOR_ROLE_GRANTS = {
