@@ -18,6 +18,7 @@ from rich.table import Table
 
 from gpusched import client, eventlog, observability
 from gpusched.client import Connection, UserError
+from gpusched.settings import Settings
 
 app = typer.Typer(help="gpusched: GPU job scheduling on an event log.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -74,7 +75,7 @@ def init() -> None:
     async def go():
         nc = await Connection.resolve().nats()
         try:
-            await eventlog.provision(nc.jetstream())
+            await eventlog.provision(nc.jetstream(), eventlog.StreamLimits.from_settings(Settings.from_env()))
         finally:
             await nc.close()
     run(go())

@@ -21,6 +21,7 @@ from rich.live import Live
 from rich.table import Table
 
 from gpusched import client, devstack, eventlog
+from gpusched.settings import Settings
 from schemas import JobSpec, SubmitJob
 from schemas.job import JobKind
 
@@ -131,7 +132,7 @@ async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, d
 
     nc = await admin.nats()
     js = nc.jetstream()
-    await eventlog.provision(js)
+    await eventlog.provision(js, eventlog.StreamLimits.from_settings(Settings.from_env()))
     for event in client.plan_queues(example("queues.yaml"), await client.current_queues(js), client.utcnow()):
         await eventlog.EventLog(js).append(event)
 

@@ -62,6 +62,10 @@ class StreamLimits:
     max_age_s: float = 0  # 0: keep forever (the log is the source of truth)
     max_bytes: int = -1
 
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "StreamLimits":
+        return cls(replicas=settings.stream_replicas, duplicate_window_s=settings.duplicate_window_s)
+
 
 async def connect(settings: Settings, name: str) -> NATS:
     """Connect with reconnects that never give up: a broker restart pauses a service, it does

@@ -80,7 +80,7 @@ class Settings:
             log_format=_choice("GPUSCHED_LOG_FORMAT", "json", ("json", "text")),
             otel_exporter=_choice("GPUSCHED_OTEL_EXPORTER", "none", ("none", "console", "file")),
             trace_dir=Path(trace_dir) if trace_dir else None,
-            executor_backend=_choice("GPUSCHED_EXECUTOR_BACKEND", "sim", ("sim",)),
+            executor_backend=_choice("GPUSCHED_EXECUTOR_BACKEND", "sim", ("sim", "kubernetes", "local")),
             sim_cluster=Path(sim_cluster) if sim_cluster else None,
             batch_size=int(_number("GPUSCHED_BATCH_SIZE", 256, minimum=1, maximum=10_000, integer=True)),
             tick_s=_number("GPUSCHED_TICK_S", 0.5, minimum=0.01, maximum=60),

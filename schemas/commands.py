@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import uuid
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from schemas.envelope import NAME_PATTERN, Contract
 from schemas.job import JobSpec
 
 MAX_COMMAND_BYTES = 64 * 1024
 """Admission rejects larger commands (PAYLOAD_TOO_LARGE); the intake stream refuses > 1 MiB."""
+
+
+RESERVED_JOB_ID_PREFIX = "rejected-"
+"""Aggregate ids of rejections filed by intake sequence (schemas.job.rejection_id)."""
 
 
 class SubmitJob(Contract):
@@ -23,6 +27,13 @@ class SubmitJob(Contract):
     )
     submitter: str = Field(min_length=1, max_length=253, description="User or system submitting")
     spec: JobSpec
+
+    @field_validator("job_id")
+    @classmethod
+    def _not_reserved(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith(RESERVED_JOB_ID_PREFIX):
+            raise ValueError(f"job ids starting with {RESERVED_JOB_ID_PREFIX!r} are reserved for rejections")
+        return value
 
 
 class CancelJob(Contract):

@@ -11,6 +11,9 @@ from services.executor.sim import SimExecutorCore
 
 
 def build(settings, clock):
+    if settings.executor_backend != "sim":
+        sys.exit(f"GPUSCHED_EXECUTOR_BACKEND={settings.executor_backend!r} is not available in this version; "
+                 "available: sim")
     if settings.sim_cluster is None:
         sys.exit("GPUSCHED_SIM_CLUSTER must name a cluster spec YAML for the sim backend")
     try:

@@ -10,6 +10,8 @@ Annotations a job can carry to rehearse failures:
 * ``sim.gpusched.io/exit-code``: the attempt exits with this code (default 0);
 * ``sim.gpusched.io/fail-attempts``: only the first N attempts fail (default: all of them);
 * ``sim.gpusched.io/failure-reason``: a :class:`FailureReason` (default ``exit-code``).
+
+A malformed value counts as absent.
 """
 
 from __future__ import annotations
@@ -71,11 +73,23 @@ def planned_outcome(spec: JobSpec, attempt: int) -> tuple[float, FailureReason |
     if spec.max_runtime_seconds is not None and runtime > spec.max_runtime_seconds:
         return float(spec.max_runtime_seconds), FailureReason.DEADLINE_EXCEEDED, 137
     ann = spec.annotations
-    exit_code = int(ann.get(ANN_EXIT, "0") or 0)
-    fail_attempts = int(ann.get(ANN_FAIL_ATTEMPTS, "1000000"))
+    exit_code = _int_annotation(ann, ANN_EXIT, 0)
+    fail_attempts = _int_annotation(ann, ANN_FAIL_ATTEMPTS, 1_000_000)
     if exit_code == 0 or attempt > fail_attempts:
         return runtime, None, 0
-    return runtime, FailureReason(ann.get(ANN_REASON, FailureReason.EXIT_CODE.value)), exit_code
+    try:
+        reason = FailureReason(ann.get(ANN_REASON) or FailureReason.EXIT_CODE.value)
+    except ValueError:
+        reason = FailureReason.EXIT_CODE
+    return runtime, reason, exit_code
+
+
+def _int_annotation(ann: dict[str, str], key: str, default: int) -> int:
+    """A malformed value counts as absent: raising here would stall decide() for every job."""
+    try:
+        return int(ann.get(key) or default)
+    except ValueError:
+        return default
 
 
 class SimExecutorCore:
@@ -114,6 +128,8 @@ class SimExecutorCore:
                 if job.attempt is not None and job.attempt.scheduled.attempt == event.attempt:
                     job.attempt = None
                     s.live.pop(job_id, None)
+                if isinstance(event, JobSucceeded):
+                    job.finished = True  # terminal: a late cancel request has nothing to stop
             case JobCancelled():
                 job.attempt, job.finished = None, True
                 s.live.pop(job_id, None)
