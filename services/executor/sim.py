@@ -63,6 +63,7 @@ class SimJob:
 @dataclass
 class SimState:
     nodes: dict[str, NodeInfo] = field(default_factory=dict)  # as registered in the log
+    registrations: dict[str, int] = field(default_factory=dict)  # NodeRegistered count per node
     jobs: dict[str, SimJob] = field(default_factory=dict)
     live: dict[str, None] = field(default_factory=dict)  # jobs with something to do
 
@@ -105,6 +106,8 @@ class SimExecutorCore:
         match event:
             case NodeRegistered() | NodeUpdated():
                 s.nodes[event.node.name] = event.node
+                if isinstance(event, NodeRegistered):
+                    s.registrations[event.node.name] = s.registrations.get(event.node.name, 0) + 1
                 return
             case NodeLost():
                 s.nodes.pop(event.name, None)
@@ -157,7 +160,8 @@ class SimExecutorCore:
                                  key=info.model_dump_json(), node=info))
         for name in self.state.nodes.keys() - self.desired.keys():
             out.append(new_event(NodeLost, aggregate_id=name, producer=PRODUCER, occurred_at=now,
-                                 key="removed", name=name, reason="not in the cluster spec"))
+                                 key=f"removed-{self.state.registrations.get(name, 0)}", name=name,
+                                 reason="not in the cluster spec"))
         return out
 
     def _next(self, job_id: str, job: SimJob, now: datetime) -> Event | None:

@@ -83,8 +83,9 @@ def submit_payload(spec_: dict[str, Any] | None = None, *, job_id: str | None = 
 def queue(name: str = "research", teams: Iterable[str] = ("team-a",), quotas: dict[str, int] | None = None,
           *, when: datetime = T0, **fields: Any) -> QueueConfigured:
     quotas = {"a100": 8} if quotas is None else quotas
+    key = f"{name}/{sorted(quotas.items())}/{sorted(fields.items())}"
     return new_event(
-        QueueConfigured, aggregate_id=name, producer="config", occurred_at=when, key=f"{name}/{sorted(quotas.items())}/{sorted(fields.items())}",
+        QueueConfigured, aggregate_id=name, producer="config", occurred_at=when, key=key,
         name=name, allowed_teams=tuple(teams),
         quotas=tuple(FlavorQuota(flavor=f, nominal=n) for f, n in quotas.items()), **fields,
     )
@@ -167,7 +168,8 @@ def started(job_id: str, nodes: Iterable[str] = ("n1",), *, attempt: int = 1, wh
                      attempt=attempt, nodes=tuple(nodes))
 
 
-def succeeded(job_id: str, *, attempt: int = 1, started_at: datetime = T0, when: datetime | None = None) -> JobSucceeded:
+def succeeded(job_id: str, *, attempt: int = 1, started_at: datetime = T0,
+              when: datetime | None = None) -> JobSucceeded:
     return new_event(JobSucceeded, aggregate_id=job_id, producer="executor",
                      occurred_at=when or started_at + timedelta(seconds=60), key=str(attempt),
                      attempt=attempt, started_at=started_at)

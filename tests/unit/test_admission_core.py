@@ -289,15 +289,20 @@ def test_queue_without_quotas_is_unknown_flavor_for_gpu_jobs_but_fine_for_cpu_jo
     "spec_overrides, nodes, ok",
     [
         ({"gpus": 8}, [node("n1", "a100", 8)], True),
-        ({"gpus": 9}, [node("n1", "a100", 8)], False),
-        ({"gpus": 9}, [node("n1", "a100", 8), node("h1", "h100", 16)], True),  # any allowed flavor
+        ({"gpus": 9, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)], False),
+        # no h100 node registered yet: the benefit of the doubt
+        ({"gpus": 9}, [node("n1", "a100", 8)], True),
+        ({"gpus": 1}, [node("x1", "l4", 64)], True),
+        # every allowed flavor known: one big enough suffices, all too small rejects
+        ({"gpus": 9}, [node("n1", "a100", 8), node("h1", "h100", 16)], True),
+        ({"gpus": 17}, [node("n1", "a100", 8), node("h1", "h100", 16)], False),
         ({"gpus": 9, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8), node("h1", "h100", 16)], False),
-        ({"gpus": 4, "gang_size": 2}, [node("n1", "a100", 8)], False),  # one node, gang of two
-        ({"gpus": 4, "gang_size": 2}, [node("n1", "a100", 8), node("n2", "a100", 4)], True),
-        ({"gpus": 1, "min_gpu_memory_mib": 100_000}, [node("n1", "a100", 8)], False),
-        ({"gpus": 1, "node_features": ["rdma"]}, [node("n1", "a100", 8)], False),
-        ({"gpus": 1, "node_features": ["rdma"]}, [node("n1", "a100", 8, features=("rdma", "nvlink"))], True),
-        ({"gpus": 1}, [node("x1", "l4", 64)], False),  # nodes exist, none of the queue's flavors
+        ({"gpus": 4, "gang_size": 2, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)], False),  # gang of two, one node
+        ({"gpus": 4, "gang_size": 2, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8), node("n2", "a100", 4)], True),
+        ({"gpus": 1, "min_gpu_memory_mib": 100_000, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)], False),
+        ({"gpus": 1, "node_features": ["rdma"], "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)], False),
+        ({"gpus": 1, "node_features": ["rdma"], "gpu_flavors": ["a100"]},
+         [node("n1", "a100", 8, features=("rdma", "nvlink"))], True),
         ({"gpus": 0}, [node("n1", "a100", 1)], True),  # CPU-only work is not checked
     ],
 )
@@ -325,7 +330,7 @@ def test_no_inventory_means_no_unsatisfiable_check_and_lost_nodes_are_forgotten(
     core, _ = submitted_core(*QUEUES, payload=submit_payload(spec_dict(gpus=32), job_id="j1"))
     assert isinstance(core.decide(T0)[0], JobAdmitted)
     core = core_with(*QUEUES, node("n1", "a100", 8), node("n2", "a100", 8), node_lost("n2"))
-    submit(core, submit_payload(spec_dict(gpus=8, gang_size=2), job_id="j1"))
+    submit(core, submit_payload(spec_dict(gpus=8, gang_size=2, gpu_flavors=["a100"]), job_id="j1"))
     assert core.decide(T0)[0].reason == RejectReason.UNSATISFIABLE
 
 

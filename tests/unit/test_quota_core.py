@@ -339,29 +339,26 @@ def scenarios(draw):
     n_queues = draw(st.integers(1, 3))
     queues = []
     for i in range(n_queues):
-        flavors = draw(st.lists(st.sampled_from(FLAVORS), unique=True, max_size=3))
+        flavors = draw(st.lists(st.sampled_from(FLAVORS), unique=True, min_size=1, max_size=3))
         quotas = {f: draw(st.integers(0, 8)) for f in flavors}
         queues.append(queue(f"q{i}", ("team-a",), quotas, strict_fifo=draw(st.booleans())))
     jobs = []
-    for i in range(draw(st.integers(1, 10))):
+    for i in range(draw(st.integers(2, 12))):
         jobs.append(dict(
             job_id=f"j{i}",
             queue=f"q{draw(st.integers(0, n_queues - 1))}",
-            gpus=draw(st.integers(0, 6)),
-            gang_size=draw(st.integers(1, 2)),
+            gpus=draw(st.integers(0, 5)),
+            gang_size=draw(st.sampled_from([1, 1, 2])),
             gpu_flavors=tuple(draw(st.lists(st.sampled_from(FLAVORS), unique=True, max_size=3))),
             priority=draw(st.sampled_from([100, 500, 800])),
             retry={"max_attempts": draw(st.integers(1, 3)), "backoff_seconds": draw(st.sampled_from([0, 10, 30]))},
         ))
+    kinds = ["submit"] * 3 + ["advance"] * 2 + ["outcome"] * 4 + ["cancel"]
+    outcomes = ["succeed", "fail-retryable", "fail-final", "preempt"]
     steps = draw(st.lists(
-        st.one_of(
-            st.tuples(st.just("submit")),
-            st.tuples(st.just("advance"), st.sampled_from([1, 5, 15, 40])),
-            st.tuples(st.just("outcome"), st.integers(0, 50),
-                      st.sampled_from(["succeed", "fail-retryable", "fail-final", "preempt"])),
-            st.tuples(st.just("cancel"), st.integers(0, 50)),
-        ),
-        min_size=5, max_size=40,
+        st.tuples(st.sampled_from(kinds), st.integers(0, 50), st.sampled_from(outcomes),
+                  st.sampled_from([1, 5, 15, 40])),
+        min_size=10, max_size=50,
     ))
     return queues, jobs, steps
 
@@ -373,8 +370,11 @@ def run_scenario(queues, jobs, steps):
     nominal = {(q.name, fq.flavor): fq.nominal for q in queues for fq in q.quotas}
     now = 0
 
+    last = [0]  # time of the last decide cycle
+
     def step(*events):
         drive(core, events, at(now), log=log)
+        last[0] = now
         held: dict[tuple[str, str], int] = {}
         live: dict[tuple[str, int], QuotaReserved] = {}
         for e in log.events:
@@ -397,8 +397,9 @@ def run_scenario(queues, jobs, steps):
     cancelled_jobs: set[str] = set()
     for action in steps:
         now += 1
-        match action:
-            case ("submit",):
+        kind, pick, outcome, seconds = action
+        match kind:
+            case "submit":
                 if to_submit:
                     j = to_submit.pop(0)
                     s = spec(gpus=j["gpus"], queue=j["queue"], gang_size=j["gang_size"],
@@ -406,10 +407,10 @@ def run_scenario(queues, jobs, steps):
                     seq = len(jobs) - len(to_submit)
                     live = step(submitted(j["job_id"], s, seq=seq, when=at(now)),
                                 admitted(j["job_id"], j["queue"], j["priority"], when=at(now)))
-            case ("advance", seconds):
+            case "advance":
                 now += seconds
                 live = step()
-            case ("outcome", pick, kind):
+            case "outcome":
                 running = sorted(k for k in live if k not in ended)
                 if running:
                     job_id, attempt = running[pick % len(running)]
@@ -421,9 +422,9 @@ def run_scenario(queues, jobs, steps):
                         "fail-final": lambda: failed(job_id, FailureReason.EXIT_CODE, attempt=attempt,
                                                      when=at(now)),
                         "preempt": lambda: preempted(job_id, attempt=attempt, when=at(now)),
-                    }[kind]()
+                    }[outcome]()
                     live = step(event)
-            case ("cancel", pick):
+            case "cancel":
                 known = sorted(j for j in core.state.jobs if j not in cancelled_jobs)
                 if known:
                     job_id = known[pick % len(known)]
@@ -433,7 +434,7 @@ def run_scenario(queues, jobs, steps):
                     live = step(cancelled(job_id, attempt=attempt, when=at(now)))
                     if attempt is not None:
                         ended.add((job_id, attempt))
-    return log, at(now)
+    return log, at(last[0])
 
 
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,114 @@
+"""Accounting's pure converter: event -> read-model operations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from schemas import (
+    ALL_EVENT_TYPES,
+    CohortConfigured,
+    Event,
+    FailureReason,
+    JobRejected,
+    QueueDeleted,
+    RejectReason,
+    new_event,
+)
+from services.accounting.projection import IGNORED, Op, convert
+from tests.unit.builders import (
+    T0,
+    admitted,
+    at,
+    cancel_requested,
+    cancelled,
+    failed,
+    node,
+    node_lost,
+    node_updated,
+    preempted,
+    queue,
+    released,
+    reserved,
+    retry_scheduled,
+    scheduled,
+    spec,
+    started,
+    submitted,
+    succeeded,
+)
+
+SEQ = 42
+
+REJECTED = new_event(JobRejected, aggregate_id="j1", producer="admission", occurred_at=at(1), key="decision",
+                     reason=RejectReason.UNKNOWN_QUEUE, message="no queue 'x'", field="spec.queue")
+QUEUE = queue("research", ("team-a",), {"a100": 8}, cohort="shared")
+DELETED = new_event(QueueDeleted, aggregate_id="old", producer="config", occurred_at=T0, key="d", name="old")
+COHORT = new_event(CohortConfigured, aggregate_id="shared", producer="config", occurred_at=T0, key="c", name="shared")
+NODE = node("gpu-1.rack-1", "a100", 8, gpu_product="NVIDIA-A100", labels={"rack": "r1"})
+
+CASES = [
+    (submitted("j1", spec(gpus=4, gang_size=2, project="vision"), submitter="bob", when=at(1)),
+     [Op("job_submitted", ("j1", "team-a", "vision", "research", "training", "training", "bob", 4, 2, 8, at(1), SEQ))]),
+    (REJECTED, [Op("job_rejected", ("j1", "unknown-queue", "no queue 'x'", at(1), SEQ))]),
+    (admitted("j1", when=at(2)), [Op("set_state:admitted_at", ("j1", "queued", SEQ, at(2)))]),
+    (reserved("j1", flavor="h100", attempt=2, when=at(3)),
+     [Op("set_state:attempt,flavor,reserved_at", ("j1", "reserved", SEQ, 2, "h100", at(3)))]),
+    (scheduled("j1", {"n1": (0,), "n2": (1,)}, flavor="a100", when=at(4)),
+     [Op("set_state:flavor,nodes,scheduled_at", ("j1", "scheduled", SEQ, "a100", ["n1", "n2"], at(4)))]),
+    (started("j1", when=at(5)), [Op("set_state:started_at", ("j1", "running", SEQ, at(5)))]),
+    (succeeded("j1", attempt=2, started_at=at(5), when=at(65)),
+     [Op("set_state:exit_code,finished_at", ("j1", "succeeded", SEQ, 0, at(65))),
+      Op("usage", ("j1", 2, at(5), at(65), 60.0, "JobSucceeded", SEQ))]),
+    (failed("j1", FailureReason.OOM_KILLED, exit_code=137, message="oom", started_at=at(5), when=at(15)),
+     [Op("set_state:exit_code,finished_at,message,reason", ("j1", "failed", SEQ, 137, at(15), "oom", "oom-killed")),
+      Op("usage", ("j1", 1, at(5), at(15), 10.0, "JobFailed", SEQ))]),
+    (failed("j1", FailureReason.IMAGE_PULL, exit_code=None, started_at=None, when=at(15)),
+     [Op("set_state:exit_code,finished_at,message,reason", ("j1", "failed", SEQ, None, at(15), "", "image-pull"))]),
+    (preempted("j1", started_at=at(5), when=at(35)),
+     [Op("set_state:message,reason", ("j1", "preempted", SEQ, "make room", "preempted")),
+      Op("usage", ("j1", 1, at(5), at(35), 30.0, "JobPreempted", SEQ))]),
+    (preempted("j1", started_at=None, when=at(35)),
+     [Op("set_state:message,reason", ("j1", "preempted", SEQ, "make room", "preempted"))]),
+    (retry_scheduled("j1", 1, not_before=at(99), when=at(40)),
+     [Op("set_state:attempt,finished_at", ("j1", "retrying", SEQ, 2, None))]),
+    (cancel_requested("j1"), [Op("set_state:", ("j1", "cancelling", SEQ))]),
+    (cancelled("j1", attempt=1, started_at=at(5), when=at(25), reason="user"),
+     [Op("set_state:finished_at,message", ("j1", "cancelled", SEQ, at(25), "user")),
+      Op("usage", ("j1", 1, at(5), at(25), 20.0, "JobCancelled", SEQ))]),
+    (cancelled("j1", when=at(25)), [Op("set_state:finished_at,message", ("j1", "cancelled", SEQ, at(25), ""))]),
+    (NODE, [Op("node", ("gpu-1.rack-1", "a100", "NVIDIA-A100", 8, 81920, json.dumps({"rack": "r1"}), False, SEQ))]),
+    (node_updated("n1", None, 0, gpu_memory_mib=None, unschedulable=True),
+     [Op("node", ("n1", None, None, 0, None, "{}", True, SEQ))]),
+    (node_lost("n1"), [Op("node_lost", ("n1", SEQ))]),
+    (QUEUE, [Op("queue", ("research", "shared", QUEUE.model_dump_json(), SEQ))]),
+    (DELETED, [Op("queue_deleted", ("old", SEQ))]),
+    (released("j1"), []),
+    (COHORT, []),
+]
+
+
+@pytest.mark.parametrize("event, ops", CASES, ids=[f"{i}-{c[0].type}" for i, c in enumerate(CASES)])
+def test_convert(event, ops):
+    assert convert(event, SEQ) == ops
+
+
+def test_every_event_type_has_a_case():
+    assert {type(e) for e, _ in CASES} == set(ALL_EVENT_TYPES)
+    assert set(IGNORED) == {type(released("j1")), CohortConfigured}
+
+
+def test_usage_never_negative():
+    # a clock step backwards between start and end must not produce negative GPU time
+    (_, usage) = convert(succeeded("j1", started_at=at(100), when=at(90)), 1)
+    assert usage.args[4] == 0.0
+
+
+def test_unknown_event_type_raises_lookup_error():
+    class JobTeleported(Event):
+        pass
+
+    event = JobTeleported(event_id="x", type="JobTeleported", aggregate_id="j1", occurred_at=T0, producer="x")
+    with pytest.raises(LookupError, match="accounting has no projection for event type JobTeleported"):
+        convert(event, 1)
