@@ -53,7 +53,7 @@ async def e2e(server: devstack.NatsServer, pg: devstack.Postgres, admin_js, n_jo
     workdir.mkdir(parents=True, exist_ok=True)
     cluster = workdir / "cluster.yaml"
     cluster.write_text(CLUSTER)
-    env = devstack.service_env(server, pg, cluster=cluster, time_scale=1.0, epoch=time.time(),
+    env = devstack.service_env(server.env, pg.dsn, cluster=cluster, time_scale=1.0, epoch=time.time(),
                                extra={"GPUSCHED_TICK_S": "0.02", "GPUSCHED_LOG_LEVEL": "WARNING"})
     log = eventlog.EventLog(admin_js)
     await log.append(QueueConfigured(event_id="bench-q", aggregate_id="bench", occurred_at=client.utcnow(),

@@ -41,11 +41,9 @@ TERMINAL = {"JobSucceeded", "JobRejected", "JobCancelled"}
 async def stack(nats_server, postgres, admin_js, pg_dsn, tmp_path):
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(CLUSTER)
-    pg = devstack.Postgres(postgres.data_dir, port=postgres.port)
-    env = devstack.service_env(nats_server, pg, cluster=cluster, time_scale=TIME_SCALE, epoch=time.time(),
+    env = devstack.service_env(nats_server.env, pg_dsn, cluster=cluster, time_scale=TIME_SCALE, epoch=time.time(),
                                extra={"GPUSCHED_TICK_S": "0.1", "GPUSCHED_OTEL_EXPORTER": "file",
                                       "GPUSCHED_TRACE_DIR": str(tmp_path / "traces")})
-    env["accounting"]["GPUSCHED_PG_DSN"] = pg_dsn
     log = eventlog.EventLog(admin_js)
     for i, team in enumerate(TEAMS):
         await log.append(QueueConfigured(

@@ -16,6 +16,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+import asyncpg
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -23,6 +24,7 @@ from rich.table import Table
 from gpusched import client, devstack, eventlog
 from gpusched.settings import Settings
 from schemas import JobSpec, SubmitJob
+from services.executor.cluster import load_cluster  # the dev stack runs the sim cluster it loads
 from schemas.job import JobKind
 
 console = Console(width=None if Console().is_terminal else 150)
@@ -96,21 +98,28 @@ def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dic
 
 
 async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float) -> int:
-    data_dir = data_dir.resolve()
+    started: list = []  # NATS and Postgres, if we started them: stopped whatever happens
+    try:
+        return await _run(data_dir.resolve(), time_scale, demo, demo_jobs, duration, started)
+    finally:
+        for piece in reversed(started):
+            piece.stop()
+
+
+async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float, started: list) -> int:
     run_dir = data_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = example("cluster.yaml")
-    started: list = []
 
     nats_server = None
     if os.environ.get("GPUSCHED_NATS_URL"):
-        nats_env = {"GPUSCHED_NATS_URL": os.environ["GPUSCHED_NATS_URL"]}
+        external_nats_env = {k: os.environ[k] for k in ("GPUSCHED_NATS_URL", "GPUSCHED_NATS_USER",
+                                                        "GPUSCHED_NATS_PASSWORD") if k in os.environ}
         admin = client.Connection.resolve()
     else:
         nats_server = devstack.NatsServer(data_dir / "nats", teams=TEAMS).start()
         started.append(nats_server)
         admin = client.Connection(nats_server.url(), "admin", nats_server.creds.users["admin"], None)
-    pg = None
     if os.environ.get("GPUSCHED_PG_DSN"):
         dsn = os.environ["GPUSCHED_PG_DSN"]
     else:
@@ -137,52 +146,62 @@ async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, d
         await eventlog.EventLog(js).append(event)
 
     metrics_ports = {name: devstack.free_port() for name in devstack.SERVICES}
-    if nats_server:
-        env = devstack.service_env(nats_server, pg, cluster=cluster, time_scale=clock["time_scale"],
-                                   epoch=clock["epoch"], metrics_ports=metrics_ports) if pg else None
-    if not nats_server or not pg:
-        env = {}
-        for name in devstack.SERVICES:
-            creds = nats_server.env(name) if nats_server else nats_env
-            env[name] = {**creds, "GPUSCHED_TIME_SCALE": str(clock["time_scale"]),
-                         "GPUSCHED_CLOCK_EPOCH": repr(clock["epoch"]), "GPUSCHED_SIM_CLUSTER": str(cluster),
-                         "GPUSCHED_METRICS_PORT": str(metrics_ports[name]), "PYTHONUNBUFFERED": "1",
-                         **({"GPUSCHED_PG_DSN": dsn} if name == "accounting" else {})}
+    # Local NATS: each service its own user. External NATS: the credentials in the environment.
+    nats_env = nats_server.env if nats_server else (lambda name: external_nats_env)
+    env = devstack.service_env(nats_env, dsn, cluster=cluster, time_scale=clock["time_scale"], epoch=clock["epoch"],
+                               metrics_ports=metrics_ports)
     procs = devstack.ServiceProcesses(data_dir / "logs", env)
     procs.start_all()
-    console.print(f"NATS {admin.nats_url}   Postgres {dsn}   logs {data_dir / 'logs'}")
-    console.print("metrics: " + "  ".join(f"{n} :{p}" for n, p in metrics_ports.items()))
-    console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage   (reads .data/run/connection.json)")
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     demo_task = None
-    if demo:
-        already = await client.job_events(js, "demo-0000")
-        offset = 0 if not already else int(time.time()) % 100000  # a second run submits new jobs
-        workload = [(d, c.model_copy(update={"job_id": f"{c.job_id}-{offset}" if offset else c.job_id}))
-                    for d, c in demo_workload(demo_jobs)]
-        demo_task = asyncio.create_task(_submit_demo(js, workload, stop))
+    try:
+        console.print(f"NATS {admin.nats_url}   Postgres {dsn}   logs {data_dir / 'logs'}")
+        console.print("metrics: " + "  ".join(f"{n} :{p}" for n, p in metrics_ports.items()))
+        console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage   (reads .data/run/connection.json)")
+        if demo:
+            already = await client.job_events(js, "demo-0000")
+            offset = 0 if not already else int(time.time()) % 100000  # a second run submits new jobs
+            workload = [(d, c.model_copy(update={"job_id": f"{c.job_id}-{offset}" if offset else c.job_id}))
+                        for d, c in demo_workload(demo_jobs)]
+            demo_task = asyncio.create_task(_submit_demo(js, workload, stop))
+        capacity = sum(n.gpu_count for n in load_cluster(cluster).nodes())
+        conn = await operator.pg()
+        try:
+            await _supervise(procs, js, conn, capacity, stop, duration)
+        finally:
+            await conn.close()
+    finally:
+        if demo_task:
+            demo_task.cancel()
+        console.print("stopping services…")
+        procs.stop_all()
+        await nc.close()
+        console.print(f"stopped; data kept in {data_dir}")
+    return 0
 
-    from services.executor.cluster import load_cluster  # the dev stack knows the sim cluster it started
 
-    capacity = sum(n.gpu_count for n in load_cluster(cluster).nodes())
+async def _supervise(procs: devstack.ServiceProcesses, js, conn, capacity: int, stop: asyncio.Event,
+                     duration: float) -> None:
+    """Restart services that die; show the live summary until Ctrl-C (or ``duration``)."""
     restarts: dict[str, int] = {}
-    conn = await operator.pg()
     deadline = time.monotonic() + duration if duration else None
     live = Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal else None
     last_print = 0.0
+    if live:
+        live.start()
     try:
-        if live:
-            live.start()
         while not stop.is_set():
             for name in procs.restart_dead():
                 restarts[name] = restarts.get(name, 0) + 1
-            counts = await client.state_counts(conn)
-            usage = await client.usage_by_team(conn)
-            running = await conn.fetchval("SELECT coalesce(sum(total_gpus), 0) FROM jobs WHERE state = 'running'")
+            try:
+                counts = await client.state_counts(conn)
+                usage = await client.usage_by_team(conn)
+                running = await conn.fetchval("SELECT coalesce(sum(total_gpus), 0) FROM jobs WHERE state = 'running'")
+            except asyncpg.UndefinedTableError:  # accounting has not applied its migrations yet
+                counts, usage, running = [], [], 0
             table = _summary(counts, procs, restarts, await eventlog.last_sequence(js), usage, capacity, running)
             if live:
                 live.update(table)
@@ -190,7 +209,7 @@ async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, d
                 console.print(table)
                 last_print = time.monotonic()
             if deadline and time.monotonic() > deadline:
-                break
+                return
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except asyncio.TimeoutError:
@@ -198,16 +217,6 @@ async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, d
     finally:
         if live:
             live.stop()
-        if demo_task:
-            demo_task.cancel()
-        console.print("stopping services…")
-        procs.stop_all()
-        await conn.close()
-        await nc.close()
-        for piece in reversed(started):
-            piece.stop()
-        console.print(f"stopped; data kept in {data_dir}")
-    return 0
 
 
 def run_dev(*, data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float) -> int:

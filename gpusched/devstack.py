@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -302,12 +303,15 @@ class ServiceProcesses:
             _terminate(proc, 10)
 
 
-def service_env(nats: NatsServer, pg: Postgres, *, cluster: Path, time_scale: float, epoch: float,
-                extra: dict[str, str] | None = None, metrics_ports: dict[str, int] | None = None) -> dict[str, dict[str, str]]:
+def service_env(nats_env: Callable[[str], dict[str, str]], pg_dsn: str, *, cluster: Path, time_scale: float,
+                epoch: float, extra: dict[str, str] | None = None,
+                metrics_ports: dict[str, int] | None = None) -> dict[str, dict[str, str]]:
+    """Environment of each service: its NATS credentials (``nats_env(service)``), the shared
+    clock, the sim cluster, and for accounting the Postgres DSN."""
     out = {}
     for name in SERVICES:
         env = {
-            **nats.env(name),
+            **nats_env(name),
             "GPUSCHED_TIME_SCALE": str(time_scale),
             "GPUSCHED_CLOCK_EPOCH": repr(epoch),
             "GPUSCHED_SIM_CLUSTER": str(cluster),
@@ -315,7 +319,7 @@ def service_env(nats: NatsServer, pg: Postgres, *, cluster: Path, time_scale: fl
             "PYTHONUNBUFFERED": "1",
         }
         if name == "accounting":
-            env["GPUSCHED_PG_DSN"] = pg.dsn
+            env["GPUSCHED_PG_DSN"] = pg_dsn
         if metrics_ports:
             env["GPUSCHED_METRICS_PORT"] = str(metrics_ports[name])
         env.update(extra or {})
