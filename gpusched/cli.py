@@ -256,6 +256,18 @@ def dev_up(
     sys.exit(run_dev(data_dir=data_dir, time_scale=time_scale, demo=demo, demo_jobs=demo_jobs, duration=duration))
 
 
+@dev_app.command("nats-config")
+def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here instead of stdout")) -> None:
+    """Print the reference nats-server configuration (deploy/nats-server.conf)."""
+    from gpusched.devstack import reference_nats_config
+
+    text = reference_nats_config()
+    if out:
+        out.write_text(text)
+    else:
+        print(text, end="")
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,36 @@
+"""deploy/: the Procfile the local run starts and the reference nats-server configuration."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from gpusched import devstack
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_procfile_lists_the_five_services_as_modules():
+    procs = devstack.read_procfile()
+    assert list(procs) == ["admission", "quota", "scheduler", "executor", "accounting"]
+    for name, argv in procs.items():
+        assert argv[1:] == ["-m", f"services.{name}"]
+
+
+def test_committed_nats_config_matches_the_generator():
+    committed = (ROOT / "deploy" / "nats-server.conf").read_text()
+    assert committed == devstack.reference_nats_config(), "run `gpusched dev nats-config --out deploy/nats-server.conf`"
+
+
+def test_nats_server_accepts_the_config_and_names_a_missing_password(tmp_path):
+    conf = ROOT / "deploy" / "nats-server.conf"
+    binary = devstack._bin("nats-server")
+    users = ["admin", "operator", *devstack.SERVICES, "team-research", "team-product", "team-platform"]
+    env = {**os.environ, **{devstack.password_variable(u): f"pw-{u}" for u in users}}
+    ok = subprocess.run([binary, "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr + ok.stdout
+    del env[devstack.password_variable("quota")]
+    bad = subprocess.run([binary, "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert "GPUSCHED_NATS_PASSWORD_QUOTA" in bad.stderr + bad.stdout
