@@ -16,6 +16,7 @@ A malformed value counts as absent.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -49,6 +50,7 @@ ANN_REASON = "sim.gpusched.io/failure-reason"
 class Attempt:
     scheduled: JobScheduled
     started: JobStarted | None = None
+    ends_at: datetime | None = None  # started + planned runtime
 
 
 @dataclass
@@ -65,7 +67,8 @@ class SimState:
     nodes: dict[str, NodeInfo] = field(default_factory=dict)  # as registered in the log
     registrations: dict[str, int] = field(default_factory=dict)  # NodeRegistered count per node
     jobs: dict[str, SimJob] = field(default_factory=dict)
-    live: dict[str, None] = field(default_factory=dict)  # jobs with something to do
+    due: dict[str, None] = field(default_factory=dict)  # jobs with something to do now
+    ends: list[tuple[datetime, str]] = field(default_factory=list)  # running attempts by planned end, sorted
 
 
 def planned_outcome(spec: JobSpec, attempt: int) -> tuple[float, FailureReason | None, int]:
@@ -97,9 +100,20 @@ class SimExecutorCore:
     def __init__(self, cluster: list[NodeInfo]) -> None:
         self.desired = {n.name: n for n in cluster}
         self.state = SimState()
+        self._inventory_dirty = True  # only node events can change the inventory decisions
 
     def decisions_refused(self) -> None:
-        """Outcomes are re-derived from state on every cycle: nothing to remember."""
+        """Outcomes are re-derived from state on every cycle; the inventory is compared again."""
+        self._inventory_dirty = True
+
+    def _end_attempt(self, job_id: str, job: SimJob) -> None:
+        a = job.attempt
+        if a is not None and a.ends_at is not None:
+            i = bisect.bisect_left(self.state.ends, (a.ends_at, job_id))
+            if i < len(self.state.ends) and self.state.ends[i] == (a.ends_at, job_id):
+                del self.state.ends[i]
+        job.attempt = None
+        self.state.due.pop(job_id, None)
 
     def evolve(self, event: Event) -> None:
         s = self.state
@@ -108,10 +122,15 @@ class SimExecutorCore:
                 s.nodes[event.node.name] = event.node
                 if isinstance(event, NodeRegistered):
                     s.registrations[event.node.name] = s.registrations.get(event.node.name, 0) + 1
+                self._inventory_dirty = True
                 return
             case NodeLost():
                 s.nodes.pop(event.name, None)
-                s.live.update(dict.fromkeys(j for j, job in s.jobs.items() if job.attempt is not None))
+                self._inventory_dirty = True
+                s.due.update(dict.fromkeys(
+                    j for j, job in s.jobs.items()
+                    if job.attempt is not None and any(p.node == event.name for p in job.attempt.scheduled.placement)
+                ))
                 return
             case JobSubmitted():
                 s.jobs[event.aggregate_id] = SimJob(spec=event.spec, submitted=event)
@@ -122,30 +141,44 @@ class SimExecutorCore:
         job_id = event.aggregate_id
         match event:
             case JobScheduled():
+                self._end_attempt(job_id, job)
                 job.attempt = Attempt(event)
-                s.live[job_id] = None
+                s.due[job_id] = None
             case JobStarted():
-                if job.attempt is not None and job.attempt.scheduled.attempt == event.attempt:
-                    job.attempt.started = event
+                a = job.attempt
+                if a is not None and a.scheduled.attempt == event.attempt:
+                    a.started = event
+                    a.ends_at = event.occurred_at + timedelta(seconds=planned_outcome(job.spec, event.attempt)[0])
+                    bisect.insort(s.ends, (a.ends_at, job_id))
+                    if job.cancel_requested is None:
+                        s.due.pop(job_id, None)
             case JobSucceeded() | JobFailed() | JobPreempted():
                 if job.attempt is not None and job.attempt.scheduled.attempt == event.attempt:
-                    job.attempt = None
-                    s.live.pop(job_id, None)
+                    self._end_attempt(job_id, job)
                 if isinstance(event, JobSucceeded):
                     job.finished = True  # terminal: a late cancel request has nothing to stop
             case JobCancelled():
-                job.attempt, job.finished = None, True
-                s.live.pop(job_id, None)
+                self._end_attempt(job_id, job)
+                job.finished = True
             case JobCancelRequested():
                 job.cancel_requested = event
                 if not job.finished:
-                    s.live[job_id] = None
+                    s.due[job_id] = None
 
     def decide(self, now: datetime) -> list[Event]:
-        out: list[Event] = self._inventory(now)
-        for job_id in list(self.state.live):
-            event = self._next(job_id, self.state.jobs[job_id], now)
-            if event is not None:
+        """Inventory changes, then what is due now (starts, cancels, lost nodes), then the
+        running attempts whose planned end has passed, earliest first."""
+        out: list[Event] = []
+        if self._inventory_dirty:
+            out.extend(self._inventory(now))
+            self._inventory_dirty = bool(out)  # compare again until the log agrees
+        for job_id in self.state.due:
+            if (event := self._next(job_id, self.state.jobs[job_id], now)) is not None:
+                out.append(event)
+        for ends_at, job_id in self.state.ends:
+            if ends_at > now:
+                break
+            if job_id not in self.state.due and (event := self._next(job_id, self.state.jobs[job_id], now)):
                 out.append(event)
         return out
 
