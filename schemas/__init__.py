@@ -31,6 +31,7 @@ JobRejected                 admission    refused; reason code, the field and the
 JobCancelRequested          admission    a valid CancelJob for a known, unfinished job
 QuotaReserved               quota        quota for one attempt is held (flavor, borrowed part)
 QuotaReleased               quota        that quota is free again (attempt ended)
+QuotaPendingReasonChanged   quota        why a queued attempt still waits (when that changes)
 JobRetryScheduled           quota        a failed attempt will be retried as attempt + 1
 JobScheduled                scheduler    placement of one attempt on nodes
 JobStarted                  executor     the attempt runs (the whole gang)
@@ -66,8 +67,10 @@ from schemas.job import (
     JobSubmitted,
     JobSucceeded,
     NodeAssignment,
+    QuotaPendingReasonChanged,
     QuotaReleased,
     QuotaReserved,
+    QuotaWaitReason,
     RejectReason,
     RetryPolicy,
 )

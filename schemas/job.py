@@ -58,6 +58,19 @@ def rejection_id(intake_sequence: int) -> str:
     return f"rejected-{intake_sequence}"
 
 
+class QuotaWaitReason(StrEnum):
+    """Why a queued attempt does not hold quota yet (QuotaPendingReasonChanged.reason)."""
+
+    NOMINAL_EXHAUSTED = "nominal-exhausted"  # the queue's own quota is used and it has no cohort
+    BORROWING_LIMIT = "borrowing-limit"  # borrowing it would exceed the queue's borrowing limit
+    COHORT_EXHAUSTED = "cohort-exhausted"  # the cohort has no unused quota that may be lent
+    NOMINAL_LENT = "nominal-lent"  # its own unused quota is lent to borrowers (reclaim applies)
+    BLOCKED_BY_HEAD = "blocked-by-head"  # a strict-FIFO queue whose head does not fit
+    RETRY_BACKOFF = "retry-backoff"  # a retry waiting out its backoff
+    QUEUE_MISSING = "queue-missing"  # the queue was deleted after admission
+    NO_QUOTA_FOR_FLAVOR = "no-quota-for-flavor"  # none of the job's flavors has quota in the queue
+
+
 class DatasetRef(Contract):
     """A dataset the job reads."""
 
@@ -185,6 +198,18 @@ class QuotaReserved(_JobEvent):
     flavor: Name
     gpus: int = Field(ge=0, description="GPUs held for the attempt (per node × gang)")
     borrowed: int = Field(default=0, ge=0, description="Part of gpus borrowed from the cohort")
+
+
+class QuotaPendingReasonChanged(_JobEvent):
+    """Why the attempt is still waiting for quota, when that changes (rate-limited), so a job's
+    wait history can be reconstructed from the log."""
+
+    type: Literal["QuotaPendingReasonChanged"] = "QuotaPendingReasonChanged"
+    attempt: int = Field(ge=1)
+    reason: QuotaWaitReason
+    message: str = Field(max_length=4096, description="With the numbers: nominal, used, borrowed, free")
+    position: int = Field(ge=1, description="1-based position in the queue's order")
+    flavor: Name | None = Field(default=None, description="The flavor the message is about")
 
 
 class QuotaReleased(_JobEvent):

@@ -16,6 +16,7 @@ class FlavorQuota(Contract):
     nominal: int = Field(ge=0, le=1_000_000, description="Guaranteed GPUs")
     borrowing_limit: int | None = Field(default=None, ge=0, description="Max GPUs borrowed; None = unlimited")
     lending_limit: int | None = Field(default=None, ge=0, description="Max GPUs lent; None = all unused")
+    weight: float = Field(default=1.0, gt=0, le=1000, description="Value of one GPU of this flavor in weighted units")
 
 
 class QueueConfigured(Event):

@@ -20,6 +20,7 @@ from schemas.job import (
     JobStarted,
     JobSubmitted,
     JobSucceeded,
+    QuotaPendingReasonChanged,
     QuotaReleased,
     QuotaReserved,
 )
@@ -38,6 +39,7 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     JobCancelRequested: ("admission", "cancel_requested"),
     QuotaReserved: ("quota", "quota_reserved"),
     QuotaReleased: ("quota", "quota_released"),
+    QuotaPendingReasonChanged: ("quota", "quota_pending"),
     JobRetryScheduled: ("quota", "retry_scheduled"),
     JobScheduled: ("scheduler", "scheduled"),
     JobStarted: ("executor", "started"),

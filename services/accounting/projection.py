@@ -29,6 +29,7 @@ from schemas import (
     NodeUpdated,
     QueueConfigured,
     QueueDeleted,
+    QuotaPendingReasonChanged,
     QuotaReleased,
     QuotaReserved,
 )
@@ -67,8 +68,11 @@ def convert(event: Event, seq: int) -> list[Op]:
             return [Op("job_rejected", (j, event.reason.value, event.message, t, seq))]
         case JobAdmitted():
             return [_state(j, "queued", seq, admitted_at=t)]
+        case QuotaPendingReasonChanged():
+            return [Op("wait_reason", (j, event.reason.value, event.message, seq))]
         case QuotaReserved():
-            return [_state(j, "reserved", seq, reserved_at=t, attempt=event.attempt, flavor=event.flavor)]
+            return [_state(j, "reserved", seq, reserved_at=t, attempt=event.attempt, flavor=event.flavor,
+                           reason=None, message=None)]
         case JobScheduled():
             nodes = [p.node for p in event.placement]
             return [_state(j, "scheduled", seq, scheduled_at=t, nodes=nodes, flavor=event.flavor)]

@@ -46,6 +46,7 @@ _SQL = {
         VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7, $8, false)
         ON CONFLICT (name) DO UPDATE SET gpu_flavor = $2, gpu_product = $3, gpu_count = $4,
             gpu_memory_mib = $5, labels = $6::jsonb, unschedulable = $7, last_sequence = $8, lost = false""",
+    "wait_reason": "UPDATE jobs SET reason = $2, message = $3, last_sequence = $4 WHERE job_id = $1",
     "node_lost": "UPDATE nodes SET lost = true, last_sequence = $2 WHERE name = $1",
     "queue": """
         INSERT INTO queues (name, cohort, config, last_sequence, deleted) VALUES ($1, $2, $3::jsonb, $4, false)

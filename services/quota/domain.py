@@ -1,12 +1,19 @@
 """Quota's pure core.
 
 A job holds quota for one attempt from QuotaReserved until its attempt ends; the release is its
-own event (QuotaReleased), so usage is a fold over the log. This version enforces each queue's
-nominal (guaranteed) quota per GPU flavor; a job that allows several flavors takes the first of
-them, in its order, that has room.
+own event (QuotaReleased), so usage is a fold over the log. A queue uses its own nominal
+(guaranteed) quota first, then borrows unused quota of its cohort within its borrowing limit and
+the lenders' lending limits (:mod:`services.quota.capacity`). A job that allows several flavors
+takes the first of them, in its order, that fits (flavor fungibility).
 
 Order inside a queue: priority (higher first), then the time the attempt was queued, then job
 id. A strict-FIFO queue stops at a head that does not fit; otherwise smaller jobs behind it may go.
+Across queues, heads are taken from the queue with the lowest weighted share first (usage over
+nominal, both in weighted GPU units), so competing queues borrow in fair order.
+
+Every attempt that stays queued gets a structured reason with the numbers
+(QuotaPendingReasonChanged), emitted when the reason changes and at most every
+``REASON_INTERVAL_S`` for a changed message with the same code.
 
 Retries are decided here too: a failed attempt whose reason is in the job's ``retry_on`` and
 that has attempts left gets JobRetryScheduled and re-enters the queue after the backoff.
@@ -15,10 +22,12 @@ Preempted attempts are requeued the same way without using up an attempt.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from schemas import (
+    CohortConfigured,
     Event,
     JobAdmitted,
     JobCancelled,
@@ -31,12 +40,16 @@ from schemas import (
     JobSucceeded,
     QueueConfigured,
     QueueDeleted,
+    QuotaPendingReasonChanged,
     QuotaReleased,
     QuotaReserved,
+    QuotaWaitReason,
     new_event,
 )
+from services.quota.capacity import Limits, Pool
 
 PRODUCER = "quota"
+REASON_INTERVAL_S = 30.0
 
 
 @dataclass
@@ -54,11 +67,13 @@ class QuotaJob:
     ended: Event | None = None  # terminal event of the current attempt, awaiting release
     finished: bool = False  # no more attempts will run
     cancel_requested: bool = False
+    waiting: QuotaPendingReasonChanged | None = None  # the last reason given for this attempt
 
 
 @dataclass
 class QuotaState:
     queues: dict[str, QueueConfigured] = field(default_factory=dict)
+    cohorts: dict[str, str | None] = field(default_factory=dict)  # cohort -> parent
     jobs: dict[str, QuotaJob] = field(default_factory=dict)
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (queue, flavor) -> GPUs
     pending: dict[str, set[str]] = field(default_factory=dict)  # queue -> job ids waiting for quota
@@ -91,6 +106,11 @@ class QuotaCore:
             return
         if isinstance(event, QueueDeleted):
             s.queues.pop(event.name, None)
+            self._dirty = True
+            return
+        if isinstance(event, CohortConfigured):
+            s.cohorts[event.name] = event.parent
+            self._dirty = True
             return
         if isinstance(event, JobSubmitted):
             s.jobs[event.aggregate_id] = QuotaJob(spec=event.spec, submitted=event)
@@ -145,11 +165,15 @@ class QuotaCore:
                     self._attempt_ended(job_id, job)
             case JobRetryScheduled():
                 job.attempt = event.next_attempt
+                job.waiting = None
                 job.not_before = event.not_before
                 job.queued_at = event.occurred_at
                 job.ended = None
                 s.to_release.pop(job_id, None)
                 self._enqueue(job_id, job)
+            case QuotaPendingReasonChanged():
+                if event.attempt == job.attempt:
+                    job.waiting = event
             case JobCancelRequested():
                 job.cancel_requested = True
                 if self._dequeue(job_id, job):
@@ -198,43 +222,153 @@ class QuotaCore:
             )
         return out
 
+    def root_cohort(self, cohort: str | None) -> str | None:
+        """Top of the cohort tree (cycles in the configuration stop at the first repeat)."""
+        seen: set[str] = set()
+        while cohort is not None and cohort not in seen:
+            seen.add(cohort)
+            parent = self.state.cohorts.get(cohort)
+            if parent is None:
+                return cohort
+            cohort = parent
+        return cohort
+
+    def pools(self, used: dict[tuple[str, str], int] | None = None) -> dict[tuple[str, str], Pool]:
+        """(pool key, flavor) -> Pool, where the key is the root cohort or ``queue:<name>``."""
+        used = self.state.used if used is None else used
+        pools: dict[tuple[str, str], Pool] = {}
+        for name, queue in self.state.queues.items():
+            root = self.root_cohort(queue.cohort)
+            key = root if root is not None else f"queue:{name}"
+            for fq in queue.quotas:
+                pool = pools.setdefault((key, fq.flavor), Pool(fq.flavor, root))
+                pool.limits[name] = Limits(fq.nominal, fq.borrowing_limit, fq.lending_limit)
+                pool.used[name] = used.get((name, fq.flavor), 0)
+        return pools
+
+    def pool_of(self, pools: dict[tuple[str, str], Pool], queue: str, flavor: str) -> Pool | None:
+        root = self.root_cohort(self.state.queues[queue].cohort)
+        return pools.get((root if root is not None else f"queue:{queue}", flavor))
+
+    def share(self, queue: QueueConfigured, used: dict[tuple[str, str], int]) -> float:
+        """Weighted share: usage over nominal, both in weighted GPU units."""
+        nominal = sum(fq.nominal * fq.weight for fq in queue.quotas)
+        usage = sum(used.get((queue.name, fq.flavor), 0) * fq.weight for fq in queue.quotas)
+        if nominal == 0:
+            return 0.0 if usage == 0 else float("inf")
+        return usage / nominal
+
     def _reserve(self, now: datetime) -> list[Event]:
         s = self.state
         used = dict(s.used)  # this cycle's working copy
+        pools = self.pools(used)
         out: list[Event] = []
         self._wake_at = None
-        for queue_name in sorted(s.pending):
-            queue = s.queues.get(queue_name)
-            if queue is None:
-                continue
-            nominal = {q.flavor: q.nominal for q in queue.quotas}
+        order: dict[str, list[QuotaJob]] = {}
+        heap: list[tuple[float, str]] = []
+        for queue_name, ids in s.pending.items():
             waiting = sorted(
-                (s.jobs[j] for j in s.pending[queue_name]),
+                (s.jobs[j] for j in ids if s.jobs[j].reserved is None and not s.jobs[j].cancel_requested),
                 key=lambda jb: (-jb.priority, jb.queued_at, jb.submitted.aggregate_id),
             )
-            for job in waiting:
-                if job.not_before is not None and job.not_before > now:
-                    self._wake_at = min(self._wake_at or job.not_before, job.not_before)
-                    continue
-                if job.reserved is not None or job.cancel_requested:
-                    continue
-                need = job.spec.total_gpus
-                flavors = job.spec.gpu_flavors or tuple(nominal)
-                chosen = next(
-                    (f for f in flavors if f in nominal and used.get((queue_name, f), 0) + need <= nominal[f]),
-                    None,
-                )
-                if chosen is None:
-                    if queue.strict_fifo:
-                        break
-                    continue
+            if not waiting:
+                continue
+            queue = s.queues.get(queue_name)
+            if queue is None:
+                for position, job in enumerate(waiting, start=1):
+                    out.extend(self._reason(job, QuotaWaitReason.QUEUE_MISSING,
+                                            f"queue {queue_name} no longer exists", position, None, now))
+                continue
+            order[queue_name] = waiting
+            heap.append((self.share(queue, used), queue_name))
+        heapq.heapify(heap)
+        cursor = dict.fromkeys(order, 0)
+        ahead = dict.fromkeys(order, 0)  # jobs of the queue, before this one, that still wait
+        refused: list[tuple[QuotaJob, str, int]] = []
+        while heap:
+            _, queue_name = heapq.heappop(heap)
+            queue, waiting = s.queues[queue_name], order[queue_name]
+            if cursor[queue_name] >= len(waiting):
+                continue
+            job = waiting[cursor[queue_name]]
+            cursor[queue_name] += 1
+            position = ahead[queue_name] + 1
+            if job.not_before is not None and job.not_before > now:
+                self._wake_at = min(self._wake_at or job.not_before, job.not_before)
+                ahead[queue_name] += 1
+                out.extend(self._reason(job, QuotaWaitReason.RETRY_BACKOFF,
+                                        f"retry of attempt {job.attempt - 1} waits until {job.not_before.isoformat()}",
+                                        position, None, now))
+                heapq.heappush(heap, (self.share(queue, used), queue_name))
+                continue
+            need = job.spec.total_gpus
+            nominal = {fq.flavor for fq in queue.quotas}
+            flavors = [f for f in (job.spec.gpu_flavors or [fq.flavor for fq in queue.quotas]) if f in nominal]
+            chosen, verdict = None, None
+            for flavor in flavors:
+                v = self.pool_of(pools, queue_name, flavor).check(queue_name, need)
+                if v.fits:
+                    chosen, verdict = flavor, v
+                    break
+            if chosen is not None:
+                self.pool_of(pools, queue_name, chosen).charge(queue_name, need)
                 used[(queue_name, chosen)] = used.get((queue_name, chosen), 0) + need
-                job_id = job.submitted.aggregate_id
                 out.append(
                     new_event(
-                        QuotaReserved, aggregate_id=job_id, producer=PRODUCER, occurred_at=now,
+                        QuotaReserved, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
                         key=f"{job.attempt}", cause=job.submitted, attempt=job.attempt, queue=queue_name,
-                        flavor=chosen, gpus=need, borrowed=0,
+                        flavor=chosen, gpus=need, borrowed=verdict.borrowed,
                     )
                 )
+                heapq.heappush(heap, (self.share(queue, used), queue_name))
+                continue
+            ahead[queue_name] += 1
+            refused.append((job, queue_name, position))
+            if queue.strict_fifo:
+                head = job.submitted.aggregate_id
+                for behind, other in enumerate(waiting[cursor[queue_name]:], start=position + 1):
+                    out.extend(self._reason(other, QuotaWaitReason.BLOCKED_BY_HEAD,
+                                            f"queue {queue_name} is strict FIFO and its head {head} "
+                                            f"({need} GPUs) does not fit", behind, None, now))
+                continue
+            heapq.heappush(heap, (self.share(queue, used), queue_name))
+        # Explain what still waits with the numbers as they stand after this cycle's reservations
+        # (the state the log will hold), not as they stood when the job's turn came.
+        for job, queue_name, position in refused:
+            out.extend(self._explain(job, queue_name, position, pools, now))
         return out
+
+    def _explain(self, job: QuotaJob, queue_name: str, position: int, pools: dict[tuple[str, str], Pool],
+                 now: datetime) -> list[Event]:
+        queue = self.state.queues[queue_name]
+        nominal = [fq.flavor for fq in queue.quotas]
+        flavors = [f for f in (job.spec.gpu_flavors or nominal) if f in nominal]
+        for flavor in flavors:
+            v = self.pool_of(pools, queue_name, flavor).check(queue_name, job.spec.total_gpus)
+            if not v.fits:
+                return self._reason(job, v.reason, v.message, position, flavor, now)
+        if not flavors:
+            return self._reason(job, QuotaWaitReason.NO_QUOTA_FOR_FLAVOR,
+                                f"queue {queue_name} has no quota for flavors {list(job.spec.gpu_flavors)}",
+                                position, None, now)
+        return []
+
+    def _reason(self, job: QuotaJob, reason: QuotaWaitReason, message: str, position: int,
+                flavor: str | None, now: datetime) -> list[Event]:
+        """A QuotaPendingReasonChanged if the reason changed, or its message did and the last
+        one is older than REASON_INTERVAL_S."""
+        last = job.waiting
+        if last is not None and last.reason == reason:
+            if last.message == message:
+                return []
+            due = last.occurred_at + timedelta(seconds=REASON_INTERVAL_S)
+            if now < due:  # look again when the interval has passed
+                self._wake_at = min(self._wake_at or due, due)
+                return []
+        return [
+            new_event(
+                QuotaPendingReasonChanged, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER,
+                occurred_at=now, key=f"{job.attempt}/{reason.value}/{message}", cause=job.submitted,
+                attempt=job.attempt, reason=reason, message=message, position=position, flavor=flavor,
+            )
+        ]

@@ -41,8 +41,10 @@ async def admit(log: eventlog.EventLog, job_id: str, **spec) -> None:
                                cause=s, queue="q", priority=500, preemptible=True), expected_last_seq=seq)
 
 
-async def history(js, job_id: str) -> list[str]:
-    return [parse_event(m.data).type async for m in eventlog.read(js, subjects=[f"gpusched.job.{job_id}.>"])]
+async def history(js, job_id: str, reasons: bool = False) -> list[str]:
+    """The job's event types in order; pending reasons only when asked."""
+    types = [parse_event(m.data).type async for m in eventlog.read(js, subjects=[f"gpusched.job.{job_id}.>"])]
+    return types if reasons else [t for t in types if t != "QuotaPendingReasonChanged"]
 
 
 def ends_with(js, job_id: str, last: str):
@@ -69,10 +71,15 @@ async def test_jobs_run_to_success_within_quota(nats_server, admin_js, log):
             h = await eventually(ends_with(admin_js, f"job-{i}", "QuotaReleased"), timeout_s=20)
             assert h == ["JobSubmitted", "JobAdmitted", "QuotaReserved", "JobScheduled", "JobStarted",
                          "JobSucceeded", "QuotaReleased"]
-    # nominal 6 with 2-GPU jobs: the fourth waited for a release
+    # nominal 6 with 2-GPU jobs: the fourth waited for a release, and the log says why
     reserved = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=["gpusched.job.*.quota_reserved"])]
     succeeded = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=["gpusched.job.*.succeeded"])]
     assert reserved[-1].occurred_at >= min(s.occurred_at for s in succeeded)
+    waited = reserved[-1].aggregate_id
+    [why] = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=[f"gpusched.job.{waited}.quota_pending"])]
+    assert why.reason.value == "nominal-exhausted"
+    assert why.message == "queue q nominal a100 6, used 6; needs 2 more; no cohort to borrow from"
+    assert why.position == 1
 
 
 async def test_failed_attempt_is_retried_and_preserves_attempt_numbers(nats_server, admin_js, log):

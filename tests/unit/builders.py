@@ -34,8 +34,10 @@ from schemas import (
     NodeRegistered,
     NodeUpdated,
     QueueConfigured,
+    QuotaPendingReasonChanged,
     QuotaReleased,
     QuotaReserved,
+    QuotaWaitReason,
     new_event,
 )
 from schemas.node import NodeInfo
@@ -144,6 +146,13 @@ def released(job_id: str, queue_: str = "research", flavor: str = "a100", gpus: 
              reason: str = "JobSucceeded", when: datetime = T0) -> QuotaReleased:
     return new_event(QuotaReleased, aggregate_id=job_id, producer="quota", occurred_at=when, key=str(attempt),
                      attempt=attempt, queue=queue_, flavor=flavor, gpus=gpus, reason=reason)
+
+
+def pending_reason(job_id: str, reason: QuotaWaitReason = QuotaWaitReason.NOMINAL_EXHAUSTED, message: str = "full",
+                   *, attempt: int = 1, position: int = 1, when: datetime = T0) -> QuotaPendingReasonChanged:
+    return new_event(QuotaPendingReasonChanged, aggregate_id=job_id, producer="quota", occurred_at=when,
+                     key=f"{attempt}/{reason.value}/{message}", attempt=attempt, reason=reason, message=message,
+                     position=position)
 
 
 def retry_scheduled(job_id: str, failed_attempt: int = 1, *, not_before: datetime | None = None,

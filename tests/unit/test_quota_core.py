@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas import FailureReason, JobRetryScheduled, QuotaReleased, QuotaReserved
+from schemas import FailureReason, JobRetryScheduled, QuotaPendingReasonChanged, QuotaReleased, QuotaReserved
 from services.quota.domain import QuotaCore
 from tests.unit.builders import (
     T0,
@@ -51,14 +51,19 @@ class Harness:
         self.log = Log()
         self.feed(*config)
 
-    def feed(self, *events, now=T0):
+    def feed(self, *events, now=T0, reasons=False):
+        """Decisions that follow; pending reasons (QuotaPendingReasonChanged) only when asked."""
         flat = []
         for e in events:
             flat.extend(e if isinstance(e, list) else [e])
-        return drive(self.core, flat, now, log=self.log)
+        return _decisions(drive(self.core, flat, now, log=self.log), reasons)
 
-    def tick(self, now):
-        return drive(self.core, (), now, log=self.log)
+    def tick(self, now, reasons=False):
+        return _decisions(drive(self.core, (), now, log=self.log), reasons)
+
+
+def _decisions(events, reasons):
+    return events if reasons else [e for e in events if not isinstance(e, QuotaPendingReasonChanged)]
 
 
 # -- reservations ------------------------------------------------------------------------------

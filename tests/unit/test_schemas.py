@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from schemas import QuotaWaitReason
 from schemas import (
     ALL_EVENT_TYPES,
     PRODUCERS,
@@ -45,6 +46,7 @@ from tests.unit.builders import (
     node_updated,
     preempted,
     queue,
+    pending_reason,
     released,
     reserved,
     retry_scheduled,
@@ -84,6 +86,7 @@ def sample_events():
         cancel_requested("j1", reason="oops"),
         reserved("j1", gpus=32, attempt=2),
         released("j1", gpus=32, attempt=2, reason="JobFailed"),
+        pending_reason("j1", QuotaWaitReason.COHORT_EXHAUSTED, "cohort c has 0 free a100", position=3),
         retry_scheduled("j1", 1, not_before=at(30)),
         scheduled("j1", {"n1": (0, 1), "n2": (4, 5)}, attempt=2),
         started("j1", ("n1", "n2"), attempt=2, when=at(5)),
@@ -104,7 +107,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 19
+    assert len(ALL_EVENT_TYPES) == 20
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -158,6 +161,7 @@ def test_nested_models_forbid_extra_fields():
         (cancel_requested("j1"), "gpusched.job.j1.cancel_requested"),
         (reserved("j-9"), "gpusched.job.j-9.quota_reserved"),
         (released("j-9"), "gpusched.job.j-9.quota_released"),
+        (pending_reason("j-9"), "gpusched.job.j-9.quota_pending"),
         (retry_scheduled("j1"), "gpusched.job.j1.retry_scheduled"),
         (scheduled("j1"), "gpusched.job.j1.scheduled"),
         (node("gpu-1.rack-1.example"), "gpusched.node.gpu-1_rack-1_example.registered"),
@@ -184,6 +188,7 @@ EXPECTED_PRODUCERS = {
     "JobSubmitted": "admission", "JobAdmitted": "admission", "JobRejected": "admission",
     "JobCancelRequested": "admission",
     "QuotaReserved": "quota", "QuotaReleased": "quota", "JobRetryScheduled": "quota",
+    "QuotaPendingReasonChanged": "quota",
     "JobScheduled": "scheduler",
     "JobStarted": "executor", "JobSucceeded": "executor", "JobFailed": "executor", "JobPreempted": "executor",
     "JobCancelled": "executor", "NodeRegistered": "executor", "NodeUpdated": "executor", "NodeLost": "executor",
@@ -205,7 +210,8 @@ def test_builders_use_the_registered_producer():
 
 def test_producer_subjects():
     assert producer_subjects("quota") == [
-        "gpusched.job.*.quota_released", "gpusched.job.*.quota_reserved", "gpusched.job.*.retry_scheduled",
+        "gpusched.job.*.quota_pending", "gpusched.job.*.quota_released", "gpusched.job.*.quota_reserved",
+        "gpusched.job.*.retry_scheduled",
     ]
     assert producer_subjects("config") == [
         "gpusched.cohort.*.configured", "gpusched.queue.*.configured", "gpusched.queue.*.deleted",

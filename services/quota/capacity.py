@@ -1,0 +1,113 @@
+"""Quota arithmetic for one GPU flavor in one cohort tree: guaranteed quota, borrowing, lending.
+
+For each queue ``q`` of the tree, with nominal ``n``, lending limit ``L`` (default: ``n``),
+borrowing limit ``B`` (default: unlimited) and usage ``u``:
+
+* its own part is ``min(u, n)``, its borrowed part ``u - min(u, n)``;
+* it can lend ``min(L, n - own)``: unused nominal, less what it keeps back (``n - L`` is never lent);
+* the tree is consistent when the borrowed parts, summed, fit in what may be lent, summed, and
+  no queue borrows more than its ``B``.
+
+A request fits when the tree stays consistent with it added. A queue outside any cohort can
+only use its own nominal. Nested cohorts share one pool: the whole tree under the root cohort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas import QuotaWaitReason
+
+
+@dataclass(frozen=True)
+class Limits:
+    nominal: int
+    borrowing_limit: int | None = None
+    lending_limit: int | None = None
+
+    @property
+    def lendable_cap(self) -> int:
+        return self.nominal if self.lending_limit is None else min(self.lending_limit, self.nominal)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    fits: bool
+    borrowed: int = 0  # how much of the request is borrowed
+    reason: QuotaWaitReason | None = None
+    message: str = ""
+
+
+@dataclass
+class Pool:
+    """One flavor in one cohort tree (``cohort`` None: a lone queue)."""
+
+    flavor: str
+    cohort: str | None
+    limits: dict[str, Limits] = field(default_factory=dict)
+    used: dict[str, int] = field(default_factory=dict)
+
+    def own(self, q: str, used: int | None = None) -> int:
+        u = self.used.get(q, 0) if used is None else used
+        return min(u, self.limits[q].nominal)
+
+    def borrowed(self, q: str, used: int | None = None) -> int:
+        u = self.used.get(q, 0) if used is None else used
+        return u - self.own(q, u)
+
+    def lendable(self, q: str, used: int | None = None) -> int:
+        return max(0, min(self.limits[q].lendable_cap, self.limits[q].nominal - self.own(q, used)))
+
+    def totals(self) -> tuple[int, int]:
+        """(borrowed, lendable) over the tree."""
+        return (sum(self.borrowed(q) for q in self.limits), sum(self.lendable(q) for q in self.limits))
+
+    def lent_by(self) -> dict[str, int]:
+        """What each queue's unused nominal is covering of the others' borrowing, filling lenders
+        in name order (an attribution for reporting; the constraint is on the totals)."""
+        borrowed, _ = self.totals()
+        out = {}
+        for q in sorted(self.limits):
+            take = min(self.lendable(q), borrowed)
+            out[q] = take
+            borrowed -= take
+        return out
+
+    def check(self, q: str, request: int) -> Verdict:
+        lim = self.limits[q]
+        used = self.used.get(q, 0)
+        after = used + request
+        borrowed_after = self.borrowed(q, after)
+        head = f"queue {q} nominal {self.flavor} {lim.nominal}, used {used}"
+        if self.cohort is None:
+            if borrowed_after == 0:
+                return Verdict(True)
+            return Verdict(False, reason=QuotaWaitReason.NOMINAL_EXHAUSTED,
+                           message=f"{head}; needs {request} more; no cohort to borrow from")
+        if lim.borrowing_limit is not None and borrowed_after > lim.borrowing_limit:
+            return Verdict(False, reason=QuotaWaitReason.BORROWING_LIMIT,
+                           message=f"{head} (borrowed {self.borrowed(q)}); needs {request}: would borrow "
+                                   f"{borrowed_after}, above its borrowingLimit {lim.borrowing_limit}")
+        # Even within its own nominal a queue must find that quota unlent: what others borrowed
+        # has to stay covered by what is still lendable.
+        total_borrowed, total_lendable = self.totals()
+        new_borrowed = total_borrowed + borrowed_after - self.borrowed(q)
+        new_lendable = total_lendable + self.lendable(q, after) - self.lendable(q)
+        if new_borrowed <= new_lendable:
+            return Verdict(True, borrowed=borrowed_after - self.borrowed(q))
+        borrowers = ", ".join(
+            f"{p} {self.borrowed(p)}" + (f" (borrowingLimit {self.limits[p].borrowing_limit})"
+                                        if self.limits[p].borrowing_limit is not None else "")
+            for p in sorted(self.limits) if self.borrowed(p) > 0
+        ) or "none"
+        if borrowed_after == 0:
+            return Verdict(False, reason=QuotaWaitReason.NOMINAL_LENT,
+                           message=f"{head}; needs {request}; its unused quota is lent out in cohort {self.cohort}; "
+                                   f"borrowed by: {borrowers}")
+        free = max(0, (total_lendable - self.lendable(q)) - (total_borrowed - self.borrowed(q)))
+        return Verdict(False, reason=QuotaWaitReason.COHORT_EXHAUSTED,
+                       message=f"{head}; needs {request}; cohort {self.cohort} has {free} free {self.flavor} "
+                               f"to lend; borrowed by: {borrowers}")
+
+    def charge(self, q: str, request: int) -> None:
+        self.used[q] = self.used.get(q, 0) + request

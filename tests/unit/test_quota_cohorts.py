@@ -1,0 +1,185 @@
+"""Quota with cohorts: borrowing, lending limits, fair order, nested cohorts, and the reasons a
+job waits — table-driven cases and a property over random configurations."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas import CohortConfigured, FlavorQuota, QueueConfigured, QuotaPendingReasonChanged, QuotaReserved, new_event
+from services.quota.capacity import Limits, Pool
+from services.quota.domain import QuotaCore
+from tests.unit.builders import T0, Log, admitted, drive, spec, submitted, succeeded
+
+
+def cq(name: str, cohort: str | None, **flavors) -> QueueConfigured:
+    """A queue; each flavor is nominal or (nominal, borrowing_limit, lending_limit[, weight])."""
+    quotas = []
+    for flavor, v in flavors.items():
+        n, b, l_, w = (v, None, None, 1.0) if isinstance(v, int) else (tuple(v) + (1.0,))[:4]
+        quotas.append(FlavorQuota(flavor=flavor.replace("_", "-"), nominal=n, borrowing_limit=b, lending_limit=l_,
+                                  weight=w))
+    return new_event(QueueConfigured, aggregate_id=name, producer="config", occurred_at=T0,
+                     key=f"{name}/{flavors}/{cohort}", name=name, cohort=cohort, allowed_teams=("team-a",),
+                     quotas=tuple(quotas))
+
+
+def cohort(name: str, parent: str | None = None) -> CohortConfigured:
+    return new_event(CohortConfigured, aggregate_id=name, producer="config", occurred_at=T0, key=f"{name}/{parent}",
+                     name=name, parent=parent)
+
+
+def job(job_id: str, queue_: str, gpus: int, *, seq: int = 1, priority: int = 500, at_s: float = 0, **fields):
+    when = T0 + timedelta(seconds=at_s)
+    s = spec(gpus=gpus, queue=queue_, **fields)
+    return [submitted(job_id, s, seq=seq, when=when), admitted(job_id, queue_, priority, when=when)]
+
+
+def run(*batches, now=T0):
+    core, log, out = QuotaCore(), Log(), []
+    for batch in batches:
+        flat = [e for x in batch for e in (x if isinstance(x, list) else [x])]
+        out = drive(core, flat, now, log=log)
+    return core, log, out
+
+
+def reserved(log) -> dict[str, tuple[str, int, int]]:
+    return {e.aggregate_id: (e.queue, e.gpus, e.borrowed) for e in log.events if isinstance(e, QuotaReserved)}
+
+
+def reasons(log) -> dict[str, QuotaPendingReasonChanged]:
+    return {e.aggregate_id: e for e in log.events if isinstance(e, QuotaPendingReasonChanged)}
+
+
+@pytest.mark.parametrize(
+    "queues, jobs, expect_reserved, expect_reason",
+    [
+        # borrowing the neighbour's unused quota
+        ([cq("a", "c", a100=4), cq("b", "c", a100=4)], [job("j", "a", 6)], {"j": ("a", 6, 2)}, {}),
+        # ...but not beyond the borrowing limit
+        ([cq("a", "c", a100=(4, 1, None)), cq("b", "c", a100=4)], [job("j", "a", 6)], {},
+         {"j": ("borrowing-limit", "queue a nominal a100 4, used 0 (borrowed 0); needs 6: would borrow 2, "
+                                   "above its borrowingLimit 1")}),
+        # ...nor beyond what the lender may lend
+        ([cq("a", "c", a100=4), cq("b", "c", a100=(4, None, 1))], [job("j", "a", 6)], {},
+         {"j": ("cohort-exhausted", "queue a nominal a100 4, used 0; needs 6; cohort c has 1 free a100 to lend; "
+                                    "borrowed by: none")}),
+        # a queue outside any cohort has only its own nominal
+        ([cq("a", None, a100=4), cq("b", None, a100=4)], [job("j", "a", 6)], {},
+         {"j": ("nominal-exhausted", "queue a nominal a100 4, used 0; needs 6 more; no cohort to borrow from")}),
+        # nested cohorts share the root's pool
+        ([cohort("root"), cohort("left", "root"), cohort("right", "root"),
+          cq("a", "left", a100=2), cq("b", "right", a100=6)], [job("j", "a", 8)], {"j": ("a", 8, 6)}, {}),
+        # what is lent is no longer free: the second borrower waits, naming the first
+        ([cq("a", "c", a100=4), cq("b", "c", a100=4), cq("x", "c", a100=0)],
+         [job("j1", "a", 6, seq=1), job("j2", "x", 3, seq=2, at_s=1)], {"j1": ("a", 6, 2)},
+         {"j2": ("cohort-exhausted", "queue x nominal a100 0, used 0; needs 3; cohort c has 2 free a100 to lend; "
+                                     "borrowed by: a 2")}),
+    ],
+    ids=["borrow", "borrowing-limit", "lending-limit", "no-cohort", "nested", "second-borrower"],
+)
+def test_borrowing_and_reasons(queues, jobs, expect_reserved, expect_reason):
+    _, log, _ = run(queues, jobs)
+    assert reserved(log) == expect_reserved
+    assert {j: (r.reason.value, r.message) for j, r in reasons(log).items()} == expect_reason
+
+
+def test_guaranteed_quota_returns_to_its_owner_when_the_borrower_finishes():
+    core, log, _ = run([cq("a", "c", a100=4), cq("b", "c", a100=4)], [job("big", "a", 8)])
+    assert reserved(log) == {"big": ("a", 8, 4)}
+    drive(core, job("mine", "b", 4, seq=2, at_s=1), T0 + timedelta(seconds=1), log=log)
+    assert "mine" not in reserved(log)
+    why = reasons(log)["mine"]
+    assert why.reason.value == "nominal-lent"
+    assert why.message == ("queue b nominal a100 4, used 0; needs 4; its unused quota is lent out in cohort c; "
+                           "borrowed by: a 4")
+    drive(core, [succeeded("big", started_at=T0, when=T0 + timedelta(seconds=5))], T0 + timedelta(seconds=5), log=log)
+    assert reserved(log)["mine"] == ("b", 4, 0)
+
+
+def test_fair_order_gives_cohort_capacity_to_the_lower_share_first():
+    # both use all their a100; "light" also has unused l4 quota, so its weighted share is lower
+    # (4/8 against 4/4): it gets the lender's 2 a100 first
+    queues = [cq("hog", "c", a100=4), cq("light", "c", a100=4, l4=4), cq("lender", "c", a100=2)]
+    core, log, _ = run(queues, [job("h0", "hog", 4, seq=1), job("l0", "light", 4, seq=2, gpu_flavors=("a100",))])
+    later = job("h1", "hog", 2, seq=3, at_s=1, gpu_flavors=("a100",)) + job("l1", "light", 2, seq=4, at_s=2,
+                                                                             gpu_flavors=("a100",))
+    drive(core, later, T0 + timedelta(seconds=2), log=log)
+    got = reserved(log)
+    assert "h1" not in got and got["l1"] == ("light", 2, 2)
+
+
+def test_weights_rank_queues_in_weighted_units():
+    core = QuotaCore()
+    a = cq("a", "c", h100=(4, None, None, 4.0), l4=(4, None, None, 1.0))
+    core.evolve(a)
+    used = {("a", "h100"): 2}
+    assert core.share(a, used) == pytest.approx(2 * 4.0 / (4 * 4.0 + 4 * 1.0))
+
+
+def test_position_counts_only_jobs_still_waiting():
+    _, log, _ = run([cq("a", None, a100=2)], [job(f"j{i}", "a", 2, seq=i + 1, at_s=i) for i in range(4)])
+    assert reserved(log) == {"j0": ("a", 2, 0)}
+    assert {j: r.position for j, r in reasons(log).items()} == {"j1": 1, "j2": 2, "j3": 3}
+
+
+# -- property ------------------------------------------------------------------------------
+
+
+@st.composite
+def cohort_scenarios(draw):
+    n_queues = draw(st.integers(2, 4))
+    queues = []
+    for i in range(n_queues):
+        nominal = draw(st.integers(0, 6))
+        b = draw(st.one_of(st.none(), st.integers(0, 6)))
+        l_ = draw(st.one_of(st.none(), st.integers(0, 6)))
+        queues.append(cq(f"q{i}", draw(st.sampled_from(["c", "c", None])), a100=(nominal, b, l_)))
+    jobs = [(f"j{k}", f"q{draw(st.integers(0, n_queues - 1))}", draw(st.integers(1, 5)))
+            for k in range(draw(st.integers(1, 10)))]
+    finish = draw(st.lists(st.integers(0, 9), max_size=6))
+    return queues, jobs, finish
+
+
+def check_pools(core: QuotaCore) -> None:
+    for pool in core.pools().values():
+        total_borrowed, total_lendable = pool.totals()
+        assert total_borrowed <= total_lendable
+        for q, lim in pool.limits.items():
+            assert pool.used.get(q, 0) >= 0
+            if pool.cohort is None:
+                assert pool.used.get(q, 0) <= lim.nominal
+            elif lim.borrowing_limit is not None:
+                assert pool.borrowed(q) <= lim.borrowing_limit
+
+
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cohort_scenarios())
+def test_property_limits_hold_and_replay_decides_nothing_new(scenario):
+    queues, jobs, finish = scenario
+    core, log = QuotaCore(), Log()
+    drive(core, queues, T0, log=log)
+    for k, (job_id, q, gpus) in enumerate(jobs):
+        drive(core, job(job_id, q, gpus, seq=k + 1, at_s=k), T0 + timedelta(seconds=k), log=log)
+        check_pools(core)
+    now = T0 + timedelta(seconds=len(jobs))
+    for i in finish:
+        running = sorted(j for j, job_ in core.state.jobs.items() if job_.reserved is not None and not job_.finished)
+        if running:
+            victim = running[i % len(running)]
+            now += timedelta(seconds=1)
+            drive(core, [succeeded(victim, started_at=T0, when=now)], now, log=log)
+            check_pools(core)
+    fresh = QuotaCore()
+    for e in log.events:
+        fresh.evolve(e)
+    assert [e for e in fresh.decide(now) if e.event_id not in log.ids] == []
+
+
+def test_pool_lent_by_attributes_borrowing_to_lenders_in_name_order():
+    pool = Pool("a100", "c", {"a": Limits(4), "b": Limits(2), "c": Limits(2)}, {"a": 7, "b": 0, "c": 1})
+    assert pool.totals() == (3, 3)
+    assert pool.lent_by() == {"a": 0, "b": 2, "c": 1}
