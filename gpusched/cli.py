@@ -224,6 +224,43 @@ def usage(output: Output = OutputOpt) -> None:
     emit(rows, output)
 
 
+@app.command("why")
+def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
+    """Why a job waits: its current quota reason, position in its queue, and the reason history."""
+    async def go():
+        nc = await Connection.resolve().nats()
+        try:
+            return await client.why(nc.jetstream(), job_id)
+        finally:
+            await nc.close()
+    data = run(go())
+    if output == Output.json:
+        emit(data, output)
+        return
+    r = data["reason"]
+    console.print(f"{job_id}: {data['last_event']} since {data['since'].isoformat(timespec='seconds')}")
+    if r:
+        console.print(f"waiting for quota: [bold]{r['code']}[/bold], position {r['position']} in its queue\n  {r['message']}")
+    elif not data["waiting_for_quota"]:
+        console.print("not waiting for quota")
+    if data["history"]:
+        emit(data["history"], output, title="reason history")
+
+
+@app.command()
+def queues(output: Output = OutputOpt) -> None:
+    """Quota per queue and flavor: nominal, used, borrowed, lent, pending."""
+    async def go():
+        conn = await Connection.resolve().pg()
+        try:
+            return await client.queue_usage(conn)
+        finally:
+            await conn.close()
+    emit(run(go()), output, columns=None if output == Output.json else
+         ["queue", "cohort", "flavor", "nominal", "borrowing_limit", "lending_limit", "used", "borrowed", "lent",
+          "pending_jobs"])
+
+
 @app.command()
 def dlq(limit: int = 20, output: Output = OutputOpt) -> None:
     """Dead-lettered messages with their reasons."""

@@ -20,7 +20,9 @@ from nats.js import JetStreamContext
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpusched import eventlog, observability
-from schemas import CancelJob, Event, QueueConfigured, QueueDeleted, SubmitJob, new_event, parse_event
+from schemas import (
+    CancelJob, CohortConfigured, Event, QueueConfigured, QueueDeleted, SubmitJob, new_event, parse_event,
+)
 from schemas.commands import job_id_for_key
 from schemas.job import rejection_id
 from schemas.registry import SUBJECT_PREFIX
@@ -164,8 +166,15 @@ class QueueSpec(BaseModel):
     strict_fifo: bool = False
 
 
+class CohortSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    parent: str | None = None
+
+
 class QueuesFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    cohorts: list[CohortSpec] = Field(default_factory=list)
     queues: list[QueueSpec]
 
 
@@ -174,25 +183,46 @@ def _config_payload(event: QueueConfigured) -> dict[str, Any]:
                                                    "correlation_id", "aggregate_id", "schema_version", "type"})
 
 
-async def current_queues(js: JetStreamContext) -> dict[str, QueueConfigured]:
-    queues: dict[str, QueueConfigured] = {}
-    async for msg in eventlog.read(js, subjects=[f"{SUBJECT_PREFIX}.queue.>"]):
+@dataclass
+class QuotaConfig:
+    """The queue and cohort configuration as the log has it now."""
+
+    queues: dict[str, QueueConfigured]
+    cohorts: dict[str, CohortConfigured]
+
+
+async def current_queues(js: JetStreamContext) -> QuotaConfig:
+    config = QuotaConfig({}, {})
+    async for msg in eventlog.read(js, subjects=[f"{SUBJECT_PREFIX}.queue.>", f"{SUBJECT_PREFIX}.cohort.>"]):
         event = parse_event(msg.data)
         if isinstance(event, QueueConfigured):
-            queues[event.name] = event
+            config.queues[event.name] = event
         elif isinstance(event, QueueDeleted):
-            queues.pop(event.name, None)
-    return queues
+            config.queues.pop(event.name, None)
+        elif isinstance(event, CohortConfigured):
+            config.cohorts[event.name] = event
+    return config
 
 
-def plan_queues(path: Path, current: dict[str, QueueConfigured], now: datetime, prune: bool = False) -> list[Event]:
-    """The events that make the log's queue configuration equal the file's."""
+def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = False) -> list[Event]:
+    """The events that make the log's queue and cohort configuration equal the file's: changed
+    or new cohorts first, then queues; with ``prune``, QueueDeleted for queues the file lacks."""
+    current = config.queues
     raw = load_yaml(path)
     try:
         parsed = QueuesFile.model_validate(raw)
     except ValidationError as err:
         raise UserError(_first_error(err, str(path))) from None
     out: list[Event] = []
+    for i, c in enumerate(parsed.cohorts):
+        existing_c = config.cohorts.get(c.name)
+        if existing_c is not None and existing_c.parent == c.parent:
+            continue
+        try:
+            out.append(new_event(CohortConfigured, aggregate_id=c.name, producer="config", occurred_at=now,
+                                 key=f"{c.parent}@{now.isoformat()}", name=c.name, parent=c.parent))
+        except ValidationError as err:
+            raise UserError(_first_error(err, f"{path}: cohorts[{i}] ({c.name})")) from None
     names = [q.name for q in parsed.queues]
     if dupes := sorted({n for n in names if names.count(n) > 1}):
         raise UserError(f"{path}: queues: name(s) {dupes} appear more than once; each queue once")
@@ -256,3 +286,68 @@ async def state_counts(conn: asyncpg.Connection) -> list[dict[str, Any]]:
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+async def why(js: JetStreamContext, job_id: str) -> dict[str, Any]:
+    """Where a job stands and why it waits, from its history in the log."""
+    history = await job_events(js, job_id)
+    if not history:
+        raise UserError(f"job {job_id!r} has no events in the log")
+    lifecycle = [e for _, e in history if e.type != "QuotaPendingReasonChanged"]
+    last = lifecycle[-1] if lifecycle else history[-1][1]
+    reasons = [e for _, e in history if e.type == "QuotaPendingReasonChanged"]
+    attempt = max((getattr(e, "attempt", 1) or 1 for e in lifecycle), default=1)
+    waiting = last.type in ("JobAdmitted", "JobRetryScheduled", "QuotaReleased") and not any(
+        e.type in ("JobSucceeded", "JobCancelled", "JobRejected") for e in lifecycle)
+    current = next((r for r in reversed(reasons) if r.attempt == attempt), None) if waiting else None
+    return {
+        "job_id": job_id,
+        "last_event": last.type,
+        "since": last.occurred_at,
+        "waiting_for_quota": waiting,
+        "reason": None if current is None else {
+            "code": current.reason.value, "message": current.message, "position": current.position,
+            "flavor": current.flavor, "since": current.occurred_at},
+        "history": [{"time": r.occurred_at, "attempt": r.attempt, "code": r.reason.value, "position": r.position,
+                     "message": r.message} for r in reasons],
+    }
+
+
+async def queue_usage(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    """Per queue and flavor: nominal, limits, used, borrowed, lent and pending, from the read
+    models. ``lent`` attributes the cohort's borrowing to lenders' unused quota in queue-name
+    order (the platform constrains only the totals)."""
+    rows = [dict(r) for r in await conn.fetch(
+        """SELECT q.name AS queue, q.cohort, fq->>'flavor' AS flavor, (fq->>'nominal')::int AS nominal,
+                  (fq->>'borrowing_limit')::int AS borrowing_limit, (fq->>'lending_limit')::int AS lending_limit,
+                  coalesce((SELECT sum(r.gpus) FROM reservations r WHERE r.queue = q.name
+                            AND r.flavor = fq->>'flavor' AND r.released_at IS NULL), 0)::int AS used
+           FROM queues q, jsonb_array_elements(q.config->'quotas') fq
+           WHERE NOT q.deleted ORDER BY q.name, fq->>'flavor'""")]
+    parents = dict(await conn.fetch("SELECT name, parent FROM cohorts"))
+    pending = dict(await conn.fetch(
+        "SELECT queue, count(*) FROM jobs WHERE state IN ('queued', 'retrying') GROUP BY queue"))
+
+    def root(cohort: str | None) -> str | None:
+        seen = set()
+        while cohort is not None and parents.get(cohort) is not None and cohort not in seen:
+            seen.add(cohort)
+            cohort = parents[cohort]
+        return cohort
+
+    pools: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        own = min(r["used"], r["nominal"])
+        r["borrowed"] = r["used"] - own
+        cap = r["nominal"] if r["lending_limit"] is None else min(r["lending_limit"], r["nominal"])
+        r["lendable"] = max(0, min(cap, r["nominal"] - own))
+        r["lent"] = 0
+        r["pending_jobs"] = pending.get(r["queue"], 0)
+        if (top := root(r["cohort"])) is not None:
+            pools.setdefault((top, r["flavor"]), []).append(r)
+    for members in pools.values():
+        to_cover = sum(m["borrowed"] for m in members)
+        for m in sorted(members, key=lambda m: m["queue"]):
+            m["lent"] = min(m["lendable"], to_cover)
+            to_cover -= m["lent"]
+    return rows

@@ -221,6 +221,30 @@ async def fetch(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: f
         return []
 
 
+async def tail(js: JetStreamContext, *, from_seq: int, batch: int, idle_s: float,
+               stream: str = EVENTS_STREAM) -> AsyncIterator[list[Msg]]:
+    """Every message from ``from_seq`` on, in stream order, forever: batches as they come, an
+    empty batch when nothing came within ``idle_s``. For projections that keep their own position
+    (in the same transaction as their rows): the consumer is ephemeral and ack-less, so nothing is
+    ever redelivered out of order; after any error the caller starts again from its position."""
+    config = ConsumerConfig(
+        ack_policy=AckPolicy.NONE,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE if from_seq > 1 else DeliverPolicy.ALL,
+        opt_start_seq=from_seq if from_seq > 1 else None,
+        inactive_threshold=30.0,
+        mem_storage=True,
+    )
+    sub = await js.pull_subscribe("", stream=stream, config=config)
+    try:
+        while True:
+            yield await fetch(sub, batch, idle_s)
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # ephemeral: the server reaps it anyway
+            pass
+
+
 async def last_sequence(js: JetStreamContext, stream: str = EVENTS_STREAM) -> int:
     info = await js.stream_info(stream)
     return info.state.last_seq

@@ -30,6 +30,12 @@ async def connect_pg(dsn: str) -> asyncpg.Connection:
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
+    """Project the log into Postgres, strictly in stream order, from the stored position.
+
+    The position lives in Postgres, written in the transaction that writes the rows, so the
+    consumer need not remember anything: an ephemeral in-order reader starts at position + 1, and
+    after any failure (NATS or Postgres) the loop starts again from the stored position. A batch
+    that fails to commit is retried as it is; no later event is applied before it."""
     if not settings.pg_dsn:
         raise SystemExit("GPUSCHED_PG_DSN is required by the accounting service")
     conn = await connect_pg(settings.pg_dsn)
@@ -38,43 +44,55 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     js = nc.jetstream()
     try:
         await eventlog.wait_for_streams(js)
-        start = await sink.position(conn) + 1
-        sub = await eventlog.durable_consumer(js, stream=eventlog.EVENTS_STREAM, durable=NAME, start_seq=start)
         while not stop.is_set():
-            msgs = await eventlog.fetch(sub, settings.batch_size, settings.tick_s)
-            if not msgs:
-                continue
-            batch: list[tuple[int, list[projection.Op]]] = []
-            for msg in msgs:
-                seq = msg.metadata.sequence.stream
-                kind = (msg.headers or {}).get("Gpusched-Type", "event")
-                with observability.span_from_headers(f"accounting {kind}", msg.headers, sequence=seq):
-                    try:
-                        event = eventlog.parse_message(msg)
-                        ops = projection.convert(event, seq)
-                    except (ValueError, ValidationError, LookupError) as err:
-                        await eventlog.dead_letter(js, NAME, msg, f"cannot project: {err}")
-                        ops = []
-                    else:
-                        observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
-                batch.append((seq, ops))
+            position = await sink.position(conn)
             try:
-                with observability.BATCH_SECONDS.labels(service=NAME).time():
-                    await sink.apply_batch(conn, batch)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
-                # Nothing of the batch is committed: let JetStream redeliver it.
-                log.warning("postgres write failed; batch will be redelivered", extra={"error": repr(err)})
-                for msg in msgs:
-                    await msg.nak(delay=1.0)
-                await conn.close()
-                conn = await connect_pg(settings.pg_dsn)
-                continue
-            observability.APPLIED_SEQUENCE.labels(service=NAME).set(batch[-1][0])
-            for msg in msgs:
-                await msg.ack()
+                async for msgs in eventlog.tail(js, from_seq=position + 1, batch=settings.batch_size,
+                                                idle_s=settings.tick_s):
+                    if stop.is_set():
+                        break
+                    if msgs:
+                        conn = await _project(js, conn, settings, msgs)
+            except eventlog.TRANSIENT_ERRORS as err:
+                log.warning("NATS unavailable; resuming from the stored position", extra={"error": repr(err)})
+                await asyncio.sleep(0.5)
     finally:
         await nc.close()
         await conn.close()
+
+
+async def _project(js, conn: asyncpg.Connection, settings: Settings, msgs) -> asyncpg.Connection:
+    """Convert a batch and commit it, retrying the same batch until Postgres takes it."""
+    batch: list[tuple[int, list[projection.Op]]] = []
+    for msg in msgs:
+        seq = msg.metadata.sequence.stream
+        kind = (msg.headers or {}).get("Gpusched-Type", "event")
+        with observability.span_from_headers(f"accounting {kind}", msg.headers, sequence=seq):
+            try:
+                event = eventlog.parse_message(msg)
+                ops = projection.convert(event, seq)
+            except (ValueError, ValidationError, LookupError) as err:
+                await eventlog.dead_letter(js, NAME, msg, f"cannot project: {err}")
+                ops = []
+            else:
+                observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
+        batch.append((seq, ops))
+    while True:
+        try:
+            with observability.BATCH_SECONDS.labels(service=NAME).time():
+                await sink.apply_batch(conn, batch)
+            break
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+            # Nothing of the batch is committed; try the same batch again on a new connection.
+            log.warning("postgres write failed; retrying the batch", extra={"error": repr(err)})
+            await asyncio.sleep(1.0)
+            try:
+                await conn.close()
+            except Exception:
+                pass
+            conn = await connect_pg(settings.pg_dsn)
+    observability.APPLIED_SEQUENCE.labels(service=NAME).set(batch[-1][0])
+    return conn
 
 
 def main() -> None:

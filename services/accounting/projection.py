@@ -40,7 +40,7 @@ class Op(NamedTuple):
     args: tuple
 
 
-IGNORED = (QuotaReleased, CohortConfigured)
+IGNORED = ()
 
 
 def _state(job_id: str, state: str, seq: int, **columns) -> Op:
@@ -72,7 +72,12 @@ def convert(event: Event, seq: int) -> list[Op]:
             return [Op("wait_reason", (j, event.reason.value, event.message, seq))]
         case QuotaReserved():
             return [_state(j, "reserved", seq, reserved_at=t, attempt=event.attempt, flavor=event.flavor,
-                           reason=None, message=None)]
+                           reason=None, message=None),
+                    Op("reservation", (j, event.attempt, event.queue, event.flavor, event.gpus, event.borrowed, t, seq))]
+        case QuotaReleased():
+            return [Op("reservation_released", (j, event.attempt, t, seq))]
+        case CohortConfigured():
+            return [Op("cohort", (event.name, event.parent, seq))]
         case JobScheduled():
             nodes = [p.node for p in event.placement]
             return [_state(j, "scheduled", seq, scheduled_at=t, nodes=nodes, flavor=event.flavor)]

@@ -47,6 +47,15 @@ _SQL = {
         ON CONFLICT (name) DO UPDATE SET gpu_flavor = $2, gpu_product = $3, gpu_count = $4,
             gpu_memory_mib = $5, labels = $6::jsonb, unschedulable = $7, last_sequence = $8, lost = false""",
     "wait_reason": "UPDATE jobs SET reason = $2, message = $3, last_sequence = $4 WHERE job_id = $1",
+    "reservation": """
+        INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (job_id, attempt) DO NOTHING""",
+    "reservation_released": """
+        UPDATE reservations SET released_at = $3, sequence = $4 WHERE job_id = $1 AND attempt = $2
+            AND released_at IS NULL""",
+    "cohort": """
+        INSERT INTO cohorts (name, parent, last_sequence) VALUES ($1, $2, $3)
+        ON CONFLICT (name) DO UPDATE SET parent = $2, last_sequence = $3""",
     "node_lost": "UPDATE nodes SET lost = true, last_sequence = $2 WHERE name = $1",
     "queue": """
         INSERT INTO queues (name, cohort, config, last_sequence, deleted) VALUES ($1, $2, $3::jsonb, $4, false)

@@ -111,3 +111,45 @@ async def test_sink_is_idempotent_and_all_or_nothing(pg_dsn):
         assert [(r["job_id"], r["gpu_seconds"]) for r in rows] == [("b1", 8 * 3600.0), ("b2", 60.0)]
     finally:
         await conn.close()
+
+
+async def test_a_failing_write_is_retried_in_order_and_nothing_is_skipped(nats_server, admin_js, pg_dsn):
+    """Postgres refuses a batch for a while (a trigger stands in for an outage): accounting
+    must neither skip that batch nor apply later events before it."""
+    settings = service_settings(nats_server, "accounting", pg_dsn=pg_dsn)
+    stop = asyncio.Event()
+    task = asyncio.create_task(accounting.run(settings, stop))
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await eventually(lambda: _migrated(conn))
+        await conn.execute("""
+            CREATE TABLE outage (active boolean NOT NULL);
+            INSERT INTO outage VALUES (true);
+            CREATE FUNCTION refuse() RETURNS trigger AS $$
+            BEGIN
+                IF (SELECT active FROM outage) THEN RAISE EXCEPTION 'simulated outage'; END IF;
+                RETURN NEW;
+            END $$ LANGUAGE plpgsql;
+            CREATE TRIGGER refuse BEFORE INSERT ON usage_ledger FOR EACH ROW EXECUTE FUNCTION refuse();
+        """)
+        log = eventlog.EventLog(admin_js)
+        for e in lifecycle("o1", gpus=1, runtime_s=10):
+            await log.append(e)
+        await asyncio.sleep(1.5)
+        for e in lifecycle("o2", gpus=2, runtime_s=10):
+            await log.append(e)
+        await asyncio.sleep(1.5)
+        assert await sink.position(conn) < 6  # stuck before o1's success, not past it
+        assert await conn.fetchval("SELECT count(*) FROM jobs WHERE job_id = 'o2'") == 0
+        await conn.execute("UPDATE outage SET active = false")
+        usage, pos, states = await eventually(lambda: _at(pg_dsn, 12), timeout_s=30)
+        assert usage == {"o1": 10.0, "o2": 20.0}
+        assert states == {"o1": "succeeded", "o2": "succeeded"}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await conn.close()
+
+
+async def _migrated(conn) -> bool:
+    return bool(await conn.fetchval("SELECT to_regclass('usage_ledger') IS NOT NULL"))

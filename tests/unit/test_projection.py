@@ -55,7 +55,8 @@ CASES = [
     (REJECTED, [Op("job_rejected", ("j1", "unknown-queue", "no queue 'x'", at(1), SEQ))]),
     (admitted("j1", when=at(2)), [Op("set_state:admitted_at", ("j1", "queued", SEQ, at(2)))]),
     (reserved("j1", flavor="h100", attempt=2, when=at(3)),
-     [Op("set_state:attempt,flavor,message,reason,reserved_at", ("j1", "reserved", SEQ, 2, "h100", None, None, at(3)))]),
+     [Op("set_state:attempt,flavor,message,reason,reserved_at", ("j1", "reserved", SEQ, 2, "h100", None, None, at(3))),
+      Op("reservation", ("j1", 2, "research", "h100", 1, 0, at(3), SEQ))]),
     (pending_reason("j1", message="queue q nominal a100 8, used 8"),
      [Op("wait_reason", ("j1", "nominal-exhausted", "queue q nominal a100 8, used 8", SEQ))]),
     (scheduled("j1", {"n1": (0,), "n2": (1,)}, flavor="a100", when=at(4)),
@@ -87,8 +88,8 @@ CASES = [
     (node_lost("n1"), [Op("node_lost", ("n1", SEQ))]),
     (QUEUE, [Op("queue", ("research", "shared", QUEUE.model_dump_json(), SEQ))]),
     (DELETED, [Op("queue_deleted", ("old", SEQ))]),
-    (released("j1"), []),
-    (COHORT, []),
+    (released("j1"), [Op("reservation_released", ("j1", 1, T0, SEQ))]),
+    (COHORT, [Op("cohort", ("shared", None, SEQ))]),
 ]
 
 
@@ -99,7 +100,7 @@ def test_convert(event, ops):
 
 def test_every_event_type_has_a_case():
     assert {type(e) for e, _ in CASES} == set(ALL_EVENT_TYPES)
-    assert set(IGNORED) == {type(released("j1")), CohortConfigured}
+    assert set(IGNORED) == set()
 
 
 def test_usage_never_negative():
