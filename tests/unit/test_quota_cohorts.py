@@ -183,3 +183,21 @@ def test_pool_lent_by_attributes_borrowing_to_lenders_in_name_order():
     pool = Pool("a100", "c", {"a": Limits(4), "b": Limits(2), "c": Limits(2)}, {"a": 7, "b": 0, "c": 1})
     assert pool.totals() == (3, 3)
     assert pool.lent_by() == {"a": 0, "b": 2, "c": 1}
+
+
+def test_the_worked_example_in_docs_quota_md():
+    queues = [cq("research", "shared", a100=4), cq("product", "shared", a100=(4, None, 2)),
+              cq("platform", "shared", a100=(0, 4, None))]
+    core, log, _ = run(queues, [job("r1", "research", 6, seq=1)])
+    assert reserved(log) == {"r1": ("research", 6, 2)}
+    for k, (job_id, q) in enumerate([("p1", "platform"), ("d1", "product"), ("d2", "product")], start=1):
+        drive(core, job(job_id, q, 2, seq=k + 1, at_s=k), T0 + timedelta(seconds=k), log=log)
+    assert reserved(log) == {"r1": ("research", 6, 2), "d1": ("product", 2, 0)}
+    assert {j: (r.reason.value, r.message) for j, r in reasons(log).items()} == {
+        "p1": ("cohort-exhausted", "queue platform nominal a100 0, used 0; needs 2; cohort shared has 0 free a100 "
+                                   "to lend; borrowed by: research 2"),
+        "d2": ("nominal-lent", "queue product nominal a100 4, used 2; needs 2; its unused quota is lent out in "
+                               "cohort shared; borrowed by: research 2"),
+    }
+    drive(core, [succeeded("r1", started_at=T0, when=T0 + timedelta(seconds=9))], T0 + timedelta(seconds=9), log=log)
+    assert set(reserved(log)) == {"r1", "d1", "p1", "d2"}
