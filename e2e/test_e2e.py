@@ -211,6 +211,24 @@ async def test_cli_submit_and_read_back(stack, nats_server, tmp_path):
         return found if found >= set(devstack.SERVICES) else None
     assert await eventually(services_in_trace, timeout_s=15, interval_s=0.5) == set(devstack.SERVICES)
 
+    # quota views: a job too big for its queue's nominal (and no cohort) waits, and says why
+    big = tmp_path / "big.yaml"
+    big.write_text("job_id: too-big\nspec:\n  kind: training\n  queue: q-team-a\n  team: team-a\n  image: img\n"
+                   "  gpus: 4\n  gang_size: 3\n  gpu_flavors: [a100]\n")
+    subprocess.run(cli + ["submit", "-f", str(big)], env=env, capture_output=True, check=True, text=True)
+
+    def waiting():
+        r = subprocess.run(cli + ["why", "too-big", "-o", "json"], env=env, capture_output=True, text=True)
+        return json.loads(r.stdout) if r.returncode == 0 and json.loads(r.stdout)["reason"] else None
+    why = await eventually(waiting, timeout_s=20, interval_s=0.5)
+    assert why["reason"]["code"] == "nominal-exhausted"
+    assert why["reason"]["message"] == "queue q-team-a nominal a100 8, used 0; needs 12 more; no cohort to borrow from"
+    queues = json.loads(subprocess.run(cli + ["queues", "-o", "json"], env=env, capture_output=True, check=True,
+                                       text=True).stdout)
+    row = next(q for q in queues if q["queue"] == "q-team-a" and q["flavor"] == "a100")
+    assert (row["nominal"], row["used"], row["borrowed"]) == (8, 0, 0)
+    assert row["pending_jobs"] >= 1
+
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: training\nqueue: q-team-a\nteam: team-a\nimage: img\ngpus: -3\n")
     r = subprocess.run(cli + ["submit", "-f", str(bad)], env=env, capture_output=True, text=True)
