@@ -34,8 +34,9 @@ test-integration: setup ## Each service against real NATS and Postgres
 test-e2e: setup ## All services as processes, faults included
 	$(BIN)/python -m pytest -q e2e $(ARGS)
 
-bench: setup ## Benchmarks: figures beside the raw JetStream ceiling, as ratios
+bench: setup ## Benchmarks: figures beside the raw JetStream ceiling, as ratios; the quota core at scale
 	$(BIN)/python -m bench $(ARGS)
+	$(BIN)/python -m bench.quota
 
 schemas: setup ## Regenerate schemas/json from the pydantic models
 	$(BIN)/python -m schemas.export

@@ -43,7 +43,8 @@ def read_procfile(path: Path = PROCFILE) -> dict[str, list[str]]:
     return procs
 
 
-SERVICES = tuple(read_procfile())
+SERVICES = ("admission", "quota", "scheduler", "executor", "accounting")
+"""The five services, in start order; tests/unit/test_deploy.py checks deploy/Procfile agrees."""
 
 
 def free_port() -> int:

@@ -46,6 +46,9 @@ class Pool:
     cohort: str | None
     limits: dict[str, Limits] = field(default_factory=dict)
     used: dict[str, int] = field(default_factory=dict)
+    # Derived, computed on first use after limits and used are filled in, kept up to date by charge().
+    _totals: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    _borrowers: str | None = field(default=None, repr=False, compare=False)
 
     def own(self, q: str, used: int | None = None) -> int:
         u = self.used.get(q, 0) if used is None else used
@@ -60,7 +63,18 @@ class Pool:
 
     def totals(self) -> tuple[int, int]:
         """(borrowed, lendable) over the tree."""
-        return (sum(self.borrowed(q) for q in self.limits), sum(self.lendable(q) for q in self.limits))
+        if self._totals is None:
+            self._totals = (sum(self.borrowed(q) for q in self.limits), sum(self.lendable(q) for q in self.limits))
+        return self._totals
+
+    def borrowers(self) -> str:
+        if self._borrowers is None:
+            self._borrowers = ", ".join(
+                f"{p} {self.borrowed(p)}" + (f" (borrowingLimit {self.limits[p].borrowing_limit})"
+                                            if self.limits[p].borrowing_limit is not None else "")
+                for p in sorted(self.limits) if self.borrowed(p) > 0
+            ) or "none"
+        return self._borrowers
 
     def lent_by(self) -> dict[str, int]:
         """What each queue's unused nominal is covering of the others' borrowing, filling lenders
@@ -95,11 +109,7 @@ class Pool:
         new_lendable = total_lendable + self.lendable(q, after) - self.lendable(q)
         if new_borrowed <= new_lendable:
             return Verdict(True, borrowed=borrowed_after - self.borrowed(q))
-        borrowers = ", ".join(
-            f"{p} {self.borrowed(p)}" + (f" (borrowingLimit {self.limits[p].borrowing_limit})"
-                                        if self.limits[p].borrowing_limit is not None else "")
-            for p in sorted(self.limits) if self.borrowed(p) > 0
-        ) or "none"
+        borrowers = self.borrowers()
         if borrowed_after == 0:
             return Verdict(False, reason=QuotaWaitReason.NOMINAL_LENT,
                            message=f"{head}; needs {request}; its unused quota is lent out in cohort {self.cohort}; "
@@ -110,4 +120,8 @@ class Pool:
                                f"to lend; borrowed by: {borrowers}")
 
     def charge(self, q: str, request: int) -> None:
+        borrowed, lendable = self.totals()
+        before_b, before_l = self.borrowed(q), self.lendable(q)
         self.used[q] = self.used.get(q, 0) + request
+        self._totals = (borrowed - before_b + self.borrowed(q), lendable - before_l + self.lendable(q))
+        self._borrowers = None
