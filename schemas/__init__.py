@@ -32,6 +32,7 @@ JobCancelRequested          admission    a valid CancelJob for a known, unfinish
 QuotaReserved               quota        quota for one attempt is held (flavor, borrowed part)
 QuotaReleased               quota        that quota is free again (attempt ended)
 QuotaPendingReasonChanged   quota        why a queued attempt still waits (when that changes)
+ReclaimRequested            quota        a borrowing attempt must give its quota back (preempted)
 JobRetryScheduled           quota        a failed attempt will be retried as attempt + 1
 JobScheduled                scheduler    placement of one attempt on nodes
 JobStarted                  executor     the attempt runs (the whole gang)
@@ -71,6 +72,7 @@ from schemas.job import (
     QuotaReleased,
     QuotaReserved,
     QuotaWaitReason,
+    ReclaimRequested,
     RejectReason,
     RetryPolicy,
 )

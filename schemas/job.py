@@ -212,6 +212,19 @@ class QuotaPendingReasonChanged(_JobEvent):
     flavor: Name | None = Field(default=None, description="The flavor the message is about")
 
 
+class ReclaimRequested(_JobEvent):
+    """Quota this attempt borrowed is needed back by its owner: the executor stops the attempt
+    (after the grace period) and reports JobPreempted; the job is requeued."""
+
+    type: Literal["ReclaimRequested"] = "ReclaimRequested"
+    attempt: int = Field(ge=1)
+    for_job: str = Field(description="The waiting job whose guaranteed quota is reclaimed")
+    for_queue: Name
+    flavor: Name
+    grace_seconds: float = Field(default=30.0, ge=0, description="Checkpoint window before the attempt is stopped")
+    message: str = Field(default="", max_length=4096)
+
+
 class QuotaReleased(_JobEvent):
     type: Literal["QuotaReleased"] = "QuotaReleased"
     attempt: int = Field(ge=1)

@@ -23,6 +23,7 @@ from schemas.job import (
     QuotaPendingReasonChanged,
     QuotaReleased,
     QuotaReserved,
+    ReclaimRequested,
 )
 from schemas.node import NodeLost, NodeRegistered, NodeUpdated
 from schemas.queue import CohortConfigured, QueueConfigured, QueueDeleted
@@ -40,6 +41,7 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     QuotaReserved: ("quota", "quota_reserved"),
     QuotaReleased: ("quota", "quota_released"),
     QuotaPendingReasonChanged: ("quota", "quota_pending"),
+    ReclaimRequested: ("quota", "reclaim_requested"),
     JobRetryScheduled: ("quota", "retry_scheduled"),
     JobScheduled: ("scheduler", "scheduled"),
     JobStarted: ("executor", "started"),

@@ -32,6 +32,7 @@ from schemas import (
     QuotaPendingReasonChanged,
     QuotaReleased,
     QuotaReserved,
+    ReclaimRequested,
 )
 
 
@@ -76,6 +77,8 @@ def convert(event: Event, seq: int) -> list[Op]:
                     Op("reservation", (j, event.attempt, event.queue, event.flavor, event.gpus, event.borrowed, t, seq))]
         case QuotaReleased():
             return [Op("reservation_released", (j, event.attempt, t, seq))]
+        case ReclaimRequested():
+            return [_state(j, "preempting", seq, message=event.message)]
         case CohortConfigured():
             return [Op("cohort", (event.name, event.parent, seq))]
         case JobScheduled():

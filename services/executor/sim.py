@@ -33,6 +33,7 @@ from schemas import (
     JobSubmitted,
     JobSucceeded,
     NodeLost,
+    ReclaimRequested,
     NodeRegistered,
     NodeUpdated,
     new_event,
@@ -60,6 +61,7 @@ class SimJob:
     attempt: Attempt | None = None  # the live attempt, if any
     finished: bool = False
     cancel_requested: JobCancelRequested | None = None
+    reclaim: ReclaimRequested | None = None  # for the live attempt
 
 
 @dataclass
@@ -107,6 +109,7 @@ class SimExecutorCore:
         self._inventory_dirty = True
 
     def _end_attempt(self, job_id: str, job: SimJob) -> None:
+        job.reclaim = None
         a = job.attempt
         if a is not None and a.ends_at is not None:
             i = bisect.bisect_left(self.state.ends, (a.ends_at, job_id))
@@ -160,6 +163,10 @@ class SimExecutorCore:
             case JobCancelled():
                 self._end_attempt(job_id, job)
                 job.finished = True
+            case ReclaimRequested():
+                if job.attempt is not None and job.attempt.scheduled.attempt == event.attempt:
+                    job.reclaim = event
+                    s.due[job_id] = None
             case JobCancelRequested():
                 job.cancel_requested = event
                 if not job.finished:
@@ -208,6 +215,13 @@ class SimExecutorCore:
         if a is None:
             return None
         n = a.scheduled.attempt
+        if job.reclaim is not None and job.reclaim.attempt == n:
+            # The sim stops at once; a real backend waits out grace_seconds after SIGTERM.
+            return new_event(
+                JobPreempted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(n), cause=job.reclaim,
+                attempt=n, started_at=a.started.occurred_at if a.started else None, preempted_by=job.reclaim.for_job,
+                reason=job.reclaim.message,
+            )
         lost = [p.node for p in a.scheduled.placement if p.node not in self.state.nodes]
         if lost:
             return new_event(

@@ -36,6 +36,7 @@ from schemas import (
     JobPreempted,
     JobRetryScheduled,
     JobSpec,
+    JobStarted,
     JobSubmitted,
     JobSucceeded,
     QueueConfigured,
@@ -44,8 +45,10 @@ from schemas import (
     QuotaReleased,
     QuotaReserved,
     QuotaWaitReason,
+    ReclaimRequested,
     new_event,
 )
+from schemas.priority import DEFAULT_PRIORITY_CLASSES
 from services.quota.capacity import Limits, Pool
 
 PRODUCER = "quota"
@@ -68,6 +71,9 @@ class QuotaJob:
     finished: bool = False  # no more attempts will run
     cancel_requested: bool = False
     waiting: QuotaPendingReasonChanged | None = None  # the last reason given for this attempt
+    preemptible: bool = True
+    started_at: datetime | None = None  # of the current attempt
+    reclaim: ReclaimRequested | None = None  # asked to give the current attempt's quota back
 
 
 @dataclass
@@ -122,6 +128,7 @@ class QuotaCore:
         match event:
             case JobAdmitted():
                 job.admitted, job.queue, job.priority = True, event.queue, event.priority
+                job.preemptible = event.preemptible
                 job.queued_at = event.occurred_at
                 self._enqueue(job_id, job)
             case QuotaReserved():
@@ -166,6 +173,8 @@ class QuotaCore:
             case JobRetryScheduled():
                 job.attempt = event.next_attempt
                 job.waiting = None
+                job.started_at = None
+                job.reclaim = None
                 job.not_before = event.not_before
                 job.queued_at = event.occurred_at
                 job.ended = None
@@ -174,6 +183,12 @@ class QuotaCore:
             case QuotaPendingReasonChanged():
                 if event.attempt == job.attempt:
                     job.waiting = event
+            case JobStarted():
+                if event.attempt == job.attempt:
+                    job.started_at = event.occurred_at
+            case ReclaimRequested():
+                if event.attempt == job.attempt:
+                    job.reclaim = event
             case JobCancelRequested():
                 job.cancel_requested = True
                 if self._dequeue(job_id, job):
@@ -265,7 +280,6 @@ class QuotaCore:
         out: list[Event] = []
         self._wake_at = None
         order: dict[str, list[QuotaJob]] = {}
-        heap: list[tuple[float, str]] = []
         for queue_name, ids in s.pending.items():
             waiting = sorted(
                 (s.jobs[j] for j in ids if s.jobs[j].reserved is None and not s.jobs[j].cancel_requested),
@@ -280,13 +294,36 @@ class QuotaCore:
                                             f"queue {queue_name} no longer exists", position, None, now))
                 continue
             order[queue_name] = waiting
-            heap.append((self.share(queue, used), queue_name))
-        heapq.heapify(heap)
         cursor = dict.fromkeys(order, 0)
+
+        def turn(queue_name: str) -> tuple[int, float, str]:
+            """Heap key: a head that fits without borrowing goes before any that must borrow
+            (guaranteed quota first, so reclaimed quota reaches its owner), then lowest share."""
+            queue, waiting = s.queues[queue_name], order[queue_name]
+            borrows = 0
+            if cursor[queue_name] < len(waiting):
+                head = waiting[cursor[queue_name]]
+                nominal = {fq.flavor for fq in queue.quotas}
+                for flavor in [f for f in (head.spec.gpu_flavors or [fq.flavor for fq in queue.quotas]) if f in nominal]:
+                    v = self.pool_of(pools, queue_name, flavor).check(queue_name, head.spec.total_gpus)
+                    if v.fits:
+                        borrows = 1 if v.borrowed else 0
+                        break
+            return (borrows, self.share(queue, used), queue_name)
+
+        heap = [turn(q) for q in order]
+        heapq.heapify(heap)
         ahead = dict.fromkeys(order, 0)  # jobs of the queue, before this one, that still wait
         refused: list[tuple[QuotaJob, str, int]] = []
+        # No new borrowing in a pool while quota is being reclaimed there: the reclaimed GPUs
+        # go to their owner, not to the next borrower (no reclaim loops).
+        reclaiming: dict[str, set[str | None]] = {}
+        for j in s.jobs.values():
+            if j.reclaim is not None and j.reserved is not None:
+                reclaiming.setdefault(j.reserved.flavor, set()).add(self.root_cohort(s.queues[j.reserved.queue].cohort)
+                                                                  if j.reserved.queue in s.queues else None)
         while heap:
-            _, queue_name = heapq.heappop(heap)
+            *_, queue_name = heapq.heappop(heap)
             queue, waiting = s.queues[queue_name], order[queue_name]
             if cursor[queue_name] >= len(waiting):
                 continue
@@ -299,15 +336,16 @@ class QuotaCore:
                 out.extend(self._reason(job, QuotaWaitReason.RETRY_BACKOFF,
                                         f"retry of attempt {job.attempt - 1} waits until {job.not_before.isoformat()}",
                                         position, None, now))
-                heapq.heappush(heap, (self.share(queue, used), queue_name))
+                heapq.heappush(heap, turn(queue_name))
                 continue
             need = job.spec.total_gpus
             nominal = {fq.flavor for fq in queue.quotas}
             flavors = [f for f in (job.spec.gpu_flavors or [fq.flavor for fq in queue.quotas]) if f in nominal]
             chosen, verdict = None, None
             for flavor in flavors:
-                v = self.pool_of(pools, queue_name, flavor).check(queue_name, need)
-                if v.fits:
+                pool = self.pool_of(pools, queue_name, flavor)
+                v = pool.check(queue_name, need)
+                if v.fits and not (v.borrowed and pool.cohort in reclaiming.get(flavor, ())):
                     chosen, verdict = flavor, v
                     break
             if chosen is not None:
@@ -320,7 +358,7 @@ class QuotaCore:
                         flavor=chosen, gpus=need, borrowed=verdict.borrowed,
                     )
                 )
-                heapq.heappush(heap, (self.share(queue, used), queue_name))
+                heapq.heappush(heap, turn(queue_name))
                 continue
             ahead[queue_name] += 1
             refused.append((job, queue_name, position))
@@ -331,27 +369,82 @@ class QuotaCore:
                                             f"queue {queue_name} is strict FIFO and its head {head} "
                                             f"({need} GPUs) does not fit", behind, None, now))
                 continue
-            heapq.heappush(heap, (self.share(queue, used), queue_name))
+            heapq.heappush(heap, turn(queue_name))
         # Explain what still waits with the numbers as they stand after this cycle's reservations
         # (the state the log will hold), not as they stood when the job's turn came.
         for job, queue_name, position in refused:
-            out.extend(self._explain(job, queue_name, position, pools, now))
+            events, lent_flavor = self._explain(job, queue_name, position, pools, now)
+            out.extend(events)
+            if lent_flavor is not None:
+                out.extend(self._reclaim(job, queue_name, lent_flavor, pools, now))
         return out
 
-    def _explain(self, job: QuotaJob, queue_name: str, position: int, pools: dict[tuple[str, str], Pool],
+    def _reclaim(self, waiting: QuotaJob, queue_name: str, flavor: str, pools: dict[tuple[str, str], Pool],
                  now: datetime) -> list[Event]:
+        """ReclaimRequested for the fewest borrowers' attempts that give ``waiting`` its
+        guaranteed quota back: lowest priority first, then least work lost (GPUs × time running),
+        then newest; never non-preemptible attempts or ones inside their protection window. Once
+        a reclaim for this job is under way, nothing more is asked until it completes."""
+        s = self.state
+        job_id = waiting.submitted.aggregate_id
+        if any(j.reclaim is not None and j.reclaim.for_job == job_id and j.reserved is not None
+               for j in s.jobs.values()):
+            return []
+        pool = self.pool_of(pools, queue_name, flavor)
+        candidates = []
+        for j in s.jobs.values():
+            r = j.reserved
+            if (r is None or r.flavor != flavor or r.queue == queue_name or r.queue not in pool.limits
+                    or pool.borrowed(r.queue) == 0 or j.reclaim is not None or not j.preemptible or j.finished):
+                continue
+            pc = DEFAULT_PRIORITY_CLASSES.get(j.spec.priority_class)
+            running_s = (now - j.started_at).total_seconds() if j.started_at is not None else 0.0
+            if pc is not None and j.started_at is not None and running_s < pc.protection_seconds:
+                until = j.started_at + timedelta(seconds=pc.protection_seconds)
+                self._wake_at = min(self._wake_at or until, until)  # look again when it may be reclaimed
+                continue
+            candidates.append((j.priority, r.gpus * running_s, -r.occurred_at.timestamp(), j.submitted.aggregate_id, j))
+        candidates.sort(key=lambda c: c[:4])
+        trial = Pool(pool.flavor, pool.cohort, dict(pool.limits), dict(pool.used))
+        victims: list[QuotaJob] = []
+        for *_, j in candidates:
+            trial.charge(j.reserved.queue, -j.reserved.gpus)
+            victims.append(j)
+            if trial.check(queue_name, waiting.spec.total_gpus).fits:
+                break
+        else:
+            return []  # not enough can be reclaimed now; the job keeps waiting
+        return [
+            new_event(
+                ReclaimRequested, aggregate_id=v.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
+                key=f"{v.attempt}/{job_id}", cause=waiting.waiting or waiting.submitted, attempt=v.attempt,
+                for_job=job_id, for_queue=queue_name, flavor=flavor,
+                message=f"queue {queue_name} needs its guaranteed {flavor} back for job {job_id}; "
+                        f"{v.reserved.queue} borrowed {pool.borrowed(v.reserved.queue)}",
+            )
+            for v in victims
+        ]
+
+    def _explain(self, job: QuotaJob, queue_name: str, position: int, pools: dict[tuple[str, str], Pool],
+                 now: datetime) -> tuple[list[Event], str | None]:
+        """The job's reason event (if it changed), and the flavor whose guaranteed quota is lent
+        out when that is why it waits (a reclaim candidate)."""
         queue = self.state.queues[queue_name]
         nominal = [fq.flavor for fq in queue.quotas]
         flavors = [f for f in (job.spec.gpu_flavors or nominal) if f in nominal]
         for flavor in flavors:
             v = self.pool_of(pools, queue_name, flavor).check(queue_name, job.spec.total_gpus)
             if not v.fits:
-                return self._reason(job, v.reason, v.message, position, flavor, now)
+                lent = flavor if v.reason == QuotaWaitReason.NOMINAL_LENT else None
+                return self._reason(job, v.reason, v.message, position, flavor, now), lent
+            return (self._reason(job, QuotaWaitReason.COHORT_EXHAUSTED,
+                                 f"queue {queue_name} {flavor}: quota is being reclaimed in its cohort; "
+                                 "no new borrowing until it completes", position, flavor, now), None)
         if not flavors:
             return self._reason(job, QuotaWaitReason.NO_QUOTA_FOR_FLAVOR,
                                 f"queue {queue_name} has no quota for flavors {list(job.spec.gpu_flavors)}",
-                                position, None, now)
-        return []
+                                position, None, now), None
+        return [], None
 
     def _reason(self, job: QuotaJob, reason: QuotaWaitReason, message: str, position: int,
                 flavor: str | None, now: datetime) -> list[Event]:

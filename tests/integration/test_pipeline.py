@@ -12,7 +12,7 @@ from conftest import eventually, running, service_settings
 from gpusched import eventlog
 from gpusched.clock import ScaledClock
 from gpusched.service import DecisionService
-from schemas import JobAdmitted, JobCancelRequested, JobSpec, JobSubmitted, QueueConfigured, new_event, parse_event
+from schemas import DEFAULT_PRIORITY_CLASSES, JobAdmitted, JobCancelRequested, JobSpec, JobSubmitted, QueueConfigured, new_event, parse_event
 from schemas.node import NodeInfo
 from schemas.queue import FlavorQuota
 from services.executor.sim import SimExecutorCore
@@ -37,8 +37,10 @@ async def admit(log: eventlog.EventLog, job_id: str, **spec) -> None:
     s = new_event(JobSubmitted, aggregate_id=job_id, producer="admission", occurred_at=NOW, key="1",
                   spec=JobSpec(**fields), submitter="u", intake_sequence=1)
     seq = await log.append(s, expected_last_seq=0)
+    pc = DEFAULT_PRIORITY_CLASSES[s.spec.priority_class]
     await log.append(new_event(JobAdmitted, aggregate_id=job_id, producer="admission", occurred_at=CLOCK.now(), key="d",
-                               cause=s, queue="q", priority=500, preemptible=True), expected_last_seq=seq)
+                               cause=s, queue=s.spec.queue, priority=pc.value, preemptible=pc.preemptible),
+                     expected_last_seq=seq)
 
 
 async def history(js, job_id: str, reasons: bool = False) -> list[str]:
@@ -133,3 +135,25 @@ async def test_restarted_services_rebuild_and_decide_nothing_twice(nats_server, 
     after = await eventlog.last_sequence(admin_js)
     # exactly the new job's 7 events were added: nothing about r-0..r-2 was decided again
     assert after - before == 7
+
+
+async def test_reclaim_preempts_a_borrower_and_gives_the_owner_its_quota(nats_server, admin_js):
+    log = eventlog.EventLog(admin_js)
+    for name, nominal in (("owner", 4), ("borrower", 0)):
+        await log.append(new_event(QueueConfigured, aggregate_id=name, producer="config", occurred_at=NOW, key="1",
+                                   name=name, cohort="shared", allowed_teams=("team-a",),
+                                   quotas=(FlavorQuota(flavor="a100", nominal=nominal),)))
+    quota, scheduler, executor = services(nats_server)
+    async with running(quota), running(scheduler), running(executor):
+        await admit(log, "borrowing", queue="borrower", gpus=4, expected_runtime_seconds=100_000.0,
+                    priority_class="batch-low")
+        await eventually(ends_with(admin_js, "borrowing", "JobStarted"))
+        await admit(log, "owned", queue="owner", gpus=4)
+        owned = await eventually(ends_with(admin_js, "owned", "QuotaReleased"), timeout_s=20)
+        borrowing = await history(admin_js, "borrowing")
+    assert owned == ["JobSubmitted", "JobAdmitted", "QuotaReserved", "JobScheduled", "JobStarted", "JobSucceeded",
+                     "QuotaReleased"]
+    assert borrowing[:9] == ["JobSubmitted", "JobAdmitted", "QuotaReserved", "JobScheduled", "JobStarted",
+                             "ReclaimRequested", "JobPreempted", "QuotaReleased", "JobRetryScheduled"]
+    # requeued as attempt 2, and it may not borrow again while the owner holds its quota
+    assert "JobFailed" not in borrowing

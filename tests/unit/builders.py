@@ -38,6 +38,7 @@ from schemas import (
     QuotaReleased,
     QuotaReserved,
     QuotaWaitReason,
+    ReclaimRequested,
     new_event,
 )
 from schemas.node import NodeInfo
@@ -153,6 +154,13 @@ def pending_reason(job_id: str, reason: QuotaWaitReason = QuotaWaitReason.NOMINA
     return new_event(QuotaPendingReasonChanged, aggregate_id=job_id, producer="quota", occurred_at=when,
                      key=f"{attempt}/{reason.value}/{message}", attempt=attempt, reason=reason, message=message,
                      position=position)
+
+
+def reclaim_requested(job_id: str, for_job: str = "owner", *, attempt: int = 1, for_queue: str = "research",
+                      flavor: str = "a100", when: datetime = T0) -> ReclaimRequested:
+    return new_event(ReclaimRequested, aggregate_id=job_id, producer="quota", occurred_at=when,
+                     key=f"{attempt}/{for_job}", attempt=attempt, for_job=for_job, for_queue=for_queue, flavor=flavor,
+                     message=f"queue {for_queue} needs its guaranteed {flavor} back for job {for_job}")
 
 
 def retry_scheduled(job_id: str, failed_attempt: int = 1, *, not_before: datetime | None = None,

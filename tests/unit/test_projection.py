@@ -31,6 +31,7 @@ from tests.unit.builders import (
     queue,
     released,
     pending_reason,
+    reclaim_requested,
     reserved,
     retry_scheduled,
     scheduled,
@@ -90,6 +91,8 @@ CASES = [
     (DELETED, [Op("queue_deleted", ("old", SEQ))]),
     (released("j1"), [Op("reservation_released", ("j1", 1, T0, SEQ))]),
     (COHORT, [Op("cohort", ("shared", None, SEQ))]),
+    (reclaim_requested("j1"), [Op("set_state:message", ("j1", "preempting", SEQ,
+                                                        "queue research needs its guaranteed a100 back for job owner"))]),
 ]
 
 

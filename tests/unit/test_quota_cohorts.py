@@ -201,3 +201,42 @@ def test_the_worked_example_in_docs_quota_md():
     }
     drive(core, [succeeded("r1", started_at=T0, when=T0 + timedelta(seconds=9))], T0 + timedelta(seconds=9), log=log)
     assert set(reserved(log)) == {"r1", "d1", "p1", "d2"}
+
+
+def _reclaims(log) -> dict[str, str]:
+    return {e.aggregate_id: e.for_job for e in log.events if e.type == "ReclaimRequested"}
+
+
+def test_reclaim_names_the_lowest_priority_borrower_and_only_as_many_as_needed():
+    queues = [cq("owner", "c", a100=4), cq("borrower", "c", a100=0)]
+    core, log, _ = run(queues, [job("low", "borrower", 2, seq=1, priority=100), job("high", "borrower", 2, seq=2,
+                                                                                   priority=800)])
+    assert set(reserved(log)) == {"low", "high"}
+    drive(core, job("mine", "owner", 2, seq=3, at_s=1), T0 + timedelta(seconds=1), log=log)
+    assert _reclaims(log) == {"low": "mine"}
+    assert reasons(log)["mine"].reason.value == "nominal-lent"
+    # asked once: another cycle asks nothing more while the reclaim is under way
+    drive(core, [], T0 + timedelta(seconds=2), log=log)
+    assert _reclaims(log) == {"low": "mine"}
+    # the victim is preempted: its quota goes to the owner, not back to a borrower
+    from tests.unit.builders import preempted
+    drive(core, [preempted("low", started_at=None, when=T0 + timedelta(seconds=3))], T0 + timedelta(seconds=3), log=log)
+    assert reserved(log)["mine"] == ("owner", 2, 0)
+    retried = [e for e in log.events if e.type == "QuotaReserved" and e.aggregate_id == "low"]
+    assert [e.attempt for e in retried] == [1]  # requeued as attempt 2, waiting
+
+
+def test_reclaim_spares_non_preemptible_and_protected_attempts():
+    from tests.unit.builders import started
+    queues = [cq("owner", "c", a100=2), cq("borrower", "c", a100=0)]
+    sla = job("sla", "borrower", 1, seq=1, priority=1000, priority_class="inference-sla")
+    sla[1] = sla[1].model_copy(update={"preemptible": False})
+    fresh_run = job("young", "borrower", 1, seq=2, priority=500)
+    core, log, _ = run(queues, [sla, fresh_run])
+    drive(core, [started("young", when=T0)], T0, log=log)
+    drive(core, job("big", "owner", 2, seq=3, at_s=60), T0 + timedelta(seconds=60), log=log)
+    assert _reclaims(log) == {}  # sla is not preemptible; "young" is inside training's 600 s window
+    drive(core, [], T0 + timedelta(seconds=601), log=log)
+    assert _reclaims(log) == {}  # one victim is not enough (sla keeps its GPU): nothing is asked
+    drive(core, job("small", "owner", 1, seq=4, at_s=602, priority=900), T0 + timedelta(seconds=602), log=log)
+    assert _reclaims(log) == {"young": "small"}  # the window has passed and one GPU is enough

@@ -47,6 +47,7 @@ from tests.unit.builders import (
     preempted,
     queue,
     pending_reason,
+    reclaim_requested,
     released,
     reserved,
     retry_scheduled,
@@ -87,6 +88,7 @@ def sample_events():
         reserved("j1", gpus=32, attempt=2),
         released("j1", gpus=32, attempt=2, reason="JobFailed"),
         pending_reason("j1", QuotaWaitReason.COHORT_EXHAUSTED, "cohort c has 0 free a100", position=3),
+        reclaim_requested("j1", "j2", attempt=2),
         retry_scheduled("j1", 1, not_before=at(30)),
         scheduled("j1", {"n1": (0, 1), "n2": (4, 5)}, attempt=2),
         started("j1", ("n1", "n2"), attempt=2, when=at(5)),
@@ -107,7 +109,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 20
+    assert len(ALL_EVENT_TYPES) == 21
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -162,6 +164,7 @@ def test_nested_models_forbid_extra_fields():
         (reserved("j-9"), "gpusched.job.j-9.quota_reserved"),
         (released("j-9"), "gpusched.job.j-9.quota_released"),
         (pending_reason("j-9"), "gpusched.job.j-9.quota_pending"),
+        (reclaim_requested("j-9"), "gpusched.job.j-9.reclaim_requested"),
         (retry_scheduled("j1"), "gpusched.job.j1.retry_scheduled"),
         (scheduled("j1"), "gpusched.job.j1.scheduled"),
         (node("gpu-1.rack-1.example"), "gpusched.node.gpu-1_rack-1_example.registered"),
@@ -188,7 +191,7 @@ EXPECTED_PRODUCERS = {
     "JobSubmitted": "admission", "JobAdmitted": "admission", "JobRejected": "admission",
     "JobCancelRequested": "admission",
     "QuotaReserved": "quota", "QuotaReleased": "quota", "JobRetryScheduled": "quota",
-    "QuotaPendingReasonChanged": "quota",
+    "QuotaPendingReasonChanged": "quota", "ReclaimRequested": "quota",
     "JobScheduled": "scheduler",
     "JobStarted": "executor", "JobSucceeded": "executor", "JobFailed": "executor", "JobPreempted": "executor",
     "JobCancelled": "executor", "NodeRegistered": "executor", "NodeUpdated": "executor", "NodeLost": "executor",
@@ -211,7 +214,7 @@ def test_builders_use_the_registered_producer():
 def test_producer_subjects():
     assert producer_subjects("quota") == [
         "gpusched.job.*.quota_pending", "gpusched.job.*.quota_released", "gpusched.job.*.quota_reserved",
-        "gpusched.job.*.retry_scheduled",
+        "gpusched.job.*.reclaim_requested", "gpusched.job.*.retry_scheduled",
     ]
     assert producer_subjects("config") == [
         "gpusched.cohort.*.configured", "gpusched.queue.*.configured", "gpusched.queue.*.deleted",
