@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
 from rich.table import Table
 
 from gpusched import client, eventlog, observability
@@ -57,7 +59,8 @@ def emit(data: Any, output: Output, columns: list[str] | None = None, title: str
     for c in columns:
         table.add_column(c)
     for r in rows:
-        table.add_row(*("" if r.get(c) is None else str(r.get(c)) for c in columns))
+        # Text, not markup: values such as "[3, 4]" or a pattern are shown as they are.
+        table.add_row(*(Text("" if r.get(c) is None else str(r.get(c))) for c in columns))
     console.print(table)
 
 
@@ -65,7 +68,7 @@ def run(coro) -> Any:
     try:
         return asyncio.run(coro)
     except UserError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
 
 
@@ -140,12 +143,15 @@ def apply(
         nc = await Connection.resolve().nats()
         try:
             js = nc.jetstream()
-            events = client.plan_queues(file, await client.current_queues(js), client.utcnow(), prune=prune)
+            config = await client.current_queues(js)
+            events = client.plan_queues(file, config, client.utcnow(), prune=prune)
+            changes = [{"event": e.type, "name": e.aggregate_id, "change": client.describe_change(e, config)}
+                       for e in events]
             if not dry_run:
                 log = eventlog.EventLog(js)
                 for e in events:
                     await log.append(e)
-            return [{"change": e.type, "queue": e.aggregate_id} for e in events]
+            return changes
         finally:
             await nc.close()
     changes = run(go())
@@ -240,7 +246,8 @@ def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
     r = data["reason"]
     console.print(f"{job_id}: {data['last_event']} since {data['since'].isoformat(timespec='seconds')}")
     if r:
-        console.print(f"waiting for quota: [bold]{r['code']}[/bold], position {r['position']} in its queue\n  {r['message']}")
+        console.print(f"waiting for quota: [bold]{r['code']}[/bold], position {r['position']} in its queue\n  "
+                      f"{escape(r['message'])}")
     elif not data["waiting_for_quota"]:
         console.print("not waiting for quota")
     if data["history"]:

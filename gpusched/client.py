@@ -204,6 +204,35 @@ async def current_queues(js: JetStreamContext) -> QuotaConfig:
     return config
 
 
+def describe_change(event: Event, config: QuotaConfig) -> str:
+    """What an apply event changes, field by field (quotas matched by flavor)."""
+    if isinstance(event, QueueDeleted):
+        return "deleted"
+    if isinstance(event, CohortConfigured):
+        old = config.cohorts.get(event.name)
+        return "new" if old is None else f"parent: {old.parent} → {event.parent}"
+    old = config.queues.get(event.aggregate_id)
+    if old is None:
+        return "new"
+    before, after = _config_payload(old), _config_payload(event)
+    changes = []
+    for field_name in sorted(set(before) | set(after)):
+        if field_name == "quotas":
+            b = {q["flavor"]: q for q in before.get("quotas", [])}
+            a = {q["flavor"]: q for q in after.get("quotas", [])}
+            for flavor in sorted(set(b) | set(a)):
+                if flavor not in a:
+                    changes.append(f"quotas[{flavor}]: removed")
+                elif flavor not in b:
+                    changes.append(f"quotas[{flavor}]: added {a[flavor]}")
+                else:
+                    changes += [f"quotas[{flavor}].{k}: {b[flavor].get(k)} → {a[flavor].get(k)}"
+                                for k in sorted(a[flavor]) if a[flavor].get(k) != b[flavor].get(k)]
+        elif before.get(field_name) != after.get(field_name):
+            changes.append(f"{field_name}: {before.get(field_name)} → {after.get(field_name)}")
+    return "; ".join(changes)
+
+
 def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = False) -> list[Event]:
     """The events that make the log's queue and cohort configuration equal the file's: changed
     or new cohorts first, then queues; with ``prune``, QueueDeleted for queues the file lacks."""

@@ -1,0 +1,77 @@
+"""`gpusched apply` against a real nats-server: declarative diff, dry run, prune, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gpusched import eventlog
+from schemas import parse_event
+
+CLI = [sys.executable, "-m", "gpusched.cli"]
+V1 = """
+cohorts: [{name: shared}]
+queues:
+  - {name: research, cohort: shared, allowed_teams: [team-a], quotas: [{flavor: a100, nominal: 8}]}
+  - {name: product, cohort: shared, allowed_teams: [team-b], quotas: [{flavor: l4, nominal: 4}]}
+"""
+V2 = """
+cohorts: [{name: shared}]
+queues:
+  - name: research
+    cohort: shared
+    allowed_teams: [team-a]
+    quotas: [{flavor: a100, nominal: 16, borrowing_limit: 4}, {flavor: h100, nominal: 2}]
+"""
+
+
+def apply(nats_server, path, *flags):
+    env = {**os.environ, **nats_server.env("operator")}
+    r = subprocess.run(CLI + ["apply", "-f", str(path), "-o", "json", *flags], env=env, capture_output=True, text=True)
+    return r.returncode, (json.loads(r.stdout) if r.returncode == 0 else r.stderr)
+
+
+async def config_events(js) -> list[str]:
+    return [parse_event(m.data).type async for m in eventlog.read(js, subjects=["gpusched.queue.>", "gpusched.cohort.>"])]
+
+
+async def test_apply_diff_dry_run_and_prune(nats_server, admin_js, tmp_path):
+    v1, v2 = tmp_path / "v1.yaml", tmp_path / "v2.yaml"
+    v1.write_text(V1)
+    v2.write_text(V2)
+    rc, changes = apply(nats_server, v1)
+    assert rc == 0
+    assert [(c["event"], c["name"], c["change"]) for c in changes] == [
+        ("CohortConfigured", "shared", "new"), ("QueueConfigured", "research", "new"),
+        ("QueueConfigured", "product", "new")]
+    assert apply(nats_server, v1) == (0, [])  # unchanged: nothing published
+    rc, planned = apply(nats_server, v2, "--dry-run", "--prune")
+    assert [(c["event"], c["name"], c["change"]) for c in planned] == [
+        ("QueueConfigured", "research", "quotas[a100].borrowing_limit: None → 4; quotas[a100].nominal: 8 → 16; "
+                                        "quotas[h100]: added {'flavor': 'h100', 'nominal': 2, 'borrowing_limit': "
+                                        "None, 'lending_limit': None, 'weight': 1.0}"),
+        ("QueueDeleted", "product", "deleted")]
+    assert len(await config_events(admin_js)) == 3  # the dry run published nothing
+    rc, _ = apply(nats_server, v2, "--prune")
+    assert rc == 0
+    assert await config_events(admin_js) == ["CohortConfigured", "QueueConfigured", "QueueConfigured",
+                                             "QueueConfigured", "QueueDeleted"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("queues: [{name: Research}]", "queues[0] (Research): name: String should match pattern '^[a-z0-9]"),
+    ("queues: [{name: a, quotas: [{flavor: l4, nominal: -1}]}]", "quotas.0.nominal: Input should be greater than or equal to 0"),
+    ("queues: [{name: a}, {name: a}]", "name(s) ['a'] appear more than once"),
+    ("queues: [{name: a, colour: red}]", "colour: Extra inputs are not permitted"),
+])
+async def test_invalid_config_names_the_field(nats_server, admin_js, tmp_path, text, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    rc, err = apply(nats_server, bad)
+    assert rc == 2
+    assert message in err
+    assert await config_events(admin_js) == []
