@@ -170,6 +170,12 @@ class CohortSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     parent: str | None = None
+    usage_half_life_seconds: float | None = None
+    history_weight: float = 0.5
+
+    def same_as(self, event: CohortConfigured) -> bool:
+        return (self.parent, self.usage_half_life_seconds, self.history_weight) == (
+            event.parent, event.usage_half_life_seconds, event.history_weight)
 
 
 class QueuesFile(BaseModel):
@@ -210,7 +216,11 @@ def describe_change(event: Event, config: QuotaConfig) -> str:
         return "deleted"
     if isinstance(event, CohortConfigured):
         old = config.cohorts.get(event.name)
-        return "new" if old is None else f"parent: {old.parent} → {event.parent}"
+        if old is None:
+            return "new"
+        return "; ".join(f"{f}: {getattr(old, f)} → {getattr(event, f)}"
+                         for f in ("parent", "usage_half_life_seconds", "history_weight")
+                         if getattr(old, f) != getattr(event, f))
     old = config.queues.get(event.aggregate_id)
     if old is None:
         return "new"
@@ -245,11 +255,11 @@ def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = Fa
     out: list[Event] = []
     for i, c in enumerate(parsed.cohorts):
         existing_c = config.cohorts.get(c.name)
-        if existing_c is not None and existing_c.parent == c.parent:
+        if existing_c is not None and c.same_as(existing_c):
             continue
         try:
             out.append(new_event(CohortConfigured, aggregate_id=c.name, producer="config", occurred_at=now,
-                                 key=f"{c.parent}@{now.isoformat()}", name=c.name, parent=c.parent))
+                                 key=f"{c.model_dump_json()}@{now.isoformat()}", **c.model_dump()))
         except ValidationError as err:
             raise UserError(_first_error(err, f"{path}: cohorts[{i}] ({c.name})")) from None
     names = [q.name for q in parsed.queues]

@@ -50,3 +50,8 @@ class CohortConfigured(Event):
     type: Literal["CohortConfigured"] = "CohortConfigured"
     name: str = Field(pattern=NAME_PATTERN)
     parent: str | None = Field(default=None, pattern=NAME_PATTERN)
+    usage_half_life_seconds: float | None = Field(
+        default=None, gt=0, le=90 * 86_400,
+        description="Fair order blends in usage decayed with this half-life; None: current usage only",
+    )
+    history_weight: float = Field(default=0.5, ge=0, le=1, description="Share of decayed usage in the blend")

@@ -80,6 +80,9 @@ class QuotaJob:
 class QuotaState:
     queues: dict[str, QueueConfigured] = field(default_factory=dict)
     cohorts: dict[str, str | None] = field(default_factory=dict)  # cohort -> parent
+    cohort_config: dict[str, CohortConfigured] = field(default_factory=dict)
+    # queue -> (decayed average of weighted GPUs in use, the time it was last brought up to date)
+    history: dict[str, tuple[float, datetime]] = field(default_factory=dict)
     jobs: dict[str, QuotaJob] = field(default_factory=dict)
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (queue, flavor) -> GPUs
     pending: dict[str, set[str]] = field(default_factory=dict)  # queue -> job ids waiting for quota
@@ -116,6 +119,7 @@ class QuotaCore:
             return
         if isinstance(event, CohortConfigured):
             s.cohorts[event.name] = event.parent
+            s.cohort_config[event.name] = event
             self._dirty = True
             return
         if isinstance(event, JobSubmitted):
@@ -134,11 +138,13 @@ class QuotaCore:
             case QuotaReserved():
                 job.reserved = event
                 key = (event.queue, event.flavor)
+                self._age_history(event.queue, event.occurred_at)
                 s.used[key] = s.used.get(key, 0) + event.gpus
                 self._dequeue(job_id, job)
             case QuotaReleased():
                 if job.reserved is not None and job.reserved.attempt == event.attempt:
                     key = (event.queue, event.flavor)
+                    self._age_history(event.queue, event.occurred_at)
                     s.used[key] = s.used.get(key, 0) - event.gpus
                     job.reserved = None
                     self._dirty = True
@@ -265,10 +271,38 @@ class QuotaCore:
         root = self.root_cohort(self.state.queues[queue].cohort)
         return pools.get((root if root is not None else f"queue:{queue}", flavor))
 
-    def share(self, queue: QueueConfigured, used: dict[tuple[str, str], int]) -> float:
-        """Weighted share: usage over nominal, both in weighted GPU units."""
+    def _half_life(self, queue: QueueConfigured | None) -> tuple[float | None, float]:
+        root = self.root_cohort(queue.cohort) if queue is not None else None
+        config = self.state.cohort_config.get(root) if root is not None else None
+        return (config.usage_half_life_seconds, config.history_weight) if config is not None else (None, 0.0)
+
+    def _weighted_usage(self, queue: QueueConfigured, used: dict[tuple[str, str], int]) -> float:
+        return sum(used.get((queue.name, fq.flavor), 0) * fq.weight for fq in queue.quotas)
+
+    def _decayed(self, queue: QueueConfigured, at: datetime) -> float:
+        """The decayed average of the queue's weighted usage, brought forward to ``at`` with the
+        usage it has now (constant since the last change)."""
+        half_life, _ = self._half_life(queue)
+        average, since = self.state.history.get(queue.name, (0.0, at))
+        if half_life is None or at <= since:
+            return average
+        keep = 0.5 ** ((at - since).total_seconds() / half_life)
+        return average * keep + self._weighted_usage(queue, self.state.used) * (1 - keep)
+
+    def _age_history(self, queue_name: str, at: datetime) -> None:
+        """Before the queue's usage changes at ``at``: fold the usage so far into its average."""
+        queue = self.state.queues.get(queue_name)
+        if queue is not None and self._half_life(queue)[0] is not None:
+            self.state.history[queue_name] = (self._decayed(queue, at), at)
+
+    def share(self, queue: QueueConfigured, used: dict[tuple[str, str], int], now: datetime | None = None) -> float:
+        """Weighted share: usage over nominal, both in weighted GPU units. In a cohort with a
+        usage half-life, blended with the decayed average usage: fairness over time, not only now."""
         nominal = sum(fq.nominal * fq.weight for fq in queue.quotas)
-        usage = sum(used.get((queue.name, fq.flavor), 0) * fq.weight for fq in queue.quotas)
+        usage = self._weighted_usage(queue, used)
+        half_life, weight = self._half_life(queue)
+        if half_life is not None and now is not None:
+            usage = (1 - weight) * usage + weight * self._decayed(queue, now)
         if nominal == 0:
             return 0.0 if usage == 0 else float("inf")
         return usage / nominal
@@ -309,7 +343,7 @@ class QuotaCore:
                     if v.fits:
                         borrows = 1 if v.borrowed else 0
                         break
-            return (borrows, self.share(queue, used), queue_name)
+            return (borrows, self.share(queue, used, now), queue_name)
 
         heap = [turn(q) for q in order]
         heapq.heapify(heap)

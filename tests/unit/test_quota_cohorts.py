@@ -240,3 +240,31 @@ def test_reclaim_spares_non_preemptible_and_protected_attempts():
     assert _reclaims(log) == {}  # one victim is not enough (sla keeps its GPU): nothing is asked
     drive(core, job("small", "owner", 1, seq=4, at_s=602, priority=900), T0 + timedelta(seconds=602), log=log)
     assert _reclaims(log) == {"young": "small"}  # the window has passed and one GPU is enough
+
+
+def test_decayed_usage_puts_a_queue_that_used_a_lot_recently_behind_one_that_did_not():
+    c = new_event(CohortConfigured, aggregate_id="c", producer="config", occurred_at=T0, key="h", name="c",
+                  usage_half_life_seconds=3600, history_weight=1.0)
+    queues = [c, cq("heavy", "c", a100=4), cq("light", "c", a100=4), cq("lender", "c", a100=2)]
+    core, log, _ = run(queues, [job("h0", "heavy", 4, seq=1)])
+    one_hour = T0 + timedelta(hours=1)
+    drive(core, [succeeded("h0", started_at=T0, when=one_hour)], one_hour, log=log)
+    # now both use nothing; each asks for 6 (its 4 plus 2 of the lender's 2): only one can borrow
+    later = one_hour + timedelta(seconds=1)
+    drive(core, job("h1", "heavy", 6, seq=2, at_s=3601) + job("l1", "light", 6, seq=3, at_s=3601), later, log=log)
+    got = reserved(log)
+    assert got.get("l1") == ("light", 6, 2) and "h1" not in got
+    heavy, light = core.state.queues["heavy"], core.state.queues["light"]
+    # heavy averaged 4 GPUs for one half-life: half of it remains in its history (4 × 0.5 = 2 of 4 nominal)
+    assert core._decayed(heavy, one_hour) == pytest.approx(2.0)
+    assert core.share(light, {}, later) < core.share(heavy, {}, later)
+
+
+def test_without_a_half_life_only_current_usage_counts():
+    queues = [cq("heavy", "c", a100=4), cq("light", "c", a100=4), cq("lender", "c", a100=2)]
+    core, log, _ = run(queues, [job("h0", "heavy", 4, seq=1)])
+    one_hour = T0 + timedelta(hours=1)
+    drive(core, [succeeded("h0", started_at=T0, when=one_hour)], one_hour, log=log)
+    later = one_hour + timedelta(seconds=1)
+    drive(core, job("h1", "heavy", 6, seq=2, at_s=3601) + job("l1", "light", 6, seq=3, at_s=3601), later, log=log)
+    assert reserved(log).get("h1") == ("heavy", 6, 2)  # tie on share: name order
