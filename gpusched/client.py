@@ -164,6 +164,7 @@ class QueueSpec(BaseModel):
     allowed_priority_classes: list[str] = Field(default_factory=list)
     quotas: list[dict[str, Any]] = Field(default_factory=list)
     strict_fifo: bool = False
+    budget: dict[str, Any] | None = None
 
 
 class CohortSpec(BaseModel):

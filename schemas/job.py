@@ -66,6 +66,7 @@ class QuotaWaitReason(StrEnum):
     COHORT_EXHAUSTED = "cohort-exhausted"  # the cohort has no unused quota that may be lent
     NOMINAL_LENT = "nominal-lent"  # its own unused quota is lent to borrowers (reclaim applies)
     BLOCKED_BY_HEAD = "blocked-by-head"  # a strict-FIFO queue whose head does not fit
+    BUDGET_EXHAUSTED = "budget-exhausted"  # the queue's GPU-hour budget for this period is spent
     RETRY_BACKOFF = "retry-backoff"  # a retry waiting out its backoff
     QUEUE_MISSING = "queue-missing"  # the queue was deleted after admission
     NO_QUOTA_FOR_FLAVOR = "no-quota-for-flavor"  # none of the job's flavors has quota in the queue

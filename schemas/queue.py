@@ -19,6 +19,13 @@ class FlavorQuota(Contract):
     weight: float = Field(default=1.0, gt=0, le=1000, description="Value of one GPU of this flavor in weighted units")
 
 
+class GpuHourBudget(Contract):
+    """GPU-hours (weighted units) a queue may hold quota for per calendar period (UTC)."""
+
+    gpu_hours: float = Field(ge=0, le=1e9)
+    period: Literal["day", "week", "month"] = "month"
+
+
 class QueueConfigured(Event):
     aggregate: ClassVar[str] = "queue"
     type: Literal["QueueConfigured"] = "QueueConfigured"
@@ -29,6 +36,7 @@ class QueueConfigured(Event):
     allowed_priority_classes: tuple[str, ...] = Field(default=(), description="Empty = all classes")
     quotas: tuple[FlavorQuota, ...] = Field(default=(), max_length=64)
     strict_fifo: bool = Field(default=False, description="A head that does not fit blocks the queue")
+    budget: GpuHourBudget | None = Field(default=None, description="GPU-hour budget per period; None: unlimited")
 
     @model_validator(mode="after")
     def _unique_flavors(self) -> "QueueConfigured":

@@ -83,6 +83,8 @@ class QuotaState:
     cohort_config: dict[str, CohortConfigured] = field(default_factory=dict)
     # queue -> (decayed average of weighted GPUs in use, the time it was last brought up to date)
     history: dict[str, tuple[float, datetime]] = field(default_factory=dict)
+    # queue -> (period start, weighted GPU-seconds of reservations released within the period)
+    spent: dict[str, tuple[datetime, float]] = field(default_factory=dict)
     jobs: dict[str, QuotaJob] = field(default_factory=dict)
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (queue, flavor) -> GPUs
     pending: dict[str, set[str]] = field(default_factory=dict)  # queue -> job ids waiting for quota
@@ -145,6 +147,7 @@ class QuotaCore:
                 if job.reserved is not None and job.reserved.attempt == event.attempt:
                     key = (event.queue, event.flavor)
                     self._age_history(event.queue, event.occurred_at)
+                    self._charge_budget(job.reserved, event.occurred_at)
                     s.used[key] = s.used.get(key, 0) - event.gpus
                     job.reserved = None
                     self._dirty = True
@@ -271,6 +274,67 @@ class QuotaCore:
         root = self.root_cohort(self.state.queues[queue].cohort)
         return pools.get((root if root is not None else f"queue:{queue}", flavor))
 
+    # -- GPU-hour budgets ----------------------------------------------------------------------
+    @staticmethod
+    def period_start(period: str, at: datetime) -> datetime:
+        day = at.replace(hour=0, minute=0, second=0, microsecond=0)
+        if period == "day":
+            return day
+        if period == "week":
+            return day - timedelta(days=day.weekday())
+        return day.replace(day=1)
+
+    @staticmethod
+    def next_period(period: str, start: datetime) -> datetime:
+        if period == "day":
+            return start + timedelta(days=1)
+        if period == "week":
+            return start + timedelta(days=7)
+        return (start.replace(day=28) + timedelta(days=4)).replace(day=1)
+
+    def _weight(self, queue: str, flavor: str) -> float:
+        q = self.state.queues.get(queue)
+        return next((fq.weight for fq in q.quotas if fq.flavor == flavor), 1.0) if q is not None else 1.0
+
+    def _charge_budget(self, r: QuotaReserved, released_at: datetime) -> None:
+        """Fold a released reservation's weighted GPU-seconds, within the current period, into
+        what its queue has spent."""
+        queue = self.state.queues.get(r.queue)
+        if queue is None or queue.budget is None:
+            return
+        start = self.period_start(queue.budget.period, released_at)
+        prev_start, spent = self.state.spent.get(r.queue, (start, 0.0))
+        if prev_start != start:
+            spent = 0.0
+        held = (released_at - max(r.occurred_at, start)).total_seconds()
+        self.state.spent[r.queue] = (start, spent + max(0.0, held) * r.gpus * self._weight(r.queue, r.flavor))
+
+    def budget_spent(self, queue: QueueConfigured, now: datetime) -> float:
+        """Weighted GPU-hours the queue has used or committed this period: released reservations,
+        plus for each one still held the longer of its time so far and its declared runtime."""
+        start = self.period_start(queue.budget.period, now)
+        prev_start, spent = self.state.spent.get(queue.name, (start, 0.0))
+        seconds = spent if prev_start == start else 0.0
+        for j in self.state.jobs.values():
+            r = j.reserved
+            if r is not None and r.queue == queue.name:
+                held = max((now - max(r.occurred_at, start)).total_seconds(), j.spec.expected_runtime_seconds or 0)
+                seconds += max(0.0, held) * r.gpus * self._weight(r.queue, r.flavor)
+        return seconds / 3600
+
+    def _over_budget(self, queue: QueueConfigured, job: QuotaJob, flavor_weight: float, spent: float,
+                     now: datetime) -> str | None:
+        b = queue.budget
+        planned = job.spec.total_gpus * flavor_weight * (job.spec.expected_runtime_seconds or 0) / 3600
+        if spent + planned <= b.gpu_hours and spent < b.gpu_hours:
+            return None
+        start = self.period_start(b.period, now)
+        until = self.next_period(b.period, start)
+        self._wake_at = min(self._wake_at or until, until)
+        return (f"queue {queue.name} has used or committed {spent:.1f} of its {b.gpu_hours:g} GPU-hours this {b.period} "
+                f"(since {start.date().isoformat()}); this job plans {planned:.1f} more; the budget renews "
+                f"{until.isoformat()}")
+
     def _half_life(self, queue: QueueConfigured | None) -> tuple[float | None, float]:
         root = self.root_cohort(queue.cohort) if queue is not None else None
         config = self.state.cohort_config.get(root) if root is not None else None
@@ -349,6 +413,7 @@ class QuotaCore:
         heapq.heapify(heap)
         ahead = dict.fromkeys(order, 0)  # jobs of the queue, before this one, that still wait
         refused: list[tuple[QuotaJob, str, int]] = []
+        spent_now: dict[str, float] = {}  # budget used this period, per queue, for this cycle
         # No new borrowing in a pool while quota is being reclaimed there: the reclaimed GPUs
         # go to their owner, not to the next borrower (no reclaim loops).
         reclaiming: dict[str, set[str | None]] = {}
@@ -375,6 +440,13 @@ class QuotaCore:
             need = job.spec.total_gpus
             nominal = {fq.flavor for fq in queue.quotas}
             flavors = [f for f in (job.spec.gpu_flavors or [fq.flavor for fq in queue.quotas]) if f in nominal]
+            if queue.budget is not None and flavors:
+                spent = spent_now.setdefault(queue_name, self.budget_spent(queue, now))
+                if (over := self._over_budget(queue, job, self._weight(queue_name, flavors[0]), spent, now)):
+                    ahead[queue_name] += 1
+                    out.extend(self._reason(job, QuotaWaitReason.BUDGET_EXHAUSTED, over, position, None, now))
+                    heapq.heappush(heap, turn(queue_name))
+                    continue
             chosen, verdict = None, None
             for flavor in flavors:
                 pool = self.pool_of(pools, queue_name, flavor)
@@ -385,6 +457,9 @@ class QuotaCore:
             if chosen is not None:
                 self.pool_of(pools, queue_name, chosen).charge(queue_name, need)
                 used[(queue_name, chosen)] = used.get((queue_name, chosen), 0) + need
+                if queue_name in spent_now:  # the budget check of the next head counts this one's plan
+                    spent_now[queue_name] += need * self._weight(queue_name, chosen) * (
+                        job.spec.expected_runtime_seconds or 0) / 3600
                 out.append(
                     new_event(
                         QuotaReserved, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,

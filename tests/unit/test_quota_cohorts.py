@@ -268,3 +268,26 @@ def test_without_a_half_life_only_current_usage_counts():
     later = one_hour + timedelta(seconds=1)
     drive(core, job("h1", "heavy", 6, seq=2, at_s=3601) + job("l1", "light", 6, seq=3, at_s=3601), later, log=log)
     assert reserved(log).get("h1") == ("heavy", 6, 2)  # tie on share: name order
+
+
+def test_gpu_hour_budget_holds_jobs_until_the_period_renews():
+    from schemas.queue import GpuHourBudget
+    q = cq("q", None, a100=16).model_copy(update={"budget": GpuHourBudget(gpu_hours=10, period="day")})
+    start = T0 + timedelta(hours=20)  # 2026-01-01 20:00
+    core, log = QuotaCore(), Log()
+    drive(core, [q], start, log=log)
+    drive(core, job("a", "q", 4, seq=1, expected_runtime_seconds=3600) + job("b", "q", 8, seq=2,
+                                                                         expected_runtime_seconds=3600),
+          start, log=log)
+    assert set(reserved(log)) == {"a"}
+    why = reasons(log)["b"]
+    assert why.reason.value == "budget-exhausted"
+    assert why.message == ("queue q has used or committed 4.0 of its 10 GPU-hours this day (since 2026-01-01); "
+                           "this job plans 8.0 more; the budget renews 2026-01-02T00:00:00+00:00")
+    done = start + timedelta(hours=1)
+    drive(core, [succeeded("a", started_at=start, when=done)], done, log=log)
+    assert core.budget_spent(core.state.queues["q"], done) == pytest.approx(4.0)
+    assert "b" not in reserved(log)  # 4 spent + 8 planned > 10
+    next_day = T0 + timedelta(days=1, seconds=1)
+    drive(core, [], next_day, log=log)
+    assert reserved(log)["b"] == ("q", 8, 0)
