@@ -481,44 +481,58 @@ class QuotaCore:
             heapq.heappush(heap, turn(queue_name))
         # Explain what still waits with the numbers as they stand after this cycle's reservations
         # (the state the log will hold), not as they stood when the job's turn came.
+        # One reclaim at a time per pool: none while one is under way, at most one asked per cycle.
+        reclaimed: set[tuple[str | None, str]] = set()
+        victims: dict[tuple[str | None, str], list[QuotaJob]] = {}  # per pool, computed once a cycle
         for job, queue_name, position in refused:
             events, lent_flavor = self._explain(job, queue_name, position, pools, now)
             out.extend(events)
-            if lent_flavor is not None:
-                out.extend(self._reclaim(job, queue_name, lent_flavor, pools, now))
+            if lent_flavor is None:
+                continue
+            root = self.root_cohort(s.queues[queue_name].cohort)
+            if (root, lent_flavor) in reclaimed or root in reclaiming.get(lent_flavor, ()):
+                continue
+            pool = self.pool_of(pools, queue_name, lent_flavor)
+            if (root, lent_flavor) not in victims:
+                victims[(root, lent_flavor)] = self._victims(lent_flavor, pool, now)
+            asked = self._reclaim(job, queue_name, lent_flavor, pool, victims[(root, lent_flavor)], now)
+            if asked:
+                reclaimed.add((root, lent_flavor))
+                out.extend(asked)
         return out
 
-    def _reclaim(self, waiting: QuotaJob, queue_name: str, flavor: str, pools: dict[tuple[str, str], Pool],
-                 now: datetime) -> list[Event]:
-        """ReclaimRequested for the fewest borrowers' attempts that give ``waiting`` its
-        guaranteed quota back: lowest priority first, then least work lost (GPUs × time running),
-        then newest; never non-preemptible attempts or ones inside their protection window. Once
-        a reclaim for this job is under way, nothing more is asked until it completes."""
-        s = self.state
-        job_id = waiting.submitted.aggregate_id
-        if any(j.reclaim is not None and j.reclaim.for_job == job_id and j.reserved is not None
-               for j in s.jobs.values()):
-            return []
-        pool = self.pool_of(pools, queue_name, flavor)
+    def _victims(self, flavor: str, pool: Pool, now: datetime) -> list[QuotaJob]:
+        """Borrowing attempts of a pool that may be reclaimed, best victim first: lowest priority,
+        then least work lost (GPUs × time running), then newest. Never non-preemptible attempts
+        or ones inside their protection window (the core wakes when a window ends)."""
         candidates = []
-        for j in s.jobs.values():
+        for j in self.state.jobs.values():
             r = j.reserved
-            if (r is None or r.flavor != flavor or r.queue == queue_name or r.queue not in pool.limits
-                    or pool.borrowed(r.queue) == 0 or j.reclaim is not None or not j.preemptible or j.finished):
+            if (r is None or r.flavor != flavor or r.queue not in pool.limits or pool.borrowed(r.queue) == 0
+                    or j.reclaim is not None or not j.preemptible or j.finished):
                 continue
             pc = DEFAULT_PRIORITY_CLASSES.get(j.spec.priority_class)
             running_s = (now - j.started_at).total_seconds() if j.started_at is not None else 0.0
             if pc is not None and j.started_at is not None and running_s < pc.protection_seconds:
                 until = j.started_at + timedelta(seconds=pc.protection_seconds)
-                self._wake_at = min(self._wake_at or until, until)  # look again when it may be reclaimed
+                self._wake_at = min(self._wake_at or until, until)
                 continue
             candidates.append((j.priority, r.gpus * running_s, -r.occurred_at.timestamp(), j.submitted.aggregate_id, j))
         candidates.sort(key=lambda c: c[:4])
+        return [c[-1] for c in candidates]
+
+    def _reclaim(self, waiting: QuotaJob, queue_name: str, flavor: str, pool: Pool, victims: list[QuotaJob],
+                 now: datetime) -> list[Event]:
+        """ReclaimRequested for the fewest of ``victims`` (other queues' borrowing attempts, best
+        first) whose release gives ``waiting`` its guaranteed quota back; nothing if they cannot."""
+        job_id = waiting.submitted.aggregate_id
         trial = Pool(pool.flavor, pool.cohort, dict(pool.limits), dict(pool.used))
-        victims: list[QuotaJob] = []
-        for *_, j in candidates:
+        chosen: list[QuotaJob] = []
+        for j in victims:
+            if j.reserved.queue == queue_name:
+                continue
             trial.charge(j.reserved.queue, -j.reserved.gpus)
-            victims.append(j)
+            chosen.append(j)
             if trial.check(queue_name, waiting.spec.total_gpus).fits:
                 break
         else:
@@ -531,7 +545,7 @@ class QuotaCore:
                 message=f"queue {queue_name} needs its guaranteed {flavor} back for job {job_id}; "
                         f"{v.reserved.queue} borrowed {pool.borrowed(v.reserved.queue)}",
             )
-            for v in victims
+            for v in chosen
         ]
 
     def _explain(self, job: QuotaJob, queue_name: str, position: int, pools: dict[tuple[str, str], Pool],
