@@ -64,6 +64,24 @@ def emit(data: Any, output: Output, columns: list[str] | None = None, title: str
     console.print(table)
 
 
+async def with_pg(query) -> Any:
+    """Run ``query(conn)`` on a fresh read-model connection."""
+    conn = await Connection.resolve().pg()
+    try:
+        return await query(conn)
+    finally:
+        await conn.close()
+
+
+async def with_js(action) -> Any:
+    """Run ``action(js)`` on a fresh NATS connection."""
+    nc = await Connection.resolve().nats()
+    try:
+        return await action(nc.jetstream())
+    finally:
+        await nc.close()
+
+
 def run(coro) -> Any:
     try:
         return asyncio.run(coro)
@@ -122,13 +140,8 @@ def submit(
 def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the job"),
                reason: str = typer.Option("", help="Why"), output: Output = OutputOpt) -> None:
     """Ask to cancel a job."""
-    async def go():
-        nc = await Connection.resolve().nats()
-        try:
-            return await client.cancel(nc.jetstream(), job_id, team, requested_by="cli", reason=reason)
-        finally:
-            await nc.close()
-    emit({"job_id": job_id, "intake_sequence": run(go())}, output)
+    seq = run(with_js(lambda js: client.cancel(js, job_id, team, requested_by="cli", reason=reason)))
+    emit({"job_id": job_id, "intake_sequence": seq}, output)
 
 
 @app.command()
@@ -161,13 +174,7 @@ def apply(
 @app.command()
 def jobs(team: Optional[str] = None, state: Optional[str] = None, limit: int = 50, output: Output = OutputOpt) -> None:
     """List jobs from the read model."""
-    async def go():
-        conn = await Connection.resolve().pg()
-        try:
-            return await client.list_jobs(conn, team, state, limit)
-        finally:
-            await conn.close()
-    emit(run(go()), output)
+    emit(run(with_pg(lambda conn: client.list_jobs(conn, team, state, limit))), output)
 
 
 @app.command()
@@ -194,13 +201,7 @@ def job(job_id: str, output: Output = OutputOpt) -> None:
 @app.command()
 def events(job_id: str, output: Output = OutputOpt) -> None:
     """A job's history from the event log."""
-    async def go():
-        nc = await Connection.resolve().nats()
-        try:
-            return await client.job_events(nc.jetstream(), job_id)
-        finally:
-            await nc.close()
-    history = run(go())
+    history = run(with_js(lambda js: client.job_events(js, job_id)))
     if output == Output.json:
         emit([{"sequence": s, **e.model_dump(mode="json")} for s, e in history], output)
         return
@@ -217,13 +218,7 @@ def events(job_id: str, output: Output = OutputOpt) -> None:
 @app.command()
 def usage(output: Output = OutputOpt) -> None:
     """GPU-hours by team and flavor, from the usage ledger."""
-    async def go():
-        conn = await Connection.resolve().pg()
-        try:
-            return await client.usage_by_team(conn)
-        finally:
-            await conn.close()
-    rows = run(go())
+    rows = run(with_pg(client.usage_by_team))
     if output == Output.table:
         for r in rows:
             r["gpu_hours"] = round(r["gpu_hours"], 3)
@@ -233,13 +228,7 @@ def usage(output: Output = OutputOpt) -> None:
 @app.command("why")
 def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
     """Why a job waits: its current quota reason, position in its queue, and the reason history."""
-    async def go():
-        nc = await Connection.resolve().nats()
-        try:
-            return await client.why(nc.jetstream(), job_id)
-        finally:
-            await nc.close()
-    data = run(go())
+    data = run(with_js(lambda js: client.why(js, job_id)))
     if output == Output.json:
         emit(data, output)
         return
@@ -257,13 +246,7 @@ def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
 @app.command()
 def queues(output: Output = OutputOpt) -> None:
     """Quota per queue and flavor: nominal, used, borrowed, lent, pending."""
-    async def go():
-        conn = await Connection.resolve().pg()
-        try:
-            return await client.queue_usage(conn)
-        finally:
-            await conn.close()
-    emit(run(go()), output, columns=None if output == Output.json else
+    emit(run(with_pg(client.queue_usage)), output, columns=None if output == Output.json else
          ["queue", "cohort", "flavor", "nominal", "borrowing_limit", "lending_limit", "used", "borrowed", "lent",
           "pending_jobs"])
 
