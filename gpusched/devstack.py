@@ -118,7 +118,7 @@ class Credentials:
     @classmethod
     def load_or_create(cls, path: Path, teams: tuple[str, ...] = ()) -> "Credentials":
         existing = json.loads(path.read_text()) if path.exists() else {}
-        wanted = ["admin", "operator", *SERVICES, *(f"team-{t}" if not t.startswith("team-") else t for t in teams)]
+        wanted = ["admin", "operator", *SERVICES, *teams]  # a tenant user is named after its team
         for user in wanted:
             existing.setdefault(user, secrets.token_urlsafe(18))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,7 +187,7 @@ class NatsServer:
     proc: subprocess.Popen | None = None
     creds: Credentials | None = None
 
-    def url(self, user: str | None = None) -> str:
+    def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> "NatsServer":
