@@ -1,7 +1,7 @@
 """gpusched event contract: the one thing every service shares.
 
 Every fact in the platform is an immutable event on the JetStream stream ``GPUSCHED_EVENTS``.
-Upstream systems send *commands* (``SubmitJob``, ``CancelJob``) to the intake subjects; the
+Upstream systems send *commands* (``SubmitJob``, ``CancelJob``, ``ReportCheckpoint``) to the intake subjects; the
 admission service turns them into events. Each event type has exactly one producing service
 (``PRODUCERS`` in :mod:`schemas.registry`), and NATS permissions enforce it.
 
@@ -29,12 +29,14 @@ JobSubmitted                admission    a well-formed SubmitJob arrived (the sp
 JobAdmitted                 admission    the spec is valid, the queue exists, the submitter may use it
 JobRejected                 admission    refused; reason code, the field and the accepted values
 JobCancelRequested          admission    a valid CancelJob for a known, unfinished job
+JobCheckpointed             admission    a running attempt reported a checkpoint
 QuotaReserved               quota        quota for one attempt is held (flavor, borrowed part)
 QuotaReleased               quota        that quota is free again (attempt ended)
 QuotaPendingReasonChanged   quota        why a queued attempt still waits (when that changes)
 ReclaimRequested            quota        a borrowing attempt must give its quota back (preempted)
 JobRetryScheduled           quota        a failed attempt will be retried as attempt + 1
 JobScheduled                scheduler    placement of one attempt on nodes
+PreemptionRequested         scheduler    evict a lower-priority attempt so a higher one fits
 JobStarted                  executor     the attempt runs (the whole gang)
 JobSucceeded                executor     the attempt exited 0
 JobFailed                   executor     the attempt failed; classified reason, retryable or not
@@ -49,7 +51,7 @@ Evolution: a change that an old reader cannot parse is a new ``schema_version`` 
 in :mod:`schemas.registry`; a retired type name is never reused.
 """
 
-from schemas.commands import CancelJob, SubmitJob
+from schemas.commands import CancelJob, ReportCheckpoint, SubmitJob
 from schemas.envelope import Event, new_event
 from schemas.job import (
     DatasetRef,
@@ -57,6 +59,7 @@ from schemas.job import (
     JobAdmitted,
     JobCancelled,
     JobCancelRequested,
+    JobCheckpointed,
     JobFailed,
     JobKind,
     JobPreempted,
@@ -68,6 +71,7 @@ from schemas.job import (
     JobSubmitted,
     JobSucceeded,
     NodeAssignment,
+    PreemptionRequested,
     QuotaPendingReasonChanged,
     QuotaReleased,
     QuotaReserved,

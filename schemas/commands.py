@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from pydantic import Field, field_validator
+from pydantic import AwareDatetime, Field, field_validator
 
 from schemas.envelope import NAME_PATTERN, Contract
 from schemas.job import JobSpec
@@ -42,6 +42,18 @@ class CancelJob(Contract):
     job_id: str = Field(pattern=NAME_PATTERN)
     requested_by: str = Field(min_length=1, max_length=253)
     reason: str = Field(default="", max_length=1024)
+
+
+class ReportCheckpoint(Contract):
+    """Published to ``gpusched.intake.<team>.checkpoint`` by a running job (or on its behalf):
+    admission checks the job and attempt and records JobCheckpointed."""
+
+    job_id: str = Field(pattern=NAME_PATTERN)
+    attempt: int = Field(ge=1)
+    checkpointed_at: AwareDatetime
+    step: int | None = Field(default=None, ge=0)
+    location: str = Field(default="", max_length=1024)
+    reported_by: str = Field(min_length=1, max_length=253)
 
 
 def job_id_for_key(team: str, idempotency_key: str) -> str:

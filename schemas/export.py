@@ -10,14 +10,14 @@ import json
 import sys
 from pathlib import Path
 
-from schemas.commands import CancelJob, SubmitJob
+from schemas.commands import CancelJob, ReportCheckpoint, SubmitJob
 from schemas.registry import ALL_EVENT_TYPES
 
 OUT = Path(__file__).parent / "json"
 
 
 def rendered() -> dict[str, str]:
-    models = [SubmitJob, CancelJob, *ALL_EVENT_TYPES]
+    models = [SubmitJob, CancelJob, ReportCheckpoint, *ALL_EVENT_TYPES]
     out = {}
     for model in models:
         schema = model.model_json_schema()

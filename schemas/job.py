@@ -279,6 +279,34 @@ class JobPreempted(_JobEvent):
     reason: str = Field(default="", max_length=1024)
 
 
+class JobCheckpointed(_JobEvent):
+    """A running attempt reported a checkpoint (via ``gpusched checkpoint``, the API or the
+    ``gpusched.intake.<team>.checkpoint`` subject). Victim choice and lost-work accounting count
+    work since the latest one."""
+
+    type: Literal["JobCheckpointed"] = "JobCheckpointed"
+    attempt: int = Field(ge=1)
+    checkpointed_at: AwareDatetime = Field(description="When the checkpoint was taken, as the job reports it")
+    step: int | None = Field(default=None, ge=0, description="Training step or other progress counter")
+    location: str = Field(default="", max_length=1024, description="Where it was written (path or URL)")
+    intake_sequence: int = Field(ge=1, description="Stream sequence of the ReportCheckpoint command")
+
+
+class PreemptionRequested(_JobEvent):
+    """The scheduler evicts this attempt so that a higher-priority job fits: the executor stops it
+    after ``grace_seconds`` (SIGTERM first, the checkpoint window) and reports JobPreempted; the
+    job is requeued and the preemption does not count as a failure."""
+
+    type: Literal["PreemptionRequested"] = "PreemptionRequested"
+    attempt: int = Field(ge=1)
+    for_job: str = Field(description="The job that needs the GPUs")
+    grace_seconds: float = Field(default=30.0, ge=0, description="Checkpoint window before the attempt is stopped")
+    work_lost_gpu_seconds: float = Field(
+        default=0.0, ge=0, description="GPUs × seconds since the last checkpoint (or start), at decision time"
+    )
+    message: str = Field(default="", max_length=4096)
+
+
 class JobCancelled(_JobEvent):
     type: Literal["JobCancelled"] = "JobCancelled"
     attempt: int | None = Field(default=None, description="Attempt that was stopped, if one ran")

@@ -16,6 +16,7 @@ from schemas import (
     JobAdmitted,
     JobCancelled,
     JobCancelRequested,
+    JobCheckpointed,
     JobFailed,
     JobPreempted,
     JobRejected,
@@ -32,6 +33,7 @@ from schemas import (
     QuotaPendingReasonChanged,
     QuotaReleased,
     QuotaReserved,
+    PreemptionRequested,
     ReclaimRequested,
 )
 
@@ -41,7 +43,7 @@ class Op(NamedTuple):
     args: tuple
 
 
-IGNORED = ()
+IGNORED = (JobCheckpointed,)  # lost-work accounting is not built yet
 
 
 def _state(job_id: str, state: str, seq: int, **columns) -> Op:
@@ -77,7 +79,7 @@ def convert(event: Event, seq: int) -> list[Op]:
                     Op("reservation", (j, event.attempt, event.queue, event.flavor, event.gpus, event.borrowed, t, seq))]
         case QuotaReleased():
             return [Op("reservation_released", (j, event.attempt, t, seq))]
-        case ReclaimRequested():
+        case ReclaimRequested() | PreemptionRequested():
             return [_state(j, "preempting", seq, message=event.message)]
         case CohortConfigured():
             return [Op("cohort", (event.name, event.parent, seq))]

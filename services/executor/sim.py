@@ -33,6 +33,7 @@ from schemas import (
     JobSubmitted,
     JobSucceeded,
     NodeLost,
+    PreemptionRequested,
     ReclaimRequested,
     NodeRegistered,
     NodeUpdated,
@@ -61,7 +62,7 @@ class SimJob:
     attempt: Attempt | None = None  # the live attempt, if any
     finished: bool = False
     cancel_requested: JobCancelRequested | None = None
-    reclaim: ReclaimRequested | None = None  # for the live attempt
+    reclaim: ReclaimRequested | PreemptionRequested | None = None  # for the live attempt
 
 
 @dataclass
@@ -163,7 +164,7 @@ class SimExecutorCore:
             case JobCancelled():
                 self._end_attempt(job_id, job)
                 job.finished = True
-            case ReclaimRequested():
+            case ReclaimRequested() | PreemptionRequested():
                 if job.attempt is not None and job.attempt.scheduled.attempt == event.attempt:
                     job.reclaim = event
                     s.due[job_id] = None

@@ -20,6 +20,7 @@ from schemas import (
     FlavorQuota,
     JobAdmitted,
     JobCancelled,
+    JobCheckpointed,
     JobCancelRequested,
     JobFailed,
     JobPreempted,
@@ -33,6 +34,7 @@ from schemas import (
     NodeLost,
     NodeRegistered,
     NodeUpdated,
+    PreemptionRequested,
     QueueConfigured,
     QuotaPendingReasonChanged,
     QuotaReleased,
@@ -161,6 +163,19 @@ def reclaim_requested(job_id: str, for_job: str = "owner", *, attempt: int = 1, 
     return new_event(ReclaimRequested, aggregate_id=job_id, producer="quota", occurred_at=when,
                      key=f"{attempt}/{for_job}", attempt=attempt, for_job=for_job, for_queue=for_queue, flavor=flavor,
                      message=f"queue {for_queue} needs its guaranteed {flavor} back for job {for_job}")
+
+
+def preemption_requested(job_id: str, for_job: str = "urgent", *, attempt: int = 1, grace_seconds: float = 30.0,
+                         work_lost: float = 0.0, when: datetime = T0) -> PreemptionRequested:
+    return new_event(PreemptionRequested, aggregate_id=job_id, producer="scheduler", occurred_at=when,
+                     key=f"{attempt}/{for_job}", attempt=attempt, for_job=for_job, grace_seconds=grace_seconds,
+                     work_lost_gpu_seconds=work_lost, message=f"preempted so that {for_job} fits")
+
+
+def checkpointed(job_id: str, *, attempt: int = 1, at_: datetime = T0, step: int | None = None, seq: int = 1,
+                 when: datetime | None = None) -> JobCheckpointed:
+    return new_event(JobCheckpointed, aggregate_id=job_id, producer="admission", occurred_at=when or at_,
+                     key=str(seq), attempt=attempt, checkpointed_at=at_, step=step, intake_sequence=seq)
 
 
 def retry_scheduled(job_id: str, failed_attempt: int = 1, *, not_before: datetime | None = None,

@@ -10,6 +10,7 @@ from schemas import (
     ALL_EVENT_TYPES,
     CohortConfigured,
     Event,
+    JobCheckpointed,
     FailureReason,
     JobRejected,
     QueueDeleted,
@@ -32,6 +33,8 @@ from tests.unit.builders import (
     released,
     pending_reason,
     reclaim_requested,
+    preemption_requested,
+    checkpointed,
     reserved,
     retry_scheduled,
     scheduled,
@@ -93,6 +96,8 @@ CASES = [
     (COHORT, [Op("cohort", ("shared", None, SEQ))]),
     (reclaim_requested("j1"), [Op("set_state:message", ("j1", "preempting", SEQ,
                                                         "queue research needs its guaranteed a100 back for job owner"))]),
+    (preemption_requested("j1"), [Op("set_state:message", ("j1", "preempting", SEQ, "preempted so that urgent fits"))]),
+    (checkpointed("j1"), []),
 ]
 
 
@@ -103,7 +108,7 @@ def test_convert(event, ops):
 
 def test_every_event_type_has_a_case():
     assert {type(e) for e, _ in CASES} == set(ALL_EVENT_TYPES)
-    assert set(IGNORED) == set()
+    assert set(IGNORED) == {JobCheckpointed}
 
 
 def test_usage_never_negative():

@@ -48,6 +48,8 @@ from tests.unit.builders import (
     queue,
     pending_reason,
     reclaim_requested,
+    preemption_requested,
+    checkpointed,
     released,
     reserved,
     retry_scheduled,
@@ -89,6 +91,8 @@ def sample_events():
         released("j1", gpus=32, attempt=2, reason="JobFailed"),
         pending_reason("j1", QuotaWaitReason.COHORT_EXHAUSTED, "cohort c has 0 free a100", position=3),
         reclaim_requested("j1", "j2", attempt=2),
+        preemption_requested("j1", "j9", attempt=2, grace_seconds=120, work_lost=3600.0),
+        checkpointed("j1", attempt=2, at_=at(40), step=1200, seq=9, when=at(41)),
         retry_scheduled("j1", 1, not_before=at(30)),
         scheduled("j1", {"n1": (0, 1), "n2": (4, 5)}, attempt=2),
         started("j1", ("n1", "n2"), attempt=2, when=at(5)),
@@ -109,7 +113,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 21
+    assert len(ALL_EVENT_TYPES) == 23
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -189,10 +193,10 @@ def test_event_subject_prefix_and_suffixes():
 
 EXPECTED_PRODUCERS = {
     "JobSubmitted": "admission", "JobAdmitted": "admission", "JobRejected": "admission",
-    "JobCancelRequested": "admission",
+    "JobCancelRequested": "admission", "JobCheckpointed": "admission",
     "QuotaReserved": "quota", "QuotaReleased": "quota", "JobRetryScheduled": "quota",
     "QuotaPendingReasonChanged": "quota", "ReclaimRequested": "quota",
-    "JobScheduled": "scheduler",
+    "JobScheduled": "scheduler", "PreemptionRequested": "scheduler",
     "JobStarted": "executor", "JobSucceeded": "executor", "JobFailed": "executor", "JobPreempted": "executor",
     "JobCancelled": "executor", "NodeRegistered": "executor", "NodeUpdated": "executor", "NodeLost": "executor",
     "QueueConfigured": "config", "QueueDeleted": "config", "CohortConfigured": "config",
@@ -216,6 +220,7 @@ def test_producer_subjects():
         "gpusched.job.*.quota_pending", "gpusched.job.*.quota_released", "gpusched.job.*.quota_reserved",
         "gpusched.job.*.reclaim_requested", "gpusched.job.*.retry_scheduled",
     ]
+    assert producer_subjects("scheduler") == ["gpusched.job.*.preemption_requested", "gpusched.job.*.scheduled"]
     assert producer_subjects("config") == [
         "gpusched.cohort.*.configured", "gpusched.queue.*.configured", "gpusched.queue.*.deleted",
     ]
@@ -271,7 +276,7 @@ def test_committed_json_schemas_match_the_models():
     assert sorted(files) == sorted(committed)
     for name, text in files.items():
         assert committed[name] == text, f"schemas/json/{name} is stale; run `make schemas`"
-    assert len(files) == len(ALL_EVENT_TYPES) + 2  # + SubmitJob, CancelJob
+    assert len(files) == len(ALL_EVENT_TYPES) + 3  # + SubmitJob, CancelJob, ReportCheckpoint
 
 
 def test_export_check_exits_zero():
