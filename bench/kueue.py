@@ -30,6 +30,7 @@ import nats
 
 from gpusched import client, devstack, eventlog
 from schemas import CohortConfigured, FlavorQuota, JobSpec, QueueConfigured, SubmitJob, new_event, parse_event
+from schemas.queue import PreemptionPolicy
 
 CLASSES = {  # name: (count per queue, GPUs, runtime s, period s, priority class)
     "small": (350, 1, 0.2, 0.1, "batch-low"),
@@ -76,7 +77,9 @@ async def run(scale: float, timeout_s: float) -> dict:
                 name = f"c{c}-q{q}"
                 await log.append(new_event(QueueConfigured, aggregate_id=name, producer="config", occurred_at=now,
                                            key="1", name=name, cohort=f"c{c}", allowed_teams=("team-a",),
-                                           quotas=(FlavorQuota(flavor="gpu", nominal=NOMINAL, borrowing_limit=100),)))
+                                           quotas=(FlavorQuota(flavor="gpu", nominal=NOMINAL, borrowing_limit=100),),
+                                           preemption=PreemptionPolicy(reclaim_within_cohort="any",
+                                                                       within_queue="lower-priority")))
         procs.start_all()
         await asyncio.sleep(4)  # rebuild, register nodes
         jobs = workload(scale)

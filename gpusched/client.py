@@ -165,6 +165,7 @@ class QueueSpec(BaseModel):
     quotas: list[dict[str, Any]] = Field(default_factory=list)
     strict_fifo: bool = False
     budget: dict[str, Any] | None = None
+    preemption: dict[str, Any] = Field(default_factory=dict)
 
 
 class CohortSpec(BaseModel):

@@ -214,12 +214,15 @@ class QuotaPendingReasonChanged(_JobEvent):
 
 
 class ReclaimRequested(_JobEvent):
-    """Quota this attempt borrowed is needed back by its owner: the executor stops the attempt
+    """The quota this attempt holds is needed by another job: kind ``reclaim``, it borrowed quota
+    its owner wants back; kind ``priority``, a higher-priority job of its own queue needs the
+    queue's quota (the queue's ``preemption.within_queue``). The executor stops the attempt
     (after the grace period) and reports JobPreempted; the job is requeued."""
 
     type: Literal["ReclaimRequested"] = "ReclaimRequested"
     attempt: int = Field(ge=1)
-    for_job: str = Field(description="The waiting job whose guaranteed quota is reclaimed")
+    kind: Literal["reclaim", "priority"] = "reclaim"
+    for_job: str = Field(description="The waiting job the quota goes to")
     for_queue: Name
     flavor: Name
     grace_seconds: float = Field(default=30.0, ge=0, description="Checkpoint window before the attempt is stopped")

@@ -26,6 +26,20 @@ class GpuHourBudget(Contract):
     period: Literal["day", "week", "month"] = "month"
 
 
+class PreemptionPolicy(Contract):
+    """What a queue's waiting jobs may preempt to get quota (Kueue's ClusterQueue preemption)."""
+
+    reclaim_within_cohort: Literal["any", "lower-priority", "never"] = Field(
+        default="any",
+        description="When the queue is below its nominal and that quota is lent: reclaim it from "
+                    "borrowers of any priority, only from lower-priority borrowers, or never",
+    )
+    within_queue: Literal["never", "lower-priority"] = Field(
+        default="never",
+        description="Preempt the queue's own lower-priority attempts so a higher-priority job fits in its quota",
+    )
+
+
 class QueueConfigured(Event):
     aggregate: ClassVar[str] = "queue"
     type: Literal["QueueConfigured"] = "QueueConfigured"
@@ -37,6 +51,7 @@ class QueueConfigured(Event):
     quotas: tuple[FlavorQuota, ...] = Field(default=(), max_length=64)
     strict_fifo: bool = Field(default=False, description="A head that does not fit blocks the queue")
     budget: GpuHourBudget | None = Field(default=None, description="GPU-hour budget per period; None: unlimited")
+    preemption: PreemptionPolicy = Field(default_factory=PreemptionPolicy)
 
     @model_validator(mode="after")
     def _unique_flavors(self) -> "QueueConfigured":

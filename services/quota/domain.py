@@ -88,6 +88,7 @@ class QuotaState:
     jobs: dict[str, QuotaJob] = field(default_factory=dict)
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (queue, flavor) -> GPUs
     pending: dict[str, set[str]] = field(default_factory=dict)  # queue -> job ids waiting for quota
+    holders: dict[str, set[str]] = field(default_factory=dict)  # queue -> job ids holding a reservation
     to_release: dict[str, None] = field(default_factory=dict)  # jobs whose attempt ended
 
 
@@ -142,6 +143,7 @@ class QuotaCore:
                 key = (event.queue, event.flavor)
                 self._age_history(event.queue, event.occurred_at)
                 s.used[key] = s.used.get(key, 0) + event.gpus
+                s.holders.setdefault(event.queue, set()).add(job_id)
                 self._dequeue(job_id, job)
             case QuotaReleased():
                 if job.reserved is not None and job.reserved.attempt == event.attempt:
@@ -149,6 +151,7 @@ class QuotaCore:
                     self._age_history(event.queue, event.occurred_at)
                     self._charge_budget(job.reserved, event.occurred_at)
                     s.used[key] = s.used.get(key, 0) - event.gpus
+                    s.holders.get(event.queue, set()).discard(job_id)
                     job.reserved = None
                     self._dirty = True
                 if job.finished:
@@ -270,9 +273,13 @@ class QuotaCore:
                 pool.used[name] = used.get((name, fq.flavor), 0)
         return pools
 
-    def pool_of(self, pools: dict[tuple[str, str], Pool], queue: str, flavor: str) -> Pool | None:
+    def pool_key(self, queue: str) -> str:
+        """The root cohort of the queue, or ``queue:<name>`` for a queue outside any cohort."""
         root = self.root_cohort(self.state.queues[queue].cohort)
-        return pools.get((root if root is not None else f"queue:{queue}", flavor))
+        return root if root is not None else f"queue:{queue}"
+
+    def pool_of(self, pools: dict[tuple[str, str], Pool], queue: str, flavor: str) -> Pool | None:
+        return pools.get((self.pool_key(queue), flavor))
 
     # -- GPU-hour budgets ----------------------------------------------------------------------
     @staticmethod
@@ -315,9 +322,9 @@ class QuotaCore:
         start = self.period_start(queue.budget.period, now)
         prev_start, spent = self.state.spent.get(queue.name, (start, 0.0))
         seconds = spent if prev_start == start else 0.0
-        for j in self.state.jobs.values():
+        for j in (self.state.jobs[i] for i in self.state.holders.get(queue.name, ())):
             r = j.reserved
-            if r is not None and r.queue == queue.name:
+            if r is not None:
                 held = max((now - max(r.occurred_at, start)).total_seconds(), j.spec.expected_runtime_seconds or 0)
                 seconds += max(0.0, held) * r.gpus * self._weight(r.queue, r.flavor)
         return seconds / 3600
@@ -372,6 +379,11 @@ class QuotaCore:
         return usage / nominal
 
     def _reserve(self, now: datetime) -> list[Event]:
+        """One quota cycle in two passes. Pass 1: every waiting job that fits in its queue's
+        unused nominal quota, queues in fair order (guaranteed quota first, so reclaimed quota
+        reaches its owner and a borrower never takes what a queue's own job could use this
+        cycle). Pass 2: the rest, borrowing allowed, one job at a time from the queue with the
+        lowest weighted share. Then every job still waiting is explained, and preemptions asked."""
         s = self.state
         used = dict(s.used)  # this cycle's working copy
         pools = self.pools(used)
@@ -392,35 +404,96 @@ class QuotaCore:
                                             f"queue {queue_name} no longer exists", position, None, now))
                 continue
             order[queue_name] = waiting
+        # No new borrowing in a pool while quota is being reclaimed there: the reclaimed GPUs
+        # go to their owner, not to the next borrower (no reclaim loops).
+        reclaiming: set[tuple[str, str]] = {  # (pool key, flavor)
+            (self.pool_key(j.reserved.queue), j.reserved.flavor)
+            for j in self._holding() if j.reclaim is not None and j.reserved.queue in s.queues
+        }
+        spent_now: dict[str, float] = {}  # budget used this period, per queue, for this cycle
+        taken: set[str] = set()  # reserved in this cycle
+        charged_in: set[tuple[str, str]] = set()  # (pool key, flavor) where this cycle reserved
+
+        def flavors_of(job: QuotaJob, queue: QueueConfigured) -> list[str]:
+            nominal = [fq.flavor for fq in queue.quotas]
+            return [f for f in (job.spec.gpu_flavors or nominal) if f in nominal]
+
+        def held_back(job: QuotaJob, queue: QueueConfigured, flavors: list[str]) -> tuple[QuotaWaitReason, str] | None:
+            """A retry in its backoff or a queue over its budget: the job waits whatever the quota."""
+            if job.not_before is not None and job.not_before > now:
+                self._wake_at = min(self._wake_at or job.not_before, job.not_before)
+                return (QuotaWaitReason.RETRY_BACKOFF,
+                        f"retry of attempt {job.attempt - 1} waits until {job.not_before.isoformat()}")
+            if queue.budget is not None and flavors:
+                spent = spent_now.setdefault(queue.name, self.budget_spent(queue, now))
+                if (over := self._over_budget(queue, job, self._weight(queue.name, flavors[0]), spent, now)):
+                    return QuotaWaitReason.BUDGET_EXHAUSTED, over
+            return None
+
+        def try_reserve(job: QuotaJob, queue: QueueConfigured, flavors: list[str], borrow: bool) -> bool:
+            """Reserve the first of the job's flavors that fits (without borrowing unless ``borrow``)."""
+            need = job.spec.total_gpus
+            for flavor in flavors:
+                pool = self.pool_of(pools, queue.name, flavor)
+                v = pool.check(queue.name, need)
+                if not v.fits or (v.borrowed and (not borrow or (self.pool_key(queue.name), flavor) in reclaiming)):
+                    continue
+                pool.charge(queue.name, need)
+                used[(queue.name, flavor)] = used.get((queue.name, flavor), 0) + need
+                charged_in.add((self.pool_key(queue.name), flavor))
+                if queue.name in spent_now:  # the budget check of the next head counts this one's plan
+                    spent_now[queue.name] += need * self._weight(queue.name, flavor) * (
+                        job.spec.expected_runtime_seconds or 0) / 3600
+                taken.add(job.submitted.aggregate_id)
+                out.append(
+                    new_event(
+                        QuotaReserved, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
+                        key=f"{job.attempt}", cause=job.submitted, attempt=job.attempt, queue=queue.name,
+                        flavor=flavor, gpus=need, borrowed=v.borrowed,
+                    )
+                )
+                return True
+            return False
+
+        # Pass 1: own nominal quota. Within a queue the smallest request that did not fit is
+        # remembered per flavor list: usage only grows during a pass, so a larger one cannot fit.
+        for queue_name in sorted(order, key=lambda q: (self.share(s.queues[q], used, now), q)):
+            queue = s.queues[queue_name]
+            failed: dict[tuple[str, ...], int] = {}
+            for job in order[queue_name]:
+                flavors = flavors_of(job, queue)
+                if held_back(job, queue, flavors) is not None:
+                    continue
+                key = tuple(flavors)
+                if job.spec.total_gpus < failed.get(key, 1 << 62) and try_reserve(job, queue, flavors, borrow=False):
+                    continue
+                failed[key] = min(failed.get(key, 1 << 62), job.spec.total_gpus)
+                if queue.strict_fifo:
+                    break
         cursor = dict.fromkeys(order, 0)
 
         def turn(queue_name: str) -> tuple[int, float, str]:
-            """Heap key: a head that fits without borrowing goes before any that must borrow
-            (guaranteed quota first, so reclaimed quota reaches its owner), then lowest share."""
+            """Heap key: a head that fits without borrowing goes before any that must borrow,
+            then lowest share."""
             queue, waiting = s.queues[queue_name], order[queue_name]
+            while cursor[queue_name] < len(waiting) and waiting[cursor[queue_name]].submitted.aggregate_id in taken:
+                cursor[queue_name] += 1
             borrows = 0
             if cursor[queue_name] < len(waiting):
                 head = waiting[cursor[queue_name]]
-                nominal = {fq.flavor for fq in queue.quotas}
-                for flavor in [f for f in (head.spec.gpu_flavors or [fq.flavor for fq in queue.quotas]) if f in nominal]:
+                for flavor in flavors_of(head, queue):
                     v = self.pool_of(pools, queue_name, flavor).check(queue_name, head.spec.total_gpus)
                     if v.fits:
                         borrows = 1 if v.borrowed else 0
                         break
             return (borrows, self.share(queue, used, now), queue_name)
 
+        # Pass 2: borrowing allowed, in fair order.
         heap = [turn(q) for q in order]
         heapq.heapify(heap)
         ahead = dict.fromkeys(order, 0)  # jobs of the queue, before this one, that still wait
+        failed_at: dict[tuple[str, tuple[str, ...]], int] = {}  # (queue, flavors) -> smallest refused request
         refused: list[tuple[QuotaJob, str, int]] = []
-        spent_now: dict[str, float] = {}  # budget used this period, per queue, for this cycle
-        # No new borrowing in a pool while quota is being reclaimed there: the reclaimed GPUs
-        # go to their owner, not to the next borrower (no reclaim loops).
-        reclaiming: dict[str, set[str | None]] = {}
-        for j in s.jobs.values():
-            if j.reclaim is not None and j.reserved is not None:
-                reclaiming.setdefault(j.reserved.flavor, set()).add(self.root_cohort(s.queues[j.reserved.queue].cohort)
-                                                                  if j.reserved.queue in s.queues else None)
         while heap:
             *_, queue_name = heapq.heappop(heap)
             queue, waiting = s.queues[queue_name], order[queue_name]
@@ -429,51 +502,26 @@ class QuotaCore:
             job = waiting[cursor[queue_name]]
             cursor[queue_name] += 1
             position = ahead[queue_name] + 1
-            if job.not_before is not None and job.not_before > now:
-                self._wake_at = min(self._wake_at or job.not_before, job.not_before)
+            flavors = flavors_of(job, queue)
+            if (held := held_back(job, queue, flavors)) is not None:
                 ahead[queue_name] += 1
-                out.extend(self._reason(job, QuotaWaitReason.RETRY_BACKOFF,
-                                        f"retry of attempt {job.attempt - 1} waits until {job.not_before.isoformat()}",
-                                        position, None, now))
+                out.extend(self._reason(job, *held, position, None, now))
                 heapq.heappush(heap, turn(queue_name))
                 continue
-            need = job.spec.total_gpus
-            nominal = {fq.flavor for fq in queue.quotas}
-            flavors = [f for f in (job.spec.gpu_flavors or [fq.flavor for fq in queue.quotas]) if f in nominal]
-            if queue.budget is not None and flavors:
-                spent = spent_now.setdefault(queue_name, self.budget_spent(queue, now))
-                if (over := self._over_budget(queue, job, self._weight(queue_name, flavors[0]), spent, now)):
-                    ahead[queue_name] += 1
-                    out.extend(self._reason(job, QuotaWaitReason.BUDGET_EXHAUSTED, over, position, None, now))
-                    heapq.heappush(heap, turn(queue_name))
-                    continue
-            chosen, verdict = None, None
-            for flavor in flavors:
-                pool = self.pool_of(pools, queue_name, flavor)
-                v = pool.check(queue_name, need)
-                if v.fits and not (v.borrowed and pool.cohort in reclaiming.get(flavor, ())):
-                    chosen, verdict = flavor, v
-                    break
-            if chosen is not None:
-                self.pool_of(pools, queue_name, chosen).charge(queue_name, need)
-                used[(queue_name, chosen)] = used.get((queue_name, chosen), 0) + need
-                if queue_name in spent_now:  # the budget check of the next head counts this one's plan
-                    spent_now[queue_name] += need * self._weight(queue_name, chosen) * (
-                        job.spec.expected_runtime_seconds or 0) / 3600
-                out.append(
-                    new_event(
-                        QuotaReserved, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
-                        key=f"{job.attempt}", cause=job.submitted, attempt=job.attempt, queue=queue_name,
-                        flavor=chosen, gpus=need, borrowed=verdict.borrowed,
-                    )
-                )
+            need, key = job.spec.total_gpus, (queue_name, tuple(flavors))
+            if need < failed_at.get(key, 1 << 62) and try_reserve(job, queue, flavors, borrow=True):
                 heapq.heappush(heap, turn(queue_name))
                 continue
+            failed_at[key] = min(failed_at.get(key, 1 << 62), need)
             ahead[queue_name] += 1
             refused.append((job, queue_name, position))
             if queue.strict_fifo:
                 head = job.submitted.aggregate_id
-                for behind, other in enumerate(waiting[cursor[queue_name]:], start=position + 1):
+                behind = position
+                for other in waiting[cursor[queue_name]:]:
+                    if other.submitted.aggregate_id in taken:
+                        continue
+                    behind += 1
                     out.extend(self._reason(other, QuotaWaitReason.BLOCKED_BY_HEAD,
                                             f"queue {queue_name} is strict FIFO and its head {head} "
                                             f"({need} GPUs) does not fit", behind, None, now))
@@ -481,69 +529,101 @@ class QuotaCore:
             heapq.heappush(heap, turn(queue_name))
         # Explain what still waits with the numbers as they stand after this cycle's reservations
         # (the state the log will hold), not as they stood when the job's turn came.
-        # One reclaim at a time per pool: none while one is under way, at most one asked per cycle.
-        reclaimed: set[tuple[str | None, str]] = set()
-        victims: dict[tuple[str | None, str], list[QuotaJob]] = {}  # per pool, computed once a cycle
+        # One preemption at a time per pool: none while one is under way, at most one asked per
+        # cycle, so freed quota reaches the job it was freed for (no reclaim loops).
+        asked_in: set[tuple[str, str]] = set()
+        victims: dict[tuple[str, str], list[QuotaJob]] = {}  # per pool, computed once a cycle
         for job, queue_name, position in refused:
             events, lent_flavor = self._explain(job, queue_name, position, pools, now)
             out.extend(events)
-            if lent_flavor is None:
+            queue = s.queues[queue_name]
+            root = self.pool_key(queue_name)
+            policy = queue.preemption
+            if lent_flavor is not None and policy.reclaim_within_cohort != "never":
+                flavors = [lent_flavor]
+            elif policy.within_queue == "lower-priority":
+                nominal = [fq.flavor for fq in queue.quotas]
+                flavors = [f for f in (job.spec.gpu_flavors or nominal) if f in nominal]
+            else:
                 continue
-            root = self.root_cohort(s.queues[queue_name].cohort)
-            if (root, lent_flavor) in reclaimed or root in reclaiming.get(lent_flavor, ()):
-                continue
-            pool = self.pool_of(pools, queue_name, lent_flavor)
-            if (root, lent_flavor) not in victims:
-                victims[(root, lent_flavor)] = self._victims(lent_flavor, pool, now)
-            asked = self._reclaim(job, queue_name, lent_flavor, pool, victims[(root, lent_flavor)], now)
-            if asked:
-                reclaimed.add((root, lent_flavor))
-                out.extend(asked)
+            for flavor in flavors:
+                if (root, flavor) in asked_in or (root, flavor) in reclaiming:
+                    continue
+                pool = self.pool_of(pools, queue_name, flavor)
+                if (root, flavor) not in victims:
+                    victims[(root, flavor)] = self._victims(flavor, pool, now)
+                if flavor == lent_flavor:  # reclaim: other queues' borrowing attempts
+                    candidates = [v for v in victims[(root, flavor)] if v.reserved.queue != queue_name
+                                  and pool.borrowed(v.reserved.queue) > 0
+                                  and (policy.reclaim_within_cohort == "any" or v.priority < job.priority)]
+                    kind = "reclaim"
+                else:  # the queue's own lower-priority attempts
+                    candidates = [v for v in victims[(root, flavor)]
+                                  if v.reserved.queue == queue_name and v.priority < job.priority]
+                    kind = "priority"
+                asked = self._preempt_for(job, queue_name, flavor, pool, candidates, kind, now)
+                if asked:
+                    asked_in.add((root, flavor))
+                    out.extend(asked)
+                    break
+                if (root, flavor) in charged_in:
+                    # Victims are attempts the log holds; this cycle's reservations are not among
+                    # them yet. Look again once they are.
+                    self._dirty = True
         return out
 
+    def _holding(self):
+        return (self.state.jobs[i] for ids in self.state.holders.values() for i in ids)
+
     def _victims(self, flavor: str, pool: Pool, now: datetime) -> list[QuotaJob]:
-        """Borrowing attempts of a pool that may be reclaimed, best victim first: lowest priority,
-        then least work lost (GPUs × time running), then newest. Never non-preemptible attempts
-        or ones inside their protection window (the core wakes when a window ends)."""
+        """Attempts holding quota in a pool that may be preempted now, best victim first: lowest
+        priority, then least work lost (GPUs × time running), then newest. Never non-preemptible
+        attempts, ones already asked to stop, or ones inside their protection window (the core
+        wakes when a window ends)."""
         candidates = []
-        for j in self.state.jobs.values():
-            r = j.reserved
-            if (r is None or r.flavor != flavor or r.queue not in pool.limits or pool.borrowed(r.queue) == 0
-                    or j.reclaim is not None or not j.preemptible or j.finished):
-                continue
-            pc = DEFAULT_PRIORITY_CLASSES.get(j.spec.priority_class)
-            running_s = (now - j.started_at).total_seconds() if j.started_at is not None else 0.0
-            if pc is not None and j.started_at is not None and running_s < pc.protection_seconds:
-                until = j.started_at + timedelta(seconds=pc.protection_seconds)
-                self._wake_at = min(self._wake_at or until, until)
-                continue
-            candidates.append((j.priority, r.gpus * running_s, -r.occurred_at.timestamp(), j.submitted.aggregate_id, j))
+        for q in pool.limits:
+            for j in (self.state.jobs[i] for i in self.state.holders.get(q, ())):
+                r = j.reserved
+                if r is None or r.flavor != flavor or j.reclaim is not None or not j.preemptible or j.finished:
+                    continue
+                pc = DEFAULT_PRIORITY_CLASSES.get(j.spec.priority_class)
+                running_s = (now - j.started_at).total_seconds() if j.started_at is not None else 0.0
+                if pc is not None and j.started_at is not None and running_s < pc.protection_seconds:
+                    until = j.started_at + timedelta(seconds=pc.protection_seconds)
+                    self._wake_at = min(self._wake_at or until, until)
+                    continue
+                candidates.append((j.priority, r.gpus * running_s, -r.occurred_at.timestamp(),
+                                   j.submitted.aggregate_id, j))
         candidates.sort(key=lambda c: c[:4])
         return [c[-1] for c in candidates]
 
-    def _reclaim(self, waiting: QuotaJob, queue_name: str, flavor: str, pool: Pool, victims: list[QuotaJob],
-                 now: datetime) -> list[Event]:
-        """ReclaimRequested for the fewest of ``victims`` (other queues' borrowing attempts, best
-        first) whose release gives ``waiting`` its guaranteed quota back; nothing if they cannot."""
+    def _preempt_for(self, waiting: QuotaJob, queue_name: str, flavor: str, pool: Pool,
+                     candidates: list[QuotaJob], kind: str, now: datetime) -> list[Event]:
+        """ReclaimRequested for the fewest of ``candidates`` (best victim first) whose release
+        lets ``waiting`` fit; nothing if all of them together would not be enough."""
         job_id = waiting.submitted.aggregate_id
         trial = Pool(pool.flavor, pool.cohort, dict(pool.limits), dict(pool.used))
         chosen: list[QuotaJob] = []
-        for j in victims:
-            if j.reserved.queue == queue_name:
-                continue
+        for j in candidates:
             trial.charge(j.reserved.queue, -j.reserved.gpus)
             chosen.append(j)
             if trial.check(queue_name, waiting.spec.total_gpus).fits:
                 break
         else:
-            return []  # not enough can be reclaimed now; the job keeps waiting
+            return []  # not enough can be preempted now; the job keeps waiting
+        if kind == "reclaim":
+            why = f"queue {queue_name} needs its guaranteed {flavor} back for job {job_id}"
+        else:
+            why = (f"job {job_id} (priority {waiting.priority}) of queue {queue_name} needs {flavor} quota "
+                   "held by lower-priority work of the same queue")
         return [
             new_event(
                 ReclaimRequested, aggregate_id=v.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
                 key=f"{v.attempt}/{job_id}", cause=waiting.waiting or waiting.submitted, attempt=v.attempt,
-                for_job=job_id, for_queue=queue_name, flavor=flavor,
-                message=f"queue {queue_name} needs its guaranteed {flavor} back for job {job_id}; "
-                        f"{v.reserved.queue} borrowed {pool.borrowed(v.reserved.queue)}",
+                kind=kind, for_job=job_id, for_queue=queue_name, flavor=flavor,
+                message=f"{why}; {v.reserved.queue} "
+                        + (f"borrowed {pool.borrowed(v.reserved.queue)}" if kind == "reclaim"
+                           else f"holds {pool.used.get(v.reserved.queue, 0)} (priority {v.priority} here)"),
             )
             for v in chosen
         ]

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas import CohortConfigured, FlavorQuota, QueueConfigured, QuotaPendingReasonChanged, QuotaReserved, new_event
+from schemas.queue import PreemptionPolicy
 from services.quota.capacity import Limits, Pool
 from services.quota.domain import QuotaCore
 from tests.unit.builders import T0, Log, admitted, drive, spec, submitted, succeeded
@@ -291,3 +292,67 @@ def test_gpu_hour_budget_holds_jobs_until_the_period_renews():
     next_day = T0 + timedelta(days=1, seconds=1)
     drive(core, [], next_day, log=log)
     assert reserved(log)["b"] == ("q", 8, 0)
+
+
+# -- preemption policies -------------------------------------------------------------------
+
+
+def _with_policy(queue: QueueConfigured, **policy) -> QueueConfigured:
+    return queue.model_copy(update={"preemption": PreemptionPolicy(**policy)})
+
+
+def _kinds(log) -> dict[str, str]:
+    return {e.aggregate_id: e.kind for e in log.events if e.type == "ReclaimRequested"}
+
+
+@pytest.mark.parametrize("within_queue, expect", [("never", {}), ("lower-priority", {"low": "high"})])
+def test_within_queue_preemption_makes_room_for_higher_priority(within_queue, expect):
+    queues = [_with_policy(cq("q", None, a100=4), within_queue=within_queue)]
+    core, log, _ = run(queues, [job("low", "q", 2, seq=1, priority=100), job("mid", "q", 2, seq=2, priority=300)])
+    drive(core, job("high", "q", 2, seq=3, at_s=1, priority=800), T0 + timedelta(seconds=1), log=log)
+    assert _reclaims(log) == expect  # the lowest priority is the victim, and one is enough
+    assert set(_kinds(log).values()) <= {"priority"}
+    drive(core, job("same", "q", 2, seq=4, at_s=2, priority=100), T0 + timedelta(seconds=2), log=log)
+    assert _reclaims(log) == expect  # never for equal or higher priority; one preemption at a time
+
+
+def test_within_queue_preemption_never_crosses_queues_and_each_lone_queue_is_its_own_pool():
+    queues = [_with_policy(cq("a", None, a100=2), within_queue="lower-priority"),
+              _with_policy(cq("b", None, a100=2), within_queue="lower-priority")]
+    core, log, _ = run(queues, [job("a-low", "a", 2, seq=1, priority=100), job("b-low", "b", 2, seq=2, priority=100)])
+    drive(core, job("a-high", "a", 2, seq=3, priority=800) + job("b-high", "b", 2, seq=4, priority=800), T0, log=log)
+    assert _reclaims(log) == {"a-low": "a-high", "b-low": "b-high"}
+
+
+@pytest.mark.parametrize("policy, expect", [
+    ("any", {"high-borrower": "mine"}),  # any borrower: the lowest priority first, here the only one
+    ("lower-priority", {}),  # the borrower outranks the waiting job
+    ("never", {}),
+])
+def test_reclaim_within_cohort_policy(policy, expect):
+    queues = [_with_policy(cq("owner", "c", a100=2), reclaim_within_cohort=policy), cq("borrower", "c", a100=0)]
+    core, log, _ = run(queues, [job("high-borrower", "borrower", 2, seq=1, priority=800)])
+    drive(core, job("mine", "owner", 2, seq=2, at_s=1, priority=500), T0 + timedelta(seconds=1), log=log)
+    assert _reclaims(log) == expect
+    assert set(_kinds(log).values()) <= {"reclaim"}
+
+
+def test_own_nominal_goes_before_any_borrowing_in_the_same_cycle():
+    """Regression (found by the replay property): a queue's job that fits in its own nominal was
+    passed over by another queue's borrower with a lower share, and the reclaim that followed
+    was only decided by a replay."""
+    queues = [cq("q0", "c", a100=1), cq("q1", "c", a100=3)]
+    core, log, _ = run(queues)
+    jobs = [("b", "q0", 2), ("wide", "q0", 3), ("big", "q1", 3), ("s1", "q0", 1), ("s2", "q0", 1),
+            ("one", "q1", 1), ("own", "q1", 2)]
+    for k, (job_id, q, gpus) in enumerate(jobs):
+        drive(core, job(job_id, q, gpus, seq=k + 1, at_s=k), T0 + timedelta(seconds=k), log=log)
+    assert _reclaims(log) == {"b": "big"}
+    now = T0 + timedelta(seconds=10)
+    drive(core, [succeeded("b", started_at=T0, when=now)], now, log=log)
+    assert reserved(log)["own"] == ("q1", 2, 0)  # within q1's nominal, before q0 borrows again
+    assert "wide" not in reserved(log)
+    fresh = QuotaCore()
+    for e in log.events:
+        fresh.evolve(e)
+    assert [e for e in fresh.decide(now) if e.event_id not in log.ids] == []
