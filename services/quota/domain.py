@@ -26,6 +26,8 @@ import heapq
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from sortedcontainers import SortedList
+
 from schemas import (
     CohortConfigured,
     Event,
@@ -74,6 +76,11 @@ class QuotaJob:
     preemptible: bool = True
     started_at: datetime | None = None  # of the current attempt
     reclaim: ReclaimRequested | None = None  # asked to give the current attempt's quota back
+    order_key: tuple | None = None  # its key in the queue's pending order while it waits
+
+    def queue_order(self) -> tuple:
+        """Order inside a queue: priority (higher first), then queued time, then job id."""
+        return (-self.priority, self.queued_at, self.submitted.aggregate_id)
 
 
 @dataclass
@@ -87,7 +94,8 @@ class QuotaState:
     spent: dict[str, tuple[datetime, float]] = field(default_factory=dict)
     jobs: dict[str, QuotaJob] = field(default_factory=dict)
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (queue, flavor) -> GPUs
-    pending: dict[str, set[str]] = field(default_factory=dict)  # queue -> job ids waiting for quota
+    # queue -> (order key, job id) of the jobs waiting for quota, kept in queue order
+    pending: dict[str, SortedList] = field(default_factory=dict)
     holders: dict[str, set[str]] = field(default_factory=dict)  # queue -> job ids holding a reservation
     to_release: dict[str, None] = field(default_factory=dict)  # jobs whose attempt ended
 
@@ -99,15 +107,18 @@ class QuotaCore:
         self._wake_at: datetime | None = None  # earliest retry backoff that has not passed
 
     def _enqueue(self, job_id: str, job: QuotaJob) -> None:
-        self.state.pending.setdefault(job.queue, set()).add(job_id)
+        if job.order_key is not None:
+            self._dequeue(job_id, job)
+        job.order_key = job.queue_order()
+        self.state.pending.setdefault(job.queue, SortedList()).add((job.order_key, job_id))
         self._dirty = True
 
     def _dequeue(self, job_id: str, job: QuotaJob) -> bool:
         """Take the job out of its queue; True if it was waiting there."""
-        pending = self.state.pending.get(job.queue)
-        if pending is None or job_id not in pending:
+        if job.order_key is None:
             return False
-        pending.discard(job_id)
+        self.state.pending[job.queue].discard((job.order_key, job_id))
+        job.order_key = None
         return True
 
     def evolve(self, event: Event) -> None:
@@ -390,11 +401,8 @@ class QuotaCore:
         out: list[Event] = []
         self._wake_at = None
         order: dict[str, list[QuotaJob]] = {}
-        for queue_name, ids in s.pending.items():
-            waiting = sorted(
-                (s.jobs[j] for j in ids if s.jobs[j].reserved is None and not s.jobs[j].cancel_requested),
-                key=lambda jb: (-jb.priority, jb.queued_at, jb.submitted.aggregate_id),
-            )
+        for queue_name, entries in s.pending.items():
+            waiting = [s.jobs[j] for _, j in entries if not s.jobs[j].cancel_requested]
             if not waiting:
                 continue
             queue = s.queues.get(queue_name)
@@ -404,12 +412,14 @@ class QuotaCore:
                                             f"queue {queue_name} no longer exists", position, None, now))
                 continue
             order[queue_name] = waiting
-        # No new borrowing in a pool while quota is being reclaimed there: the reclaimed GPUs
-        # go to their owner, not to the next borrower (no reclaim loops).
-        reclaiming: set[tuple[str, str]] = {  # (pool key, flavor)
+        # No new borrowing in a pool while quota is being reclaimed there, or while a queue of it
+        # waits for its own lent-out quota (pass 1 adds those): that quota goes to its owner,
+        # not to the next borrower (no reclaim loops).
+        under_way: set[tuple[str, str]] = {  # (pool key, flavor) with a preemption in progress
             (self.pool_key(j.reserved.queue), j.reserved.flavor)
             for j in self._holding() if j.reclaim is not None and j.reserved.queue in s.queues
         }
+        no_borrowing = set(under_way)
         spent_now: dict[str, float] = {}  # budget used this period, per queue, for this cycle
         taken: set[str] = set()  # reserved in this cycle
         charged_in: set[tuple[str, str]] = set()  # (pool key, flavor) where this cycle reserved
@@ -436,7 +446,7 @@ class QuotaCore:
             for flavor in flavors:
                 pool = self.pool_of(pools, queue.name, flavor)
                 v = pool.check(queue.name, need)
-                if not v.fits or (v.borrowed and (not borrow or (self.pool_key(queue.name), flavor) in reclaiming)):
+                if not v.fits or (v.borrowed and (not borrow or (self.pool_key(queue.name), flavor) in no_borrowing)):
                     continue
                 pool.charge(queue.name, need)
                 used[(queue.name, flavor)] = used.get((queue.name, flavor), 0) + need
@@ -465,8 +475,15 @@ class QuotaCore:
                 if held_back(job, queue, flavors) is not None:
                     continue
                 key = tuple(flavors)
-                if job.spec.total_gpus < failed.get(key, 1 << 62) and try_reserve(job, queue, flavors, borrow=False):
-                    continue
+                if job.spec.total_gpus < failed.get(key, 1 << 62):
+                    if try_reserve(job, queue, flavors, borrow=False):
+                        continue
+                    if queue.preemption.reclaim_within_cohort != "never":
+                        for flavor in flavors:
+                            v = self.pool_of(pools, queue_name, flavor).check(queue_name, job.spec.total_gpus)
+                            if v.reason == QuotaWaitReason.NOMINAL_LENT:
+                                # The lent quota is held for its owner: nobody borrows it this cycle.
+                                no_borrowing.add((self.pool_key(queue_name), flavor))
                 failed[key] = min(failed.get(key, 1 << 62), job.spec.total_gpus)
                 if queue.strict_fifo:
                     break
@@ -533,8 +550,9 @@ class QuotaCore:
         # cycle, so freed quota reaches the job it was freed for (no reclaim loops).
         asked_in: set[tuple[str, str]] = set()
         victims: dict[tuple[str, str], list[QuotaJob]] = {}  # per pool, computed once a cycle
+        verdicts: dict = {}
         for job, queue_name, position in refused:
-            events, lent_flavor = self._explain(job, queue_name, position, pools, now)
+            events, lent_flavor = self._explain(job, queue_name, position, pools, now, verdicts)
             out.extend(events)
             queue = s.queues[queue_name]
             root = self.pool_key(queue_name)
@@ -547,7 +565,7 @@ class QuotaCore:
             else:
                 continue
             for flavor in flavors:
-                if (root, flavor) in asked_in or (root, flavor) in reclaiming:
+                if (root, flavor) in asked_in or (root, flavor) in under_way:
                     continue
                 pool = self.pool_of(pools, queue_name, flavor)
                 if (root, flavor) not in victims:
@@ -605,6 +623,8 @@ class QuotaCore:
         trial = Pool(pool.flavor, pool.cohort, dict(pool.limits), dict(pool.used))
         chosen: list[QuotaJob] = []
         for j in candidates:
+            if kind == "reclaim" and trial.borrowed(j.reserved.queue) == 0:
+                continue  # its queue no longer borrows: what it holds now is its own guaranteed quota
             trial.charge(j.reserved.queue, -j.reserved.gpus)
             chosen.append(j)
             if trial.check(queue_name, waiting.spec.total_gpus).fits:
@@ -629,25 +649,38 @@ class QuotaCore:
         ]
 
     def _explain(self, job: QuotaJob, queue_name: str, position: int, pools: dict[tuple[str, str], Pool],
-                 now: datetime) -> tuple[list[Event], str | None]:
+                 now: datetime, cache: dict | None = None) -> tuple[list[Event], str | None]:
         """The job's reason event (if it changed), and the flavor whose guaranteed quota is lent
-        out when that is why it waits (a reclaim candidate)."""
+        out when that is why it waits (a reclaim candidate). ``cache`` holds the verdicts of this
+        cycle's pools by (queue, flavors, request): jobs of the same shape share one."""
         queue = self.state.queues[queue_name]
         nominal = [fq.flavor for fq in queue.quotas]
-        flavors = [f for f in (job.spec.gpu_flavors or nominal) if f in nominal]
+        flavors = tuple(f for f in (job.spec.gpu_flavors or nominal) if f in nominal)
+        shape = (queue_name, flavors, job.spec.total_gpus)
+        found = cache.get(shape) if cache is not None else None
+        if found is None:
+            found = self._verdict(queue_name, flavors, job.spec, pools)
+            if cache is not None:
+                cache[shape] = found
+        if found[0] is None:
+            return [], None
+        reason, message, flavor, lent = found
+        return self._reason(job, reason, message, position, flavor, now), lent
+
+    def _verdict(self, queue_name: str, flavors: tuple[str, ...], spec: JobSpec,
+                 pools: dict[tuple[str, str], Pool]) -> tuple[QuotaWaitReason | None, str, str | None, str | None]:
+        """(reason, message, flavor, lent flavor) for a request that did not get quota."""
         for flavor in flavors:
-            v = self.pool_of(pools, queue_name, flavor).check(queue_name, job.spec.total_gpus)
+            v = self.pool_of(pools, queue_name, flavor).check(queue_name, spec.total_gpus)
             if not v.fits:
-                lent = flavor if v.reason == QuotaWaitReason.NOMINAL_LENT else None
-                return self._reason(job, v.reason, v.message, position, flavor, now), lent
-            return (self._reason(job, QuotaWaitReason.COHORT_EXHAUSTED,
-                                 f"queue {queue_name} {flavor}: quota is being reclaimed in its cohort; "
-                                 "no new borrowing until it completes", position, flavor, now), None)
+                return v.reason, v.message, flavor, (flavor if v.reason == QuotaWaitReason.NOMINAL_LENT else None)
+            return (QuotaWaitReason.COHORT_EXHAUSTED,
+                    f"queue {queue_name} {flavor}: quota is being reclaimed in its cohort; "
+                    "no new borrowing until it completes", flavor, None)
         if not flavors:
-            return self._reason(job, QuotaWaitReason.NO_QUOTA_FOR_FLAVOR,
-                                f"queue {queue_name} has no quota for flavors {list(job.spec.gpu_flavors)}",
-                                position, None, now), None
-        return [], None
+            return (QuotaWaitReason.NO_QUOTA_FOR_FLAVOR,
+                    f"queue {queue_name} has no quota for flavors {list(spec.gpu_flavors)}", None, None)
+        return None, "", None, None
 
     def _reason(self, job: QuotaJob, reason: QuotaWaitReason, message: str, position: int,
                 flavor: str | None, now: datetime) -> list[Event]:

@@ -356,3 +356,66 @@ def test_own_nominal_goes_before_any_borrowing_in_the_same_cycle():
     for e in log.events:
         fresh.evolve(e)
     assert [e for e in fresh.decide(now) if e.event_id not in log.ids] == []
+
+
+@st.composite
+def lent_out_scenarios(draw):
+    """An owner queue whose whole nominal is lent to borrowers of other queues in its cohort."""
+    owner_nominal = draw(st.integers(1, 6))
+    others = [(draw(st.integers(0, 4)), draw(st.one_of(st.none(), st.integers(owner_nominal, 12))))
+              for _ in range(draw(st.integers(1, 3)))]
+    borrowers = [(f"b{k}", draw(st.integers(0, len(others) - 1)), draw(st.integers(1, 4)),
+                  draw(st.sampled_from([100, 200, 500])))
+                 for k in range(draw(st.integers(1, 8)))]
+    need = draw(st.integers(1, owner_nominal))
+    return owner_nominal, others, borrowers, need
+
+
+def _outstanding_reclaims(log) -> list:
+    done = {(e.aggregate_id, e.attempt) for e in log.events if e.type == "JobPreempted"}
+    return [e for e in log.events if e.type == "ReclaimRequested" and (e.aggregate_id, e.attempt) not in done]
+
+
+def _preempt(core, log, asked, now) -> None:
+    """What an executor does with ReclaimRequested: stop the attempts (here at once)."""
+    from tests.unit.builders import preempted
+    drive(core, [preempted(e.aggregate_id, attempt=e.attempt, started_at=None, when=now) for e in asked], now, log=log)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(lent_out_scenarios())
+def test_property_owner_regains_its_quota_within_a_bounded_number_of_decisions(scenario):
+    """A queue below its nominal with pending work gets its quota back within a bounded number
+    of reclaim rounds (each asks the fewest victims at once; another queue's own guaranteed
+    jobs may take quota first, so one round per queue at most), the victims are only ever
+    borrowing attempts, and the requeued victims never take the quota back first."""
+    owner_nominal, others, borrowers, need = scenario
+    queues = [cq("owner", "c", a100=owner_nominal)] + [cq(f"o{i}", "c", a100=(n, b, None))
+                                                      for i, (n, b) in enumerate(others)]
+    core, log, _ = run(queues)
+    now = T0
+    for k, (job_id, q, gpus, priority) in enumerate(borrowers):
+        drive(core, job(job_id, f"o{q}", gpus, seq=k + 1, priority=priority), now, log=log)
+        for _ in range(len(borrowers) + 1):  # the other queues' own reclaims, settled first
+            if not (asked := _outstanding_reclaims(log)):
+                break
+            now += timedelta(seconds=1)
+            _preempt(core, log, asked, now)
+        assert not _outstanding_reclaims(log)
+    now += timedelta(seconds=1)
+    drive(core, job("mine", "owner", need, seq=100, at_s=(now - T0).total_seconds()), now, log=log)
+    rounds = 0
+    while "mine" not in reserved(log):
+        asked = _outstanding_reclaims(log)
+        assert asked, "the owner waits and nothing is being reclaimed for it"
+        assert {e.for_job for e in asked} == {"mine"}
+        for e in asked:  # every victim's queue was borrowing when it was chosen
+            victim_queue = core.state.jobs[e.aggregate_id].reserved.queue
+            assert core.pool_of(core.pools(), victim_queue, "a100").borrowed(victim_queue) > 0
+        rounds += 1
+        assert rounds <= len(others), "more reclaim rounds than queues that could borrow"
+        now += timedelta(seconds=1)
+        _preempt(core, log, asked, now)
+    r = [e for e in log.events if e.type == "QuotaReserved" and e.aggregate_id == "mine"]
+    assert r[0].borrowed == 0
+    check_pools(core)
