@@ -77,6 +77,7 @@ class QuotaJob:
     started_at: datetime | None = None  # of the current attempt
     reclaim: ReclaimRequested | None = None  # asked to give the current attempt's quota back
     order_key: tuple | None = None  # its key in the queue's pending order while it waits
+    flavors: tuple[QueueConfigured, tuple[str, ...]] | None = None  # usable flavors, for that queue config
 
     def queue_order(self) -> tuple:
         """Order inside a queue: priority (higher first), then queued time, then job id."""
@@ -424,9 +425,13 @@ class QuotaCore:
         taken: set[str] = set()  # reserved in this cycle
         charged_in: set[tuple[str, str]] = set()  # (pool key, flavor) where this cycle reserved
 
-        def flavors_of(job: QuotaJob, queue: QueueConfigured) -> list[str]:
-            nominal = [fq.flavor for fq in queue.quotas]
-            return [f for f in (job.spec.gpu_flavors or nominal) if f in nominal]
+        def flavors_of(job: QuotaJob, queue: QueueConfigured) -> tuple[str, ...]:
+            """The job's flavors, in its order, that the queue has quota for (kept on the job
+            until the queue is reconfigured)."""
+            if job.flavors is None or job.flavors[0] is not queue:
+                nominal = [fq.flavor for fq in queue.quotas]
+                job.flavors = (queue, tuple(f for f in (job.spec.gpu_flavors or nominal) if f in nominal))
+            return job.flavors[1]
 
         def held_back(job: QuotaJob, queue: QueueConfigured, flavors: list[str]) -> tuple[QuotaWaitReason, str] | None:
             """A retry in its backoff or a queue over its budget: the job waits whatever the quota."""
@@ -465,6 +470,7 @@ class QuotaCore:
                 return True
             return False
 
+        failed_at: dict[str, dict[tuple[str, ...], int]] = {}  # pass 2: queue -> flavors -> smallest refused
         # Pass 1: own nominal quota. Within a queue the smallest request that did not fit is
         # remembered per flavor list: usage only grows during a pass, so a larger one cannot fit.
         for queue_name in sorted(order, key=lambda q: (self.share(s.queues[q], used, now), q)):
@@ -474,7 +480,7 @@ class QuotaCore:
                 flavors = flavors_of(job, queue)
                 if held_back(job, queue, flavors) is not None:
                     continue
-                key = tuple(flavors)
+                key = flavors
                 if job.spec.total_gpus < failed.get(key, 1 << 62):
                     if try_reserve(job, queue, flavors, borrow=False):
                         continue
@@ -487,63 +493,46 @@ class QuotaCore:
                 failed[key] = min(failed.get(key, 1 << 62), job.spec.total_gpus)
                 if queue.strict_fifo:
                     break
-        cursor = dict.fromkeys(order, 0)
-
-        def turn(queue_name: str) -> tuple[int, float, str]:
-            """Heap key: a head that fits without borrowing goes before any that must borrow,
-            then lowest share."""
-            queue, waiting = s.queues[queue_name], order[queue_name]
-            while cursor[queue_name] < len(waiting) and waiting[cursor[queue_name]].submitted.aggregate_id in taken:
-                cursor[queue_name] += 1
-            borrows = 0
-            if cursor[queue_name] < len(waiting):
-                head = waiting[cursor[queue_name]]
-                for flavor in flavors_of(head, queue):
-                    v = self.pool_of(pools, queue_name, flavor).check(queue_name, head.spec.total_gpus)
-                    if v.fits:
-                        borrows = 1 if v.borrowed else 0
-                        break
-            return (borrows, self.share(queue, used, now), queue_name)
-
-        # Pass 2: borrowing allowed, in fair order.
-        heap = [turn(q) for q in order]
+        # Pass 2: borrowing allowed, in fair order: the queue with the lowest share takes its next
+        # job. Jobs that do not get quota change nothing, so a queue keeps its turn until one
+        # of its jobs is reserved (then its share is recomputed) or it has none left.
+        heap = [(self.share(s.queues[q], used, now), q) for q in order]
         heapq.heapify(heap)
+        cursor = dict.fromkeys(order, 0)
         ahead = dict.fromkeys(order, 0)  # jobs of the queue, before this one, that still wait
-        failed_at: dict[tuple[str, tuple[str, ...]], int] = {}  # (queue, flavors) -> smallest refused request
-        refused: list[tuple[QuotaJob, str, int]] = []
+        refused: list[tuple[QuotaJob, str, int, tuple[str, ...]]] = []
         while heap:
-            *_, queue_name = heapq.heappop(heap)
+            _, queue_name = heapq.heappop(heap)
             queue, waiting = s.queues[queue_name], order[queue_name]
-            if cursor[queue_name] >= len(waiting):
-                continue
-            job = waiting[cursor[queue_name]]
-            cursor[queue_name] += 1
-            position = ahead[queue_name] + 1
-            flavors = flavors_of(job, queue)
-            if (held := held_back(job, queue, flavors)) is not None:
+            failed: dict[tuple[str, ...], int] = failed_at.setdefault(queue_name, {})
+            while cursor[queue_name] < len(waiting):
+                job = waiting[cursor[queue_name]]
+                cursor[queue_name] += 1
+                if job.submitted.aggregate_id in taken:
+                    continue
+                position = ahead[queue_name] + 1
+                flavors = flavors_of(job, queue)
+                if (held := held_back(job, queue, flavors)) is not None:
+                    ahead[queue_name] += 1
+                    out.extend(self._reason(job, *held, position, None, now))
+                    continue
+                need, key = job.spec.total_gpus, flavors
+                if need < failed.get(key, 1 << 62) and try_reserve(job, queue, flavors, borrow=True):
+                    heapq.heappush(heap, (self.share(queue, used, now), queue_name))
+                    break
+                failed[key] = min(failed.get(key, 1 << 62), need)
                 ahead[queue_name] += 1
-                out.extend(self._reason(job, *held, position, None, now))
-                heapq.heappush(heap, turn(queue_name))
-                continue
-            need, key = job.spec.total_gpus, (queue_name, tuple(flavors))
-            if need < failed_at.get(key, 1 << 62) and try_reserve(job, queue, flavors, borrow=True):
-                heapq.heappush(heap, turn(queue_name))
-                continue
-            failed_at[key] = min(failed_at.get(key, 1 << 62), need)
-            ahead[queue_name] += 1
-            refused.append((job, queue_name, position))
-            if queue.strict_fifo:
-                head = job.submitted.aggregate_id
-                behind = position
-                for other in waiting[cursor[queue_name]:]:
-                    if other.submitted.aggregate_id in taken:
-                        continue
-                    behind += 1
-                    out.extend(self._reason(other, QuotaWaitReason.BLOCKED_BY_HEAD,
-                                            f"queue {queue_name} is strict FIFO and its head {head} "
-                                            f"({need} GPUs) does not fit", behind, None, now))
-                continue
-            heapq.heappush(heap, turn(queue_name))
+                refused.append((job, queue_name, position, flavors))
+                if queue.strict_fifo:
+                    head, behind = job.submitted.aggregate_id, position
+                    for other in waiting[cursor[queue_name]:]:
+                        if other.submitted.aggregate_id in taken:
+                            continue
+                        behind += 1
+                        out.extend(self._reason(other, QuotaWaitReason.BLOCKED_BY_HEAD,
+                                                f"queue {queue_name} is strict FIFO and its head {head} "
+                                                f"({need} GPUs) does not fit", behind, None, now))
+                    break
         # Explain what still waits with the numbers as they stand after this cycle's reservations
         # (the state the log will hold), not as they stood when the job's turn came.
         # One preemption at a time per pool: none while one is under way, at most one asked per
@@ -551,39 +540,41 @@ class QuotaCore:
         asked_in: set[tuple[str, str]] = set()
         victims: dict[tuple[str, str], list[QuotaJob]] = {}  # per pool, computed once a cycle
         verdicts: dict = {}
-        for job, queue_name, position in refused:
-            events, lent_flavor = self._explain(job, queue_name, position, pools, now, verdicts)
+        hopeless: dict[tuple[str, str, str, int], int] = {}
+        for job, queue_name, position, flavors in refused:
+            events, lent_flavor = self._explain(job, queue_name, flavors, position, pools, now, verdicts)
             out.extend(events)
             queue = s.queues[queue_name]
             root = self.pool_key(queue_name)
             policy = queue.preemption
             if lent_flavor is not None and policy.reclaim_within_cohort != "never":
-                flavors = [lent_flavor]
-            elif policy.within_queue == "lower-priority":
-                nominal = [fq.flavor for fq in queue.quotas]
-                flavors = [f for f in (job.spec.gpu_flavors or nominal) if f in nominal]
-            else:
+                flavors = (lent_flavor,)
+            elif policy.within_queue != "lower-priority":
                 continue
             for flavor in flavors:
                 if (root, flavor) in asked_in or (root, flavor) in under_way:
                     continue
+                kind = "reclaim" if flavor == lent_flavor else "priority"
+                # One that found too few victims: a request as large, of no higher priority, would too.
+                hopeless_key = (queue_name, flavor, kind, job.priority)
+                if job.spec.total_gpus >= hopeless.get(hopeless_key, 1 << 62):
+                    continue
                 pool = self.pool_of(pools, queue_name, flavor)
                 if (root, flavor) not in victims:
                     victims[(root, flavor)] = self._victims(flavor, pool, now)
-                if flavor == lent_flavor:  # reclaim: other queues' borrowing attempts
+                if kind == "reclaim":  # other queues' borrowing attempts
                     candidates = [v for v in victims[(root, flavor)] if v.reserved.queue != queue_name
                                   and pool.borrowed(v.reserved.queue) > 0
                                   and (policy.reclaim_within_cohort == "any" or v.priority < job.priority)]
-                    kind = "reclaim"
                 else:  # the queue's own lower-priority attempts
                     candidates = [v for v in victims[(root, flavor)]
                                   if v.reserved.queue == queue_name and v.priority < job.priority]
-                    kind = "priority"
                 asked = self._preempt_for(job, queue_name, flavor, pool, candidates, kind, now)
                 if asked:
                     asked_in.add((root, flavor))
                     out.extend(asked)
                     break
+                hopeless[hopeless_key] = min(hopeless.get(hopeless_key, 1 << 62), job.spec.total_gpus)
                 if (root, flavor) in charged_in:
                     # Victims are attempts the log holds; this cycle's reservations are not among
                     # them yet. Look again once they are.
@@ -648,14 +639,12 @@ class QuotaCore:
             for v in chosen
         ]
 
-    def _explain(self, job: QuotaJob, queue_name: str, position: int, pools: dict[tuple[str, str], Pool],
-                 now: datetime, cache: dict | None = None) -> tuple[list[Event], str | None]:
+    def _explain(self, job: QuotaJob, queue_name: str, flavors: tuple[str, ...], position: int,
+                 pools: dict[tuple[str, str], Pool], now: datetime, cache: dict | None = None
+                 ) -> tuple[list[Event], str | None]:
         """The job's reason event (if it changed), and the flavor whose guaranteed quota is lent
         out when that is why it waits (a reclaim candidate). ``cache`` holds the verdicts of this
         cycle's pools by (queue, flavors, request): jobs of the same shape share one."""
-        queue = self.state.queues[queue_name]
-        nominal = [fq.flavor for fq in queue.quotas]
-        flavors = tuple(f for f in (job.spec.gpu_flavors or nominal) if f in nominal)
         shape = (queue_name, flavors, job.spec.total_gpus)
         found = cache.get(shape) if cache is not None else None
         if found is None:
