@@ -413,14 +413,13 @@ class QuotaCore:
                                             f"queue {queue_name} no longer exists", position, None, now))
                 continue
             order[queue_name] = waiting
-        # No new borrowing in a pool while quota is being reclaimed there, or while a queue of it
-        # waits for its own lent-out quota (pass 1 adds those): that quota goes to its owner,
-        # not to the next borrower (no reclaim loops).
-        under_way: set[tuple[str, str]] = {  # (pool key, flavor) with a preemption in progress
+        # No new borrowing in a pool (pool key, flavor) while quota is being preempted there, or
+        # while a queue of it waits for its own lent-out quota (pass 1 adds those): that quota
+        # goes to the job it is freed for, not to the next borrower (no reclaim loops).
+        no_borrowing: set[tuple[str, str]] = {
             (self.pool_key(j.reserved.queue), j.reserved.flavor)
             for j in self._holding() if j.reclaim is not None and j.reserved.queue in s.queues
         }
-        no_borrowing = set(under_way)
         spent_now: dict[str, float] = {}  # budget used this period, per queue, for this cycle
         taken: set[str] = set()  # reserved in this cycle
         charged_in: set[tuple[str, str]] = set()  # (pool key, flavor) where this cycle reserved
@@ -534,26 +533,30 @@ class QuotaCore:
                                                 f"({need} GPUs) does not fit", behind, None, now))
                     break
         # Explain what still waits with the numbers as they stand after this cycle's reservations
-        # (the state the log will hold), not as they stood when the job's turn came.
-        # One preemption at a time per pool: none while one is under way, at most one asked per
-        # cycle, so freed quota reaches the job it was freed for (no reclaim loops).
-        asked_in: set[tuple[str, str]] = set()
+        # (the state the log will hold), not as they stood when the job's turn came. Then ask
+        # preemptions, each against a trial pool that already counts the preemptions under
+        # way and those asked earlier in this cycle as done (their victims gone, the jobs they
+        # are for holding their quota): several jobs may be served in one cycle, no victim is
+        # asked twice, and a job that will fit once its victims stop asks nothing more.
         victims: dict[tuple[str, str], list[QuotaJob]] = {}  # per pool, computed once a cycle
         verdicts: dict = {}
         hopeless: dict[tuple[str, str, str, int], int] = {}
+        trials: dict[tuple[str, str], Pool] = {}
+        served = {j.reclaim.for_job for j in self._holding() if j.reclaim is not None}
+        asked_victims: set[str] = set()
         for job, queue_name, position, flavors in refused:
             events, lent_flavor = self._explain(job, queue_name, flavors, position, pools, now, verdicts)
             out.extend(events)
             queue = s.queues[queue_name]
             root = self.pool_key(queue_name)
             policy = queue.preemption
+            if job.submitted.aggregate_id in served:
+                continue  # its victims are stopping
             if lent_flavor is not None and policy.reclaim_within_cohort != "never":
                 flavors = (lent_flavor,)
             elif policy.within_queue != "lower-priority":
                 continue
             for flavor in flavors:
-                if (root, flavor) in asked_in or (root, flavor) in under_way:
-                    continue
                 kind = "reclaim" if flavor == lent_flavor else "priority"
                 # One that found too few victims: a request as large, of no higher priority, would too.
                 hopeless_key = (queue_name, flavor, kind, job.priority)
@@ -562,16 +565,18 @@ class QuotaCore:
                 pool = self.pool_of(pools, queue_name, flavor)
                 if (root, flavor) not in victims:
                     victims[(root, flavor)] = self._victims(flavor, pool, now)
+                    trials[(root, flavor)] = self._after_preemptions(pool, flavor)
+                trial = trials[(root, flavor)]
                 if kind == "reclaim":  # other queues' borrowing attempts
                     candidates = [v for v in victims[(root, flavor)] if v.reserved.queue != queue_name
-                                  and pool.borrowed(v.reserved.queue) > 0
                                   and (policy.reclaim_within_cohort == "any" or v.priority < job.priority)]
                 else:  # the queue's own lower-priority attempts
                     candidates = [v for v in victims[(root, flavor)]
                                   if v.reserved.queue == queue_name and v.priority < job.priority]
-                asked = self._preempt_for(job, queue_name, flavor, pool, candidates, kind, now)
-                if asked:
-                    asked_in.add((root, flavor))
+                candidates = [v for v in candidates if v.submitted.aggregate_id not in asked_victims]
+                asked = self._preempt_for(job, queue_name, flavor, pool, trial, candidates, kind, now)
+                if asked is not None:
+                    asked_victims.update(e.aggregate_id for e in asked)
                     out.extend(asked)
                     break
                 hopeless[hopeless_key] = min(hopeless.get(hopeless_key, 1 << 62), job.spec.total_gpus)
@@ -606,22 +611,44 @@ class QuotaCore:
         candidates.sort(key=lambda c: c[:4])
         return [c[-1] for c in candidates]
 
-    def _preempt_for(self, waiting: QuotaJob, queue_name: str, flavor: str, pool: Pool,
-                     candidates: list[QuotaJob], kind: str, now: datetime) -> list[Event]:
-        """ReclaimRequested for the fewest of ``candidates`` (best victim first) whose release
-        lets ``waiting`` fit; nothing if all of them together would not be enough."""
-        job_id = waiting.submitted.aggregate_id
+    def _after_preemptions(self, pool: Pool, flavor: str) -> Pool:
+        """A copy of ``pool`` as it will be once the preemptions under way in it are done: the
+        victims' quota released and each job they are for holding its request."""
         trial = Pool(pool.flavor, pool.cohort, dict(pool.limits), dict(pool.used))
+        served: set[str] = set()
+        for q in pool.limits:
+            for j in (self.state.jobs[i] for i in self.state.holders.get(q, ())):
+                if j.reclaim is None or j.reserved.flavor != flavor:
+                    continue
+                trial.charge(q, -j.reserved.gpus)
+                for_job = self.state.jobs.get(j.reclaim.for_job)
+                if (for_job is not None and j.reclaim.for_job not in served and for_job.reserved is None
+                        and not for_job.finished and for_job.queue in pool.limits):
+                    served.add(j.reclaim.for_job)
+                    trial.charge(for_job.queue, for_job.spec.total_gpus)
+        return trial
+
+    def _preempt_for(self, waiting: QuotaJob, queue_name: str, flavor: str, pool: Pool, trial: Pool,
+                     candidates: list[QuotaJob], kind: str, now: datetime) -> list[Event] | None:
+        """ReclaimRequested for the fewest of ``candidates`` (best victim first) whose release
+        lets ``waiting`` fit in ``trial``, which is then charged with the outcome (victims gone,
+        ``waiting`` holding its request); [] if it fits there already; None if all of them
+        together would not be enough (nothing changes)."""
+        job_id, need = waiting.submitted.aggregate_id, waiting.spec.total_gpus
+        attempt = Pool(trial.flavor, trial.cohort, trial.limits, dict(trial.used))
         chosen: list[QuotaJob] = []
-        for j in candidates:
-            if kind == "reclaim" and trial.borrowed(j.reserved.queue) == 0:
-                continue  # its queue no longer borrows: what it holds now is its own guaranteed quota
-            trial.charge(j.reserved.queue, -j.reserved.gpus)
-            chosen.append(j)
-            if trial.check(queue_name, waiting.spec.total_gpus).fits:
-                break
-        else:
-            return []  # not enough can be preempted now; the job keeps waiting
+        if not attempt.check(queue_name, need).fits:
+            for j in candidates:
+                if kind == "reclaim" and attempt.borrowed(j.reserved.queue) == 0:
+                    continue  # its queue no longer borrows: what it holds now is its own guaranteed quota
+                attempt.charge(j.reserved.queue, -j.reserved.gpus)
+                chosen.append(j)
+                if attempt.check(queue_name, need).fits:
+                    break
+            else:
+                return None  # not enough can be preempted now; the job keeps waiting
+        attempt.charge(queue_name, need)
+        trial.used, trial._totals, trial._borrowers = attempt.used, None, None
         if kind == "reclaim":
             why = f"queue {queue_name} needs its guaranteed {flavor} back for job {job_id}"
         else:

@@ -67,6 +67,8 @@ async def test_apply_diff_dry_run_and_prune(nats_server, admin_js, tmp_path):
     ("queues: [{name: a, quotas: [{flavor: l4, nominal: -1}]}]", "quotas.0.nominal: Input should be greater than or equal to 0"),
     ("queues: [{name: a}, {name: a}]", "name(s) ['a'] appear more than once"),
     ("queues: [{name: a, colour: red}]", "colour: Extra inputs are not permitted"),
+    ("queues: [{name: a, preemption: {within_queue: always}}]",
+     "preemption.within_queue: Input should be 'never' or 'lower-priority'"),
 ])
 async def test_invalid_config_names_the_field(nats_server, admin_js, tmp_path, text, message):
     bad = tmp_path / "bad.yaml"
