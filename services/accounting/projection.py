@@ -35,6 +35,7 @@ from schemas import (
     QuotaReserved,
     PreemptionRequested,
     ReclaimRequested,
+    SchedulingPendingReasonChanged,
 )
 
 
@@ -71,7 +72,7 @@ def convert(event: Event, seq: int) -> list[Op]:
             return [Op("job_rejected", (j, event.reason.value, event.message, t, seq))]
         case JobAdmitted():
             return [_state(j, "queued", seq, admitted_at=t)]
-        case QuotaPendingReasonChanged():
+        case QuotaPendingReasonChanged() | SchedulingPendingReasonChanged():
             return [Op("wait_reason", (j, event.reason.value, event.message, seq))]
         case QuotaReserved():
             return [_state(j, "reserved", seq, reserved_at=t, attempt=event.attempt, flavor=event.flavor,

@@ -33,6 +33,7 @@ from tests.unit.builders import (
     released,
     pending_reason,
     reclaim_requested,
+    sched_pending_reason,
     preemption_requested,
     checkpointed,
     reserved,
@@ -98,6 +99,8 @@ CASES = [
                                                         "queue research needs its guaranteed a100 back for job owner"))]),
     (preemption_requested("j1"), [Op("set_state:message", ("j1", "preempting", SEQ, "preempted so that urgent fits"))]),
     (checkpointed("j1"), []),
+    (sched_pending_reason("j1", message="needs 8×a100 on one node"),
+     [Op("wait_reason", ("j1", "fragmentation", "needs 8×a100 on one node", SEQ))]),
 ]
 
 
