@@ -317,8 +317,8 @@ def check_allocations(log: Log, live: dict[tuple[str, int], JobScheduled], gpu_c
         assert all(0 <= i < gpu_count[name] for i in indices)
 
 
-def run_scenario(nodes, jobs, steps):
-    core, log = SchedulerCore(), Log()
+def run_scenario(nodes, jobs, steps, policy="best-fit"):
+    core, log = SchedulerCore(policy), Log()
     gpu_count = {n.node.name: n.node.gpu_count for n in nodes}
     cordoned = {n.node.name: n.node.unschedulable for n in nodes}
     specs = [spec(gpus=j["gpus"], gang_size=j["gang_size"]) for j in jobs]
@@ -396,11 +396,11 @@ def run_scenario(nodes, jobs, steps):
 
 
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios())
-def test_property_no_gpu_is_assigned_twice(scenario):
+@given(scenarios(), st.sampled_from(["first-fit", "best-fit", "fgd"]))
+def test_property_no_gpu_is_assigned_twice(scenario, policy):
     nodes, jobs, steps = scenario
-    core, log, end = run_scenario(nodes, jobs, steps)
-    _, log2, _ = run_scenario(nodes, jobs, steps)
+    core, log, end = run_scenario(nodes, jobs, steps, policy)
+    _, log2, _ = run_scenario(nodes, jobs, steps, policy)
     assert [e.model_dump() for e in log.events] == [e.model_dump() for e in log2.events]
     # the live allocation in the core is exactly what the log says
     fresh = SchedulerCore()
