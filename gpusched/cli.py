@@ -144,6 +144,25 @@ def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the 
     emit({"job_id": job_id, "intake_sequence": seq}, output)
 
 
+@app.command("checkpoint")
+def checkpoint_cmd(
+    job_id: str,
+    team: str = typer.Option(..., help="Team owning the job"),
+    attempt: int = typer.Option(..., min=1, help="The running attempt (as in `gpusched events JOB`)"),
+    step: Optional[int] = typer.Option(None, min=0, help="Training step or other progress counter"),
+    location: str = typer.Option("", help="Where the checkpoint was written"),
+    at: Optional[datetime] = typer.Option(None, "--at", help="When it was taken (ISO 8601, UTC if no zone); default now"),
+    output: Output = OutputOpt,
+) -> None:
+    """Report that a running job wrote a checkpoint (preemption then loses only the work since)."""
+    from datetime import UTC
+
+    when = at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
+    seq = run(with_js(lambda js: client.report_checkpoint(js, job_id, team, attempt, reported_by="cli",
+                                                           checkpointed_at=when, step=step, location=location)))
+    emit({"job_id": job_id, "attempt": attempt, "intake_sequence": seq}, output)
+
+
 @app.command()
 def apply(
     file: Path = typer.Option(..., "-f", "--file", help="queues.yaml"),

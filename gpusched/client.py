@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpusched import eventlog, observability
 from schemas import (
-    CancelJob, CohortConfigured, Event, QueueConfigured, QueueDeleted, SubmitJob, new_event, parse_event,
+    CancelJob, CohortConfigured, Event, QueueConfigured, QueueDeleted, ReportCheckpoint, SubmitJob, new_event,
+    parse_event,
 )
 from schemas.commands import job_id_for_key
 from schemas.job import rejection_id
@@ -148,6 +149,19 @@ async def wait_for_decision(js: JetStreamContext, job_id: str, intake_seq: int, 
 
 async def cancel(js: JetStreamContext, job_id: str, team: str, requested_by: str, reason: str = "") -> int:
     return await publish_command(js, team, "cancel", CancelJob(job_id=job_id, requested_by=requested_by, reason=reason))
+
+
+async def report_checkpoint(js: JetStreamContext, job_id: str, team: str, attempt: int, *, reported_by: str,
+                            checkpointed_at: datetime | None = None, step: int | None = None,
+                            location: str = "") -> int:
+    """Publish ReportCheckpoint on ``gpusched.intake.<team>.checkpoint``; admission records
+    JobCheckpointed, or dead-letters the report with the reason (see ``gpusched dlq``)."""
+    try:
+        command = ReportCheckpoint(job_id=job_id, attempt=attempt, checkpointed_at=checkpointed_at or utcnow(),
+                                   step=step, location=location, reported_by=reported_by)
+    except ValidationError as err:
+        raise UserError(_first_error(err, "checkpoint")) from None
+    return await publish_command(js, team, "checkpoint", command)
 
 
 # -- queue configuration ----------------------------------------------------------------------
