@@ -288,6 +288,96 @@ def dlq(limit: int = 20, output: Output = OutputOpt) -> None:
     emit(run(go()), output)
 
 
+@app.command("sim")
+def sim_cmd(
+    trace: Path = typer.Option(..., "--trace", help="Trace directory (Alibaba 2023 openb format), e.g. ../shared/traces/alibaba-gpu-2023"),
+    policy: list[str] = typer.Option(["first-fit", "best-fit", "fgd"], "--policy", "-p",
+                                     help="Placement policy; repeat to compare side by side"),
+    inflation: Optional[float] = typer.Option(None, "--inflation", help="Workload inflation (ATC '23): sampled tasks arrive and never leave until requests reach RATIO × capacity"),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed for --inflation"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Replay only the first N tasks"),
+    output: Output = OutputOpt,
+) -> None:
+    """Replay a GPU cluster trace through the quota, scheduler and sim-executor cores."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from gpusched import replay as rp
+    from services.scheduler.placement import parse_policy
+
+    try:
+        policies = [parse_policy(p) for p in policy]
+        data = rp.load_trace(trace)
+    except ValueError as err:
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(2) from None
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=output == Output.json) as bar:
+        for pol in policies:
+            if inflation is not None:
+                # Tasks until the target demand: about ratio × capacity / mean demand.
+                mean = sum(t.demand for t in data.tasks) / max(1, len(data.tasks))
+                total = int(inflation * data.capacity / mean) if mean else None
+                task = bar.add_task(f"{pol.value} inflation {inflation}", total=total)
+                try:
+                    results.append(rp.inflation(data, pol, ratio=inflation, seed=seed,
+                                                progress=lambda n, t=task: bar.advance(t, n)))
+                except ValueError as err:
+                    err_console.print(f"[red]error:[/red] {escape(str(err))}")
+                    raise typer.Exit(2) from None
+            else:
+                ran = sum(1 for t in data.tasks if t.runtime is not None)
+                task = bar.add_task(f"{pol.value} replay", total=min(ran, limit or ran))
+                results.append(rp.replay(data, pol, limit=limit, progress=lambda n, t=task: bar.advance(t, n)))
+    if output == Output.json:
+        emit(results, output)
+        return
+    _sim_table(results)
+
+
+def _sim_table(results: list[dict]) -> None:
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    table = Table(title=f"trace {results[0]['mode']}: {results[0]['capacity_gpus']} GPUs")
+    table.add_column("metric")
+    for r in results:
+        table.add_column(r["policy"], justify="right")
+    if results[0]["mode"] == "replay":
+        rows = [("tasks", "tasks"), ("placed", "placed"), ("finished", "finished"),
+                ("allocation rate", "allocation_rate"),
+                ("unallocated share while tasks wait", "unallocated_share_while_waiting"),
+                ("share of time with tasks waiting", "time_with_waiting_share"),
+                ("fragmentation ratio (mean)", "fragmentation_mean")]
+        lines = [(label, [r[k] for r in results]) for label, k in rows]
+        for metric in ("wait_s", "jct_s"):
+            for q in ("p50", "p90", "p99", "mean"):
+                lines.append((f"{metric[:-2]} {q} (s)", [r[metric][q] for r in results]))
+    else:
+        lines = [("arrived demand / capacity", [r["arrived_demand"] for r in results]),
+                 ("allocation rate", [r["allocation_rate"] for r in results]),
+                 ("unallocated share", [r["unallocated_share"] for r in results]),
+                 ("placed tasks", [r["placed"] for r in results])]
+        for i, point in enumerate(results[0]["curve"]):
+            lines.append((f"allocation at demand {point['arrived_demand']:.2f}",
+                          [r["curve"][i]["allocation"] if i < len(r["curve"]) else None for r in results]))
+    for label, values in lines:
+        table.add_row(label, *(fmt(v) for v in values))
+    console.print(table)
+    if results[0]["mode"] == "replay":
+        frag = Table(title="fragmentation ratio over time (sampled)")
+        frag.add_column("t (s)")
+        for r in results:
+            frag.add_column(r["policy"], justify="right")
+        for i, point in enumerate(results[0]["series"][:: max(1, len(results[0]["series"]) // 10)]):
+            idx = results[0]["series"].index(point)
+            frag.add_row(f"{point['t']:.0f}", *(fmt(r["series"][idx]["fragmentation"]) if idx < len(r["series"]) else "-"
+                                              for r in results))
+        console.print(frag)
+
+
 @dev_app.command("up")
 def dev_up(
     data_dir: Path = typer.Option(Path(".data"), help="Where NATS, Postgres and logs keep their data"),

@@ -61,6 +61,7 @@ from services.scheduler.inventory import MILLI, Inventory, Node
 from services.scheduler.placement import (
     Policy,
     Request,
+    Workload,
     best_node,
     place_gang,
     shape_fits,
@@ -139,8 +140,15 @@ def _gpus_of(job: SchedJob) -> float:
 class SchedulerCore:
     def __init__(self, policy: Policy | str = Policy.BEST_FIT,
                  priority_classes: dict[str, PriorityClass] = DEFAULT_PRIORITY_CLASSES,
-                 preemption: PreemptionLimits = PreemptionLimits()) -> None:
+                 preemption: PreemptionLimits = PreemptionLimits(), *,
+                 workload: dict[int, float] | None = None, explain: bool = True) -> None:
+        """``workload``: a fixed workload distribution for FGD (size class -> probability; a
+        negative class is a fraction in thousandths); None: learnt from the reservations.
+        ``explain``: emit pending reasons (trace replay turns them off)."""
         self.state = SchedulerState()
+        self._fixed_workload = Workload(workload) if workload is not None else None
+        self._workloads: dict[str | None, tuple[int, Workload]] = {}
+        self.explain = explain
         self.policy = Policy(policy)
         self.priority_classes = priority_classes
         self.limits = preemption
@@ -339,11 +347,14 @@ class SchedulerCore:
                     continue
                 failed[shape] = None
                 job.tried_generation = generation
+                if not self.explain and not self.limits.enabled:
+                    continue
                 if self._victims_alive(job):
                     reason = (SchedulingWaitReason.PREEMPTING,
                               f"waiting for {len(job.victims)} preempted attempt(s) to stop: "
                               f"{', '.join(v for v, _ in sorted(job.victims)[:5])}", None)
-                    out.extend(self._reason(job, group, reason, now))
+                    if self.explain:
+                        out.extend(self._reason(job, group, reason, now))
                     continue
                 if (preempt_tries > 0 and job.spec.gpus > 0 and preempt_budget > 0
                         and job.priority > self._lowest_running_priority(group, lowest)):
@@ -355,6 +366,8 @@ class SchedulerCore:
                             chosen_victims.update(v.aggregate_id for v in victims)
                             out.extend(victims)
                             continue
+                if not self.explain:
+                    continue
                 if shape not in explained:
                     explained[shape] = self._explain(job, group, now)
                 out.extend(self._reason(job, group, explained[shape], now))
@@ -389,12 +402,18 @@ class SchedulerCore:
             out.append(NodeAssignment(node=n.name, gpus=req.gpus, gpu_indices=idx, gpu_milli=req.milli))
         return tuple(out)
 
-    def _distribution(self, flavor: str | None) -> dict[int, float]:
+    def _distribution(self, flavor: str | None) -> Workload:
         """The workload distribution FGD scores against: request size classes of the attempts
-        reserved on this flavor, as probabilities (one GPU when there are none yet)."""
+        reserved on this flavor, as probabilities (one GPU when there are none yet); rebuilt
+        only when a reservation changed the counts."""
+        if self._fixed_workload is not None:
+            return self._fixed_workload
         sizes = self.state.sizes.get(flavor) or {1: 1}
         total = sum(sizes.values())
-        return {c: n / total for c, n in sizes.items()}
+        cached = self._workloads.get(flavor)
+        if cached is None or cached[0] != total:
+            cached = self._workloads[flavor] = (total, Workload({c: n / total for c, n in sizes.items()}))
+        return cached[1]
 
     # -- preemption --------------------------------------------------------------------------
     def _preemption_budget(self, now: datetime) -> int:

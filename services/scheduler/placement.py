@@ -126,15 +126,31 @@ def unusable(free: list[int] | tuple[int, ...], size_class: int) -> int:
     return total
 
 
-def node_fragmentation(free: list[int] | tuple[int, ...], dist: dict[int, float]) -> float:
+def node_fragmentation(free: list[int] | tuple[int, ...], dist: Workload) -> float:
     """Expected unusable free capacity (thousandths) for a task drawn from ``dist``."""
     return sum(p * unusable(free, c) for c, p in dist.items())
+
+
+class Workload:
+    """A workload distribution (size class -> probability) and the fragmentation of free
+    vectors under it, memoized by sorted vector (the order of GPUs does not matter)."""
+
+    def __init__(self, dist: Workload) -> None:
+        self.dist = dist
+        self._memo: dict[tuple[int, ...], float] = {}
+
+    def fragmentation(self, free) -> float:
+        key = tuple(sorted(free))
+        value = self._memo.get(key)
+        if value is None:
+            value = self._memo[key] = node_fragmentation(key, self.dist)
+        return value
 
 
 # -- choosing nodes ----------------------------------------------------------------------------
 
 
-def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist: dict[int, float],
+def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist: Workload,
            local: int = 0) -> tuple:
     """Lower is better."""
     if policy == Policy.FIRST_FIT:
@@ -143,7 +159,7 @@ def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist:
     left = sum(after)
     if policy == Policy.BEST_FIT:
         return (-local, left, name)
-    delta = node_fragmentation(after, dist) - node_fragmentation(free, dist)
+    delta = dist.fragmentation(after) - dist.fragmentation(free)
     return (-local, round(delta, 6), left, name)
 
 
@@ -166,7 +182,7 @@ def _first_ok(inv: Inventory, names, req: Request, exclude: frozenset[str]) -> N
 
 
 def best_node(inv: Inventory, flavors: tuple[str | None, ...], req: Request, policy: Policy,
-              dist: dict[int, float], exclude: frozenset[str] = frozenset()) -> Node | None:
+              dist: Workload, exclude: frozenset[str] = frozenset()) -> Node | None:
     """The best node for one member. Shapes are scored first (nodes of one shape score alike
     but for the name), then the best-scoring shape's nodes are searched in name order for one
     that meets the other constraints; a shape whose nodes all fail falls through to the next."""
@@ -225,7 +241,7 @@ def candidates(inv: Inventory, flavors: tuple[str | None, ...], req: Request,
 
 
 def place_gang(inv: Inventory, flavors: tuple[str | None, ...], req: Request, policy: Policy,
-               dist: dict[int, float]) -> list[Node] | None:
+               dist: Workload) -> list[Node] | None:
     """``req.gang`` distinct nodes, all in the smallest topology domain that has enough, or None."""
     index_total = sum(inv.flavor(f).nodes_with_at_least(req.gpus) for f in flavors) if req.milli is None else None
     if index_total is not None and index_total < req.gang:
