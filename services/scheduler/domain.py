@@ -25,6 +25,7 @@ GPU device indices are assigned lowest first; no GPU is given to two attempts be
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -113,7 +114,8 @@ class SchedulerState:
     inventory: Inventory = field(default_factory=Inventory)
     jobs: dict[str, SchedJob] = field(default_factory=dict)
     heads: dict[str, None] = field(default_factory=dict)  # reserved, not yet placed
-    groups: dict[str, SortedList] = field(default_factory=dict)  # group -> head keys in order
+    # group -> request shape -> head keys in head order
+    groups: dict[str, dict[tuple, SortedList]] = field(default_factory=dict)
     running: dict[str | None, set[str]] = field(default_factory=dict)  # flavor -> placed job ids
     ends: dict[str | None, SortedList] = field(default_factory=dict)  # flavor -> (declared end, job id)
     sizes: dict[str | None, dict[int, int]] = field(default_factory=dict)  # flavor -> size class -> attempts
@@ -155,6 +157,7 @@ class SchedulerCore:
         self._dirty: set[str] = set()  # groups to look at in the next cycle
         self._seen_generation: dict[str, int] = {}
         self._tentative: dict[str, JobScheduled] = {}  # decided this cycle, not yet back from the log
+        self._fresh: dict[str, dict[tuple, list[str]]] = {}  # heads added since the last cycle
         self._wake_at: datetime | None = None
 
     # -- evolve ------------------------------------------------------------------------------
@@ -189,7 +192,9 @@ class SchedulerCore:
         s = self.state
         s.heads[job.job_id] = None
         group = _group(job)
-        s.groups.setdefault(group, SortedList()).add(_head_key(job))
+        shape = job.request.shape_key()
+        s.groups.setdefault(group, {}).setdefault(shape, SortedList()).add(_head_key(job))
+        self._fresh.setdefault(group, {}).setdefault(shape, []).append(job.job_id)
         job.tried_generation = -1
         self._dirty.add(group)
 
@@ -197,9 +202,14 @@ class SchedulerCore:
         s = self.state
         s.heads.pop(job.job_id, None)
         if job.reservation is not None:
-            keys = s.groups.get(_group(job))
-            if keys is not None:
-                keys.discard(_head_key(job))
+            shapes = s.groups.get(_group(job))
+            if shapes is not None:
+                shape = job.request.shape_key()
+                keys = shapes.get(shape)
+                if keys is not None:
+                    keys.discard(_head_key(job))
+                    if not keys:
+                        del shapes[shape]
 
     def evolve(self, event: Event) -> None:
         s = self.state
@@ -320,21 +330,24 @@ class SchedulerCore:
         preempt_tries = self.limits.max_heads_per_cycle if self.limits.enabled else 0
         chosen_victims: set[str] = set()
         for group in sorted(g for g in dirty if g != CPU_GROUP) + ([CPU_GROUP] if CPU_GROUP in dirty else []):
-            keys = s.groups.get(group)
-            if not keys:
+            shapes = s.groups.get(group)
+            if not shapes:
                 continue
             generation = self._generation(group)
-            failed: dict[tuple, None] = {}  # request shapes that did not fit this cycle
+            fresh = self._fresh.pop(group, {})
             lowest: dict[str, int] = {}
-            explained: dict[tuple, tuple] = {}
-            for key in list(keys):
+            # Heads of one request shape fit or fail together, so the heads are walked as a merge
+            # of the per-shape queues in head order, and a shape leaves the merge at its first
+            # failure: the cycle costs placements + shapes, not pending heads.
+            merge = [(keys[0], shape) for shape, keys in shapes.items() if keys]
+            heapq.heapify(merge)
+            while merge:
+                key, shape = heapq.heappop(merge)
+                keys = shapes[shape]
                 job = s.jobs[key[2]]
-                if job.job_id in self._tentative:
-                    continue
-                if job.tried_generation == generation and not (job.victims and not self._victims_alive(job)):
-                    continue
-                shape = job.request.shape_key()
-                placement = None if shape in failed else self._fit(job, group)
+                placement = None
+                if job.tried_generation != generation:
+                    placement = self._fit(job, group)
                 if placement is not None:
                     event = new_event(
                         JobScheduled, aggregate_id=job.job_id, producer=PRODUCER, occurred_at=now,
@@ -344,33 +357,56 @@ class SchedulerCore:
                     self._tentative[job.job_id] = event
                     self._charge(job, event, +1)
                     out.append(event)
+                    i = keys.bisect_right(key)
+                    if i < len(keys):
+                        heapq.heappush(merge, (keys[i], shape))
                     continue
-                failed[shape] = None
+                retried = job.tried_generation != generation
                 job.tried_generation = generation
-                if not self.explain and not self.limits.enabled:
-                    continue
+                explained = None
                 if self._victims_alive(job):
-                    reason = (SchedulingWaitReason.PREEMPTING,
-                              f"waiting for {len(job.victims)} preempted attempt(s) to stop: "
-                              f"{', '.join(v for v, _ in sorted(job.victims)[:5])}", None)
-                    if self.explain:
-                        out.extend(self._reason(job, group, reason, now))
-                    continue
-                if (preempt_tries > 0 and job.spec.gpus > 0 and preempt_budget > 0
-                        and job.priority > self._lowest_running_priority(group, lowest)):
-                    preempt_tries -= 1
-                    victims = self._preempt(job, group, now, preempt_budget, chosen_victims)
-                    if victims is not None:
+                    explained = (SchedulingWaitReason.PREEMPTING,
+                                 f"waiting for {len(job.victims)} preempted attempt(s) to stop: "
+                                 f"{', '.join(v for v, _ in sorted(job.victims)[:5])}", None)
+                elif (retried and self.limits.enabled and job.spec.gpus > 0
+                      and job.priority > self._lowest_running_priority(group, lowest)):
+                    if preempt_tries <= 0 or preempt_budget <= 0:
+                        job.tried_generation = -1  # look again next cycle, when there is budget
+                        self._dirty.add(group)
+                    else:
+                        preempt_tries -= 1
+                        victims = self._preempt(job, group, now, preempt_budget, chosen_victims)
                         if victims:
                             preempt_budget -= len(victims)
                             chosen_victims.update(v.aggregate_id for v in victims)
                             out.extend(victims)
-                            continue
+                            explained = False
+                if explained is False or explained is not None:
+                    # What it waits for is spoken for: the next head of its shape may still fit or
+                    # preempt on its own.
+                    i = keys.bisect_right(key)
+                    if i < len(keys):
+                        heapq.heappush(merge, (keys[i], shape))
+                    if explained is not False and self.explain:
+                        out.extend(self._reason(job, group, explained, now))
+                    continue
                 if not self.explain:
                     continue
-                if shape not in explained:
-                    explained[shape] = self._explain(job, group, now)
-                out.extend(self._reason(job, group, explained[shape], now))
+                # The shape leaves the merge: its failing head, and the heads of its shape that
+                # arrived since the last cycle, are told why (rate-limited); older heads keep the
+                # reason they were given until their shape is looked at again.
+                waiting = [job] if retried else []
+                waiting += [s.jobs[j] for j in fresh.get(shape, ())
+                            if j != job.job_id and s.jobs[j].placement is None and s.jobs[j].reservation is not None
+                            and j not in self._tentative]
+                for other in waiting:
+                    other.tried_generation = generation
+                    last = other.waiting
+                    if last is not None and now < last.occurred_at + timedelta(seconds=REASON_INTERVAL_S):
+                        continue  # looked at again (and told) at most every REASON_INTERVAL_S
+                    if explained is None:
+                        explained = self._explain(other, group, now)
+                    out.extend(self._reason(other, group, explained, now))
             self._seen_generation[group] = generation
         return out
 

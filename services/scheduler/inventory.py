@@ -84,7 +84,7 @@ class Node:
         return {i for i, f in enumerate(self.free) if f < MILLI}
 
     def whole_free(self) -> int:
-        return sum(1 for f in self.free if f == MILLI)
+        return self.free.count(MILLI)
 
     def shape(self) -> Shape:
         return (self.info.gpu_sharable, tuple(sorted(self.free)))
@@ -99,7 +99,7 @@ class Node:
 
 
 def whole_free_of(shape: Shape) -> int:
-    return sum(1 for f in shape[1] if f == MILLI)
+    return shape[1].count(MILLI)
 
 
 @dataclass
