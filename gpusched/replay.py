@@ -49,7 +49,7 @@ from services.quota.domain import QuotaCore
 from services.scheduler.domain import PreemptionLimits, SchedulerCore
 from services.scheduler.fragmentation import measure
 from services.scheduler.inventory import MILLI
-from services.scheduler.placement import Policy
+from services.scheduler.placement import Policy, Workload
 
 NODE_FILE = "openb_node_list_gpu_node.csv"
 POD_FILE = "openb_pod_list_default.csv"
@@ -168,6 +168,16 @@ def workload_of(tasks: Iterable[Task]) -> dict[int, float]:
     return {c: n / total for c, n in sorted(counts.items())}
 
 
+def cpu_workload_of(tasks: Iterable[Task]) -> Workload:
+    """The trace's workload as (size class, CPU request) pairs: FGD's CPU-aware measure."""
+    counts: dict[tuple[int, int], int] = {}
+    for t in tasks:
+        key = (-t.gpu_milli if t.gpu_milli is not None else t.gpus, t.cpu_milli)
+        counts[key] = counts.get(key, 0) + 1
+    total = sum(counts.values()) or 1
+    return Workload.of_requests({k: n / total for k, n in sorted(counts.items())})
+
+
 # -- the replay loop ---------------------------------------------------------------------------
 
 
@@ -231,9 +241,9 @@ def _arrive(job_id: str, task: Task, runtime: float | None, seq: int, now: datet
     return [sub, adm]
 
 
-def build_platform(trace: Trace, policy: Policy) -> Platform:
-    scheduler = SchedulerCore(policy, preemption=PreemptionLimits(enabled=False),
-                              workload=workload_of(trace.tasks), explain=False)
+def build_platform(trace: Trace, policy: Policy, cpu_aware: bool = True) -> Platform:
+    workload = cpu_workload_of(trace.tasks) if cpu_aware else workload_of(trace.tasks)
+    scheduler = SchedulerCore(policy, preemption=PreemptionLimits(enabled=False), workload=workload, explain=False)
     p = Platform(QuotaCore(), scheduler, SimExecutorCore(trace.nodes))
     p.feed([new_event(QueueConfigured, aggregate_id=QUEUE, producer="config", occurred_at=T0, key="replay",
                       name=QUEUE, allowed_teams=(TEAM,),

@@ -143,12 +143,13 @@ class SchedulerCore:
     def __init__(self, policy: Policy | str = Policy.BEST_FIT,
                  priority_classes: dict[str, PriorityClass] = DEFAULT_PRIORITY_CLASSES,
                  preemption: PreemptionLimits = PreemptionLimits(), *,
-                 workload: dict[int, float] | None = None, explain: bool = True) -> None:
+                 workload: dict[int, float] | Workload | None = None, explain: bool = True) -> None:
         """``workload``: a fixed workload distribution for FGD (size class -> probability; a
         negative class is a fraction in thousandths); None: learnt from the reservations.
         ``explain``: emit pending reasons (trace replay turns them off)."""
         self.state = SchedulerState()
-        self._fixed_workload = Workload(workload) if workload is not None else None
+        self._fixed_workload = (workload if isinstance(workload, Workload) or workload is None
+                                else Workload(workload))
         self._workloads: dict[str | None, tuple[int, Workload]] = {}
         self.explain = explain
         self.policy = Policy(policy)

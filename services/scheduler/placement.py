@@ -133,17 +133,62 @@ def node_fragmentation(free: list[int] | tuple[int, ...], dist: Workload) -> flo
 
 class Workload:
     """A workload distribution (size class -> probability) and the fragmentation of free
-    vectors under it, memoized by sorted vector (the order of GPUs does not matter)."""
+    vectors under it, memoized by sorted vector (the order of GPUs does not matter).
 
-    def __init__(self, dist: Workload) -> None:
+    With ``cpu`` (size class -> ((CPU millicores, probability), ...), the classes' CPU requests)
+    the measure is CPU-aware as in the paper: on a node with less free CPU than a task asks for,
+    all of the node's free GPU capacity is lost to that task. Nodes of one GPU shape then differ,
+    so FGD scores nodes, grouped by free CPU, instead of shapes."""
+
+    def __init__(self, dist: dict[int, float], cpu: dict[int, tuple[tuple[int, float], ...]] | None = None) -> None:
         self.dist = dist
         self._memo: dict[tuple[int, ...], float] = {}
+        self.cpu_aware = cpu is not None
+        # size class -> (CPU requests ascending, probability of a request above each, in the class)
+        self._cpu: dict[int, tuple[list[int], list[float]]] = {}
+        for c, pairs in (cpu or {}).items():
+            ordered = sorted(pairs)
+            above, acc = [0.0] * len(ordered), 0.0
+            for i in range(len(ordered) - 1, -1, -1):
+                above[i] = acc
+                acc += ordered[i][1]
+            self._cpu[c] = ([x for x, _ in ordered], above)
+        self._unusable_memo: dict[tuple[tuple[int, ...], int], int] = {}
 
-    def fragmentation(self, free) -> float:
+    @classmethod
+    def of_requests(cls, requests: dict[tuple[int, int], float]) -> "Workload":
+        """From (size class, CPU millicores) -> probability."""
+        dist: dict[int, float] = {}
+        cpu: dict[int, list[tuple[int, float]]] = {}
+        for (c, millis), p in requests.items():
+            dist[c] = dist.get(c, 0.0) + p
+            cpu.setdefault(c, []).append((millis, p))
+        return cls(dist, {c: tuple(v) for c, v in cpu.items()})
+
+    def fragmentation(self, free, cpu_free: int | None = None) -> float:
         key = tuple(sorted(free))
-        value = self._memo.get(key)
-        if value is None:
-            value = self._memo[key] = node_fragmentation(key, self.dist)
+        if not self.cpu_aware or cpu_free is None:
+            value = self._memo.get(key)
+            if value is None:
+                value = self._memo[key] = node_fragmentation(key, self.dist)
+            return value
+        import bisect
+
+        total = sum(key)
+        value = 0.0
+        for c, p in self.dist.items():
+            millis, above = self._cpu[c]
+            # probability mass of class c whose CPU request exceeds cpu_free
+            i = bisect.bisect_right(millis, cpu_free)
+            blocked = (above[i - 1] if i > 0 else p) if i < len(millis) else 0.0
+            if blocked:
+                value += blocked * total
+            if p - blocked > 1e-12:
+                k = (key, c)
+                u = self._unusable_memo.get(k)
+                if u is None:
+                    u = self._unusable_memo[k] = unusable(key, c)
+                value += (p - blocked) * u
         return value
 
 
@@ -181,6 +226,39 @@ def _first_ok(inv: Inventory, names, req: Request, exclude: frozenset[str]) -> N
     return None
 
 
+def _cpu_free(node: Node) -> int | None:
+    return node.info.cpu_millis - node.used_cpu if node.info.cpu_millis else None
+
+
+def _best_node_fgd_cpu(inv, flavors, req: Request, dist: Workload, exclude) -> Node | None:
+    """CPU-aware FGD: per fitting shape, nodes grouped by free CPU; the first node by name of
+    each group that meets the constraints stands for it."""
+    best: tuple | None = None
+    chosen = None
+    for flavor in flavors:
+        index = inv.flavors.get(flavor)
+        if index is None:
+            continue
+        for shape, names in index.shapes.items():
+            if not shape_fits(shape, req):
+                continue
+            seen: set[int | None] = set()
+            _, after = take(shape[1], req)
+            for name in names:
+                node = inv.nodes[name]
+                cpu = _cpu_free(node)
+                if cpu in seen or name in exclude or not static_ok(node, req) \
+                        or not node.cpu_memory_ok(req.cpu, req.memory):
+                    continue
+                seen.add(cpu)
+                delta = dist.fragmentation(after, None if cpu is None else cpu - req.cpu) \
+                    - dist.fragmentation(shape[1], cpu)
+                score = (round(delta, 6), sum(after), name)
+                if best is None or score < best:
+                    best, chosen = score, node
+    return chosen
+
+
 def best_node(inv: Inventory, flavors: tuple[str | None, ...], req: Request, policy: Policy,
               dist: Workload, exclude: frozenset[str] = frozenset()) -> Node | None:
     """The best node for one member. Shapes are scored first (nodes of one shape score alike
@@ -188,6 +266,8 @@ def best_node(inv: Inventory, flavors: tuple[str | None, ...], req: Request, pol
     that meets the other constraints; a shape whose nodes all fail falls through to the next."""
     if req.localities:
         return _best_node_scan(inv, flavors, req, policy, dist, exclude)
+    if policy == Policy.FGD and dist.cpu_aware:
+        return _best_node_fgd_cpu(inv, flavors, req, dist, exclude)
     ranked: list[tuple[tuple, str | None, Shape]] = []
     for flavor in flavors:
         index = inv.flavors.get(flavor)

@@ -207,3 +207,27 @@ def test_fragmentation_index():
     assert (f.flavor, f.free, f.typical, f.largest_block) == ("a100", 7, 6, 5)
     assert f.ratio == 1.0
     assert f.largest_placeable_gang == 5  # max(1×2 nodes... 2×2=4, 5×1=5)
+
+
+def test_cpu_aware_workload():
+    from services.scheduler.placement import Workload
+
+    w = Workload.of_requests({(1, 4000): 0.5, (1, 16000): 0.5})
+    free = [1000, 1000]
+    assert w.fragmentation(free) == 0  # GPU-only view: both GPUs usable
+    assert w.fragmentation(free, cpu_free=8000) == 0.5 * 2000  # the 16-core half cannot run there
+    assert w.fragmentation(free, cpu_free=2000) == 2000  # nothing can
+    assert w.fragmentation(free, cpu_free=16000) == 0
+
+
+def test_cpu_aware_fgd_keeps_cpu_beside_free_gpus():
+    from services.scheduler.placement import Workload
+
+    # Both nodes have 2 free GPUs; "a" has CPU to spare, "b" just enough. A CPU-light task goes to
+    # "b", keeping "a"'s CPU for the CPU-heavy half of the workload.
+    w = Workload.of_requests({(1, 2000): 0.5, (1, 30000): 0.5})
+    core = SchedulerCore(Policy.FGD, workload=w)
+    log = Log()
+    drive(core, [node("a", gpus=2, cpu_millis=64000), node("b", gpus=2, cpu_millis=8000)], log=log)
+    out = drive(core, [submitted("j", spec(gpus=1, cpu_millis=2000)), admitted("j"), reserved("j")], log=log)
+    assert list(placements(out)["j"]) == ["b"]
