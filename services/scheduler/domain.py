@@ -175,10 +175,7 @@ class SchedulerCore:
         """Some decisions were not recorded: undo this cycle's tentative placements and look at
         every group again."""
         for job_id, event in list(self._tentative.items()):
-            job = self.state.jobs[job_id]
-            self._charge(job, event, -1)
-            job.placement = None
-            self._add_head(job)
+            self._charge(self.state.jobs[job_id], event, -1)  # it is still a head
         self._tentative.clear()
         for job in self.state.jobs.values():
             job.tried_generation = -1
@@ -317,7 +314,6 @@ class SchedulerCore:
     # -- decide ------------------------------------------------------------------------------
     def decide(self, now: datetime) -> list[Event]:
         s = self.state
-        self._tentative.clear()
         if self._wake_at is not None and self._wake_at <= now:
             self._wake_at = None
             for job in s.jobs.values():
@@ -346,6 +342,11 @@ class SchedulerCore:
                 key, shape = heapq.heappop(merge)
                 keys = shapes[shape]
                 job = s.jobs[key[2]]
+                if job.job_id in self._tentative:  # placed by an earlier cycle, not back from the log yet
+                    i = keys.bisect_right(key)
+                    if i < len(keys):
+                        heapq.heappush(merge, (keys[i], shape))
+                    continue
                 placement = None
                 if job.tried_generation != generation:
                     placement = self._fit(job, group)

@@ -409,3 +409,19 @@ def test_property_no_gpu_is_assigned_twice(scenario, policy):
     assert {n: s.used_gpus for n, s in fresh.state.nodes.items()} == {n: s.used_gpus for n, s in core.state.nodes.items()}
     # and a fresh core replaying the log has nothing new to place: no decision was skipped
     assert [e for e in fresh.decide(end) if e.event_id not in log.ids] == []
+
+
+def test_a_second_cycle_before_the_log_answers_decides_nothing_twice():
+    h = Harness(node("n1", gpus=4))
+    core = h.core
+    for jid in ("a", "b"):
+        for e in (submitted(jid, spec(gpus=2)), admitted(jid), reserved(jid, gpus=2)):
+            core.evolve(e)
+    first = core.decide(T0)
+    core.evolve(node_updated("n1", gpus=4, labels={"x": "1"}))  # something changed meanwhile
+    assert scheduled_only(core.decide(at(1))) == []
+    for e in first:
+        core.evolve(e)
+    assert core.state.nodes["n1"].used_gpus == {0, 1, 2, 3}
+    core.decisions_refused()  # nothing tentative is left to undo
+    assert core.state.nodes["n1"].used_gpus == {0, 1, 2, 3}
