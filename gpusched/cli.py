@@ -350,7 +350,8 @@ def _sim_table(results: list[dict]) -> None:
                 ("allocation rate", "allocation_rate"),
                 ("unallocated share while tasks wait", "unallocated_share_while_waiting"),
                 ("share of time with tasks waiting", "time_with_waiting_share"),
-                ("fragmentation ratio (mean)", "fragmentation_mean")]
+                ("fragmentation ratio (mean)", "fragmentation_mean"),
+                ("FGD fragmentation of free capacity (mean)", "fgd_fragmentation_mean")]
         lines = [(label, [r[k] for r in results]) for label, k in rows]
         for metric in ("wait_s", "jct_s"):
             for q in ("p50", "p90", "p99", "mean"):
@@ -363,18 +364,21 @@ def _sim_table(results: list[dict]) -> None:
         for i, point in enumerate(results[0]["curve"]):
             lines.append((f"allocation at demand {point['arrived_demand']:.2f}",
                           [r["curve"][i]["allocation"] if i < len(r["curve"]) else None for r in results]))
+        lines.append(("FGD fragmentation of free capacity at the end",
+                      [r["curve"][-1]["fgd_fragmentation"] if r["curve"] else None for r in results]))
     for label, values in lines:
         table.add_row(label, *(fmt(v) for v in values))
     console.print(table)
     if results[0]["mode"] == "replay":
-        frag = Table(title="fragmentation ratio over time (sampled)")
+        frag = Table(title="fragmentation over time (sampled): fragmentation ratio / FGD share of free capacity")
         frag.add_column("t (s)")
         for r in results:
             frag.add_column(r["policy"], justify="right")
         for i, point in enumerate(results[0]["series"][:: max(1, len(results[0]["series"]) // 10)]):
             idx = results[0]["series"].index(point)
-            frag.add_row(f"{point['t']:.0f}", *(fmt(r["series"][idx]["fragmentation"]) if idx < len(r["series"]) else "-"
-                                              for r in results))
+            frag.add_row(f"{point['t']:.0f}", *(
+                f"{fmt(r['series'][idx]['fragmentation'])} / {fmt(r['series'][idx]['fgd_fragmentation'])}"
+                if idx < len(r["series"]) else "-" for r in results))
         console.print(frag)
 
 

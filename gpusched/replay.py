@@ -259,16 +259,33 @@ class Sample:
     waiting: int  # tasks arrived and not placed
     fragmentation: float  # the fragmentation ratio of the flavor
     arrived_demand: float = 0.0  # GPUs requested by the tasks arrived so far
+    fgd_fragmentation: float | None = None  # FGD's measure (computed at sampled steps only)
 
 
 def _allocated(p: Platform) -> float:
     return sum(MILLI * len(n.free) - sum(n.free) for n in p.scheduler.state.inventory.nodes.values()) / MILLI
 
 
-def _sample(p: Platform, t: float, waiting: int, demand: float = 0.0) -> Sample:
+def _sample(p: Platform, t: float, waiting: int, demand: float = 0.0, fgd: bool = False) -> Sample:
     index = p.scheduler.state.inventory.flavor(FLAVOR)
     frag = measure(FLAVOR, index, p.scheduler.state.sizes.get(FLAVOR, {})).ratio
-    return Sample(t=t, allocated=_allocated(p), waiting=waiting, fragmentation=frag, arrived_demand=demand)
+    return Sample(t=t, allocated=_allocated(p), waiting=waiting, fragmentation=frag, arrived_demand=demand,
+                  fgd_fragmentation=fgd_fragmentation(p) if fgd else None)
+
+
+def fgd_fragmentation(p: Platform) -> float:
+    """FGD's measure over the cluster: the expected share of free GPU capacity that a task drawn
+    from the trace's workload could not use where it lies (CPU-aware)."""
+    workload = p.scheduler._distribution(FLAVOR)
+    free = frag = 0.0
+    for n in p.scheduler.state.inventory.nodes.values():
+        f = sum(n.free)
+        if not f:
+            continue
+        free += f
+        cpu = n.info.cpu_millis - n.used_cpu if n.info.cpu_millis else None
+        frag += workload.fragmentation(n.free, cpu)
+    return round(frag / free, 4) if free else 0.0
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
@@ -282,13 +299,17 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": sum(v) / len(v)}
 
 
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
 def _series(samples: list[Sample], capacity: int, points: int = 40) -> list[dict]:
     if not samples:
         return []
     step = max(1, len(samples) // points)
-    picked = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
+    picked = [s for s in samples if s.fgd_fragmentation is not None] or samples[::step]
     return [{"t": s.t, "allocation": round(s.allocated / capacity, 4), "fragmentation": round(s.fragmentation, 4),
-             "waiting": s.waiting} for s in picked]
+             "fgd_fragmentation": s.fgd_fragmentation, "waiting": s.waiting} for s in picked]
 
 
 def replay(trace: Trace, policy: Policy, *, limit: int | None = None,
@@ -305,6 +326,7 @@ def replay(trace: Trace, policy: Policy, *, limit: int | None = None,
     samples: list[Sample] = []
     busy_area = idle_while_waiting = waiting_time = 0.0
     last: Sample | None = None
+    steps, every = 0, max(1, 2 * len(tasks) // 40)  # FGD's measure at about 40 steps
     while arrivals or p.next_end() is not None:
         next_arrival = arrivals[0][0] if arrivals else None
         end = p.next_end()
@@ -330,7 +352,8 @@ def replay(trace: Trace, policy: Policy, *, limit: int | None = None,
                 idle_while_waiting += (capacity - last.allocated) * dt
                 waiting_time += dt
         waiting = len(created) - len(p.scheduled_at)
-        last = _sample(p, t, waiting)
+        steps += 1
+        last = _sample(p, t, waiting, fgd=steps % every == 1 or not (arrivals or p.next_end()))
         samples.append(last)
     span = samples[-1].t - samples[0].t if len(samples) > 1 else 0.0
     waits = [(p.scheduled_at[j] - T0).total_seconds() - created[j] for j in p.scheduled_at if j in created]
@@ -343,6 +366,7 @@ def replay(trace: Trace, policy: Policy, *, limit: int | None = None,
         "unallocated_share_while_waiting": round(idle_while_waiting / (capacity * waiting_time), 4) if waiting_time else None,
         "time_with_waiting_share": round(waiting_time / span, 4) if span else None,
         "fragmentation_mean": round(sum(s.fragmentation for s in samples) / len(samples), 4) if samples else None,
+        "fgd_fragmentation_mean": _mean([s.fgd_fragmentation for s in samples if s.fgd_fragmentation is not None]),
         "wait_s": {k: (round(v, 1) if v is not None else None) for k, v in _percentiles(waits).items()},
         "jct_s": {k: (round(v, 1) if v is not None else None) for k, v in _percentiles(jct).items()},
         "series": _series(samples, capacity),
@@ -380,7 +404,7 @@ def inflation(trace: Trace, policy: Policy, *, ratio: float, seed: int, steps: i
             frag = measure(FLAVOR, p.scheduler.state.inventory.flavor(FLAVOR), p.scheduler.state.sizes.get(FLAVOR, {}))
             curve.append({"arrived_demand": round(demand / capacity, 4), "allocation": round(allocated / capacity, 4),
                           "unallocated": round(1 - allocated / capacity, 4), "fragmentation": round(frag.ratio, 4),
-                          "waiting": i - len(p.scheduled_at)})
+                          "fgd_fragmentation": fgd_fragmentation(p), "waiting": i - len(p.scheduled_at)})
     allocated = _allocated(p)
     return {
         "policy": policy.value, "mode": "inflation", "ratio": ratio, "seed": seed, "arrived_tasks": i,
