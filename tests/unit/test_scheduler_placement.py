@@ -231,3 +231,71 @@ def test_cpu_aware_fgd_keeps_cpu_beside_free_gpus():
     drive(core, [node("a", gpus=2, cpu_millis=64000), node("b", gpus=2, cpu_millis=8000)], log=log)
     out = drive(core, [submitted("j", spec(gpus=1, cpu_millis=2000)), admitted("j"), reserved("j")], log=log)
     assert list(placements(out)["j"]) == ["b"]
+
+
+# -- property: constraints and capacity under every policy ---------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from services.scheduler.inventory import tolerates  # noqa: E402
+
+
+@st.composite
+def clusters(draw):
+    nodes = [node(f"n{i}", gpus=draw(st.sampled_from([1, 2, 4, 8])),
+                  gpu_memory_mib=draw(st.sampled_from([16384, 40960, 81920])),
+                  features=tuple(draw(st.sets(st.sampled_from(["rdma", "zone=a"])))),
+                  taints=tuple(draw(st.sets(st.sampled_from(["gpu=res:NoSchedule", "x=y:PreferNoSchedule"])))),
+                  gpu_sharable=draw(st.booleans()), cpu_millis=draw(st.sampled_from([0, 8000, 64000])),
+                  rack=draw(st.sampled_from([None, "r1", "r2"])))
+             for i in range(draw(st.integers(1, 6)))]
+    jobs = []
+    for _ in range(draw(st.integers(1, 15))):
+        fraction = draw(st.sampled_from([None, None, 250, 500, 900]))
+        jobs.append(dict(
+            gpus=1 if fraction else draw(st.sampled_from([1, 2, 3, 4, 8])), gpu_milli=fraction,
+            gang_size=1 if fraction else draw(st.sampled_from([1, 1, 2, 3])),
+            min_gpu_memory_mib=draw(st.sampled_from([None, 40000])),
+            node_features=tuple(draw(st.sets(st.sampled_from(["rdma", "zone=a"]), max_size=1))),
+            tolerations=tuple(draw(st.sets(st.sampled_from(["gpu=res"]), max_size=1))),
+            cpu_millis=draw(st.sampled_from([1000, 6000]))))
+    return nodes, jobs
+
+
+@settings(max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(clusters(), st.sampled_from(list(Policy)))
+def test_property_constraints_and_capacity_always_hold(cluster, policy):
+    nodes, jobs = cluster
+
+    def play():
+        h = H(*nodes, policy=policy)
+        out = []
+        for i, fields in enumerate(jobs):
+            out += h.job(f"j{i}", when=at(i), **fields)
+        return h, out
+
+    h, out = play()
+    infos = {n.node.name: n.node for n in nodes}
+    used: dict[tuple[str, int], int] = {}
+    cpu: dict[str, int] = {}
+    for e in out:
+        if not isinstance(e, JobScheduled):
+            continue
+        job = jobs[int(e.aggregate_id[1:])]
+        assert len(e.placement) == job["gang_size"] and len({a.node for a in e.placement}) == job["gang_size"]
+        for a in e.placement:
+            info = infos[a.node]
+            assert job["min_gpu_memory_mib"] is None or info.gpu_memory_mib >= job["min_gpu_memory_mib"]
+            assert set(job["node_features"]) <= set(info.features)
+            assert all(tolerates(job["tolerations"], t) for t in info.taints)
+            assert len(a.gpu_indices) == job["gpus"] and all(0 <= i < info.gpu_count for i in a.gpu_indices)
+            if job["gpu_milli"]:
+                assert info.gpu_sharable and a.gpu_milli == job["gpu_milli"]
+            for i in a.gpu_indices:
+                used[(a.node, i)] = used.get((a.node, i), 0) + (job["gpu_milli"] or 1000)
+            cpu[a.node] = cpu.get(a.node, 0) + job["cpu_millis"]
+    assert all(v <= 1000 for v in used.values()), "a GPU given beyond its capacity"
+    assert all(not infos[n].cpu_millis or c <= infos[n].cpu_millis for n, c in cpu.items())
+    _, again = play()
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in out]  # deterministic
