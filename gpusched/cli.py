@@ -258,6 +258,9 @@ def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
                       f"{escape(r['message'])}")
     elif not data["waiting_for_quota"]:
         console.print("not waiting for quota")
+    if (sr := data.get("scheduling_reason")):
+        eta = f"; ETA {sr['eta'].isoformat(timespec='seconds')}" if sr["eta"] else ""
+        console.print(f"holds quota, waiting for placement: [bold]{sr['code']}[/bold]{eta}\n  {escape(sr['message'])}")
     if data["history"]:
         emit(data["history"], output, title="reason history")
 

@@ -347,13 +347,15 @@ async def why(js: JetStreamContext, job_id: str) -> dict[str, Any]:
     history = await job_events(js, job_id)
     if not history:
         raise UserError(f"job {job_id!r} has no events in the log")
-    lifecycle = [e for _, e in history if e.type != "QuotaPendingReasonChanged"]
+    lifecycle = [e for _, e in history if e.type not in ("QuotaPendingReasonChanged", "SchedulingPendingReasonChanged")]
     last = lifecycle[-1] if lifecycle else history[-1][1]
     reasons = [e for _, e in history if e.type == "QuotaPendingReasonChanged"]
     attempt = max((getattr(e, "attempt", 1) or 1 for e in lifecycle), default=1)
     waiting = last.type in ("JobAdmitted", "JobRetryScheduled", "QuotaReleased") and not any(
         e.type in ("JobSucceeded", "JobCancelled", "JobRejected") for e in lifecycle)
     current = next((r for r in reversed(reasons) if r.attempt == attempt), None) if waiting else None
+    placing = [e for _, e in history if e.type == "SchedulingPendingReasonChanged"]
+    sched = next((r for r in reversed(placing) if r.attempt == attempt), None) if last.type == "QuotaReserved" else None
     return {
         "job_id": job_id,
         "last_event": last.type,
@@ -364,6 +366,13 @@ async def why(js: JetStreamContext, job_id: str) -> dict[str, Any]:
             "flavor": current.flavor, "since": current.occurred_at},
         "history": [{"time": r.occurred_at, "attempt": r.attempt, "code": r.reason.value, "position": r.position,
                      "message": r.message} for r in reasons],
+        # holding quota, not placed yet: the scheduler's reason (docs/scheduling.md)
+        "scheduling_reason": None if sched is None else {
+            "code": sched.reason.value, "message": sched.message, "flavor": sched.flavor,
+            "free_gpus": sched.free_gpus, "largest_free_block": sched.largest_free_block, "eta": sched.eta,
+            "since": sched.occurred_at},
+        "scheduling_history": [{"time": r.occurred_at, "attempt": r.attempt, "code": r.reason.value,
+                                "message": r.message} for r in placing],
     }
 
 

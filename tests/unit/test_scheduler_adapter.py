@@ -29,3 +29,25 @@ def test_gauges_after_a_cycle(monkeypatch):
     value = REGISTRY.get_sample_value
     assert value("gpusched_scheduler_largest_placeable_gang", {"flavor": "gauge-flavor"}) == 8
     assert value("gpusched_scheduler_fragmentation_ratio", {"flavor": "gauge-flavor"}) == pytest.approx(2 / 10)
+
+
+async def _why(monkeypatch, events):
+    from gpusched import client
+
+    async def fake_job_events(js, job_id):
+        return list(enumerate(events, start=1))
+    monkeypatch.setattr(client, "job_events", fake_job_events)
+    return await client.why(None, "j")
+
+
+def test_why_shows_the_scheduling_reason_while_holding_quota(monkeypatch):
+    import asyncio
+
+    from tests.unit.builders import at, sched_pending_reason, scheduled
+
+    base = [submitted("j", spec(gpus=8)), admitted("j"), reserved("j", gpus=8)]
+    data = asyncio.run(_why(monkeypatch, base + [sched_pending_reason("j", eta=at(600))]))
+    assert data["last_event"] == "QuotaReserved" and not data["waiting_for_quota"]
+    assert data["scheduling_reason"]["code"] == "fragmentation" and data["scheduling_reason"]["eta"] == at(600)
+    placed = asyncio.run(_why(monkeypatch, base + [sched_pending_reason("j"), scheduled("j")]))
+    assert placed["scheduling_reason"] is None and len(placed["scheduling_history"]) == 1
