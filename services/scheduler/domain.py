@@ -64,10 +64,10 @@ from services.scheduler.placement import (
     Request,
     Workload,
     best_node,
+    choose_gpus,
     place_gang,
     shape_fits,
     static_ok,
-    take,
 )
 
 PRODUCER = "scheduler"
@@ -436,7 +436,7 @@ class SchedulerCore:
             return None
         out = []
         for n in nodes:
-            idx, _ = take(n.free, req)
+            idx = choose_gpus(n, req, self.policy, dist)
             out.append(NodeAssignment(node=n.name, gpus=req.gpus, gpu_indices=idx, gpu_milli=req.milli))
         return tuple(out)
 

@@ -111,6 +111,37 @@ def take(free: list[int] | tuple[int, ...], req: Request) -> tuple[tuple[int, ..
     return (best[1],), after
 
 
+def fraction_options(free, milli: int) -> list[tuple[int, list[int]]]:
+    """For a fraction: (the chosen GPU's free value, the free vector after) for each distinct free
+    value that has room, fullest first."""
+    out = []
+    for value in sorted({f for f in free if f >= milli}):
+        after = list(free)
+        after[after.index(value)] -= milli
+        out.append((value, after))
+    return out
+
+
+def choose_gpus(node: Node, req: Request, policy: Policy, dist: "Workload") -> tuple[int, ...]:
+    """Device indices for one member on the chosen node: FGD puts a fraction on the GPU whose
+    use grows the node's fragmentation least (ties: fullest), the others pack (``take``)."""
+    if req.milli is None or policy != Policy.FGD:
+        return take(node.free, req)[0]
+    cpu = _cpu_free(node)
+    after_cpu = None if cpu is None else cpu - req.cpu
+    best = min(fraction_options(node.free, req.milli),
+               key=lambda o: (dist.fragmentation(o[1], after_cpu), o[0]))
+    return (min(i for i, f in enumerate(node.free) if f == best[0]),)
+
+
+def _fgd_delta(free, req: Request, dist: "Workload", cpu: int | None = None) -> float:
+    after_cpu = None if cpu is None else cpu - req.cpu
+    before = dist.fragmentation(free, cpu)
+    if req.milli is not None:
+        return min(dist.fragmentation(after, after_cpu) for _, after in fraction_options(free, req.milli)) - before
+    return dist.fragmentation(take(free, req)[1], after_cpu) - before
+
+
 # -- fragmentation -----------------------------------------------------------------------------
 
 
@@ -204,8 +235,7 @@ def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist:
     left = sum(after)
     if policy == Policy.BEST_FIT:
         return (-local, left, name)
-    delta = dist.fragmentation(after) - dist.fragmentation(free)
-    return (-local, round(delta, 6), left, name)
+    return (-local, round(_fgd_delta(free, req, dist), 6), left, name)
 
 
 def _locality(node: Node, req: Request) -> int:
@@ -251,9 +281,7 @@ def _best_node_fgd_cpu(inv, flavors, req: Request, dist: Workload, exclude) -> N
                         or not node.cpu_memory_ok(req.cpu, req.memory):
                     continue
                 seen.add(cpu)
-                delta = dist.fragmentation(after, None if cpu is None else cpu - req.cpu) \
-                    - dist.fragmentation(shape[1], cpu)
-                score = (round(delta, 6), sum(after), name)
+                score = (round(_fgd_delta(shape[1], req, dist, cpu), 6), sum(after), name)
                 if best is None or score < best:
                     best, chosen = score, node
     return chosen
