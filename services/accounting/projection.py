@@ -86,7 +86,9 @@ def convert(event: Event, seq: int) -> list[Op]:
             return [Op("cohort", (event.name, event.parent, seq))]
         case JobScheduled():
             nodes = [p.node for p in event.placement]
-            return [_state(j, "scheduled", seq, scheduled_at=t, nodes=nodes, flavor=event.flavor)]
+            # placed: the last wait reason (quota's or the scheduler's) no longer applies
+            return [_state(j, "scheduled", seq, scheduled_at=t, nodes=nodes, flavor=event.flavor,
+                           reason=None, message=None)]
         case JobStarted():
             return [_state(j, "running", seq, started_at=t)]
         case JobSucceeded():
