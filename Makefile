@@ -34,9 +34,10 @@ test-integration: setup ## Each service against real NATS and Postgres
 test-e2e: setup ## All services as processes, faults included
 	$(BIN)/python -m pytest -q e2e $(ARGS)
 
-bench: setup ## Benchmarks (~10 min): e2e beside the raw JetStream ceiling, the quota core at scale, Kueue's baseline
+bench: setup ## Benchmarks (~11 min): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, Kueue's baseline
 	$(BIN)/python -m bench $(ARGS)
 	$(BIN)/python -m bench.quota
+	$(BIN)/python -m bench.scheduler
 	$(BIN)/python -m bench.kueue
 
 schemas: setup ## Regenerate schemas/json from the pydantic models

@@ -144,6 +144,25 @@ def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the 
     emit({"job_id": job_id, "intake_sequence": seq}, output)
 
 
+@app.command("checkpoint")
+def checkpoint_cmd(
+    job_id: str,
+    team: str = typer.Option(..., help="Team owning the job"),
+    attempt: int = typer.Option(..., min=1, help="The running attempt (as in `gpusched events JOB`)"),
+    step: Optional[int] = typer.Option(None, min=0, help="Training step or other progress counter"),
+    location: str = typer.Option("", help="Where the checkpoint was written"),
+    at: Optional[datetime] = typer.Option(None, "--at", help="When it was taken (ISO 8601, UTC if no zone); default now"),
+    output: Output = OutputOpt,
+) -> None:
+    """Report that a running job wrote a checkpoint (preemption then loses only the work since)."""
+    from datetime import UTC
+
+    when = at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
+    seq = run(with_js(lambda js: client.report_checkpoint(js, job_id, team, attempt, reported_by="cli",
+                                                           checkpointed_at=when, step=step, location=location)))
+    emit({"job_id": job_id, "attempt": attempt, "intake_sequence": seq}, output)
+
+
 @app.command()
 def apply(
     file: Path = typer.Option(..., "-f", "--file", help="queues.yaml"),
@@ -239,6 +258,9 @@ def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
                       f"{escape(r['message'])}")
     elif not data["waiting_for_quota"]:
         console.print("not waiting for quota")
+    if (sr := data.get("scheduling_reason")):
+        eta = f"; ETA {sr['eta'].isoformat(timespec='seconds')}" if sr["eta"] else ""
+        console.print(f"holds quota, waiting for placement: [bold]{sr['code']}[/bold]{eta}\n  {escape(sr['message'])}")
     if data["history"]:
         emit(data["history"], output, title="reason history")
 
@@ -267,6 +289,100 @@ def dlq(limit: int = 20, output: Output = OutputOpt) -> None:
         finally:
             await nc.close()
     emit(run(go()), output)
+
+
+@app.command("sim")
+def sim_cmd(
+    trace: Path = typer.Option(..., "--trace", help="Trace directory (Alibaba 2023 openb format), e.g. ../shared/traces/alibaba-gpu-2023"),
+    policy: list[str] = typer.Option(["first-fit", "best-fit", "fgd"], "--policy", "-p",
+                                     help="Placement policy; repeat to compare side by side"),
+    inflation: Optional[float] = typer.Option(None, "--inflation", help="Workload inflation (ATC '23): sampled tasks arrive and never leave until requests reach RATIO × capacity"),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed for --inflation"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Replay only the first N tasks"),
+    output: Output = OutputOpt,
+) -> None:
+    """Replay a GPU cluster trace through the quota, scheduler and sim-executor cores."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from gpusched import replay as rp
+    from services.scheduler.placement import parse_policy
+
+    try:
+        policies = [parse_policy(p) for p in policy]
+        data = rp.load_trace(trace)
+    except ValueError as err:
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(2) from None
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=output == Output.json) as bar:
+        for pol in policies:
+            if inflation is not None:
+                # Tasks until the target demand: about ratio × capacity / mean demand.
+                mean = sum(t.demand for t in data.tasks) / max(1, len(data.tasks))
+                total = int(inflation * data.capacity / mean) if mean else None
+                task = bar.add_task(f"{pol.value} inflation {inflation}", total=total)
+                try:
+                    results.append(rp.inflation(data, pol, ratio=inflation, seed=seed,
+                                                progress=lambda n, t=task: bar.advance(t, n)))
+                except ValueError as err:
+                    err_console.print(f"[red]error:[/red] {escape(str(err))}")
+                    raise typer.Exit(2) from None
+            else:
+                ran = sum(1 for t in data.tasks if t.runtime is not None)
+                task = bar.add_task(f"{pol.value} replay", total=min(ran, limit or ran))
+                results.append(rp.replay(data, pol, limit=limit, progress=lambda n, t=task: bar.advance(t, n)))
+    if output == Output.json:
+        emit(results, output)
+        return
+    _sim_table(results)
+
+
+def _sim_table(results: list[dict]) -> None:
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    table = Table(title=f"trace {results[0]['mode']}: {results[0]['capacity_gpus']} GPUs")
+    table.add_column("metric")
+    for r in results:
+        table.add_column(r["policy"], justify="right")
+    if results[0]["mode"] == "replay":
+        rows = [("tasks", "tasks"), ("placed", "placed"), ("finished", "finished"),
+                ("allocation rate", "allocation_rate"),
+                ("unallocated share while tasks wait", "unallocated_share_while_waiting"),
+                ("share of time with tasks waiting", "time_with_waiting_share"),
+                ("fragmentation ratio (mean)", "fragmentation_mean"),
+                ("FGD fragmentation of free capacity (mean)", "fgd_fragmentation_mean")]
+        lines = [(label, [r[k] for r in results]) for label, k in rows]
+        for metric in ("wait_s", "jct_s"):
+            for q in ("p50", "p90", "p99", "mean"):
+                lines.append((f"{metric[:-2]} {q} (s)", [r[metric][q] for r in results]))
+    else:
+        lines = [("arrived demand / capacity", [r["arrived_demand"] for r in results]),
+                 ("allocation rate", [r["allocation_rate"] for r in results]),
+                 ("unallocated share", [r["unallocated_share"] for r in results]),
+                 ("placed tasks", [r["placed"] for r in results])]
+        for i, point in enumerate(results[0]["curve"]):
+            lines.append((f"allocation at demand {point['arrived_demand']:.2f}",
+                          [r["curve"][i]["allocation"] if i < len(r["curve"]) else None for r in results]))
+        lines.append(("FGD fragmentation of free capacity at the end",
+                      [r["curve"][-1]["fgd_fragmentation"] if r["curve"] else None for r in results]))
+    for label, values in lines:
+        table.add_row(label, *(fmt(v) for v in values))
+    console.print(table)
+    if results[0]["mode"] == "replay":
+        frag = Table(title="fragmentation over time (sampled): fragmentation ratio / FGD share of free capacity")
+        frag.add_column("t (s)")
+        for r in results:
+            frag.add_column(r["policy"], justify="right")
+        for i, point in enumerate(results[0]["series"][:: max(1, len(results[0]["series"]) // 10)]):
+            idx = results[0]["series"].index(point)
+            frag.add_row(f"{point['t']:.0f}", *(
+                f"{fmt(r['series'][idx]['fragmentation'])} / {fmt(r['series'][idx]['fgd_fragmentation'])}"
+                if idx < len(r["series"]) else "-" for r in results))
+        console.print(frag)
 
 
 @dev_app.command("up")

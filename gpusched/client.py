@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpusched import eventlog, observability
 from schemas import (
-    CancelJob, CohortConfigured, Event, QueueConfigured, QueueDeleted, SubmitJob, new_event, parse_event,
+    CancelJob, CohortConfigured, Event, QueueConfigured, QueueDeleted, ReportCheckpoint, SubmitJob, new_event,
+    parse_event,
 )
 from schemas.commands import job_id_for_key
 from schemas.job import rejection_id
@@ -148,6 +149,19 @@ async def wait_for_decision(js: JetStreamContext, job_id: str, intake_seq: int, 
 
 async def cancel(js: JetStreamContext, job_id: str, team: str, requested_by: str, reason: str = "") -> int:
     return await publish_command(js, team, "cancel", CancelJob(job_id=job_id, requested_by=requested_by, reason=reason))
+
+
+async def report_checkpoint(js: JetStreamContext, job_id: str, team: str, attempt: int, *, reported_by: str,
+                            checkpointed_at: datetime | None = None, step: int | None = None,
+                            location: str = "") -> int:
+    """Publish ReportCheckpoint on ``gpusched.intake.<team>.checkpoint``; admission records
+    JobCheckpointed, or dead-letters the report with the reason (see ``gpusched dlq``)."""
+    try:
+        command = ReportCheckpoint(job_id=job_id, attempt=attempt, checkpointed_at=checkpointed_at or utcnow(),
+                                   step=step, location=location, reported_by=reported_by)
+    except ValidationError as err:
+        raise UserError(_first_error(err, "checkpoint")) from None
+    return await publish_command(js, team, "checkpoint", command)
 
 
 # -- queue configuration ----------------------------------------------------------------------
@@ -334,13 +348,15 @@ async def why(js: JetStreamContext, job_id: str) -> dict[str, Any]:
     history = await job_events(js, job_id)
     if not history:
         raise UserError(f"job {job_id!r} has no events in the log")
-    lifecycle = [e for _, e in history if e.type != "QuotaPendingReasonChanged"]
+    lifecycle = [e for _, e in history if e.type not in ("QuotaPendingReasonChanged", "SchedulingPendingReasonChanged")]
     last = lifecycle[-1] if lifecycle else history[-1][1]
     reasons = [e for _, e in history if e.type == "QuotaPendingReasonChanged"]
     attempt = max((getattr(e, "attempt", 1) or 1 for e in lifecycle), default=1)
     waiting = last.type in ("JobAdmitted", "JobRetryScheduled", "QuotaReleased") and not any(
         e.type in ("JobSucceeded", "JobCancelled", "JobRejected") for e in lifecycle)
     current = next((r for r in reversed(reasons) if r.attempt == attempt), None) if waiting else None
+    placing = [e for _, e in history if e.type == "SchedulingPendingReasonChanged"]
+    sched = next((r for r in reversed(placing) if r.attempt == attempt), None) if last.type == "QuotaReserved" else None
     return {
         "job_id": job_id,
         "last_event": last.type,
@@ -351,6 +367,13 @@ async def why(js: JetStreamContext, job_id: str) -> dict[str, Any]:
             "flavor": current.flavor, "since": current.occurred_at},
         "history": [{"time": r.occurred_at, "attempt": r.attempt, "code": r.reason.value, "position": r.position,
                      "message": r.message} for r in reasons],
+        # holding quota, not placed yet: the scheduler's reason (docs/scheduling.md)
+        "scheduling_reason": None if sched is None else {
+            "code": sched.reason.value, "message": sched.message, "flavor": sched.flavor,
+            "free_gpus": sched.free_gpus, "largest_free_block": sched.largest_free_block, "eta": sched.eta,
+            "since": sched.occurred_at},
+        "scheduling_history": [{"time": r.occurred_at, "attempt": r.attempt, "code": r.reason.value,
+                                "message": r.message} for r in placing],
     }
 
 

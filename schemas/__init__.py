@@ -37,6 +37,7 @@ ReclaimRequested            quota        a borrowing attempt must give its quota
 JobRetryScheduled           quota        a failed attempt will be retried as attempt + 1
 JobScheduled                scheduler    placement of one attempt on nodes
 PreemptionRequested         scheduler    evict a lower-priority attempt so a higher one fits
+SchedulingPending...Changed scheduler    why an attempt holding quota is not placed (when that changes)
 JobStarted                  executor     the attempt runs (the whole gang)
 JobSucceeded                executor     the attempt exited 0
 JobFailed                   executor     the attempt failed; classified reason, retryable or not
@@ -79,6 +80,8 @@ from schemas.job import (
     ReclaimRequested,
     RejectReason,
     RetryPolicy,
+    SchedulingPendingReasonChanged,
+    SchedulingWaitReason,
 )
 from schemas.node import NodeLost, NodeRegistered, NodeUpdated
 from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass

@@ -72,6 +72,17 @@ class QuotaWaitReason(StrEnum):
     NO_QUOTA_FOR_FLAVOR = "no-quota-for-flavor"  # none of the job's flavors has quota in the queue
 
 
+class SchedulingWaitReason(StrEnum):
+    """Why an attempt that holds quota is not placed yet (SchedulingPendingReasonChanged.reason)."""
+
+    NO_NODE_OF_SHAPE = "no-node-of-shape"  # no schedulable node could ever host one member
+    INSUFFICIENT_GPUS = "insufficient-gpus"  # fewer free GPUs of the flavor than requested, in all
+    FRAGMENTATION = "fragmentation"  # enough free GPUs in all, but no node (or not enough nodes) has the block
+    GANG_INCOMPLETE = "gang-incomplete"  # fewer nodes with the member's block free than gang_size
+    CPU_MEMORY = "cpu-memory"  # GPUs are free, but not the CPU or memory beside them
+    PREEMPTING = "preempting"  # lower-priority attempts are being stopped to make room for it
+
+
 class DatasetRef(Contract):
     """A dataset the job reads."""
 
@@ -119,6 +130,14 @@ class JobSpec(Contract):
     node_features: tuple[Annotated[str, StringConstraints(max_length=128)], ...] = Field(
         default=(), max_length=16, description="Required node features, e.g. 'rdma', 'zone=eu-1'"
     )
+    gpu_milli: int | None = Field(
+        default=None, ge=1, le=999,
+        description="A fraction of one sharable GPU, in thousandths (needs gpus == 1); None: whole GPUs",
+    )
+    tolerations: tuple[Annotated[str, StringConstraints(max_length=317)], ...] = Field(
+        default=(), max_length=16,
+        description="Node taints tolerated: 'key', 'key=value' or 'key=value:Effect'",
+    )
     gang_size: int = Field(default=1, ge=1, le=MAX_GANG_SIZE, description="Nodes, all-or-nothing")
     max_runtime_seconds: int | None = Field(default=None, ge=1, le=90 * 86_400)
     expected_runtime_seconds: float | None = Field(
@@ -143,6 +162,12 @@ class JobSpec(Contract):
             )
         return self
 
+    @model_validator(mode="after")
+    def _fraction_of_one_gpu(self) -> "JobSpec":
+        if self.gpu_milli is not None and self.gpus != 1:
+            raise ValueError(f"gpu_milli {self.gpu_milli} is a fraction of one GPU: it needs gpus 1, got {self.gpus}")
+        return self
+
     @property
     def total_gpus(self) -> int:
         return self.gpus * self.gang_size
@@ -154,6 +179,9 @@ class NodeAssignment(Contract):
     node: str = Field(min_length=1, max_length=253)
     gpus: int = Field(ge=0, le=MAX_GPUS_PER_NODE)
     gpu_indices: tuple[int, ...] = Field(default=(), description="Device indices on the node")
+    gpu_milli: int | None = Field(
+        default=None, ge=1, le=999, description="Share of the one GPU in gpu_indices, in thousandths; None: whole"
+    )
 
 
 class _JobEvent(Event):
@@ -211,6 +239,26 @@ class QuotaPendingReasonChanged(_JobEvent):
     message: str = Field(max_length=4096, description="With the numbers: nominal, used, borrowed, free")
     position: int = Field(ge=1, description="1-based position in the queue's order")
     flavor: Name | None = Field(default=None, description="The flavor the message is about")
+
+
+class SchedulingPendingReasonChanged(_JobEvent):
+    """Why an attempt that holds quota is still not placed, when that changes (rate-limited), with
+    the numbers; the scheduler's counterpart of QuotaPendingReasonChanged."""
+
+    type: Literal["SchedulingPendingReasonChanged"] = "SchedulingPendingReasonChanged"
+    attempt: int = Field(ge=1)
+    reason: SchedulingWaitReason
+    message: str = Field(max_length=4096, description="e.g. needs 8×a100 on one node; largest free block is 6 ...")
+    flavor: Name | None = Field(default=None, description="The flavor the numbers are about")
+    requested_gpus: int = Field(ge=0, description="GPUs per node (per gang member)")
+    gang_size: int = Field(ge=1)
+    free_gpus: int = Field(ge=0, description="Whole free GPUs of the flavor on nodes that meet the constraints")
+    free_nodes: int = Field(ge=0, description="Nodes of those with at least one free GPU")
+    largest_free_block: int = Field(ge=0, description="Most whole free GPUs on one such node")
+    largest_free_node: str | None = Field(default=None, description="A node with that block")
+    eta: AwareDatetime | None = Field(
+        default=None, description="When it would fit as running jobs end (declared runtimes); None: unknown"
+    )
 
 
 class ReclaimRequested(_JobEvent):

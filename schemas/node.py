@@ -23,6 +23,14 @@ class NodeInfo(Contract):
     labels: dict[str, str] = Field(default_factory=dict, description="Topology and locality labels")
     taints: tuple[str, ...] = Field(default=(), description="key=value:Effect")
     unschedulable: bool = Field(default=False, description="Cordoned")
+    # Topology, smallest domain first: a gang prefers the smallest domain that holds all of it
+    # (one node, then one NVLink domain, then one rack, then one network block).
+    nvlink_domain: str | None = Field(default=None, max_length=253, description="NVLink / NVSwitch domain id")
+    rack: str | None = Field(default=None, max_length=253, description="Rack id")
+    block: str | None = Field(default=None, max_length=253, description="Network block (spine / pod) id")
+    gpu_sharable: bool = Field(
+        default=False, description="GPUs may be shared by fractional requests (JobSpec.gpu_milli)"
+    )
 
 
 class NodeRegistered(Event):

@@ -26,6 +26,7 @@ from schemas.job import (
     QuotaReleased,
     QuotaReserved,
     ReclaimRequested,
+    SchedulingPendingReasonChanged,
 )
 from schemas.node import NodeLost, NodeRegistered, NodeUpdated
 from schemas.queue import CohortConfigured, QueueConfigured, QueueDeleted
@@ -48,6 +49,7 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     JobRetryScheduled: ("quota", "retry_scheduled"),
     JobScheduled: ("scheduler", "scheduled"),
     PreemptionRequested: ("scheduler", "preemption_requested"),
+    SchedulingPendingReasonChanged: ("scheduler", "sched_pending"),
     JobStarted: ("executor", "started"),
     JobSucceeded: ("executor", "succeeded"),
     JobFailed: ("executor", "failed"),

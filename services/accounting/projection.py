@@ -35,6 +35,7 @@ from schemas import (
     QuotaReserved,
     PreemptionRequested,
     ReclaimRequested,
+    SchedulingPendingReasonChanged,
 )
 
 
@@ -71,7 +72,7 @@ def convert(event: Event, seq: int) -> list[Op]:
             return [Op("job_rejected", (j, event.reason.value, event.message, t, seq))]
         case JobAdmitted():
             return [_state(j, "queued", seq, admitted_at=t)]
-        case QuotaPendingReasonChanged():
+        case QuotaPendingReasonChanged() | SchedulingPendingReasonChanged():
             return [Op("wait_reason", (j, event.reason.value, event.message, seq))]
         case QuotaReserved():
             return [_state(j, "reserved", seq, reserved_at=t, attempt=event.attempt, flavor=event.flavor,
@@ -85,7 +86,9 @@ def convert(event: Event, seq: int) -> list[Op]:
             return [Op("cohort", (event.name, event.parent, seq))]
         case JobScheduled():
             nodes = [p.node for p in event.placement]
-            return [_state(j, "scheduled", seq, scheduled_at=t, nodes=nodes, flavor=event.flavor)]
+            # placed: the last wait reason (quota's or the scheduler's) no longer applies
+            return [_state(j, "scheduled", seq, scheduled_at=t, nodes=nodes, flavor=event.flavor,
+                           reason=None, message=None)]
         case JobStarted():
             return [_state(j, "running", seq, started_at=t)]
         case JobSucceeded():

@@ -62,15 +62,18 @@ class AdmissionService(DecisionService):
         seq = msg.metadata.sequence.stream
         with observability.span_from_headers(f"admission intake {parts[-1]}", msg.headers, sequence=seq):
             try:
-                if len(parts) != 4 or parts[3] not in ("submit", "cancel"):
+                if len(parts) != 4 or parts[3] not in ("submit", "cancel", "checkpoint"):
                     raise PoisonCommand(
                         f"unknown intake subject {msg.subject!r}; accepted: "
-                        "gpusched.intake.<team>.submit, gpusched.intake.<team>.cancel"
+                        "gpusched.intake.<team>.submit, gpusched.intake.<team>.cancel, "
+                        "gpusched.intake.<team>.checkpoint"
                     )
                 team, verb = parts[2], parts[3]
                 now = self.clock.now()
                 if verb == "submit":
                     events = core.handle_submit(msg.data, team, seq, now)
+                elif verb == "checkpoint":
+                    events = core.handle_checkpoint(msg.data, team, seq, now)
                 else:
                     events = core.handle_cancel(msg.data, team, now)
             except PoisonCommand as err:

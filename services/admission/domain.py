@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from pydantic import ValidationError
 
@@ -19,6 +19,10 @@ from schemas import (
     DEFAULT_PRIORITY_CLASSES,
     CancelJob,
     Event,
+    JobCheckpointed,
+    JobPreempted,
+    JobStarted,
+    ReportCheckpoint,
     JobAdmitted,
     JobCancelRequested,
     JobRejected,
@@ -38,6 +42,8 @@ from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
 from schemas.node import NodeInfo
 
 PRODUCER = "admission"
+CHECKPOINT_CLOCK_SKEW = timedelta(seconds=60)
+"""How far in the future (by the platform clock) a reported checkpoint time may lie."""
 TERMINAL = (JobRejected, JobSucceeded, JobCancelled)
 
 
@@ -60,6 +66,7 @@ class JobRecord:
     decided: bool = False
     finished: bool = False
     cancel_requested: bool = False
+    running: JobStarted | None = None  # the attempt that is running now, for checkpoint reports
 
 
 @dataclass
@@ -120,10 +127,16 @@ class AdmissionCore:
             case JobSucceeded() | JobCancelled():
                 if (job := s.jobs.get(event.aggregate_id)) is not None:
                     job.finished = True
-            case JobFailed():
+                    job.running = None
+            case JobFailed() | JobPreempted():
                 # Whether a failure ends the job is quota's retry decision; a cancel after a
                 # final failure is harmless (the executor answers it with JobCancelled).
-                pass
+                if (job := s.jobs.get(event.aggregate_id)) is not None and job.running is not None:
+                    if job.running.attempt == event.attempt:
+                        job.running = None
+            case JobStarted():
+                if (job := s.jobs.get(event.aggregate_id)) is not None:
+                    job.running = event
             case JobCancelRequested():
                 if (job := s.jobs.get(event.aggregate_id)) is not None:
                     job.cancel_requested = True
@@ -220,6 +233,48 @@ class AdmissionCore:
             new_event(
                 JobCancelRequested, aggregate_id=command.job_id, producer=PRODUCER, occurred_at=now,
                 key="cancel", cause=job.submitted, requested_by=command.requested_by, reason=command.reason,
+            )
+        ]
+
+    def handle_checkpoint(self, raw: bytes, subject_team: str, intake_seq: int, now: datetime) -> list[Event]:
+        """A ReportCheckpoint from ``gpusched.intake.<subject_team>.checkpoint``: JobCheckpointed
+        for the job's running attempt. A report that names no running attempt of a job of this
+        team is refused with a PoisonCommand (the dead-letter subject, with this message)."""
+        try:
+            command = ReportCheckpoint.model_validate_json(raw)
+        except ValidationError as err:
+            raise PoisonCommand(f"invalid ReportCheckpoint: {_validation_message(err)[1]}") from None
+        job = self.state.jobs.get(command.job_id)
+        if job is None:
+            raise PoisonCommand(f"ReportCheckpoint: job_id {command.job_id!r} does not exist")
+        if job.team != subject_team:
+            raise PoisonCommand(
+                f"ReportCheckpoint: job {command.job_id} belongs to team {job.team!r}, not {subject_team!r}; "
+                f"publish on gpusched.intake.{job.team}.checkpoint"
+            )
+        running = job.running
+        if running is None:
+            raise PoisonCommand(
+                f"ReportCheckpoint: job {command.job_id} has no running attempt (attempt {command.attempt} "
+                f"given); checkpoints are accepted while an attempt runs"
+            )
+        if running.attempt != command.attempt:
+            raise PoisonCommand(
+                f"ReportCheckpoint: attempt {command.attempt} of job {command.job_id} is not running; "
+                f"accepted: {running.attempt}"
+            )
+        if command.checkpointed_at < running.occurred_at or command.checkpointed_at > now + CHECKPOINT_CLOCK_SKEW:
+            raise PoisonCommand(
+                f"ReportCheckpoint: checkpointed_at {command.checkpointed_at.isoformat()} is outside attempt "
+                f"{command.attempt}'s run; accepted: from its start {running.occurred_at.isoformat()} "
+                f"to now {now.isoformat()} (+{CHECKPOINT_CLOCK_SKEW.total_seconds():.0f} s)"
+            )
+        return [
+            new_event(
+                JobCheckpointed, aggregate_id=command.job_id, producer=PRODUCER, occurred_at=now,
+                key=str(intake_seq), cause=running, attempt=command.attempt,
+                checkpointed_at=command.checkpointed_at, step=command.step, location=command.location,
+                intake_sequence=intake_seq,
             )
         ]
 

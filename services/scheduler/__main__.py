@@ -1,11 +1,69 @@
-"""Scheduler adapter: the shared decision loop around :class:`SchedulerCore`."""
+"""Scheduler adapter: the shared decision loop around :class:`SchedulerCore`, its configuration
+from the environment, and the fragmentation gauges it exports after every cycle.
+
+Environment (docs/scheduling.md):
+
+* ``GPUSCHED_SCHEDULER_POLICY``: ``first-fit``, ``best-fit`` (default) or ``fgd``;
+* ``GPUSCHED_PREEMPTION``: ``on`` (default) or ``off``;
+* ``GPUSCHED_PREEMPTION_MAX_PER_WINDOW`` (default 20) preemptions in any
+  ``GPUSCHED_PREEMPTION_WINDOW_S`` (default 300) seconds.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from prometheus_client import Gauge
 
 from gpusched.service import run_service
-from services.scheduler.domain import SchedulerCore
+from gpusched.settings import _choice, _number
+from schemas import Event
+from services.scheduler.domain import PreemptionLimits, SchedulerCore
+from services.scheduler.placement import Policy
+
+FRAGMENTATION = Gauge(
+    "gpusched_scheduler_fragmentation_ratio",
+    "Share of free GPUs of the flavor on nodes with fewer free than the typical request (docs/scheduling.md)",
+    ["flavor"],
+)
+LARGEST_GANG = Gauge(
+    "gpusched_scheduler_largest_placeable_gang",
+    "Most GPUs one all-or-nothing job with equal per-node shares could get now",
+    ["flavor"],
+)
+FREE_GPUS = Gauge("gpusched_scheduler_free_gpus", "Whole free GPUs on schedulable nodes", ["flavor"])
+
+
+def export_fragmentation(core: SchedulerCore) -> None:
+    for f in core.fragmentation():
+        FRAGMENTATION.labels(flavor=f.flavor).set(f.ratio)
+        LARGEST_GANG.labels(flavor=f.flavor).set(f.largest_placeable_gang)
+        FREE_GPUS.labels(flavor=f.flavor).set(f.free)
+
+
+class ObservedSchedulerCore(SchedulerCore):
+    """The core, with the gauges brought up to date after each cycle that looked at anything."""
+
+    def decide(self, now: datetime) -> list[Event]:
+        looked = bool(self._dirty) or self._wake_at is not None
+        out = super().decide(now)
+        if looked:
+            export_fragmentation(self)
+        return out
+
+
+def build_core(settings, clock) -> SchedulerCore:
+    policy = Policy(_choice("GPUSCHED_SCHEDULER_POLICY", Policy.BEST_FIT.value, tuple(p.value for p in Policy)))
+    limits = PreemptionLimits(
+        enabled=_choice("GPUSCHED_PREEMPTION", "on", ("on", "off")) == "on",
+        max_per_window=int(_number("GPUSCHED_PREEMPTION_MAX_PER_WINDOW", 20, minimum=0, maximum=100_000, integer=True)),
+        window_seconds=_number("GPUSCHED_PREEMPTION_WINDOW_S", 300.0, minimum=1, maximum=86_400),
+    )
+    return ObservedSchedulerCore(policy, preemption=limits)
 
 
 def main() -> None:
-    run_service("scheduler", lambda settings, clock: SchedulerCore())
+    run_service("scheduler", build_core)
 
 
 if __name__ == "__main__":

@@ -1,197 +1,678 @@
-"""Scheduler's pure core: which nodes and GPUs an attempt that holds quota runs on.
+"""Scheduler's pure core: which nodes and GPUs an attempt that holds quota runs on, which
+lower-priority attempts make room for it, and why the others wait.
 
-The cycle, over the state folded from the log:
+The cycle (``decide``), over the state folded from the log:
 
-1. heads: attempts holding quota and not yet placed, by priority then reservation time;
-2. snapshot: free GPUs, CPU and memory per node, copied for this cycle;
-3. fit: for each head, the nodes of the reserved flavor that meet its GPU memory and feature
-   constraints, best fit first (fewest GPUs left over); a gang needs ``gang_size`` distinct nodes,
-   all or nothing;
-4. decide: JobScheduled with the placement, and the snapshot is charged so later heads of the
-   same cycle see it.
+1. heads: attempts holding quota and not yet placed, in the quota service's order (priority, then
+   reservation time, then job id), only in the groups (one per reserved flavor, one for CPU-only
+   work) where something changed since the last cycle: new heads, capacity that grew (a release,
+   a node added, updated or uncordoned: the flavor's *generation*), or a wake-up time that passed;
+2. snapshot: the inventory with this cycle's own tentative placements charged, so later heads of
+   the cycle see them (rolled back by ``decisions_refused`` if the log refused them);
+3. fit: each head that did not already fail at the current generation is placed by the policy
+   (:mod:`services.scheduler.placement`); a request shape that failed once fails for the rest of
+   the cycle without another search;
+4. preempt: a head that still does not fit, and outranks running attempts, gets room by
+   PreemptionRequested of victims chosen to lose the least work (bounded; see ``_preempt``);
+5. explain: every head still waiting gets a structured reason with the numbers and an ETA
+   (SchedulingPendingReasonChanged) when the reason changes, rate-limited;
+6. emit: the events, in head order.
 
-GPU device indices are assigned lowest first, so a node's allocation is a set of indices, and no
-GPU is ever given to two attempts.
+A cycle therefore costs in proportion to the heads whose situation changed, not to all of them.
+GPU device indices are assigned lowest first; no GPU is given to two attempts beyond its capacity
+(whole GPUs to one, sharable GPUs up to 1000 thousandths in all).
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
+
+from sortedcontainers import SortedList
 
 from schemas import (
     Event,
     JobAdmitted,
     JobCancelled,
     JobCancelRequested,
+    JobCheckpointed,
     JobFailed,
     JobPreempted,
     JobScheduled,
     JobSpec,
+    JobStarted,
     JobSubmitted,
     JobSucceeded,
     NodeAssignment,
     NodeLost,
     NodeRegistered,
     NodeUpdated,
+    PreemptionRequested,
     QuotaReleased,
     QuotaReserved,
+    ReclaimRequested,
+    SchedulingPendingReasonChanged,
+    SchedulingWaitReason,
     new_event,
 )
-from schemas.node import NodeInfo
+from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass
+from services.scheduler.fragmentation import FlavorFragmentation, measure
+from services.scheduler.inventory import MILLI, Inventory, Node
+from services.scheduler.placement import (
+    Policy,
+    Request,
+    Workload,
+    best_node,
+    choose_gpus,
+    place_gang,
+    shape_fits,
+    static_ok,
+)
 
 PRODUCER = "scheduler"
+REASON_INTERVAL_S = 30.0
+CPU_GROUP = "*"  # heads of CPU-only work (gpus == 0): any node
 
 
-@dataclass
-class NodeState:
-    info: NodeInfo
-    used_gpus: set[int] = field(default_factory=set)
-    used_cpu: int = 0
-    used_memory: int = 0
+@dataclass(frozen=True)
+class PreemptionLimits:
+    """Global limits on preemption; per-class limits live in the priority classes."""
 
-    def free_gpus(self) -> list[int]:
-        return [i for i in range(self.info.gpu_count) if i not in self.used_gpus]
+    enabled: bool = True
+    max_per_window: int = 20  # PreemptionRequested in any rolling window ...
+    window_seconds: float = 300.0  # ... of this length
+    max_heads_per_cycle: int = 8  # heads that may look for victims in one cycle
 
 
 @dataclass
 class SchedJob:
     spec: JobSpec
     submitted: JobSubmitted
+    request: Request
     priority: int = 0
+    preemptible: bool = True
     reservation: QuotaReserved | None = None
     placement: JobScheduled | None = None
     cancel_requested: bool = False
+    started_at: datetime | None = None  # of the placed attempt
+    checkpoint_at: datetime | None = None  # latest checkpoint of the placed attempt
+    stopping: bool = False  # a preemption or reclaim of the placed attempt was requested
+    preemptions: int = 0  # PreemptionRequested against this job, all attempts
+    waiting: SchedulingPendingReasonChanged | None = None  # last reason given for this attempt
+    reasons_given: int = 0  # reason events of this attempt (their id key)
+    tried_generation: int = -1  # the group's generation when it last failed to fit
+    victims: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) being stopped for this head
+
+    @property
+    def job_id(self) -> str:
+        return self.submitted.aggregate_id
 
 
 @dataclass
 class SchedulerState:
-    nodes: dict[str, NodeState] = field(default_factory=dict)
+    inventory: Inventory = field(default_factory=Inventory)
     jobs: dict[str, SchedJob] = field(default_factory=dict)
     heads: dict[str, None] = field(default_factory=dict)  # reserved, not yet placed
+    # group -> request shape -> head keys in head order
+    groups: dict[str, dict[tuple, SortedList]] = field(default_factory=dict)
+    running: dict[str | None, set[str]] = field(default_factory=dict)  # flavor -> placed job ids
+    ends: dict[str | None, SortedList] = field(default_factory=dict)  # flavor -> (declared end, job id)
+    sizes: dict[str | None, dict[int, int]] = field(default_factory=dict)  # flavor -> size class -> attempts
+    preemption_times: list[datetime] = field(default_factory=list)  # of every PreemptionRequested
+
+    @property
+    def nodes(self) -> dict[str, Node]:
+        return self.inventory.nodes
+
+
+def _group(job: SchedJob) -> str:
+    return CPU_GROUP if job.spec.gpus == 0 else job.reservation.flavor  # type: ignore[union-attr]
+
+
+def _head_key(job: SchedJob) -> tuple:
+    return (-job.priority, job.reservation.occurred_at, job.job_id)  # type: ignore[union-attr]
+
+
+def _gpus_of(job: SchedJob) -> float:
+    share = (job.spec.gpu_milli or MILLI) / MILLI
+    return job.spec.gpus * share * job.spec.gang_size
 
 
 class SchedulerCore:
-    def __init__(self) -> None:
+    def __init__(self, policy: Policy | str = Policy.BEST_FIT,
+                 priority_classes: dict[str, PriorityClass] = DEFAULT_PRIORITY_CLASSES,
+                 preemption: PreemptionLimits = PreemptionLimits(), *,
+                 workload: dict[int, float] | Workload | None = None, explain: bool = True) -> None:
+        """``workload``: a fixed workload distribution for FGD (size class -> probability; a
+        negative class is a fraction in thousandths); None: learnt from the reservations.
+        ``explain``: emit pending reasons (trace replay turns them off)."""
         self.state = SchedulerState()
-        self._dirty = True
+        self._fixed_workload = (workload if isinstance(workload, Workload) or workload is None
+                                else Workload(workload))
+        self._workloads: dict[str | None, tuple[int, Workload]] = {}
+        self.explain = explain
+        self.policy = Policy(policy)
+        self.priority_classes = priority_classes
+        self.limits = preemption
+        self._dirty: set[str] = set()  # groups to look at in the next cycle
+        self._seen_generation: dict[str, int] = {}
+        self._tentative: dict[str, JobScheduled] = {}  # decided this cycle, not yet back from the log
+        self._fresh: dict[str, dict[tuple, list[str]]] = {}  # heads added since the last cycle
+        self._wake_at: datetime | None = None
+
+    # -- evolve ------------------------------------------------------------------------------
+    def _generation(self, group: str) -> int:
+        gens = self.state.inventory.generation
+        if group == CPU_GROUP:
+            return sum(gens.values())
+        return gens.get(group, 0)
+
+    def _mark_all_dirty(self) -> None:
+        self._dirty.update(self.state.groups)
 
     def decisions_refused(self) -> None:
-        self._dirty = True
+        """Some decisions were not recorded: undo this cycle's tentative placements and look at
+        every group again."""
+        for job_id, event in list(self._tentative.items()):
+            self._charge(self.state.jobs[job_id], event, -1)  # it is still a head
+        self._tentative.clear()
+        for job in self.state.jobs.values():
+            job.tried_generation = -1
+        self._mark_all_dirty()
 
-    def _charge(self, nodes: dict[str, NodeState], spec: JobSpec, placement: JobScheduled, sign: int) -> None:
+    def _charge(self, job: SchedJob, placement: JobScheduled, sign: int) -> None:
+        inv = self.state.inventory
         for a in placement.placement:
-            node = nodes.get(a.node)
-            if node is None:
-                continue
-            if sign > 0:
-                node.used_gpus.update(a.gpu_indices)
-            else:
-                node.used_gpus.difference_update(a.gpu_indices)
-            node.used_cpu += sign * spec.cpu_millis
-            node.used_memory += sign * spec.memory_mib
+            inv.charge(a.node, a.gpu_indices, a.gpu_milli, job.spec.cpu_millis, job.spec.memory_mib, sign)
+
+    def _add_head(self, job: SchedJob) -> None:
+        s = self.state
+        s.heads[job.job_id] = None
+        group = _group(job)
+        shape = job.request.shape_key()
+        s.groups.setdefault(group, {}).setdefault(shape, SortedList()).add(_head_key(job))
+        self._fresh.setdefault(group, {}).setdefault(shape, []).append(job.job_id)
+        job.tried_generation = -1
+        self._dirty.add(group)
+
+    def _drop_head(self, job: SchedJob) -> None:
+        s = self.state
+        s.heads.pop(job.job_id, None)
+        if job.reservation is not None:
+            shapes = s.groups.get(_group(job))
+            if shapes is not None:
+                shape = job.request.shape_key()
+                keys = shapes.get(shape)
+                if keys is not None:
+                    keys.discard(_head_key(job))
+                    if not keys:
+                        del shapes[shape]
 
     def evolve(self, event: Event) -> None:
         s = self.state
         match event:
             case NodeRegistered() | NodeUpdated():
-                existing = s.nodes.get(event.node.name)
-                if existing is None:
-                    s.nodes[event.node.name] = NodeState(event.node)
-                else:
-                    existing.info = event.node
-                self._dirty = True
+                old = s.inventory.nodes.get(event.node.name)
+                s.inventory.upsert(event.node)
+                self._dirty.update({CPU_GROUP, event.node.gpu_flavor or CPU_GROUP})
+                if old is not None and old.info.gpu_flavor:
+                    self._dirty.add(old.info.gpu_flavor)
                 return
             case NodeLost():
-                s.nodes.pop(event.name, None)
+                s.inventory.lose(event.name)
                 return
             case JobSubmitted():
-                s.jobs[event.aggregate_id] = SchedJob(spec=event.spec, submitted=event)
+                s.jobs[event.aggregate_id] = SchedJob(spec=event.spec, submitted=event, request=Request.of(event.spec))
                 return
         job = s.jobs.get(event.aggregate_id)
         if job is None:
             return
-        job_id = event.aggregate_id
         match event:
             case JobAdmitted():
-                job.priority = event.priority
+                job.priority, job.preemptible = event.priority, event.preemptible
             case QuotaReserved():
-                if not job.cancel_requested:
-                    job.reservation = event
-                    s.heads[job_id] = None
-                    self._dirty = True
+                if job.cancel_requested:
+                    return
+                if job.reservation is not None:
+                    self._drop_head(job)
+                job.reservation = event
+                job.waiting, job.reasons_given = None, 0
+                job.victims = set()
+                if job.spec.gpus > 0:
+                    sizes = s.sizes.setdefault(event.flavor, {})
+                    sizes[job.request.size_class] = sizes.get(job.request.size_class, 0) + 1
+                self._add_head(job)
             case JobScheduled():
-                job.placement = event
-                s.heads.pop(job_id, None)
-                self._charge(s.nodes, job.spec, event, +1)
+                self._placed(job, event)
+            case JobStarted():
+                if job.placement is not None and job.placement.attempt == event.attempt:
+                    job.started_at = event.occurred_at
+                    if job.spec.expected_runtime_seconds is not None:
+                        end = event.occurred_at + timedelta(seconds=job.spec.expected_runtime_seconds)
+                        s.ends.setdefault(job.placement.flavor, SortedList()).add((end, job.job_id))
+            case JobCheckpointed():
+                if job.placement is not None and job.placement.attempt == event.attempt:
+                    if job.checkpoint_at is None or event.checkpointed_at > job.checkpoint_at:
+                        job.checkpoint_at = event.checkpointed_at
+            case PreemptionRequested():
+                job.preemptions += 1
+                s.preemption_times.append(event.occurred_at)
+                if job.placement is not None and job.placement.attempt == event.attempt:
+                    job.stopping = True
+                    if (head := s.jobs.get(event.for_job)) is not None:
+                        head.victims.add((job.job_id, event.attempt))
+            case ReclaimRequested():
+                if job.placement is not None and job.placement.attempt == event.attempt:
+                    job.stopping = True
             case JobSucceeded() | JobFailed() | JobPreempted() | JobCancelled():
-                self._end_attempt(job_id, job)
+                self._end_attempt(job)
             case QuotaReleased():
                 # Quota was given back without the attempt running (e.g. cancelled while queued).
                 if job.reservation is not None and job.reservation.attempt == event.attempt:
-                    self._end_attempt(job_id, job)
+                    self._end_attempt(job)
             case JobCancelRequested():
                 job.cancel_requested = True
-                s.heads.pop(job_id, None)
+                if job.placement is None:
+                    self._drop_head(job)
 
-    def _end_attempt(self, job_id: str, job: SchedJob) -> None:
+    def _placed(self, job: SchedJob, event: JobScheduled) -> None:
+        s = self.state
+        tentative = self._tentative.pop(job.job_id, None)
+        if tentative is not None and (tentative.event_id, tentative.placement) != (event.event_id, event.placement):
+            self._charge(job, tentative, -1)
+            tentative = None
+        if job.placement is None or job.placement.event_id != event.event_id:
+            self._drop_head(job)
+            if tentative is None:
+                self._charge(job, event, +1)
+        job.placement = event
+        job.started_at = job.checkpoint_at = None
+        job.stopping = False
+        s.heads.pop(job.job_id, None)
+        s.running.setdefault(event.flavor, set()).add(job.job_id)
+
+    def _end_attempt(self, job: SchedJob) -> None:
+        s = self.state
         if job.placement is not None:
-            self._charge(self.state.nodes, job.spec, job.placement, -1)
-            self._dirty = True
+            self._tentative.pop(job.job_id, None)
+            self._charge(job, job.placement, -1)
+            s.running.get(job.placement.flavor, set()).discard(job.job_id)
+            if job.started_at is not None and job.spec.expected_runtime_seconds is not None:
+                end = job.started_at + timedelta(seconds=job.spec.expected_runtime_seconds)
+                ends = s.ends.get(job.placement.flavor)
+                if ends is not None:
+                    ends.discard((end, job.job_id))
+            self._dirty.update({CPU_GROUP, job.placement.flavor})
+        self._drop_head(job)
         job.placement = None
         job.reservation = None
-        self.state.heads.pop(job_id, None)
+        job.started_at = job.checkpoint_at = None
+        job.stopping = False
+        job.victims = set()
 
+    # -- decide ------------------------------------------------------------------------------
     def decide(self, now: datetime) -> list[Event]:
-        if not self._dirty or not self.state.heads:
-            return []
-        self._dirty = False
         s = self.state
-        snapshot = {
-            name: NodeState(n.info, set(n.used_gpus), n.used_cpu, n.used_memory) for name, n in s.nodes.items()
-        }
-        heads = sorted(
-            (s.jobs[j] for j in s.heads),
-            key=lambda jb: (-jb.priority, jb.reservation.occurred_at, jb.submitted.aggregate_id),
-        )
+        if self._wake_at is not None and self._wake_at <= now:
+            self._wake_at = None
+            for job in s.jobs.values():
+                job.tried_generation = -1
+            self._mark_all_dirty()
+        if not self._dirty:
+            return []
+        dirty, self._dirty = self._dirty, set()
         out: list[Event] = []
-        for job in heads:
-            placement = self._fit(job, snapshot)
-            if placement is None:
+        preempt_budget = self._preemption_budget(now)
+        preempt_tries = self.limits.max_heads_per_cycle if self.limits.enabled else 0
+        chosen_victims: set[str] = set()
+        for group in sorted(g for g in dirty if g != CPU_GROUP) + ([CPU_GROUP] if CPU_GROUP in dirty else []):
+            shapes = s.groups.get(group)
+            if not shapes:
                 continue
-            event = new_event(
-                JobScheduled, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
-                key=str(job.reservation.attempt), cause=job.reservation, attempt=job.reservation.attempt,
-                flavor=job.reservation.flavor, placement=placement,
-            )
-            self._charge(snapshot, job.spec, event, +1)
-            out.append(event)
+            generation = self._generation(group)
+            fresh = self._fresh.pop(group, {})
+            lowest: dict[str, int] = {}
+            # Heads of one request shape fit or fail together, so the heads are walked as a merge
+            # of the per-shape queues in head order, and a shape leaves the merge at its first
+            # failure: the cycle costs placements + shapes, not pending heads.
+            merge = [(keys[0], shape) for shape, keys in shapes.items() if keys]
+            heapq.heapify(merge)
+            while merge:
+                key, shape = heapq.heappop(merge)
+                keys = shapes[shape]
+                job = s.jobs[key[2]]
+                if job.job_id in self._tentative:  # placed by an earlier cycle, not back from the log yet
+                    i = keys.bisect_right(key)
+                    if i < len(keys):
+                        heapq.heappush(merge, (keys[i], shape))
+                    continue
+                placement = None
+                if job.tried_generation != generation:
+                    placement = self._fit(job, group)
+                if placement is not None:
+                    event = new_event(
+                        JobScheduled, aggregate_id=job.job_id, producer=PRODUCER, occurred_at=now,
+                        key=str(job.reservation.attempt), cause=job.reservation, attempt=job.reservation.attempt,
+                        flavor=job.reservation.flavor, placement=placement,
+                    )
+                    self._tentative[job.job_id] = event
+                    self._charge(job, event, +1)
+                    out.append(event)
+                    i = keys.bisect_right(key)
+                    if i < len(keys):
+                        heapq.heappush(merge, (keys[i], shape))
+                    continue
+                retried = job.tried_generation != generation
+                job.tried_generation = generation
+                explained = None
+                if self._victims_alive(job):
+                    explained = (SchedulingWaitReason.PREEMPTING,
+                                 f"waiting for {len(job.victims)} preempted attempt(s) to stop: "
+                                 f"{', '.join(v for v, _ in sorted(job.victims)[:5])}", None)
+                elif (retried and self.limits.enabled and job.spec.gpus > 0
+                      and job.priority > self._lowest_running_priority(group, lowest)):
+                    if preempt_tries <= 0 or preempt_budget <= 0:
+                        job.tried_generation = -1  # look again next cycle, when there is budget
+                        self._dirty.add(group)
+                    else:
+                        preempt_tries -= 1
+                        victims = self._preempt(job, group, now, preempt_budget, chosen_victims)
+                        if victims:
+                            preempt_budget -= len(victims)
+                            chosen_victims.update(v.aggregate_id for v in victims)
+                            out.extend(victims)
+                            explained = False
+                if explained is False or explained is not None:
+                    # What it waits for is spoken for: the next head of its shape may still fit or
+                    # preempt on its own.
+                    i = keys.bisect_right(key)
+                    if i < len(keys):
+                        heapq.heappush(merge, (keys[i], shape))
+                    if explained is not False and self.explain:
+                        out.extend(self._reason(job, group, explained, now))
+                    continue
+                if not self.explain:
+                    continue
+                # The shape leaves the merge: its failing head, and the heads of its shape that
+                # arrived since the last cycle, are told why (rate-limited); older heads keep the
+                # reason they were given until their shape is looked at again.
+                waiting = [job] if retried else []
+                waiting += [s.jobs[j] for j in fresh.get(shape, ())
+                            if j != job.job_id and s.jobs[j].placement is None and s.jobs[j].reservation is not None
+                            and j not in self._tentative]
+                for other in waiting:
+                    other.tried_generation = generation
+                    last = other.waiting
+                    if last is not None and now < last.occurred_at + timedelta(seconds=REASON_INTERVAL_S):
+                        continue  # looked at again (and told) at most every REASON_INTERVAL_S
+                    if explained is None:
+                        explained = self._explain(other, group, now)
+                    out.extend(self._reason(other, group, explained, now))
+            self._seen_generation[group] = generation
         return out
 
-    @staticmethod
-    def _fit(job: SchedJob, nodes: dict[str, NodeState]) -> tuple[NodeAssignment, ...] | None:
-        spec, flavor = job.spec, job.reservation.flavor
-        candidates: list[tuple[int, str, NodeState]] = []
-        for name, node in nodes.items():
-            info = node.info
-            if info.unschedulable or (spec.gpus > 0 and info.gpu_flavor != flavor):
-                continue
-            if spec.min_gpu_memory_mib is not None and (info.gpu_memory_mib or 0) < spec.min_gpu_memory_mib:
-                continue
-            if not set(spec.node_features) <= set(info.features):
-                continue
-            free = info.gpu_count - len(node.used_gpus)
-            if free < spec.gpus:
-                continue
-            if info.cpu_millis and info.cpu_millis - node.used_cpu < spec.cpu_millis:
-                continue
-            if info.memory_mib and info.memory_mib - node.used_memory < spec.memory_mib:
-                continue
-            candidates.append((free - spec.gpus, name, node))
-        if len(candidates) < spec.gang_size:
+    def _lowest_running_priority(self, group: str, memo: dict[str, int]) -> int:
+        if group not in memo:
+            s = self.state
+            memo[group] = min((s.jobs[j].priority for j in s.running.get(group, ())), default=1 << 30)
+        return memo[group]
+
+    def _victims_alive(self, job: SchedJob) -> bool:
+        jobs = self.state.jobs
+        return any((p := jobs[v].placement) is not None and p.attempt == n for v, n in job.victims if v in jobs)
+
+    def _fit(self, job: SchedJob, group: str) -> tuple[NodeAssignment, ...] | None:
+        req = job.request
+        inv = self.state.inventory
+        flavors = tuple(inv.flavors) if group == CPU_GROUP else (group,)
+        dist = self._distribution(None if group == CPU_GROUP else group)
+        if req.gang == 1:
+            node = best_node(inv, flavors, req, self.policy, dist)
+            nodes = [node] if node is not None else None
+        else:
+            nodes = place_gang(inv, flavors, req, self.policy, dist)
+        if nodes is None:
             return None
-        candidates.sort(key=lambda c: (c[0], c[1]))  # best fit: least left over, then by name
-        return tuple(
-            NodeAssignment(node=name, gpus=spec.gpus, gpu_indices=tuple(node.free_gpus()[: spec.gpus]))
-            for _, name, node in candidates[: spec.gang_size]
+        out = []
+        for n in nodes:
+            idx = choose_gpus(n, req, self.policy, dist)
+            out.append(NodeAssignment(node=n.name, gpus=req.gpus, gpu_indices=idx, gpu_milli=req.milli))
+        return tuple(out)
+
+    def _distribution(self, flavor: str | None) -> Workload:
+        """The workload distribution FGD scores against: request size classes of the attempts
+        reserved on this flavor, as probabilities (one GPU when there are none yet); rebuilt
+        only when a reservation changed the counts."""
+        if self._fixed_workload is not None:
+            return self._fixed_workload
+        sizes = self.state.sizes.get(flavor) or {1: 1}
+        total = sum(sizes.values())
+        cached = self._workloads.get(flavor)
+        if cached is None or cached[0] != total:
+            cached = self._workloads[flavor] = (total, Workload({c: n / total for c, n in sizes.items()}))
+        return cached[1]
+
+    # -- preemption --------------------------------------------------------------------------
+    def _preemption_budget(self, now: datetime) -> int:
+        if not self.limits.enabled:
+            return 0
+        since = now - timedelta(seconds=self.limits.window_seconds)
+        times = self.state.preemption_times
+        recent = [t for t in times[-self.limits.max_per_window:] if t > since]
+        if len(recent) >= self.limits.max_per_window:
+            self._wake(recent[0] + timedelta(seconds=self.limits.window_seconds))
+        return self.limits.max_per_window - len(recent)
+
+    def _wake(self, at: datetime) -> None:
+        self._wake_at = at if self._wake_at is None else min(self._wake_at, at)
+
+    def _class(self, job: SchedJob) -> PriorityClass | None:
+        return self.priority_classes.get(job.spec.priority_class)
+
+    def victim_status(self, victim: SchedJob, head: SchedJob, now: datetime) -> str | None:
+        """None if ``victim`` may be preempted for ``head`` now; otherwise why not."""
+        if victim.priority >= head.priority:
+            return "equal or higher priority"
+        pc = self._class(victim)
+        if not victim.preemptible or (pc is not None and not pc.preemptible):
+            return "non-preemptible class"
+        if victim.stopping or victim.cancel_requested:
+            return "already stopping"
+        if victim.started_at is None:
+            return "not started"
+        if pc is not None:
+            protected_until = victim.started_at + timedelta(seconds=pc.protection_seconds)
+            if now < protected_until:
+                self._wake(protected_until)
+                return "protection window"
+            if pc.max_preemptions is not None and victim.preemptions >= pc.max_preemptions:
+                return "preemption budget used"
+        return None
+
+    def lost_work(self, victim: SchedJob, now: datetime) -> float:
+        since = max(t for t in (victim.started_at, victim.checkpoint_at) if t is not None)
+        return _gpus_of(victim) * max(0.0, (now - since).total_seconds())
+
+    def _preempt(self, head: SchedJob, flavor: str, now: datetime, budget: int,
+                 taken: set[str]) -> list[PreemptionRequested] | None:
+        """Victims that make the head fit and lose the least work, or None when no set of
+        eligible victims (within ``budget``) would.
+
+        Per node: its eligible victims, least lost work first, until the member fits; a gang
+        takes the ``gang`` nodes that are cheapest that way. A victim's lost work is its GPUs ×
+        seconds since its last checkpoint of this attempt (or its start)."""
+        s = self.state
+        req = head.request
+        on_node: dict[str, list[tuple[float, str]]] = {}
+        for vid in s.running.get(flavor, ()):
+            if vid in taken:
+                continue
+            victim = s.jobs[vid]
+            if self.victim_status(victim, head, now) is not None:
+                continue
+            lost = self.lost_work(victim, now)
+            for a in victim.placement.placement:  # type: ignore[union-attr]
+                on_node.setdefault(a.node, []).append((lost, vid))
+        if not on_node:
+            return None
+        options: list[tuple[float, int, str, list[str]]] = []
+        inv = s.inventory
+        for node in candidates_or_all(inv, flavor, req):
+            if node.info.unschedulable or not static_ok(node, req):
+                continue
+            free = list(node.free)
+            cpu, mem = node.used_cpu, node.used_memory
+            chosen: list[str] = []
+            cost = 0.0
+            for lost, vid in sorted(on_node.get(node.name, [])):
+                if fits_now(node, free, cpu, mem, req):
+                    break
+                victim = s.jobs[vid]
+                for a in victim.placement.placement:  # type: ignore[union-attr]
+                    if a.node == node.name:
+                        share = a.gpu_milli or MILLI
+                        for i in a.gpu_indices:
+                            free[i] = min(MILLI, free[i] + share)
+                cpu -= victim.spec.cpu_millis
+                mem -= victim.spec.memory_mib
+                chosen.append(vid)
+                cost += lost
+            if fits_now(node, free, cpu, mem, req):
+                options.append((cost, len(chosen), node.name, chosen))
+        if len(options) < req.gang:
+            return None
+        options.sort()
+        picked = options[: req.gang]
+        victims = sorted({v for *_, chosen in picked for v in chosen})
+        if not victims or len(victims) > budget:
+            return None if victims else []
+        nodes = ", ".join(name for _, _, name, _ in picked)
+        out = []
+        for vid in victims:
+            victim = s.jobs[vid]
+            pc = self._class(victim)
+            lost = self.lost_work(victim, now)
+            out.append(new_event(
+                PreemptionRequested, aggregate_id=vid, producer=PRODUCER, occurred_at=now,
+                key=f"{victim.placement.attempt}/{head.job_id}", cause=head.reservation,  # type: ignore[union-attr]
+                attempt=victim.placement.attempt, for_job=head.job_id,  # type: ignore[union-attr]
+                grace_seconds=pc.preemption_grace_seconds if pc is not None else 30.0,
+                work_lost_gpu_seconds=round(lost, 3),
+                message=(f"preempted so that {head.job_id} (priority {head.priority}, {req.gpus}×{flavor}"
+                         f"{f' × {req.gang} nodes' if req.gang > 1 else ''}) fits on {nodes}; loses "
+                         f"{lost:.0f} GPU-seconds since its last {'checkpoint' if victim.checkpoint_at else 'start'}"),
+            ))
+        return out
+
+    # -- reasons -----------------------------------------------------------------------------
+    def _explain(self, job: SchedJob, group: str, now: datetime) -> tuple:
+        """(reason, message, numbers) for a head that does not fit."""
+        req = job.request
+        inv = self.state.inventory
+        flavors = tuple(inv.flavors) if group == CPU_GROUP else (group,)
+        flavor = None if group == CPU_GROUP else group
+        label = flavor or "any"
+        eligible = [n for f in flavors for shape in inv.flavor(f).shapes.values() for name in shape
+                    if static_ok(n := inv.nodes[name], req)]
+        per = f"{req.gpus}×{label}" if req.milli is None else f"{req.milli / MILLI:.3g} of a sharable {label} GPU"
+        need = f"needs {per}" + (f" on each of {req.gang} nodes" if req.gang > 1 else " on one node")
+        free = sum(n.whole_free() for n in eligible)
+        free_nodes = sum(1 for n in eligible if n.whole_free() > 0)
+        largest = min(eligible, key=lambda n: (-n.whole_free(), n.name), default=None)
+        block = largest.whole_free() if largest is not None else 0
+        numbers = dict(free_gpus=free, free_nodes=free_nodes, largest_free_block=block,
+                       largest_free_node=largest.name if largest is not None and block else None)
+        if len(eligible) < req.gang:
+            all_nodes = sum(len(names) for f in flavors for names in inv.flavor(f).shapes.values())
+            cordoned = sum(1 for n in inv.nodes.values() if n.info.unschedulable and n.info.gpu_flavor in flavors)
+            return (SchedulingWaitReason.NO_NODE_OF_SHAPE,
+                    f"{need}; only {len(eligible)} of {all_nodes} schedulable {label} node(s) meet its constraints "
+                    f"(GPUs ≥ {req.gpus}, GPU memory ≥ {req.min_memory or 0} MiB, features "
+                    f"{sorted(req.features)}, taints tolerated); {cordoned} cordoned", numbers)
+        with_block = [n for n in eligible if shape_fits(n.shape(), req)]
+        eta = self._eta(job, flavor, eligible, now)
+        numbers["eta"] = eta
+        if len(with_block) >= req.gang:
+            return (SchedulingWaitReason.CPU_MEMORY,
+                    f"{need}; {len(with_block)} node(s) have the GPUs free but not CPU {req.cpu}m / memory "
+                    f"{req.memory} MiB beside them", numbers)
+        where = f"largest free block is {block} on {largest.name}" if block else "no GPU is free"
+        summary = f"{free} {label} free across {free_nodes} node(s)"
+        if free < req.gpus * req.gang and req.milli is None:
+            return (SchedulingWaitReason.INSUFFICIENT_GPUS, f"{need}; {where}; {summary}: not enough", numbers)
+        if req.gang == 1:
+            return (SchedulingWaitReason.FRAGMENTATION, f"{need}; {where}; {summary}: fragmentation", numbers)
+        return (SchedulingWaitReason.GANG_INCOMPLETE,
+                f"{need}; {len(with_block)} of the {req.gang} nodes have {req.gpus} free; {where}; {summary}",
+                numbers)
+
+    def _eta(self, job: SchedJob, flavor: str | None, eligible: list[Node], now: datetime) -> datetime | None:
+        """When the head would fit if running attempts end as declared (and nothing else
+        arrives): walk the declared ends in order, giving their GPUs back, until it fits."""
+        s = self.state
+        req = job.request
+        if flavor is None or req.milli is not None:
+            return None
+        ok = {n.name: n for n in eligible}
+        free = {name: n.whole_free() for name, n in ok.items()}
+        for end, vid in s.ends.get(flavor, ()):
+            victim = s.jobs.get(vid)
+            if victim is None or victim.placement is None:
+                continue
+            for a in victim.placement.placement:
+                if a.node in free and a.gpu_milli is None:
+                    free[a.node] += a.gpus
+            if sum(1 for f in free.values() if f >= req.gpus) >= req.gang:
+                return max(end, now)
+        return None
+
+    def _reason(self, job: SchedJob, group: str, explained: tuple, now: datetime) -> list[Event]:
+        reason, message, numbers = explained
+        numbers = numbers or {}
+        last = job.waiting
+        if last is not None and last.reason == reason:
+            if last.message == message:
+                return []
+            due = last.occurred_at + timedelta(seconds=REASON_INTERVAL_S)
+            if now < due:
+                return []
+        job.reasons_given += 1
+        event = new_event(
+            SchedulingPendingReasonChanged, aggregate_id=job.job_id, producer=PRODUCER, occurred_at=now,
+            key=f"{job.reservation.attempt}/{job.reasons_given}", cause=job.reservation,  # type: ignore[union-attr]
+            attempt=job.reservation.attempt, reason=reason, message=message[:4096],  # type: ignore[union-attr]
+            flavor=None if group == CPU_GROUP else group, requested_gpus=job.spec.gpus,
+            gang_size=job.spec.gang_size, free_gpus=numbers.get("free_gpus", 0),
+            free_nodes=numbers.get("free_nodes", 0), largest_free_block=numbers.get("largest_free_block", 0),
+            largest_free_node=numbers.get("largest_free_node"), eta=numbers.get("eta"),
         )
+        job.waiting = event
+        return [event]
+
+    # -- metrics -----------------------------------------------------------------------------
+    def fragmentation(self) -> list[FlavorFragmentation]:
+        """The fragmentation index of every GPU flavor (docs/scheduling.md)."""
+        s = self.state
+        return [measure(f, index, s.sizes.get(f, {}))
+                for f, index in sorted(s.inventory.flavors.items(), key=lambda kv: kv[0] or "")
+                if f is not None]
+
+
+def candidates_or_all(inv: Inventory, flavor: str, req: Request) -> list[Node]:
+    """Nodes of the flavor, in name order, whatever is free on them (preemption frees GPUs)."""
+    index = inv.flavors.get(flavor)
+    if index is None:
+        return []
+    return sorted((inv.nodes[name] for names in index.shapes.values() for name in names), key=lambda n: n.name)
+
+
+def fits_now(node: Node, free: list[int], cpu: int, mem: int, req: Request) -> bool:
+    if not shape_fits((node.info.gpu_sharable, tuple(sorted(free))), req):
+        return False
+    info = node.info
+    if info.cpu_millis and info.cpu_millis - cpu < req.cpu:
+        return False
+    if info.memory_mib and info.memory_mib - mem < req.memory:
+        return False
+    return True

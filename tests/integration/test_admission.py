@@ -10,7 +10,7 @@ import pytest
 
 from conftest import connect_as, eventually, running, service_settings
 from gpusched import eventlog
-from schemas import NodeRegistered, QueueConfigured, SubmitJob, new_event, parse_event
+from schemas import JobStarted, NodeRegistered, QueueConfigured, SubmitJob, new_event, parse_event
 from schemas.commands import MAX_COMMAND_BYTES
 from schemas.job import rejection_id
 from schemas.node import NodeInfo
@@ -172,3 +172,35 @@ async def test_cancel_requests(admission):
         return [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
     [dead] = await eventually(ghost_dead_lettered)
     assert "'ghost' does not exist" in dead.headers["Gpusched-Reason"]
+
+
+async def test_checkpoint_reports(admission):
+    admin_js, tenant = admission
+    await submit(tenant, good("ckpt"))
+    await outcome(admin_js, "ckpt")
+    start = datetime.now(UTC)
+    await eventlog.EventLog(admin_js).append(new_event(
+        JobStarted, aggregate_id="ckpt", producer="executor", occurred_at=start, key="1", attempt=1, nodes=("n1",)))
+
+    def report(**fields) -> bytes:
+        body = {"job_id": "ckpt", "attempt": 1, "checkpointed_at": datetime.now(UTC).isoformat(),
+                "reported_by": "trainer", "step": 10, "location": "s3://b/ckpt/10"}
+        body.update(fields)
+        return json.dumps(body).encode()
+
+    async def admitted_start():
+        return [m async for m in eventlog.read(admin_js, subjects=["gpusched.job.ckpt.started"])]
+    await eventually(admitted_start)
+    await tenant.publish("gpusched.intake.team-a.checkpoint", report(attempt=3))
+    await tenant.publish("gpusched.intake.team-a.checkpoint", report())
+
+    async def checkpointed():
+        return [m async for m in eventlog.read(admin_js, subjects=["gpusched.job.ckpt.checkpointed"])]
+    [msg] = await eventually(checkpointed)
+    event = parse_event(msg.data)
+    assert (event.attempt, event.step, event.location) == (1, 10, "s3://b/ckpt/10")
+
+    async def dead_lettered():
+        return [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
+    [dead] = await eventually(dead_lettered)
+    assert "attempt 3 of job ckpt is not running; accepted: 1" in dead.headers["Gpusched-Reason"]

@@ -46,7 +46,8 @@ async def admit(log: eventlog.EventLog, job_id: str, **spec) -> None:
 async def history(js, job_id: str, reasons: bool = False) -> list[str]:
     """The job's event types in order; pending reasons only when asked."""
     types = [parse_event(m.data).type async for m in eventlog.read(js, subjects=[f"gpusched.job.{job_id}.>"])]
-    return types if reasons else [t for t in types if t != "QuotaPendingReasonChanged"]
+    return types if reasons else [t for t in types
+                                  if t not in ("QuotaPendingReasonChanged", "SchedulingPendingReasonChanged")]
 
 
 def ends_with(js, job_id: str, last: str):
@@ -157,3 +158,30 @@ async def test_reclaim_preempts_a_borrower_and_gives_the_owner_its_quota(nats_se
                              "ReclaimRequested", "JobPreempted", "QuotaReleased", "JobRetryScheduled"]
     # requeued as attempt 2, and it may not borrow again while the owner holds its quota
     assert "JobFailed" not in borrowing
+
+
+async def test_priority_preemption_requeues_the_victim_and_runs_the_urgent_job(nats_server, admin_js):
+    """Quota admits more than the nodes hold: the scheduler makes room for an inference job by
+    preempting the batch attempt that loses the least work; the victim is requeued, not failed."""
+    log = eventlog.EventLog(admin_js)
+    await log.append(new_event(QueueConfigured, aggregate_id="big", producer="config", occurred_at=NOW, key="1",
+                               name="big", allowed_teams=("team-a",), quotas=(FlavorQuota(flavor="a100", nominal=16),)))
+    quota, scheduler, executor = services(nats_server)
+    async with running(quota), running(scheduler), running(executor):
+        for name in ("batch-0", "batch-1"):
+            await admit(log, name, queue="big", gpus=4, expected_runtime_seconds=100_000.0, priority_class="batch-low")
+            await eventually(ends_with(admin_js, name, "JobStarted"))
+        await admit(log, "urgent", queue="big", gpus=4, priority_class="inference-sla")
+        urgent = await eventually(ends_with(admin_js, "urgent", "QuotaReleased"), timeout_s=20)
+        victims = {name: await history(admin_js, name) for name in ("batch-0", "batch-1")}
+        preemptions = [parse_event(m.data) async for m in
+                       eventlog.read(admin_js, subjects=["gpusched.job.*.preemption_requested"])]
+    assert urgent == ["JobSubmitted", "JobAdmitted", "QuotaReserved", "JobScheduled", "JobStarted", "JobSucceeded",
+                      "QuotaReleased"]
+    (p,) = preemptions
+    assert p.for_job == "urgent" and p.grace_seconds == DEFAULT_PRIORITY_CLASSES["batch-low"].preemption_grace_seconds
+    # batch-1 started later, so it had lost less work: it is the victim
+    assert p.aggregate_id == "batch-1"
+    assert victims["batch-1"][:9] == ["JobSubmitted", "JobAdmitted", "QuotaReserved", "JobScheduled", "JobStarted",
+                                      "PreemptionRequested", "JobPreempted", "QuotaReleased", "JobRetryScheduled"]
+    assert "JobFailed" not in victims["batch-1"] and "PreemptionRequested" not in victims["batch-0"]

@@ -41,6 +41,8 @@ from schemas import (
     QuotaReserved,
     QuotaWaitReason,
     ReclaimRequested,
+    SchedulingPendingReasonChanged,
+    SchedulingWaitReason,
     new_event,
 )
 from schemas.node import NodeInfo
@@ -156,6 +158,16 @@ def pending_reason(job_id: str, reason: QuotaWaitReason = QuotaWaitReason.NOMINA
     return new_event(QuotaPendingReasonChanged, aggregate_id=job_id, producer="quota", occurred_at=when,
                      key=f"{attempt}/{reason.value}/{message}", attempt=attempt, reason=reason, message=message,
                      position=position)
+
+
+def sched_pending_reason(job_id: str, reason: SchedulingWaitReason = SchedulingWaitReason.FRAGMENTATION,
+                         message: str = "needs 8×a100 on one node; largest free block is 6 on n3", *,
+                         attempt: int = 1, n: int = 1, when: datetime = T0, **fields: Any) -> SchedulingPendingReasonChanged:
+    numbers = dict(flavor="a100", requested_gpus=8, gang_size=1, free_gpus=14, free_nodes=5, largest_free_block=6,
+                   largest_free_node="n3")
+    numbers.update(fields)
+    return new_event(SchedulingPendingReasonChanged, aggregate_id=job_id, producer="scheduler", occurred_at=when,
+                     key=f"{attempt}/{n}", attempt=attempt, reason=reason, message=message, **numbers)
 
 
 def reclaim_requested(job_id: str, for_job: str = "owner", *, attempt: int = 1, for_queue: str = "research",

@@ -33,6 +33,7 @@ from tests.unit.builders import (
     released,
     pending_reason,
     reclaim_requested,
+    sched_pending_reason,
     preemption_requested,
     checkpointed,
     reserved,
@@ -64,7 +65,8 @@ CASES = [
     (pending_reason("j1", message="queue q nominal a100 8, used 8"),
      [Op("wait_reason", ("j1", "nominal-exhausted", "queue q nominal a100 8, used 8", SEQ))]),
     (scheduled("j1", {"n1": (0,), "n2": (1,)}, flavor="a100", when=at(4)),
-     [Op("set_state:flavor,nodes,scheduled_at", ("j1", "scheduled", SEQ, "a100", ["n1", "n2"], at(4)))]),
+     [Op("set_state:flavor,message,nodes,reason,scheduled_at",
+         ("j1", "scheduled", SEQ, "a100", None, ["n1", "n2"], None, at(4)))]),
     (started("j1", when=at(5)), [Op("set_state:started_at", ("j1", "running", SEQ, at(5)))]),
     (succeeded("j1", attempt=2, started_at=at(5), when=at(65)),
      [Op("set_state:exit_code,finished_at", ("j1", "succeeded", SEQ, 0, at(65))),
@@ -98,6 +100,8 @@ CASES = [
                                                         "queue research needs its guaranteed a100 back for job owner"))]),
     (preemption_requested("j1"), [Op("set_state:message", ("j1", "preempting", SEQ, "preempted so that urgent fits"))]),
     (checkpointed("j1"), []),
+    (sched_pending_reason("j1", message="needs 8×a100 on one node"),
+     [Op("wait_reason", ("j1", "fragmentation", "needs 8×a100 on one node", SEQ))]),
 ]
 
 

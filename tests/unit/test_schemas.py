@@ -48,6 +48,7 @@ from tests.unit.builders import (
     queue,
     pending_reason,
     reclaim_requested,
+    sched_pending_reason,
     preemption_requested,
     checkpointed,
     released,
@@ -91,6 +92,7 @@ def sample_events():
         released("j1", gpus=32, attempt=2, reason="JobFailed"),
         pending_reason("j1", QuotaWaitReason.COHORT_EXHAUSTED, "cohort c has 0 free a100", position=3),
         reclaim_requested("j1", "j2", attempt=2),
+        sched_pending_reason("j1", attempt=2, eta=at(900)),
         preemption_requested("j1", "j9", attempt=2, grace_seconds=120, work_lost=3600.0),
         checkpointed("j1", attempt=2, at_=at(40), step=1200, seq=9, when=at(41)),
         retry_scheduled("j1", 1, not_before=at(30)),
@@ -113,7 +115,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 23
+    assert len(ALL_EVENT_TYPES) == 24
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -196,7 +198,7 @@ EXPECTED_PRODUCERS = {
     "JobCancelRequested": "admission", "JobCheckpointed": "admission",
     "QuotaReserved": "quota", "QuotaReleased": "quota", "JobRetryScheduled": "quota",
     "QuotaPendingReasonChanged": "quota", "ReclaimRequested": "quota",
-    "JobScheduled": "scheduler", "PreemptionRequested": "scheduler",
+    "JobScheduled": "scheduler", "PreemptionRequested": "scheduler", "SchedulingPendingReasonChanged": "scheduler",
     "JobStarted": "executor", "JobSucceeded": "executor", "JobFailed": "executor", "JobPreempted": "executor",
     "JobCancelled": "executor", "NodeRegistered": "executor", "NodeUpdated": "executor", "NodeLost": "executor",
     "QueueConfigured": "config", "QueueDeleted": "config", "CohortConfigured": "config",
@@ -220,7 +222,9 @@ def test_producer_subjects():
         "gpusched.job.*.quota_pending", "gpusched.job.*.quota_released", "gpusched.job.*.quota_reserved",
         "gpusched.job.*.reclaim_requested", "gpusched.job.*.retry_scheduled",
     ]
-    assert producer_subjects("scheduler") == ["gpusched.job.*.preemption_requested", "gpusched.job.*.scheduled"]
+    assert producer_subjects("scheduler") == [
+        "gpusched.job.*.preemption_requested", "gpusched.job.*.sched_pending", "gpusched.job.*.scheduled",
+    ]
     assert producer_subjects("config") == [
         "gpusched.cohort.*.configured", "gpusched.queue.*.configured", "gpusched.queue.*.deleted",
     ]

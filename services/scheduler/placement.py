@@ -1,0 +1,371 @@
+"""Placement: which nodes and GPUs one request gets, under a policy. Pure functions of the
+inventory; nothing here changes it.
+
+Policies (docs/scheduling.md):
+
+* ``first-fit``: the first node by name that fits;
+* ``best-fit``: the node left with the least free GPU capacity (ties: name);
+* ``fgd``: fragmentation gradient descent (Weng et al., ATC '23): the node whose *expected
+  fragmentation* grows least, where a node's fragmentation is the free GPU capacity that a task
+  drawn from the workload distribution could not use there (ties: best fit, then name).
+
+A request is one gang member's share (``gpus`` whole GPUs or one ``milli`` fraction), repeated on
+``gang`` distinct nodes, all or nothing. A gang takes the smallest topology domain that holds all
+of it: one NVLink domain, else one rack, else one block, else anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from schemas import JobSpec
+from services.scheduler.inventory import MILLI, TOPOLOGY_LEVELS, Inventory, Node, Shape, tolerates, whole_free_of
+
+
+class Policy(StrEnum):
+    FIRST_FIT = "first-fit"
+    BEST_FIT = "best-fit"
+    FGD = "fgd"
+
+
+def parse_policy(value: str) -> Policy:
+    try:
+        return Policy(value)
+    except ValueError:
+        raise ValueError(
+            f"placement policy {value!r} is not known; accepted: {', '.join(p.value for p in Policy)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Request:
+    gpus: int  # whole GPUs per member (1 for a fractional request)
+    milli: int | None  # fraction of one GPU, or None for whole GPUs
+    gang: int
+    min_memory: int | None
+    features: frozenset[str]
+    tolerations: tuple[str, ...]
+    cpu: int
+    memory: int
+    localities: frozenset[str]
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> "Request":
+        return cls(
+            gpus=spec.gpus, milli=spec.gpu_milli, gang=spec.gang_size, min_memory=spec.min_gpu_memory_mib,
+            features=frozenset(spec.node_features), tolerations=spec.tolerations, cpu=spec.cpu_millis,
+            memory=spec.memory_mib,
+            localities=frozenset(d.locality_hint for d in spec.datasets if d.locality_hint),
+        )
+
+    @property
+    def size_class(self) -> int:
+        """Workload-distribution key: whole GPUs, or -milli for a fraction."""
+        return -self.milli if self.milli is not None else self.gpus
+
+    @property
+    def demand_milli(self) -> int:
+        return self.milli if self.milli is not None else self.gpus * MILLI
+
+    def shape_key(self) -> tuple:
+        """Requests with equal keys fit or fail together (the cycle memoizes failures by it)."""
+        return (self.gpus, self.milli, self.gang, self.min_memory, self.features, self.tolerations,
+                self.cpu, self.memory)
+
+
+# -- constraints -------------------------------------------------------------------------------
+
+
+def static_ok(node: Node, req: Request) -> bool:
+    """Constraints that do not depend on what is allocated: GPU memory, features, taints."""
+    info = node.info
+    if req.min_memory is not None and (info.gpu_memory_mib or 0) < req.min_memory:
+        return False
+    if req.features and not req.features <= set(info.features):
+        return False
+    if info.taints and not all(tolerates(req.tolerations, t) for t in info.taints):
+        return False
+    if req.milli is not None and not info.gpu_sharable:
+        return False
+    return info.gpu_count >= req.gpus
+
+
+def shape_fits(shape: Shape, req: Request) -> bool:
+    if req.milli is not None:
+        return shape[0] and any(f >= req.milli for f in shape[1])
+    return whole_free_of(shape) >= req.gpus
+
+
+def take(free: list[int] | tuple[int, ...], req: Request) -> tuple[tuple[int, ...], list[int]]:
+    """GPU indices for one member and the free vector after: whole GPUs lowest index first; a
+    fraction on the fullest GPU that still has room (packing), lowest index on ties."""
+    after = list(free)
+    if req.milli is None:
+        idx = tuple(i for i, f in enumerate(free) if f == MILLI)[: req.gpus]
+        for i in idx:
+            after[i] = 0
+        return idx, after
+    best = min((f, i) for i, f in enumerate(free) if f >= req.milli)
+    after[best[1]] -= req.milli
+    return (best[1],), after
+
+
+def fraction_options(free, milli: int) -> list[tuple[int, list[int]]]:
+    """For a fraction: (the chosen GPU's free value, the free vector after) for each distinct free
+    value that has room, fullest first."""
+    out = []
+    for value in sorted({f for f in free if f >= milli}):
+        after = list(free)
+        after[after.index(value)] -= milli
+        out.append((value, after))
+    return out
+
+
+def choose_gpus(node: Node, req: Request, policy: Policy, dist: "Workload") -> tuple[int, ...]:
+    """Device indices for one member on the chosen node: FGD puts a fraction on the GPU whose
+    use grows the node's fragmentation least (ties: fullest), the others pack (``take``)."""
+    if req.milli is None or policy != Policy.FGD:
+        return take(node.free, req)[0]
+    cpu = _cpu_free(node)
+    after_cpu = None if cpu is None else cpu - req.cpu
+    best = min(fraction_options(node.free, req.milli),
+               key=lambda o: (dist.fragmentation(o[1], after_cpu), o[0]))
+    return (min(i for i, f in enumerate(node.free) if f == best[0]),)
+
+
+def _fgd_delta(free, req: Request, dist: "Workload", cpu: int | None = None) -> float:
+    after_cpu = None if cpu is None else cpu - req.cpu
+    before = dist.fragmentation(free, cpu)
+    if req.milli is not None:
+        return min(dist.fragmentation(after, after_cpu) for _, after in fraction_options(free, req.milli)) - before
+    return dist.fragmentation(take(free, req)[1], after_cpu) - before
+
+
+# -- fragmentation -----------------------------------------------------------------------------
+
+
+def unusable(free: list[int] | tuple[int, ...], size_class: int) -> int:
+    """Free thousandths on one node that a task of ``size_class`` could not use there."""
+    total = sum(free)
+    if size_class < 0:  # a fraction: GPUs with less room than it are lost to it
+        need = -size_class
+        return sum(f for f in free if f < need)
+    whole = sum(1 for f in free if f == MILLI)
+    if whole >= size_class:
+        return total - whole * MILLI  # the partial GPUs only
+    return total
+
+
+def node_fragmentation(free: list[int] | tuple[int, ...], dist: Workload) -> float:
+    """Expected unusable free capacity (thousandths) for a task drawn from ``dist``."""
+    return sum(p * unusable(free, c) for c, p in dist.items())
+
+
+class Workload:
+    """A workload distribution (size class -> probability) and the fragmentation of free
+    vectors under it, memoized by sorted vector (the order of GPUs does not matter).
+
+    With ``cpu`` (size class -> ((CPU millicores, probability), ...), the classes' CPU requests)
+    the measure is CPU-aware as in the paper: on a node with less free CPU than a task asks for,
+    all of the node's free GPU capacity is lost to that task. Nodes of one GPU shape then differ,
+    so FGD scores nodes, grouped by free CPU, instead of shapes."""
+
+    def __init__(self, dist: dict[int, float], cpu: dict[int, tuple[tuple[int, float], ...]] | None = None) -> None:
+        self.dist = dist
+        self._memo: dict[tuple[int, ...], float] = {}
+        self.cpu_aware = cpu is not None
+        # size class -> (CPU requests ascending, probability of a request above each, in the class)
+        self._cpu: dict[int, tuple[list[int], list[float]]] = {}
+        for c, pairs in (cpu or {}).items():
+            ordered = sorted(pairs)
+            above, acc = [0.0] * len(ordered), 0.0
+            for i in range(len(ordered) - 1, -1, -1):
+                above[i] = acc
+                acc += ordered[i][1]
+            self._cpu[c] = ([x for x, _ in ordered], above)
+        self._unusable_memo: dict[tuple[tuple[int, ...], int], int] = {}
+
+    @classmethod
+    def of_requests(cls, requests: dict[tuple[int, int], float]) -> "Workload":
+        """From (size class, CPU millicores) -> probability."""
+        dist: dict[int, float] = {}
+        cpu: dict[int, list[tuple[int, float]]] = {}
+        for (c, millis), p in requests.items():
+            dist[c] = dist.get(c, 0.0) + p
+            cpu.setdefault(c, []).append((millis, p))
+        return cls(dist, {c: tuple(v) for c, v in cpu.items()})
+
+    def fragmentation(self, free, cpu_free: int | None = None) -> float:
+        key = tuple(sorted(free))
+        if not self.cpu_aware or cpu_free is None:
+            value = self._memo.get(key)
+            if value is None:
+                value = self._memo[key] = node_fragmentation(key, self.dist)
+            return value
+        import bisect
+
+        total = sum(key)
+        value = 0.0
+        for c, p in self.dist.items():
+            millis, above = self._cpu[c]
+            # probability mass of class c whose CPU request exceeds cpu_free
+            i = bisect.bisect_right(millis, cpu_free)
+            blocked = (above[i - 1] if i > 0 else p) if i < len(millis) else 0.0
+            if blocked:
+                value += blocked * total
+            if p - blocked > 1e-12:
+                k = (key, c)
+                u = self._unusable_memo.get(k)
+                if u is None:
+                    u = self._unusable_memo[k] = unusable(key, c)
+                value += (p - blocked) * u
+        return value
+
+
+# -- choosing nodes ----------------------------------------------------------------------------
+
+
+def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist: Workload,
+           local: int = 0) -> tuple:
+    """Lower is better."""
+    if policy == Policy.FIRST_FIT:
+        return (-local, name)
+    _, after = take(free, req)
+    left = sum(after)
+    if policy == Policy.BEST_FIT:
+        return (-local, left, name)
+    return (-local, round(_fgd_delta(free, req, dist), 6), left, name)
+
+
+def _locality(node: Node, req: Request) -> int:
+    if not req.localities:
+        return 0
+    labels = node.info.labels
+    values = set(labels.values()) | set(labels)
+    return len(req.localities & values)
+
+
+def _first_ok(inv: Inventory, names, req: Request, exclude: frozenset[str]) -> Node | None:
+    for name in names:
+        if name in exclude:
+            continue
+        node = inv.nodes[name]
+        if static_ok(node, req) and node.cpu_memory_ok(req.cpu, req.memory):
+            return node
+    return None
+
+
+def _cpu_free(node: Node) -> int | None:
+    return node.info.cpu_millis - node.used_cpu if node.info.cpu_millis else None
+
+
+def _best_node_fgd_cpu(inv, flavors, req: Request, dist: Workload, exclude) -> Node | None:
+    """CPU-aware FGD: per fitting shape, nodes grouped by free CPU; the first node by name of
+    each group that meets the constraints stands for it."""
+    best: tuple | None = None
+    chosen = None
+    for flavor in flavors:
+        index = inv.flavors.get(flavor)
+        if index is None:
+            continue
+        for shape, names in index.shapes.items():
+            if not shape_fits(shape, req):
+                continue
+            seen: set[int | None] = set()
+            _, after = take(shape[1], req)
+            for name in names:
+                node = inv.nodes[name]
+                cpu = _cpu_free(node)
+                if cpu in seen or name in exclude or not static_ok(node, req) \
+                        or not node.cpu_memory_ok(req.cpu, req.memory):
+                    continue
+                seen.add(cpu)
+                score = (round(_fgd_delta(shape[1], req, dist, cpu), 6), sum(after), name)
+                if best is None or score < best:
+                    best, chosen = score, node
+    return chosen
+
+
+def best_node(inv: Inventory, flavors: tuple[str | None, ...], req: Request, policy: Policy,
+              dist: Workload, exclude: frozenset[str] = frozenset()) -> Node | None:
+    """The best node for one member. Shapes are scored first (nodes of one shape score alike
+    but for the name), then the best-scoring shape's nodes are searched in name order for one
+    that meets the other constraints; a shape whose nodes all fail falls through to the next."""
+    if req.localities:
+        return _best_node_scan(inv, flavors, req, policy, dist, exclude)
+    if policy == Policy.FGD and dist.cpu_aware:
+        return _best_node_fgd_cpu(inv, flavors, req, dist, exclude)
+    ranked: list[tuple[tuple, str | None, Shape]] = []
+    for flavor in flavors:
+        index = inv.flavors.get(flavor)
+        if index is None:
+            continue
+        for shape, names in index.shapes.items():
+            if not shape_fits(shape, req):
+                continue
+            # Score the shape with its first name: within a shape only the name differs, and the
+            # search below walks the names in order.
+            ranked.append((_score(policy, names[0], shape[1], req, dist), flavor, shape))
+    ranked.sort(key=lambda r: r[0])
+    if policy == Policy.FIRST_FIT:
+        # First fit is by name across shapes: take, per shape, its first node that meets the
+        # constraints, and the lowest name of those.
+        found = [n for _, flavor, shape in ranked
+                 if (n := _first_ok(inv, inv.flavors[flavor].shapes[shape], req, exclude)) is not None]
+        return min(found, key=lambda n: n.name, default=None)
+    for _, flavor, shape in ranked:
+        node = _first_ok(inv, inv.flavors[flavor].shapes[shape], req, exclude)
+        if node is not None:
+            return node
+    return None
+
+
+def _best_node_scan(inv, flavors, req, policy, dist, exclude) -> Node | None:
+    best: tuple | None = None
+    chosen = None
+    for node in candidates(inv, flavors, req, exclude):
+        score = _score(policy, node.name, tuple(node.free), req, dist, _locality(node, req))
+        if best is None or score < best:
+            best, chosen = score, node
+    return chosen
+
+
+def candidates(inv: Inventory, flavors: tuple[str | None, ...], req: Request,
+               exclude: frozenset[str] = frozenset()) -> list[Node]:
+    """Every schedulable node of the flavors that could host one member now."""
+    out = []
+    for flavor in flavors:
+        index = inv.flavors.get(flavor)
+        if index is None:
+            continue
+        for shape, names in index.shapes.items():
+            if shape_fits(shape, req):
+                for name in names:
+                    node = inv.nodes[name]
+                    if name not in exclude and static_ok(node, req) and node.cpu_memory_ok(req.cpu, req.memory):
+                        out.append(node)
+    return out
+
+
+def place_gang(inv: Inventory, flavors: tuple[str | None, ...], req: Request, policy: Policy,
+               dist: Workload) -> list[Node] | None:
+    """``req.gang`` distinct nodes, all in the smallest topology domain that has enough, or None."""
+    index_total = sum(inv.flavor(f).nodes_with_at_least(req.gpus) for f in flavors) if req.milli is None else None
+    if index_total is not None and index_total < req.gang:
+        return None  # not enough nodes with the block free, whatever their other constraints
+    nodes = candidates(inv, flavors, req)
+    if len(nodes) < req.gang:
+        return None
+    scored = sorted(nodes, key=lambda n: _score(policy, n.name, tuple(n.free), req, dist, _locality(n, req)))
+    for level, _ in enumerate(TOPOLOGY_LEVELS):
+        domains: dict[str, list[Node]] = {}
+        for n in scored:
+            d = n.topology[level]
+            if d is not None:
+                domains.setdefault(d, []).append(n)
+        fitting = [(len(members), d, members) for d, members in domains.items() if len(members) >= req.gang]
+        if fitting:
+            _, _, members = min(fitting, key=lambda f: (f[0], f[1]))  # smallest domain that fits
+            return members[: req.gang]
+    return scored[: req.gang]

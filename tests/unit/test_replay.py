@@ -1,0 +1,77 @@
+"""Trace replay through the quota, scheduler and sim-executor cores (gpusched sim)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpusched.cli import app
+from gpusched.replay import TraceError, inflation, load_trace, replay, workload_of, write_synthetic_trace
+from services.scheduler.placement import Policy
+
+REAL = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "alibaba-gpu-2023"
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory) -> Path:
+    return write_synthetic_trace(tmp_path_factory.mktemp("trace"), nodes=24, tasks=240)
+
+
+def test_load_trace(trace_dir):
+    t = load_trace(trace_dir)
+    assert len(t.nodes) == 24 and t.capacity == sum(n.gpu_count for n in t.nodes)
+    assert all(n.gpu_sharable and n.gpu_flavor == "gpu" for n in t.nodes)
+    assert t.skipped_cpu_only > 0 and all(task.gpus > 0 for task in t.tasks)
+    assert any(task.gpu_milli for task in t.tasks)
+    assert abs(sum(workload_of(t.tasks).values()) - 1) < 1e-9
+
+
+def test_malformed_trace_errors_name_the_file_and_row(tmp_path):
+    with pytest.raises(TraceError, match="No such file"):
+        load_trace(tmp_path)
+    (tmp_path / "openb_node_list_gpu_node.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,1,1,eight,T4\n")
+    with pytest.raises(TraceError, match=r"openb_node_list_gpu_node.csv:2: column 'gpu' is 'eight'"):
+        load_trace(tmp_path)
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_replay_places_everything_and_is_deterministic(trace_dir, policy):
+    t = load_trace(trace_dir)
+    a = replay(t, policy)
+    assert a["placed"] == a["finished"] == a["tasks"]
+    assert 0 < a["allocation_rate"] <= 1
+    assert a["wait_s"]["p50"] is not None and a["jct_s"]["p50"] >= a["wait_s"]["p50"]
+    assert replay(t, policy) == a
+
+
+def test_inflation_reaches_the_target_and_never_over_allocates(trace_dir):
+    t = load_trace(trace_dir)
+    r = inflation(t, Policy.FGD, ratio=1.3, seed=1)
+    assert r["arrived_demand"] >= 1.3
+    assert 0.5 < r["allocation_rate"] <= 1.0
+    assert [c["arrived_demand"] for c in r["curve"]] == sorted(c["arrived_demand"] for c in r["curve"])
+    assert r == inflation(t, Policy.FGD, ratio=1.3, seed=1)
+    assert r != inflation(t, Policy.FGD, ratio=1.3, seed=2)
+    with pytest.raises(ValueError, match="accepted: 0 < RATIO <= 10"):
+        inflation(t, Policy.FGD, ratio=0, seed=1)
+
+
+def test_cli_sim_side_by_side(trace_dir):
+    runner = CliRunner()
+    result = runner.invoke(app, ["sim", "--trace", str(trace_dir), "-p", "best-fit", "-p", "fgd", "-o", "json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [r["policy"] for r in data] == ["best-fit", "fgd"]
+    result = runner.invoke(app, ["sim", "--trace", str(trace_dir), "--inflation", "1.3", "--seed", "4"])
+    assert result.exit_code == 0 and "unallocated share" in result.stdout
+    bad = runner.invoke(app, ["sim", "--trace", str(trace_dir), "-p", "worst-fit"])
+    assert bad.exit_code == 2 and "accepted: first-fit, best-fit, fgd" in bad.output
+
+
+@pytest.mark.skipif(not REAL.exists(), reason="the real trace is not at ../shared/traces/")
+def test_real_trace_loads():
+    t = load_trace(REAL)
+    assert len(t.nodes) == 1213 and t.capacity == 6212

@@ -1,0 +1,53 @@
+"""The scheduler adapter: configuration from the environment and the fragmentation gauges."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+
+from gpusched.settings import ConfigError
+from services.scheduler.__main__ import build_core
+from services.scheduler.placement import Policy
+from tests.unit.builders import T0, admitted, drive, node, reserved, spec, submitted
+
+
+def test_policy_and_limits_from_the_environment(monkeypatch):
+    monkeypatch.setenv("GPUSCHED_SCHEDULER_POLICY", "fgd")
+    monkeypatch.setenv("GPUSCHED_PREEMPTION", "off")
+    core = build_core(None, None)
+    assert core.policy is Policy.FGD and not core.limits.enabled
+    monkeypatch.setenv("GPUSCHED_SCHEDULER_POLICY", "random")
+    with pytest.raises(ConfigError, match="accepted: first-fit, best-fit, fgd"):
+        build_core(None, None)
+
+
+def test_gauges_after_a_cycle(monkeypatch):
+    monkeypatch.delenv("GPUSCHED_SCHEDULER_POLICY", raising=False)
+    core = build_core(None, None)
+    drive(core, [node("g1", "gauge-flavor", 8), node("g2", "gauge-flavor", 8),
+                 submitted("j", spec(gpus=6)), admitted("j"), reserved("j", flavor="gauge-flavor", gpus=6)], T0)
+    value = REGISTRY.get_sample_value
+    assert value("gpusched_scheduler_largest_placeable_gang", {"flavor": "gauge-flavor"}) == 8
+    assert value("gpusched_scheduler_fragmentation_ratio", {"flavor": "gauge-flavor"}) == pytest.approx(2 / 10)
+
+
+async def _why(monkeypatch, events):
+    from gpusched import client
+
+    async def fake_job_events(js, job_id):
+        return list(enumerate(events, start=1))
+    monkeypatch.setattr(client, "job_events", fake_job_events)
+    return await client.why(None, "j")
+
+
+def test_why_shows_the_scheduling_reason_while_holding_quota(monkeypatch):
+    import asyncio
+
+    from tests.unit.builders import at, sched_pending_reason, scheduled
+
+    base = [submitted("j", spec(gpus=8)), admitted("j"), reserved("j", gpus=8)]
+    data = asyncio.run(_why(monkeypatch, base + [sched_pending_reason("j", eta=at(600))]))
+    assert data["last_event"] == "QuotaReserved" and not data["waiting_for_quota"]
+    assert data["scheduling_reason"]["code"] == "fragmentation" and data["scheduling_reason"]["eta"] == at(600)
+    placed = asyncio.run(_why(monkeypatch, base + [sched_pending_reason("j"), scheduled("j")]))
+    assert placed["scheduling_reason"] is None and len(placed["scheduling_history"]) == 1
