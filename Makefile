@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e bench schemas lint clean
+.PHONY: help setup run test test-unit test-integration test-e2e test-k8s bench schemas lint clean
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -33,6 +33,10 @@ test-integration: setup ## Each service against real NATS and Postgres
 
 test-e2e: setup ## All services as processes, faults included
 	$(BIN)/python -m pytest -q e2e $(ARGS)
+
+test-k8s: setup ## Executor tests on a real Kubernetes control plane (Go build cached in ~/.cache/gpusched; see docs/executor.md)
+	tests/executor/controlplane/build.sh >/dev/null
+	GPUSCHED_K8S_TESTS=1 $(BIN)/python -m pytest -q tests/executor $(ARGS)
 
 bench: setup ## Benchmarks (~10 min): e2e beside the raw JetStream ceiling, the quota core at scale, Kueue's baseline
 	$(BIN)/python -m bench $(ARGS)

@@ -215,6 +215,11 @@ def member_status(job: dict, pods: list[dict]) -> MemberStatus:
     """One member Job with the Pods it owns (at most one: backoffLimit is 0)."""
     pod = max(pods, key=lambda p: (p.get("metadata") or {}).get("creationTimestamp") or "") if pods else None
     ps = pod_status(pod) if pod is not None else MemberStatus(Phase.PENDING)
+    if pod is not None and (pod.get("metadata") or {}).get("deletionTimestamp") and ps.phase in (
+            Phase.PENDING, Phase.RUNNING):
+        # Terminating: SIGTERM was sent, the checkpoint window runs. The Job controller may call
+        # the Job failed already, but the attempt still holds its node until the Pod is gone.
+        return ps
     complete = _cond(job, "Complete") or _cond(job, "SuccessCriteriaMet")
     failed = _cond(job, "Failed") or _cond(job, "FailureTarget")
     started = ps.started_at or parse_time((job.get("status") or {}).get("startTime"))
@@ -246,6 +251,17 @@ def attempt_observation(job_id: str, attempt: int, members: list[MemberStatus | 
     * every member RUNNING or SUCCEEDED: RUNNING (the whole gang runs) at the last start;
     * else PENDING.
     """
+    obs = _aggregate(job_id, attempt, members, seen=seen, started_in_log=started_in_log, stopping=stopping, now=now)
+    if stopping and obs is not None and obs.phase in (Phase.SUCCEEDED, Phase.FAILED, Phase.GONE):
+        # A stopped attempt ends when the executor sees it end (not when the Job controller first
+        # called it failed, which is when the Pod's termination began).
+        obs = Observation(obs.job_id, obs.attempt, obs.phase, max(now, obs.at), started_at=obs.started_at,
+                          reason=obs.reason, exit_code=obs.exit_code, message=obs.message)
+    return obs
+
+
+def _aggregate(job_id: str, attempt: int, members: list[MemberStatus | None], *, seen: list[bool],
+               started_in_log: bool, stopping: bool, now: datetime) -> Observation | None:
     if all(m is None for m in members):
         if any(seen) or stopping or started_in_log:
             return Observation(job_id, attempt, Phase.GONE, now, message="its Kubernetes Jobs are gone")

@@ -99,6 +99,7 @@ class Cache:
     def _run(self) -> None:
         from kubernetes.client.exceptions import ApiException
         from kubernetes.watch.watch import iter_resp_lines
+        from urllib3.exceptions import ProtocolError
 
         backoff = BACKOFF_MIN_S
         rv: str | None = None
@@ -136,6 +137,8 @@ class Cache:
                             else:
                                 self._items[_key(obj)] = obj
                         self._on_change()
+                except ProtocolError:
+                    pass  # the server ended the watch mid-stream (its timeout, a restart): resume from rv
                 finally:
                     resp.close()
                     resp.release_conn()
@@ -151,8 +154,10 @@ class Cache:
                 self._stop.wait(backoff * (0.5 + random.random()))
                 backoff = min(BACKOFF_MAX_S, backoff * 2)
             except Exception as err:  # connection refused, reset, timeouts, bad JSON
+                if self._stop.is_set():
+                    return
                 self.errors += 1
-                log.warning("watch failed, backing off", extra={"kind": self.kind, "error": repr(err),
+                log.warning("watch of %s failed (%r), backing off", self.kind, err, extra={"kind": self.kind, "error": repr(err),
                                                                 "backoff_s": backoff})
                 rv = None
                 self._stop.wait(backoff * (0.5 + random.random()))
@@ -228,27 +233,13 @@ class KubernetesBackend:
         if not self.synced():
             return out
         out.inventory = [node_info(n) for n in self.nodes.items()]
-        by_attempt: dict[tuple[str, int], dict[int, dict]] = {}
-        for job in self.jobs.items():
-            labels = (job.get("metadata") or {}).get("labels") or {}
-            try:
-                k = (labels[L_JOB], int(labels[L_ATTEMPT]))
-                by_attempt.setdefault(k, {})[int(labels[L_MEMBER])] = job
-            except (KeyError, ValueError):
-                continue  # not one of ours after all (label edited by hand): left alone
-            self._seen.add(job["metadata"]["name"])
-        pods_by_job: dict[str, list[dict]] = {}
-        for pod in self.pods.items():
-            labels = (pod.get("metadata") or {}).get("labels") or {}
-            owner = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name")
-            if owner:
-                pods_by_job.setdefault(owner, []).append(pod)
+        by_attempt, pods_by_job = self._snapshot()
         api_ok = time.monotonic() >= self._retry_at
         try:
             if api_ok:
                 out.created += self._create_missing(plan, by_attempt, out)
                 out.deleted += self._stop_all(plan, by_attempt, pods_by_job)
-                out.deleted += self._delete_orphans(plan, by_attempt)
+                out.deleted += self._delete_orphans(plan, by_attempt, pods_by_job)
             self._backoff = BACKOFF_MIN_S
         except ApiException as err:
             if err.status in (403, 404, 422, 400, 409):
@@ -256,6 +247,7 @@ class KubernetesBackend:
             self._api_backoff(err)
         except Exception as err:  # connection errors
             self._api_backoff(err)
+        by_attempt, pods_by_job = self._snapshot()  # again: with what this pass created
         stopping = {(s.workload.job_id, s.workload.attempt) for s in plan.stop}
         for w in [*plan.run, *(s.workload for s in plan.stop)]:
             k = (w.job_id, w.attempt)
@@ -275,6 +267,25 @@ class KubernetesBackend:
             if obs is not None:
                 out.observations.append(obs)
         return out
+
+    def _snapshot(self):
+        """The cached Jobs by (job id, attempt) -> member, and the cached Pods by Job name."""
+        by_attempt: dict[tuple[str, int], dict[int, dict]] = {}
+        for job in self.jobs.items():
+            labels = (job.get("metadata") or {}).get("labels") or {}
+            try:
+                k = (labels[L_JOB], int(labels[L_ATTEMPT]))
+                by_attempt.setdefault(k, {})[int(labels[L_MEMBER])] = job
+            except (KeyError, ValueError):
+                continue  # not one of ours after all (label edited by hand): left alone
+            self._seen.add(job["metadata"]["name"])
+        pods_by_job: dict[str, list[dict]] = {}
+        for pod in self.pods.items():
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            owner = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name")
+            if owner:
+                pods_by_job.setdefault(owner, []).append(pod)
+        return by_attempt, pods_by_job
 
     def _api_backoff(self, err: Exception) -> None:
         log.warning("Kubernetes API error, backing off", extra={"error": repr(err), "backoff_s": self._backoff})
@@ -329,33 +340,31 @@ class KubernetesBackend:
                 pods = [p for p in pods_by_job.get(name, [])
                         if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
                 grace = int(math.ceil(s.grace_seconds))
-                pending_pods = False
                 for p in pods:
                     pkey = _key(p)
                     prev = self._pod_deleted.get(pkey)
                     if prev is not None and prev <= grace:
-                        pending_pods = True
-                        continue
+                        continue  # already terminating with that grace (or a shorter one)
                     self._delete(self.core.delete_namespaced_pod, p["metadata"]["name"], ns, grace)
                     self._pod_deleted[pkey] = grace
-                    pending_pods = True
                     deleted += 1
-                if not pending_pods and not (job["metadata"].get("deletionTimestamp")):
-                    # Pods are gone (or finished): the Job itself, and nothing it owns, can go.
+                if not pods and not _finished(job) and not job["metadata"].get("deletionTimestamp"):
+                    # Nothing runs (its Pod is not created yet, or is gone): stop the Job itself so
+                    # that it cannot start one. A finished Job stays, with its logs, until its TTL.
                     self._delete(self.batch.delete_namespaced_job, name, ns, 0)
                     deleted += 1
         return deleted
 
-    def _delete_orphans(self, plan: Plan, by_attempt) -> int:
+    def _delete_orphans(self, plan: Plan, by_attempt, pods_by_job) -> int:
         deleted = 0
         for k, members in by_attempt.items():
             if k in plan.keep:
                 continue
             for job in members.values():
-                st = job.get("status") or {}
-                finished = any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
-                               for c in st.get("conditions") or ())
-                if finished or job["metadata"].get("deletionTimestamp"):
+                pods = pods_by_job.get(job["metadata"]["name"], [])
+                ended = bool(pods) and all((p.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+                                           for p in pods)
+                if _finished(job) or ended or job["metadata"].get("deletionTimestamp"):
                     continue  # kept for its logs until ttlSecondsAfterFinished
                 log.info("deleting orphan Job", extra={"job": job["metadata"]["name"]})
                 self._delete(self.batch.delete_namespaced_job, job["metadata"]["name"],
@@ -371,6 +380,12 @@ class KubernetesBackend:
         except ApiException as err:
             if err.status != 404:
                 raise
+
+
+def _finished(job: dict) -> bool:
+    return any(c.get("type") in ("Complete", "Failed", "SuccessCriteriaMet", "FailureTarget")
+               and c.get("status") == "True"
+               for c in (job.get("status") or {}).get("conditions") or ())
 
 
 def _api_message(err) -> str:

@@ -87,7 +87,7 @@ class Driver:
                 return result
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.spec.name}: condition not met within {timeout}s; log: "
-                                     f"{[(e.type, e.aggregate_id) for e in self.log[-15:]]}")
+                                     f"{[(e.type, e.aggregate_id, getattr(e, 'message', '')) for e in self.log[-15:]]}")
             time.sleep(interval)
 
     def events(self, job_id: str, kind: type | None = None) -> list[Event]:

@@ -194,7 +194,7 @@ def start() -> ControlPlane:
             f"--client-ca-file={pki / 'ca.crt'}", "--authorization-mode=Node,RBAC",
             f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-account-issuer=https://kubernetes.default.svc", "--service-cluster-ip-range=10.0.0.0/24",
-            "--allow-privileged=true", "--v=0",
+            "--allow-privileged=true", "--endpoint-reconciler-type=none", "--v=0",
         ])
         plane.server = f"https://127.0.0.1:{api_port}"
         plane.kubeconfig = w / "admin.kubeconfig"
@@ -203,10 +203,10 @@ def start() -> ControlPlane:
         def healthy() -> bool:
             from kubernetes import client
 
-            api = client.VersionApi(plane.api_client())
-            api.get_code()
-            r = plane.api_client().call_api("/readyz", "GET", _preload_content=False, auth_settings=[])
-            return r[1] == 200
+            api = plane.api_client()
+            client.VersionApi(api).get_code()
+            client.CoreV1Api(api).read_namespace("default")  # created by the bootstrap controller
+            return True
 
         _wait(healthy, 120, "kube-apiserver /readyz", plane, "kube-apiserver")
         plane.timings["apiserver_ready_s"] = time.monotonic() - t
@@ -215,7 +215,7 @@ def start() -> ControlPlane:
             f"--authentication-kubeconfig={plane.kubeconfig}", f"--authorization-kubeconfig={plane.kubeconfig}",
             "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={_free_port()}",
             f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
-            "--controllers=*,-nodeipam,-service-lb-controller,-cloud-node-lifecycle,-persistentvolume-binder",
+            "--controllers=*",
             "--node-monitor-grace-period=20s", "--concurrent-job-syncs=20", "--v=0",
         ])
         launch("kube-scheduler", [
@@ -226,9 +226,8 @@ def start() -> ControlPlane:
         configs = [str(p) for p in [*node_stage_files(bin_dir), STAGES]]
         launch("kwok", [
             str(bin_dir / "kwok"), f"--kubeconfig={plane.kubeconfig}",
-            "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+            f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
             *[f"--config={c}" for c in configs], "--node-lease-duration-seconds=40",
-            "--server-address=127.0.0.1:0",
         ])
 
         def default_sa() -> bool:
