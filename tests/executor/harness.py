@@ -116,5 +116,6 @@ def work(run_s: float | None, exit_code: int = 0, *, gpus: int = 1, ignore_sigte
     ann = {"sim.gpusched.io/exit-code": str(exit_code)}
     if run_s is not None:
         ann |= {"kwok.gpusched.io/run-for": f"{run_s}s", "kwok.gpusched.io/exit-code": str(exit_code)}
-    return b.spec(gpus=gpus, command=("sh", "-c", script), expected_runtime_seconds=run_s or 3600.0,
+    runtime = run_s if run_s is not None else (None if fields.get("max_runtime_seconds") else 3600.0)
+    return b.spec(gpus=gpus, command=("sh", "-c", script), expected_runtime_seconds=runtime,
                   annotations=ann, cpu_millis=100, memory_mib=64, **fields)

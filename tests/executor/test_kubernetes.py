@@ -41,8 +41,10 @@ def admin(control_plane):
 def test_the_job_as_created_carries_the_placement_and_the_platform_contract(driver, admin):
     core, batch = admin
     j = f"shape-{uuid.uuid4().hex[:6]}"
-    driver.submit_and_schedule(j, work(None, gpus=2, max_runtime_seconds=600, queue="research",
-                                       env={"EPOCHS": "3"}))
+    spec = work(None, gpus=2, max_runtime_seconds=600, queue="research", env={"EPOCHS": "3"})
+    now = datetime.now(UTC)
+    driver.feed(b.submitted(j, spec, when=now), b.admitted(j, when=now),
+                b.scheduled(j, {"kwok-gpu-0": (2, 3)}, when=now))  # the placement's GPUs, not the spec's
     driver.until(lambda: driver.first(j, JobStarted))
     job = batch.read_namespaced_job(f"{j}-a1-m0", NAMESPACE)
     labels = job.metadata.labels
@@ -53,6 +55,7 @@ def test_the_job_as_created_carries_the_placement_and_the_platform_contract(driv
     pod = job.spec.template.spec
     c = pod.containers[0]
     assert c.resources.limits["nvidia.com/gpu"] == "2"
+    assert job.metadata.annotations["gpusched.io/gpu-indices"] == "2,3"
     env = {e.name: e.value for e in c.env}
     assert env["GPUSCHED_JOB_ID"] == j and env["GPUSCHED_ATTEMPT"] == "1" and env["GPUSCHED_RESUME"] == "0"
     assert env["GPUSCHED_CHECKPOINT_DIR"] == f"/checkpoints/team-a/{j}" and env["EPOCHS"] == "3"
