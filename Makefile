@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e test-k8s bench schemas lint clean
+.PHONY: help setup run test test-unit test-integration test-e2e test-k8s bench bench-k8s schemas lint clean
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -42,6 +42,10 @@ bench: setup ## Benchmarks (~10 min): e2e beside the raw JetStream ceiling, the 
 	$(BIN)/python -m bench $(ARGS)
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.kueue
+
+bench-k8s: setup ## Kubernetes backend on the test control plane: Jobs created/s beside the raw API create rate, watch-to-event latency
+	tests/executor/controlplane/build.sh >/dev/null
+	$(BIN)/python -m bench.k8s $(ARGS)
 
 schemas: setup ## Regenerate schemas/json from the pydantic models
 	$(BIN)/python -m schemas.export

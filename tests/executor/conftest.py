@@ -5,7 +5,6 @@ kubernetes cases are skipped, so ``make test`` needs no Go build)."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,7 @@ from schemas.node import NodeInfo
 from tests.executor.harness import Backend
 
 K8S = os.environ.get("GPUSCHED_K8S_TESTS") == "1"
-NAMESPACE = "gpusched"
-EXECUTOR_SA = "gpusched-executor"
-REPO = Path(__file__).resolve().parents[2]
+from tests.executor.controlplane.cluster import EXECUTOR_SA, NAMESPACE
 
 
 @pytest.fixture(scope="session")
@@ -29,55 +26,10 @@ def control_plane():
 
     plane = cluster.start()
     try:
-        setup_cluster(plane)
+        cluster.prepare(plane)
         yield plane
     finally:
         plane.stop()
-
-
-def setup_cluster(plane) -> None:
-    """The gpusched namespace, the executor's ServiceAccount and RBAC exactly as in k8s/base, two
-    fake GPU nodes."""
-    from kubernetes import client, utils
-
-    from tests.executor.controlplane.cluster import gpu_node
-
-    api = plane.api_client()
-    core = client.CoreV1Api(api)
-    try:
-        core.create_namespace({"metadata": {"name": NAMESPACE}})
-    except client.exceptions.ApiException as err:
-        if err.status != 409:
-            raise
-    for name in ("serviceaccounts.yaml", "executor-rbac.yaml"):
-        for doc in yaml.safe_load_all((REPO / "k8s/base" / name).read_text()):
-            if not doc:
-                continue
-            if doc["kind"] == "ServiceAccount" and doc["metadata"]["name"] != EXECUTOR_SA:
-                continue
-            doc.setdefault("metadata", {})
-            if doc["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
-                doc["metadata"]["namespace"] = NAMESPACE
-            try:
-                utils.create_from_dict(api, doc)
-            except utils.FailToCreateError as err:
-                if not all(getattr(e, "status", None) == 409 for e in err.api_exceptions):
-                    raise
-    for n in ("kwok-gpu-0", "kwok-gpu-1"):
-        try:
-            core.create_node(gpu_node(n))
-        except client.exceptions.ApiException as err:
-            if err.status != 409:
-                raise
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        nodes = core.list_node().items
-        if len(nodes) >= 2 and all(any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or ())
-                                   for n in nodes):
-            break
-        time.sleep(0.3)
-    else:
-        raise RuntimeError(f"kwok did not make the nodes Ready:\n{plane.logs('kwok')}")
 
 
 @pytest.fixture(scope="session")

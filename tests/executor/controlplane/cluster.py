@@ -22,6 +22,9 @@ from pathlib import Path
 HERE = Path(__file__).parent
 STAGES = HERE.parent / "kwok-pod-stages.yaml"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+NAMESPACE = "gpusched"
+EXECUTOR_SA = "gpusched-executor"
+REPO = HERE.parents[2]
 
 
 def _free_port() -> int:
@@ -265,3 +268,47 @@ def gpu_node(name: str, *, gpus: int = 8, product: str = "NVIDIA-A100-SXM4-80GB"
         "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
         "status": {"capacity": res, "allocatable": res},
     }
+
+
+def prepare(plane) -> None:
+    """The gpusched namespace, the executor's ServiceAccount and RBAC exactly as in k8s/base, two
+    fake GPU nodes."""
+    import yaml
+    from kubernetes import client, utils
+
+    api = plane.api_client()
+    core = client.CoreV1Api(api)
+    try:
+        core.create_namespace({"metadata": {"name": NAMESPACE}})
+    except client.exceptions.ApiException as err:
+        if err.status != 409:
+            raise
+    for name in ("serviceaccounts.yaml", "executor-rbac.yaml"):
+        for doc in yaml.safe_load_all((REPO / "k8s/base" / name).read_text()):
+            if not doc:
+                continue
+            if doc["kind"] == "ServiceAccount" and doc["metadata"]["name"] != EXECUTOR_SA:
+                continue
+            doc.setdefault("metadata", {})
+            if doc["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
+                doc["metadata"]["namespace"] = NAMESPACE
+            try:
+                utils.create_from_dict(api, doc)
+            except utils.FailToCreateError as err:
+                if not all(getattr(e, "status", None) == 409 for e in err.api_exceptions):
+                    raise
+    for n in ("kwok-gpu-0", "kwok-gpu-1"):
+        try:
+            core.create_node(gpu_node(n))
+        except client.exceptions.ApiException as err:
+            if err.status != 409:
+                raise
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        nodes = core.list_node().items
+        if len(nodes) >= 2 and all(any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or ())
+                                   for n in nodes):
+            break
+        time.sleep(0.3)
+    else:
+        raise RuntimeError(f"kwok did not make the nodes Ready:\n{plane.logs('kwok')}")
