@@ -34,9 +34,15 @@ test-integration: setup ## Each service against real NATS and Postgres
 test-e2e: setup ## All services as processes, faults included
 	$(BIN)/python -m pytest -q e2e $(ARGS)
 
+# `make test-k8s KUBECONFIG=path` runs against that cluster instead; a KUBECONFIG merely inherited from
+# the environment is ignored, so that no test ever lands on a cluster by accident.
 test-k8s: setup ## Executor tests on a real Kubernetes control plane (Go build cached in ~/.cache/gpusched; see docs/executor.md)
+ifeq ($(origin KUBECONFIG),command line)
+	GPUSCHED_K8S_TESTS=1 GPUSCHED_K8S_KUBECONFIG=$(KUBECONFIG) $(BIN)/python -m pytest -q tests/executor $(ARGS)
+else
 	tests/executor/controlplane/build.sh >/dev/null
 	GPUSCHED_K8S_TESTS=1 $(BIN)/python -m pytest -q tests/executor $(ARGS)
+endif
 
 bench: setup ## Benchmarks (~10 min): e2e beside the raw JetStream ceiling, the quota core at scale, Kueue's baseline
 	$(BIN)/python -m bench $(ARGS)
