@@ -61,6 +61,7 @@ class Cache:
         self._resync_s = resync_s
         self._on_change = on_change
         self._items: dict[str, dict] = {}
+        self._put_at: dict[str, float] = {}  # our own writes, by when
         self._lock = threading.Lock()
         self.synced = threading.Event()
         self._stop = threading.Event()
@@ -82,15 +83,24 @@ class Cache:
         """Write-through after our own create (the watch confirms it a moment later)."""
         with self._lock:
             self._items[_key(obj)] = obj
+            self._put_at[_key(obj)] = time.monotonic()
 
     def _kwargs(self) -> dict:
         return {"label_selector": self._selector} if self._selector else {}
 
     def _relist(self) -> str:
+        asked = time.monotonic()
         resp = self._list_fn(**self._kwargs(), _preload_content=False)
         body = json.loads(resp.data)
         with self._lock:
-            self._items = {_key(o): o for o in body.get("items") or ()}
+            items = {_key(o): o for o in body.get("items") or ()}
+            # An object we created while the list was in flight may be missing from it: keep it
+            # (the watch from the list's resourceVersion delivers its ADDED, or its DELETED).
+            for key, at in self._put_at.items():
+                if at >= asked and key not in items and key in self._items:
+                    items[key] = self._items[key]
+            self._put_at = {k: t for k, t in self._put_at.items() if t >= asked}
+            self._items = items
         self.relists += 1
         self.synced.set()
         self._on_change()
@@ -266,7 +276,17 @@ class KubernetesBackend:
                                       stopping=k in stopping, now=now)
             if obs is not None:
                 out.observations.append(obs)
+        self._prune(plan)
         return out
+
+    def _prune(self, plan: Plan) -> None:
+        """Forget what concerns attempts the log no longer holds live (bounded memory)."""
+        live = {workload_name(w.job_id, w.attempt, i) for w in [*plan.run, *(s.workload for s in plan.stop)]
+                for i in range(len(w.placement))}
+        self._seen &= live
+        self._failed_create = {k: v for k, v in self._failed_create.items() if k in plan.keep}
+        pods = {_key(p) for p in self.pods.items()}
+        self._pod_deleted = {k: g for k, g in self._pod_deleted.items() if k in pods}
 
     def _snapshot(self):
         """The cached Jobs by (job id, attempt) -> member, and the cached Pods by Job name."""
@@ -332,7 +352,6 @@ class KubernetesBackend:
         deleted = 0
         for s in plan.stop:
             k = (s.workload.job_id, s.workload.attempt)
-            self._failed_create.pop(k, None) if s.why != "failed" else None
             members = by_attempt.get(k, {})
             for i, job in members.items():
                 name = job["metadata"]["name"]
