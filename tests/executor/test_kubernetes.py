@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from schemas import FailureReason, JobFailed, JobStarted, NodeRegistered, NodeUpdated
+from schemas import FailureReason, JobFailed, JobStarted, JobSucceeded, NodeRegistered, NodeUpdated
 from tests.executor.conftest import NAMESPACE
 from tests.executor.harness import Driver, work
 from tests.unit import builders as b
@@ -23,7 +23,10 @@ def k8s(control_plane, executor_api):
 
 
 @pytest.fixture
-def driver(k8s):
+def driver(k8s, control_plane):
+    from tests.executor.controlplane.cluster import ensure_nodes
+
+    ensure_nodes(control_plane)  # the contract's node-lost case deletes one
     d = Driver(k8s)
     d.until(lambda: any(isinstance(e, NodeRegistered) and e.aggregate_id == k8s.node for e in d.log))
     yield d
@@ -147,3 +150,75 @@ def test_the_executor_role_is_enough_and_no_larger(executor_api):
         with pytest.raises(ApiException) as err:
             call()
         assert err.value.status == 403, what
+
+
+def gang(driver, j: str, spec) -> None:
+    now = datetime.now(UTC)
+    driver.feed(b.submitted(j, spec.model_copy(update={"gang_size": 2}), when=now), b.admitted(j, when=now),
+                b.scheduled(j, {"kwok-gpu-0": (0,), "kwok-gpu-1": (0,)}, when=now))
+
+
+def test_a_gang_is_one_job_per_node_slice_and_starts_when_all_run(driver, admin):
+    _, batch = admin
+    j = f"gang-{uuid.uuid4().hex[:6]}"
+    gang(driver, j, work(2, gpus=1))
+    started = driver.until(lambda: driver.first(j, JobStarted))
+    assert started.nodes == ("kwok-gpu-0", "kwok-gpu-1")
+    jobs = batch.list_namespaced_job(NAMESPACE, label_selector=f"gpusched.io/job-id={j}").items
+    assert sorted(x.metadata.name for x in jobs) == [f"{j}-a1-m0", f"{j}-a1-m1"]
+    assert {x.metadata.labels["gpusched.io/gang-size"] for x in jobs} == {"2"}
+    done = driver.until(lambda: driver.first(j, JobSucceeded), timeout=60)
+    assert done.started_at == started.occurred_at
+
+
+def test_one_failed_member_fails_the_gang_and_stops_the_rest(driver, admin):
+    core, _ = admin
+    j = f"gangf-{uuid.uuid4().hex[:6]}"
+    gang(driver, j, work(None, gpus=1))
+    driver.until(lambda: driver.first(j, JobStarted))
+    # member 1 crashes with exit code 5 (kwok ends it when it carries these annotations)
+    [p1] = core.list_namespaced_pod(NAMESPACE, label_selector=f"gpusched.io/job-id={j},gpusched.io/member=1").items
+    core.patch_namespaced_pod(p1.metadata.name, NAMESPACE, {"metadata": {"annotations": {
+        "kwok.gpusched.io/exit-code": "5", "kwok.gpusched.io/run-for": "0s"}}})
+    failed = driver.until(lambda: driver.first(j, JobFailed), timeout=60)
+    assert (failed.reason, failed.exit_code) == (FailureReason.EXIT_CODE, 5)
+
+    def member0_stopped():
+        pods = core.list_namespaced_pod(NAMESPACE, label_selector=f"gpusched.io/job-id={j},gpusched.io/member=0")
+        return all(p.status.phase in ("Succeeded", "Failed") or p.metadata.deletion_timestamp for p in pods.items)
+
+    driver.until(member0_stopped, timeout=30)
+
+
+async def test_the_executor_service_against_nats_and_the_cluster(nats_server, admin_js, control_plane, executor_api):
+    """The real service loop: the log in NATS, the reconcile side loop, the cluster."""
+    from conftest import eventually, running, service_settings
+    from gpusched import eventlog
+    from schemas import parse_event
+    from services.executor.k8s_model import JobOptions
+    from services.executor.kubernetes import KubernetesBackend
+    from services.executor.lifecycle import BackendCore
+    from services.executor.service import ExecutorService
+    from tests.executor.controlplane.cluster import ensure_nodes
+
+    ensure_nodes(control_plane)
+    log = eventlog.EventLog(admin_js)
+    j = f"svc-{uuid.uuid4().hex[:6]}"
+    service = ExecutorService("executor", BackendCore(), service_settings(nats_server, "executor"),
+                              backend=KubernetesBackend(JobOptions(namespace=NAMESPACE), api_client=executor_api),
+                              sync_s=0.2)
+    async with running(service):
+        now = datetime.now(UTC)
+        seq = await log.append(b.submitted(j, work(1, gpus=1), when=now), expected_last_seq=0)
+        await log.append(b.scheduled(j, {"kwok-gpu-0": (0,)}, when=now), expected_last_seq=seq)
+
+        async def types():
+            return [parse_event(m.data).type async for m in eventlog.read(admin_js, subjects=[f"gpusched.job.{j}.>"])]
+
+        async def done():
+            t = await types()
+            return t if t[-1:] == ["JobSucceeded"] else None
+
+        assert await eventually(done, timeout_s=60) == ["JobSubmitted", "JobScheduled", "JobStarted", "JobSucceeded"]
+    nodes = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=["gpusched.node.>"])]
+    assert {"kwok-gpu-0", "kwok-gpu-1"} <= {n.aggregate_id for n in nodes}

@@ -297,7 +297,15 @@ def prepare(plane) -> None:
             except utils.FailToCreateError as err:
                 if not all(getattr(e, "status", None) == 409 for e in err.api_exceptions):
                     raise
-    for n in ("kwok-gpu-0", "kwok-gpu-1"):
+    ensure_nodes(plane)
+
+
+def ensure_nodes(plane, names: tuple[str, ...] = ("kwok-gpu-0", "kwok-gpu-1")) -> None:
+    """The fake GPU nodes exist and are Ready (a test may have deleted one)."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(plane.api_client())
+    for n in names:
         try:
             core.create_node(gpu_node(n))
         except client.exceptions.ApiException as err:
@@ -305,8 +313,8 @@ def prepare(plane) -> None:
                 raise
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        nodes = core.list_node().items
-        if len(nodes) >= 2 and all(any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or ())
+        nodes = [n for n in core.list_node().items if n.metadata.name in names]
+        if len(nodes) == len(names) and all(any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or ())
                                    for n in nodes):
             break
         time.sleep(0.3)
