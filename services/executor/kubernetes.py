@@ -209,10 +209,9 @@ class KubernetesBackend:
 
             def pods_fn(**kw):
                 return self.core.list_namespaced_pod(ns, **kw)
-        self.changed = threading.Event()
-        self.jobs = Cache("jobs", jobs_fn, selector=SELECTOR, resync_s=resync_s, on_change=self.changed.set)
-        self.pods = Cache("pods", pods_fn, selector=SELECTOR, resync_s=resync_s, on_change=self.changed.set)
-        self.nodes = Cache("nodes", self.core.list_node, selector=None, resync_s=resync_s, on_change=self.changed.set)
+        self.jobs = Cache("jobs", jobs_fn, selector=SELECTOR, resync_s=resync_s)
+        self.pods = Cache("pods", pods_fn, selector=SELECTOR, resync_s=resync_s)
+        self.nodes = Cache("nodes", self.core.list_node, selector=None, resync_s=resync_s)
         self._seen: set[str] = set()  # member Job names this process has seen exist
         self._pod_deleted: dict[str, float] = {}  # pod key -> grace it was deleted with
         self._failed_create: dict[tuple[str, int], Observation] = {}
@@ -236,8 +235,6 @@ class KubernetesBackend:
 
     # -- one reconcile pass ---------------------------------------------------------------------
     def sync(self, plan: Plan, now: datetime | None = None) -> SyncResult:
-        from kubernetes.client.exceptions import ApiException
-
         now = now or _now()
         out = SyncResult()
         if not self.synced():
@@ -251,11 +248,9 @@ class KubernetesBackend:
                 out.deleted += self._stop_all(plan, by_attempt, pods_by_job)
                 out.deleted += self._delete_orphans(plan, by_attempt, pods_by_job)
             self._backoff = BACKOFF_MIN_S
-        except ApiException as err:
-            if err.status in (403, 404, 422, 400, 409):
-                raise
-            self._api_backoff(err)
-        except Exception as err:  # connection errors
+        except Exception as err:  # 5xx, 429, a refused delete (RBAC), connection errors
+            # Creates the API refuses are per attempt (_create_missing); anything else: wait and
+            # retry the whole pass, still classifying what the caches show meanwhile.
             self._api_backoff(err)
         by_attempt, pods_by_job = self._snapshot()  # again: with what this pass created
         stopping = {(s.workload.job_id, s.workload.attempt) for s in plan.stop}
@@ -308,7 +303,7 @@ class KubernetesBackend:
         return by_attempt, pods_by_job
 
     def _api_backoff(self, err: Exception) -> None:
-        log.warning("Kubernetes API error, backing off", extra={"error": repr(err), "backoff_s": self._backoff})
+        log.warning("Kubernetes API error (%r), backing off %.1f s", err, self._backoff)
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
 
