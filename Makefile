@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e bench schemas lint clean
+.PHONY: help setup run test test-unit test-integration test-e2e test-k8s bench bench-k8s schemas lint clean
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -34,11 +34,25 @@ test-integration: setup ## Each service against real NATS and Postgres
 test-e2e: setup ## All services as processes, faults included
 	$(BIN)/python -m pytest -q e2e $(ARGS)
 
+# `make test-k8s KUBECONFIG=path` runs against that cluster instead; a KUBECONFIG merely inherited from
+# the environment is ignored, so that no test ever lands on a cluster by accident.
+test-k8s: setup ## Executor tests on a real Kubernetes control plane (Go build cached in ~/.cache/gpusched; see docs/executor.md)
+ifeq ($(origin KUBECONFIG),command line)
+	GPUSCHED_K8S_TESTS=1 GPUSCHED_K8S_KUBECONFIG=$(KUBECONFIG) $(BIN)/python -m pytest -q tests/executor $(ARGS)
+else
+	tests/executor/controlplane/build.sh >/dev/null
+	GPUSCHED_K8S_TESTS=1 $(BIN)/python -m pytest -q tests/executor $(ARGS)
+endif
+
 bench: setup ## Benchmarks (~11 min): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, Kueue's baseline
 	$(BIN)/python -m bench $(ARGS)
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.scheduler
 	$(BIN)/python -m bench.kueue
+
+bench-k8s: setup ## Kubernetes backend on the test control plane: Jobs created/s beside the raw API create rate, watch-to-event latency
+	tests/executor/controlplane/build.sh >/dev/null
+	$(BIN)/python -m bench.k8s $(ARGS)
 
 schemas: setup ## Regenerate schemas/json from the pydantic models
 	$(BIN)/python -m schemas.export

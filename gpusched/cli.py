@@ -266,6 +266,23 @@ def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
 
 
 @app.command()
+def logs(job_id: str, attempt: Optional[int] = typer.Option(None, help="Only this attempt"),
+         tail: Optional[int] = typer.Option(None, help="Only the last N lines of each run")) -> None:
+    """A job's output, from the executor backend's log files (local) or Pod logs (kubernetes)."""
+    from services.executor.logs import LogsError, read_logs
+
+    try:
+        runs = read_logs(Settings.from_env().executor_backend, job_id, attempt, tail=tail)
+    except LogsError as err:
+        err_console.print(f"[red]{escape(str(err))}[/red]")
+        raise typer.Exit(1) from None
+    for source, text in runs:
+        if len(runs) > 1:
+            err_console.print(f"==> {escape(source)} <==")
+        sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
+
+
+@app.command()
 def queues(output: Output = OutputOpt) -> None:
     """Quota per queue and flavor: nominal, used, borrowed, lent, pending."""
     emit(run(with_pg(client.queue_usage)), output, columns=None if output == Output.json else

@@ -101,6 +101,15 @@ class RetryPolicy(Contract):
         default=(FailureReason.NODE_LOST, FailureReason.EVICTED, FailureReason.BACKEND_ERROR),
         description="Failure reasons that are retried; others end the job.",
     )
+    backoff_factor: float = Field(
+        default=1.0, ge=1.0, le=10.0,
+        description="Exponential backoff: retry n waits backoff_seconds × backoff_factor^(n−1); 1: constant.",
+    )
+    max_backoff_seconds: float = Field(default=86_400, ge=0, le=86_400, description="Cap of the backoff.")
+
+    def backoff_for(self, failures: int) -> float:
+        """Seconds to wait before the retry that follows the ``failures``-th failure (1-based)."""
+        return min(self.max_backoff_seconds, self.backoff_seconds * self.backoff_factor ** max(0, failures - 1))
 
 
 class JobSpec(Contract):

@@ -1,19 +1,25 @@
-"""Executor adapter. The ``sim`` backend is a pure core run by the shared decision loop; the
-Kubernetes and local backends are the executor issue's work."""
+"""Executor adapter. ``GPUSCHED_EXECUTOR_BACKEND`` picks the backend:
+
+* ``sim``: a pure core run by the shared decision loop (virtual nodes, declared runtimes);
+* ``kubernetes``: batch/v1 Jobs on a cluster (in-cluster config or KUBECONFIG);
+* ``local``: processes on this host, GPUs from NVML (CPU-only when there are none).
+
+The last two share :class:`services.executor.lifecycle.BackendCore` and
+:class:`services.executor.service.ExecutorService`; see docs/executor.md.
+"""
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from gpusched.service import run_service
+from gpusched.settings import ConfigError, Settings
 from services.executor.cluster import ClusterSpecError, load_cluster
 from services.executor.sim import SimExecutorCore
 
 
 def build(settings, clock):
-    if settings.executor_backend != "sim":
-        sys.exit(f"GPUSCHED_EXECUTOR_BACKEND={settings.executor_backend!r} is not available in this version; "
-                 "available: sim")
     if settings.sim_cluster is None:
         sys.exit("GPUSCHED_SIM_CLUSTER must name a cluster spec YAML for the sim backend")
     try:
@@ -23,8 +29,39 @@ def build(settings, clock):
     return SimExecutorCore(cluster.nodes())
 
 
+def make_backend(kind: str, cfg):
+    if kind == "kubernetes":
+        from services.executor.kubernetes import KubernetesBackend
+
+        try:
+            return KubernetesBackend(cfg.k8s, resync_s=cfg.k8s_resync_s)
+        except Exception as err:  # no kubeconfig, unreadable certificate, ...
+            sys.exit(f"GPUSCHED_EXECUTOR_BACKEND=kubernetes: cannot load a Kubernetes config "
+                     f"(in-cluster, or KUBECONFIG): {err}")
+    if kind == "local":
+        from services.executor.local import LocalBackend
+
+        return LocalBackend(cfg.local_dir, node_name=cfg.local_node, telemetry_s=cfg.local_telemetry_s)
+    raise ValueError(kind)
+
+
 def main() -> None:
-    run_service("executor", build)
+    try:
+        settings = Settings.from_env()
+        if settings.executor_backend == "sim":
+            run_service("executor", build)
+            return
+        from services.executor.config import ExecutorConfig
+
+        cfg = ExecutorConfig.from_env()
+    except ConfigError as err:
+        sys.exit(str(err))
+    from services.executor.lifecycle import BackendCore
+    from services.executor.service import ExecutorService
+
+    backend = make_backend(settings.executor_backend, cfg)
+    run_service("executor", lambda settings, clock: BackendCore(),
+                functools.partial(ExecutorService, backend=backend, sync_s=cfg.sync_s))
 
 
 if __name__ == "__main__":

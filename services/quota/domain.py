@@ -251,7 +251,7 @@ class QuotaCore:
                 )
             )
         if ended is not None and not job.finished and isinstance(ended, (JobFailed, JobPreempted)):
-            backoff = job.spec.retry.backoff_seconds if isinstance(ended, JobFailed) else 0.0
+            backoff = job.spec.retry.backoff_for(job.failures) if isinstance(ended, JobFailed) else 0.0
             out.append(
                 new_event(
                     JobRetryScheduled, aggregate_id=job_id, producer=PRODUCER, occurred_at=now,

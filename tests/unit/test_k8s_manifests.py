@@ -26,7 +26,7 @@ SINGLE_ACTIVE = {"quota", "scheduler", "executor", "accounting"}
 # (apiGroup, resource, verb) triples the executor may use, and nothing more.
 EXECUTOR_ROLE_GRANTS = {
     *(("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")),
-    *(("", "pods", v) for v in ("get", "list", "watch")),
+    *(("", "pods", v) for v in ("get", "list", "watch", "delete")),
     ("", "pods/log", "get"),
 }
 EXECUTOR_CLUSTERROLE_GRANTS = {("", "nodes", v) for v in ("get", "list", "watch")}

@@ -70,7 +70,8 @@ def _full_spec() -> JobSpec:
         env={"NCCL_DEBUG": "INFO"}, datasets=[{"uri": "s3://bucket/imagenet", "locality_hint": "rack-1"}],
         gpus=8, gpu_flavors=("h100-80gb", "a100"), min_gpu_memory_mib=40960, node_features=("rdma",), gang_size=4,
         max_runtime_seconds=7200, expected_runtime_seconds=3600.5,
-        retry={"max_attempts": 3, "backoff_seconds": 12.5, "retry_on": ["node-lost", "oom-killed"]},
+        retry={"max_attempts": 3, "backoff_seconds": 12.5, "retry_on": ["node-lost", "oom-killed"],
+               "backoff_factor": 2.0, "max_backoff_seconds": 600},
         idempotency_key="run-42", annotations={"sim.gpusched.io/exit-code": "3"},
     )
 

@@ -1,0 +1,52 @@
+"""The executor's backend settings (environment variables, documented in docs/executor.md).
+
+A bad value fails at start with the variable's name, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpusched.settings import ConfigError, _env, _number
+from services.executor.k8s_model import JobOptions
+
+_NS = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    sync_s: float = 1.0
+    k8s: JobOptions = JobOptions()
+    k8s_resync_s: float = 300.0
+    local_dir: Path = Path(".data/local-executor")
+    local_node: str | None = None
+    local_telemetry_s: float = 10.0
+
+    @classmethod
+    def from_env(cls) -> "ExecutorConfig":
+        ns = _env("GPUSCHED_K8S_NAMESPACE", "gpusched") or "gpusched"
+        if not _NS.match(ns.replace("{team}", "team")):
+            raise ConfigError(f"GPUSCHED_K8S_NAMESPACE={ns!r} is not a namespace name; accepted: a DNS label "
+                              "(lower-case letters, digits, '-'), optionally with {team}, e.g. 'gpu-{team}'")
+        node = _env("GPUSCHED_LOCAL_NODE")
+        if node is not None and not re.match(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$", node):
+            raise ConfigError(f"GPUSCHED_LOCAL_NODE={node!r} is not a node name; accepted: a DNS subdomain "
+                              "(lower-case letters, digits, '-', '.')")
+        return cls(
+            sync_s=_number("GPUSCHED_EXECUTOR_SYNC_S", 1.0, minimum=0.05, maximum=60),
+            k8s=JobOptions(
+                namespace=ns,
+                checkpoint_root=_env("GPUSCHED_K8S_CHECKPOINT_ROOT", "/checkpoints") or "/checkpoints",
+                ttl_after_finished_s=int(_number("GPUSCHED_K8S_TTL_AFTER_FINISHED_S", 3600, minimum=0,
+                                                 maximum=30 * 86_400, integer=True)),
+                default_grace_s=int(_number("GPUSCHED_K8S_DEFAULT_GRACE_S", 30, minimum=0, maximum=86_400,
+                                            integer=True)),
+                service_account=_env("GPUSCHED_K8S_SERVICE_ACCOUNT"),
+            ),
+            k8s_resync_s=_number("GPUSCHED_K8S_RESYNC_S", 300.0, minimum=5, maximum=86_400),
+            local_dir=Path(_env("GPUSCHED_LOCAL_DIR", ".data/local-executor") or ".data/local-executor"),
+            local_node=node,
+            local_telemetry_s=_number("GPUSCHED_LOCAL_TELEMETRY_S", 10.0, minimum=0.1, maximum=3600),
+        )

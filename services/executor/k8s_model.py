@@ -1,0 +1,342 @@
+"""The Kubernetes backend's pure parts: Job manifests from a workload, an attempt's status from
+its Jobs and Pods, NodeInfo from a Node. Everything here works on plain JSON dicts (the API's
+camelCase wire form), so it is tested table-driven without a cluster.
+
+Gangs run as **one Job per node slice** (``<job>-a<attempt>-m<member>``), each pinned to its
+node by a required node affinity on ``kubernetes.io/hostname``. An Indexed Job has one Pod
+template for every index, so it cannot pin index *i* to the node the scheduler chose for member
+*i*, nor give members different GPU counts; separate Jobs can, at the price of creating N objects
+(not atomic: a restart mid-creation adopts the members that exist and creates the rest).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
+from schemas import FailureReason
+from schemas.node import NodeInfo
+from services.executor.lifecycle import Observation, Phase, Workload, workload_name
+
+GPU_RESOURCE = "nvidia.com/gpu"
+LABEL_PREFIX = "gpusched.io/"
+L_MANAGED = "app.kubernetes.io/managed-by"
+MANAGED_BY = "gpusched-executor"
+L_JOB, L_ATTEMPT, L_MEMBER = "gpusched.io/job-id", "gpusched.io/attempt", "gpusched.io/member"
+L_GANG, L_QUEUE, L_TEAM, L_PCLASS = ("gpusched.io/gang-size", "gpusched.io/queue", "gpusched.io/team",
+                                     "gpusched.io/priority-class")
+SELECTOR = f"{L_MANAGED}={MANAGED_BY}"
+
+# GPU feature discovery labels (NVIDIA gpu-feature-discovery) and the topology labels kept.
+GFD_PRODUCT = "nvidia.com/gpu.product"
+GFD_MEMORY = "nvidia.com/gpu.memory"  # MiB
+GFD_COUNT = "nvidia.com/gpu.count"
+FLAVOR_LABEL = "gpusched.io/gpu-flavor"
+TOPOLOGY_PREFIXES = ("topology.kubernetes.io/", "topology.gpusched.io/", "nvidia.com/gpu.clique",
+                     "kubernetes.io/hostname", "node.kubernetes.io/instance-type")
+FEATURE_PREFIX = "feature.gpusched.io/"  # feature.gpusched.io/rdma=true -> feature "rdma"
+
+IMAGE_PULL_WAITING = {"ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
+CONFIG_WAITING = {"CreateContainerConfigError", "CreateContainerError"}
+_ANNOTATION_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """Cluster-specific choices (from the environment, see services.executor.config)."""
+
+    namespace: str = "gpusched"  # may hold "{team}": a namespace per team
+    checkpoint_root: str = "/checkpoints"
+    ttl_after_finished_s: int = 3600  # finished Jobs (and their logs) are kept this long
+    default_grace_s: int = 30
+    gpu_tolerations: tuple[dict, ...] = ({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},)
+    service_account: str | None = None
+
+    def namespace_for(self, team: str) -> str:
+        return self.namespace.replace("{team}", team)
+
+
+def job_manifests(w: Workload, opts: JobOptions) -> list[dict]:
+    """One batch/v1 Job per gang member, in member order."""
+    spec = w.spec
+    ns = opts.namespace_for(spec.team)
+    labels = {
+        L_MANAGED: MANAGED_BY, L_JOB: w.job_id, L_ATTEMPT: str(w.attempt), L_GANG: str(len(w.placement)),
+        L_QUEUE: spec.queue, L_TEAM: spec.team, L_PCLASS: spec.priority_class,
+    }
+    passthrough = {k: v for k, v in spec.annotations.items() if _ANNOTATION_KEY.match(k)}
+    out = []
+    for i, p in enumerate(w.placement):
+        name = workload_name(w.job_id, w.attempt, i)
+        member_labels = {**labels, L_MEMBER: str(i)}
+        annotations = {**passthrough, L_JOB: w.job_id, L_ATTEMPT: str(w.attempt), L_QUEUE: spec.queue,
+                       L_TEAM: spec.team, L_PCLASS: spec.priority_class, "gpusched.io/node": p.node,
+                       "gpusched.io/flavor": w.flavor,
+                       "gpusched.io/gpu-indices": ",".join(map(str, p.gpu_indices))}
+        if w.priority is not None:
+            annotations["gpusched.io/priority"] = str(w.priority)
+        env = [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
+        env += [
+            {"name": "GPUSCHED_JOB_ID", "value": w.job_id},
+            {"name": "GPUSCHED_ATTEMPT", "value": str(w.attempt)},
+            {"name": "GPUSCHED_CHECKPOINT_DIR", "value": f"{opts.checkpoint_root}/{spec.team}/{w.job_id}"},
+            {"name": "GPUSCHED_RESUME", "value": "1" if w.resume else "0"},
+            {"name": "GPUSCHED_GANG_SIZE", "value": str(len(w.placement))},
+            {"name": "GPUSCHED_GANG_INDEX", "value": str(i)},
+            {"name": "GPUSCHED_GANG_LEADER", "value": workload_name(w.job_id, w.attempt, 0)},
+        ]
+        resources = {"cpu": f"{spec.cpu_millis}m", "memory": f"{spec.memory_mib}Mi"}
+        limits = dict(resources)
+        if p.gpus:
+            limits[GPU_RESOURCE] = str(p.gpus)
+            resources = {**resources, GPU_RESOURCE: str(p.gpus)}
+        container = {"name": "main", "image": spec.image, "env": env,
+                     "resources": {"requests": resources, "limits": limits}}
+        if spec.command:
+            container["command"] = list(spec.command)
+        if spec.args:
+            container["args"] = list(spec.args)
+        pod_spec = {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": opts.default_grace_s,
+            "containers": [container],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [p.node]}]}
+            ]}}},
+            "tolerations": [dict(t) for t in opts.gpu_tolerations],
+        }
+        if opts.service_account:
+            pod_spec["serviceAccountName"] = opts.service_account
+        job_spec: dict = {
+            "backoffLimit": 0,  # retries are the platform's decision, never the Job controller's
+            "completions": 1,
+            "parallelism": 1,
+            "ttlSecondsAfterFinished": opts.ttl_after_finished_s,
+            "template": {"metadata": {"labels": member_labels, "annotations": annotations}, "spec": pod_spec},
+        }
+        if spec.max_runtime_seconds is not None:
+            job_spec["activeDeadlineSeconds"] = spec.max_runtime_seconds
+        out.append({
+            "apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "namespace": ns, "labels": member_labels, "annotations": annotations},
+            "spec": job_spec,
+        })
+    return out
+
+
+# -- status ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MemberStatus:
+    phase: Phase  # PENDING, RUNNING, SUCCEEDED or FAILED
+    at: datetime | None = None
+    started_at: datetime | None = None
+    reason: FailureReason | None = None
+    exit_code: int | None = None
+    message: str = ""
+
+
+def parse_time(value) -> datetime | None:
+    if value is None or isinstance(value, datetime):
+        return value
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+
+
+def _cond(obj: dict, kind: str) -> dict | None:
+    for c in (obj.get("status") or {}).get("conditions") or ():
+        if c.get("type") == kind and c.get("status") == "True":
+            return c
+    return None
+
+
+def _terminated(pod: dict) -> dict | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+        term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
+        if term:
+            return term
+    return None
+
+
+def _pod_started(pod: dict) -> datetime | None:
+    st = pod.get("status") or {}
+    for cs in st.get("containerStatuses") or ():
+        state = cs.get("state") or {}
+        if "running" in state and state["running"].get("startedAt"):
+            return parse_time(state["running"]["startedAt"])
+        if "terminated" in state and state["terminated"].get("startedAt"):
+            return parse_time(state["terminated"]["startedAt"])
+    return parse_time(st.get("startTime"))
+
+
+def pod_status(pod: dict) -> MemberStatus:
+    """Classify one Pod of a member Job."""
+    st = pod.get("status") or {}
+    phase = st.get("phase")
+    started = _pod_started(pod)
+    term = _terminated(pod)
+    disruption = _cond(pod, "DisruptionTarget")
+    if phase == "Succeeded":
+        return MemberStatus(Phase.SUCCEEDED, parse_time((term or {}).get("finishedAt")) or started, started, exit_code=0)
+    if phase == "Failed":
+        at = parse_time((term or {}).get("finishedAt")) or parse_time((disruption or {}).get("lastTransitionTime"))
+        pod_reason = st.get("reason") or ""
+        code = term.get("exitCode") if term else None
+        if pod_reason == "Evicted":
+            return MemberStatus(Phase.FAILED, at, started, FailureReason.EVICTED, code, st.get("message") or "evicted")
+        if pod_reason == "DeadlineExceeded":
+            return MemberStatus(Phase.FAILED, at, started, FailureReason.DEADLINE_EXCEEDED, code,
+                                "ran past its max runtime")
+        if disruption is not None:
+            reason = (FailureReason.NODE_LOST if disruption.get("reason") == "DeletionByTaintManager"
+                      else FailureReason.EVICTED)
+            return MemberStatus(Phase.FAILED, at, started, reason, code,
+                                f"{disruption.get('reason')}: {disruption.get('message', '')}".strip(": "))
+        if term and term.get("reason") == "OOMKilled":
+            return MemberStatus(Phase.FAILED, at, started, FailureReason.OOM_KILLED, code, "out of memory (OOMKilled)")
+        if code is not None:
+            return MemberStatus(Phase.FAILED, at, started, FailureReason.EXIT_CODE, code, f"exited with code {code}")
+        return MemberStatus(Phase.FAILED, at, started, FailureReason.BACKEND_ERROR, None,
+                            st.get("message") or pod_reason or "pod failed")
+    for cs in st.get("containerStatuses") or ():
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in IMAGE_PULL_WAITING:
+            return MemberStatus(Phase.FAILED, None, None, FailureReason.IMAGE_PULL, None,
+                                f"{waiting['reason']}: {waiting.get('message', '')}".strip(": "))
+        if waiting.get("reason") in CONFIG_WAITING:
+            return MemberStatus(Phase.FAILED, None, None, FailureReason.BACKEND_ERROR, None,
+                                f"{waiting['reason']}: {waiting.get('message', '')}".strip(": "))
+    if phase == "Running":
+        return MemberStatus(Phase.RUNNING, started, started)
+    return MemberStatus(Phase.PENDING)
+
+
+def member_status(job: dict, pods: list[dict]) -> MemberStatus:
+    """One member Job with the Pods it owns (at most one: backoffLimit is 0)."""
+    pod = max(pods, key=lambda p: (p.get("metadata") or {}).get("creationTimestamp") or "") if pods else None
+    ps = pod_status(pod) if pod is not None else MemberStatus(Phase.PENDING)
+    if pod is not None and (pod.get("metadata") or {}).get("deletionTimestamp") and ps.phase in (
+            Phase.PENDING, Phase.RUNNING):
+        # Terminating: SIGTERM was sent, the checkpoint window runs. The Job controller may call
+        # the Job failed already, but the attempt still holds its node until the Pod is gone.
+        return ps
+    complete = _cond(job, "Complete") or _cond(job, "SuccessCriteriaMet")
+    failed = _cond(job, "Failed") or _cond(job, "FailureTarget")
+    started = ps.started_at or parse_time((job.get("status") or {}).get("startTime"))
+    if complete is not None:
+        at = parse_time((job.get("status") or {}).get("completionTime")) or parse_time(complete.get("lastTransitionTime"))
+        return MemberStatus(Phase.SUCCEEDED, ps.at or at, started, exit_code=0)
+    if failed is not None:
+        at = ps.at or parse_time(failed.get("lastTransitionTime"))
+        if failed.get("reason") == "DeadlineExceeded":
+            return MemberStatus(Phase.FAILED, at, started, FailureReason.DEADLINE_EXCEEDED, ps.exit_code,
+                                "ran past its max runtime (activeDeadlineSeconds)")
+        if ps.phase == Phase.FAILED:
+            return ps
+        return MemberStatus(Phase.FAILED, at, started, FailureReason.EXIT_CODE, ps.exit_code,
+                            f"{failed.get('reason', 'Failed')}: {failed.get('message', '')}".strip(": "))
+    return ps
+
+
+def attempt_observation(job_id: str, attempt: int, members: list[MemberStatus | None], *, seen: list[bool],
+                        started_in_log: bool, stopping: bool, now: datetime) -> Observation | None:
+    """The attempt's status from its members' (None: that member's Job does not exist).
+
+    * every member's Job missing: GONE when this process saw one before, when it is being
+      stopped, or when the log says it started (it vanished while the executor was down);
+      otherwise None (never created yet: create it);
+    * a member seen before and now missing: FAILED (someone deleted it);
+    * any member FAILED: FAILED, with the earliest failure;
+    * every member SUCCEEDED: SUCCEEDED at the last finish;
+    * every member RUNNING or SUCCEEDED: RUNNING (the whole gang runs) at the last start;
+    * else PENDING.
+    """
+    obs = _aggregate(job_id, attempt, members, seen=seen, started_in_log=started_in_log, stopping=stopping, now=now)
+    if stopping and obs is not None and obs.phase in (Phase.SUCCEEDED, Phase.FAILED, Phase.GONE):
+        # A stopped attempt ends when the executor sees it end (not when the Job controller first
+        # called it failed, which is when the Pod's termination began).
+        obs = Observation(obs.job_id, obs.attempt, obs.phase, max(now, obs.at), started_at=obs.started_at,
+                          reason=obs.reason, exit_code=obs.exit_code, message=obs.message)
+    return obs
+
+
+def _aggregate(job_id: str, attempt: int, members: list[MemberStatus | None], *, seen: list[bool],
+               started_in_log: bool, stopping: bool, now: datetime) -> Observation | None:
+    if all(m is None for m in members):
+        if any(seen) or stopping or started_in_log:
+            return Observation(job_id, attempt, Phase.GONE, now, message="its Kubernetes Jobs are gone")
+        return None
+    for i, m in enumerate(members):
+        if m is None and seen[i]:
+            return Observation(job_id, attempt, Phase.FAILED, now, reason=FailureReason.BACKEND_ERROR,
+                               message=f"gang member Job {workload_name(job_id, attempt, i)} was deleted")
+    present = [m for m in members if m is not None]
+    starts = [m.started_at for m in present if m.started_at is not None]
+    first_start = min(starts) if starts else None
+    failed = [m for m in present if m.phase == Phase.FAILED]
+    if failed:
+        f = min(failed, key=lambda m: m.at or now)
+        return Observation(job_id, attempt, Phase.FAILED, f.at or now, started_at=first_start, reason=f.reason,
+                           exit_code=f.exit_code, message=f.message)
+    if len(present) < len(members):
+        return Observation(job_id, attempt, Phase.PENDING, now)
+    if all(m.phase == Phase.SUCCEEDED for m in present):
+        return Observation(job_id, attempt, Phase.SUCCEEDED, max(m.at or now for m in present),
+                           started_at=first_start, exit_code=0)
+    if all(m.phase in (Phase.RUNNING, Phase.SUCCEEDED) for m in present):
+        gang_start = max((m.started_at or now) for m in present)
+        return Observation(job_id, attempt, Phase.RUNNING, gang_start, started_at=gang_start)
+    return Observation(job_id, attempt, Phase.PENDING, now)
+
+
+# -- nodes -------------------------------------------------------------------------------------
+
+def _quantity_mib(q: str | None) -> int:
+    if not q:
+        return 0
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2, "K": 1000 / 2 ** 20, "M": 10 ** 6 / 2 ** 20,
+             "G": 10 ** 9 / 2 ** 20}
+    for u, f in units.items():
+        if q.endswith(u):
+            return int(float(q[: -len(u)]) * f)
+    return int(float(q) / 2 ** 20)
+
+
+def _quantity_millis(q: str | None) -> int:
+    if not q:
+        return 0
+    return int(q[:-1]) if q.endswith("m") else int(float(q) * 1000)
+
+
+def flavor_of(product: str | None) -> str | None:
+    """A flavor name from a GFD product label: NVIDIA-A100-SXM4-80GB -> a100-sxm4-80gb."""
+    if not product:
+        return None
+    name = re.sub(r"[^a-z0-9]+", "-", product.lower().removeprefix("nvidia-").removeprefix("nvidia")).strip("-")
+    return name[:63].rstrip("-") or None
+
+
+def node_info(node: dict) -> NodeInfo:
+    """NodeInfo from a Node: GPU count from allocatable nvidia.com/gpu, product and memory from the
+    GPU feature discovery labels, topology labels, features, taints and cordon."""
+    meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
+    labels = meta.get("labels") or {}
+    alloc = status.get("allocatable") or status.get("capacity") or {}
+    gpus = int(alloc.get(GPU_RESOURCE, "0") or 0)
+    product = labels.get(GFD_PRODUCT)
+    mem = labels.get(GFD_MEMORY)
+    flavor = labels.get(FLAVOR_LABEL) or (flavor_of(product) if gpus else None)
+    features = tuple(sorted(k[len(FEATURE_PREFIX):] for k, v in labels.items()
+                            if k.startswith(FEATURE_PREFIX) and v.lower() in ("true", "1", "yes")))
+    kept = {k: v for k, v in labels.items() if k.startswith(TOPOLOGY_PREFIXES)}
+    taints = tuple(f"{t['key']}={t.get('value', '')}:{t['effect']}" for t in spec.get("taints") or ())
+    return NodeInfo(
+        name=meta["name"], gpu_flavor=flavor if gpus else None, gpu_product=product if gpus else None,
+        gpu_count=min(gpus, 64), gpu_memory_mib=int(mem) if gpus and mem and mem.isdigit() and int(mem) > 0 else None,
+        cpu_millis=_quantity_millis(alloc.get("cpu")), memory_mib=_quantity_mib(alloc.get("memory")),
+        features=features, labels=kept, taints=taints, unschedulable=bool(spec.get("unschedulable")),
+    )
+
+
+def node_ready(node: dict) -> bool:
+    return _cond(node, "Ready") is not None

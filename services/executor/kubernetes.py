@@ -1,0 +1,422 @@
+"""The Kubernetes backend's adapter: the I/O around :mod:`services.executor.lifecycle` (what
+should exist) and :mod:`services.executor.k8s_model` (manifests and status classification).
+
+* Three caches (Jobs and Pods with the executor's label, all Nodes), each a list then a watch
+  from the list's resourceVersion, in its own thread. A watch that ends is resumed from the last
+  resourceVersion it saw; ``410 Gone`` (expired resourceVersion) relists; every ``resync_s`` the
+  cache is relisted anyway, so a missed event cannot keep it wrong; API errors back off
+  exponentially (0.5 s doubling to 30 s).
+* :meth:`KubernetesBackend.sync` is called by the service loop with the core's plan: it creates
+  the member Jobs that are missing (``409 AlreadyExists`` means a Job of that deterministic name
+  exists: adopt it), stops what must stop (each Pod deleted with ``gracePeriodSeconds`` = the
+  checkpoint window, so the container gets SIGTERM and that long to checkpoint; then the Job),
+  deletes orphans (managed Jobs still active whose attempt the log does not hold live), and
+  classifies every live attempt from the caches into an Observation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from services.executor.k8s_model import (
+    L_ATTEMPT,
+    L_JOB,
+    L_MEMBER,
+    SELECTOR,
+    JobOptions,
+    MemberStatus,
+    attempt_observation,
+    job_manifests,
+    member_status,
+    node_info,
+)
+from services.executor.lifecycle import Observation, Phase, Plan, workload_name
+from schemas.node import NodeInfo
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Cache:
+    """A list+watch mirror of one resource kind, keyed by namespace/name."""
+
+    def __init__(self, kind: str, list_fn: Callable, *, selector: str | None, resync_s: float,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.kind = kind
+        self._list_fn = list_fn
+        self._selector = selector
+        self._resync_s = resync_s
+        self._on_change = on_change
+        self._items: dict[str, dict] = {}
+        self._put_at: dict[str, float] = {}  # our own writes, by when
+        self._lock = threading.Lock()
+        self.synced = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"watch-{kind}", daemon=True)
+        self.relists = 0
+        self.errors = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def items(self) -> list[dict]:
+        with self._lock:
+            return list(self._items.values())
+
+    def put(self, obj: dict) -> None:
+        """Write-through after our own create (the watch confirms it a moment later)."""
+        with self._lock:
+            self._items[_key(obj)] = obj
+            self._put_at[_key(obj)] = time.monotonic()
+
+    def _kwargs(self) -> dict:
+        return {"label_selector": self._selector} if self._selector else {}
+
+    def _relist(self) -> str:
+        asked = time.monotonic()
+        resp = self._list_fn(**self._kwargs(), _preload_content=False)
+        body = json.loads(resp.data)
+        with self._lock:
+            items = {_key(o): o for o in body.get("items") or ()}
+            # An object we created while the list was in flight may be missing from it: keep it
+            # (the watch from the list's resourceVersion delivers its ADDED, or its DELETED).
+            for key, at in self._put_at.items():
+                if at >= asked and key not in items and key in self._items:
+                    items[key] = self._items[key]
+            self._put_at = {k: t for k, t in self._put_at.items() if t >= asked}
+            self._items = items
+        self.relists += 1
+        self.synced.set()
+        self._on_change()
+        return body["metadata"]["resourceVersion"]
+
+    def _run(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+        from kubernetes.watch.watch import iter_resp_lines
+        from urllib3.exceptions import ProtocolError
+
+        backoff = BACKOFF_MIN_S
+        rv: str | None = None
+        while not self._stop.is_set():
+            try:
+                if rv is None:
+                    rv = self._relist()
+                    listed_at = time.monotonic()
+                remaining = self._resync_s - (time.monotonic() - listed_at)
+                if remaining <= 1:
+                    rv = None  # periodic resync: relist
+                    continue
+                resp = self._list_fn(**self._kwargs(), watch=True, resource_version=rv, allow_watch_bookmarks=True,
+                                     timeout_seconds=max(1, int(min(remaining, 300))), _preload_content=False)
+                try:
+                    for line in iter_resp_lines(resp):
+                        if self._stop.is_set():
+                            return
+                        if not line:
+                            continue
+                        ev = json.loads(line)
+                        obj, kind = ev.get("object") or {}, ev.get("type")
+                        if kind == "ERROR":
+                            if obj.get("code") == 410:
+                                log.info("watch expired (410 Gone), relisting", extra={"kind": self.kind})
+                                rv = None
+                                break
+                            raise RuntimeError(f"watch error: {obj.get('reason')}: {obj.get('message')}")
+                        rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                        if kind == "BOOKMARK":
+                            continue
+                        with self._lock:
+                            if kind == "DELETED":
+                                self._items.pop(_key(obj), None)
+                            else:
+                                self._items[_key(obj)] = obj
+                        self._on_change()
+                except ProtocolError:
+                    pass  # the server ended the watch mid-stream (its timeout, a restart): resume from rv
+                finally:
+                    resp.close()
+                    resp.release_conn()
+                backoff = BACKOFF_MIN_S
+            except ApiException as err:
+                self.errors += 1
+                if err.status == 410:
+                    rv = None
+                    continue
+                log.warning("API error in watch, backing off", extra={"kind": self.kind, "status": err.status,
+                                                                      "backoff_s": backoff})
+                rv = None
+                self._stop.wait(backoff * (0.5 + random.random()))
+                backoff = min(BACKOFF_MAX_S, backoff * 2)
+            except Exception as err:  # connection refused, reset, timeouts, bad JSON
+                if self._stop.is_set():
+                    return
+                self.errors += 1
+                log.warning("watch of %s failed (%r), backing off", self.kind, err, extra={"kind": self.kind, "error": repr(err),
+                                                                "backoff_s": backoff})
+                rv = None
+                self._stop.wait(backoff * (0.5 + random.random()))
+                backoff = min(BACKOFF_MAX_S, backoff * 2)
+
+
+def _key(obj: dict) -> str:
+    m = obj.get("metadata") or {}
+    return f"{m.get('namespace', '')}/{m.get('name')}"
+
+
+@dataclass
+class SyncResult:
+    observations: list[Observation] = field(default_factory=list)
+    inventory: list[NodeInfo] | None = None  # None: not listed yet
+    created: int = 0
+    deleted: int = 0
+
+
+class KubernetesBackend:
+    """Creates, watches and stops the Jobs of the attempts the core plans."""
+
+    def __init__(self, opts: JobOptions, *, api_client=None, resync_s: float = 300.0,
+                 all_namespaces: bool | None = None) -> None:
+        from kubernetes import client
+
+        self.opts = opts
+        self.api_client = api_client or _load_api_client()
+        self.batch = client.BatchV1Api(self.api_client)
+        self.core = client.CoreV1Api(self.api_client)
+        per_team = "{team}" in opts.namespace
+        self.all_namespaces = per_team if all_namespaces is None else all_namespaces
+        ns = opts.namespace
+        if self.all_namespaces:
+            jobs_fn, pods_fn = self.batch.list_job_for_all_namespaces, self.core.list_pod_for_all_namespaces
+        else:
+            def jobs_fn(**kw):
+                return self.batch.list_namespaced_job(ns, **kw)
+
+            def pods_fn(**kw):
+                return self.core.list_namespaced_pod(ns, **kw)
+        self.jobs = Cache("jobs", jobs_fn, selector=SELECTOR, resync_s=resync_s)
+        self.pods = Cache("pods", pods_fn, selector=SELECTOR, resync_s=resync_s)
+        self.nodes = Cache("nodes", self.core.list_node, selector=None, resync_s=resync_s)
+        self._seen: set[str] = set()  # member Job names this process has seen exist
+        self._pod_deleted: dict[str, float] = {}  # pod key -> grace it was deleted with
+        self._failed_create: dict[tuple[str, int], Observation] = {}
+        self._retry_at = 0.0
+        self._backoff = BACKOFF_MIN_S
+
+    def start(self) -> None:
+        for c in (self.jobs, self.pods, self.nodes):
+            c.start()
+
+    def close(self) -> None:
+        for c in (self.jobs, self.pods, self.nodes):
+            c.stop()
+
+    def wait_synced(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(c.synced.wait(max(0.0, deadline - time.monotonic())) for c in (self.jobs, self.pods, self.nodes))
+
+    def synced(self) -> bool:
+        return all(c.synced.is_set() for c in (self.jobs, self.pods, self.nodes))
+
+    # -- one reconcile pass ---------------------------------------------------------------------
+    def sync(self, plan: Plan, now: datetime | None = None) -> SyncResult:
+        now = now or _now()
+        out = SyncResult()
+        if not self.synced():
+            return out
+        out.inventory = [node_info(n) for n in self.nodes.items()]
+        by_attempt, pods_by_job = self._snapshot()
+        api_ok = time.monotonic() >= self._retry_at
+        try:
+            if api_ok:
+                out.created += self._create_missing(plan, by_attempt, out)
+                out.deleted += self._stop_all(plan, by_attempt, pods_by_job)
+                out.deleted += self._delete_orphans(plan, by_attempt, pods_by_job)
+            self._backoff = BACKOFF_MIN_S
+        except Exception as err:  # 5xx, 429, a refused delete (RBAC), connection errors
+            # Creates the API refuses are per attempt (_create_missing); anything else: wait and
+            # retry the whole pass, still classifying what the caches show meanwhile.
+            self._api_backoff(err)
+        by_attempt, pods_by_job = self._snapshot()  # again: with what this pass created
+        stopping = {(s.workload.job_id, s.workload.attempt) for s in plan.stop}
+        for w in [*plan.run, *(s.workload for s in plan.stop)]:
+            k = (w.job_id, w.attempt)
+            if k in self._failed_create:
+                out.observations.append(self._failed_create[k])
+                continue
+            members_jobs = by_attempt.get(k, {})
+            members: list[MemberStatus | None] = []
+            seen: list[bool] = []
+            for i in range(len(w.placement)):
+                name = workload_name(w.job_id, w.attempt, i)
+                job = members_jobs.get(i)
+                seen.append(name in self._seen)
+                members.append(member_status(job, pods_by_job.get(name, [])) if job is not None else None)
+            obs = attempt_observation(w.job_id, w.attempt, members, seen=seen, started_in_log=k in plan.started,
+                                      stopping=k in stopping, now=now)
+            if obs is not None:
+                out.observations.append(obs)
+        self._prune(plan)
+        return out
+
+    def _prune(self, plan: Plan) -> None:
+        """Forget what concerns attempts the log no longer holds live (bounded memory)."""
+        live = {workload_name(w.job_id, w.attempt, i) for w in [*plan.run, *(s.workload for s in plan.stop)]
+                for i in range(len(w.placement))}
+        self._seen &= live
+        self._failed_create = {k: v for k, v in self._failed_create.items() if k in plan.keep}
+        pods = {_key(p) for p in self.pods.items()}
+        self._pod_deleted = {k: g for k, g in self._pod_deleted.items() if k in pods}
+
+    def _snapshot(self):
+        """The cached Jobs by (job id, attempt) -> member, and the cached Pods by Job name."""
+        by_attempt: dict[tuple[str, int], dict[int, dict]] = {}
+        for job in self.jobs.items():
+            labels = (job.get("metadata") or {}).get("labels") or {}
+            try:
+                k = (labels[L_JOB], int(labels[L_ATTEMPT]))
+                by_attempt.setdefault(k, {})[int(labels[L_MEMBER])] = job
+            except (KeyError, ValueError):
+                continue  # not one of ours after all (label edited by hand): left alone
+            self._seen.add(job["metadata"]["name"])
+        pods_by_job: dict[str, list[dict]] = {}
+        for pod in self.pods.items():
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            owner = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name")
+            if owner:
+                pods_by_job.setdefault(owner, []).append(pod)
+        return by_attempt, pods_by_job
+
+    def _api_backoff(self, err: Exception) -> None:
+        log.warning("Kubernetes API error (%r), backing off %.1f s", err, self._backoff)
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+
+    def _create_missing(self, plan: Plan, by_attempt, out: SyncResult) -> int:
+        from kubernetes.client.exceptions import ApiException
+
+        created = 0
+        for w in plan.run:
+            k = (w.job_id, w.attempt)
+            if k in self._failed_create:
+                continue
+            have = by_attempt.get(k, {})
+            for i, manifest in enumerate(job_manifests(w, self.opts)):
+                name = manifest["metadata"]["name"]
+                if i in have or name in self._seen:
+                    continue  # exists (adopted), or existed and vanished: classification reports it
+                ns = manifest["metadata"]["namespace"]
+                try:
+                    obj = self.batch.create_namespaced_job(ns, manifest, _preload_content=False)
+                    body = json.loads(obj.data)
+                    self.jobs.put(body)
+                    self._seen.add(name)
+                    created += 1
+                except ApiException as err:
+                    if err.status == 409:
+                        continue  # AlreadyExists: the watch brings it; adopt, never recreate
+                    if err.status in (400, 403, 404, 422):
+                        msg = _api_message(err)
+                        from schemas import FailureReason
+
+                        self._failed_create[k] = Observation(
+                            w.job_id, w.attempt, Phase.FAILED, _now(), reason=FailureReason.BACKEND_ERROR,
+                            message=f"creating Job {ns}/{name} was refused ({err.status}): {msg}")
+                        log.error("Job refused by the API", extra={"job": w.job_id, "attempt": w.attempt,
+                                                                   "status": err.status, "error": msg})
+                        break
+                    raise
+        return created
+
+    def _stop_all(self, plan: Plan, by_attempt, pods_by_job) -> int:
+        deleted = 0
+        for s in plan.stop:
+            k = (s.workload.job_id, s.workload.attempt)
+            members = by_attempt.get(k, {})
+            for i, job in members.items():
+                name = job["metadata"]["name"]
+                ns = job["metadata"]["namespace"]
+                pods = [p for p in pods_by_job.get(name, [])
+                        if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+                grace = int(math.ceil(s.grace_seconds))
+                for p in pods:
+                    pkey = _key(p)
+                    prev = self._pod_deleted.get(pkey)
+                    if prev is not None and prev <= grace:
+                        continue  # already terminating with that grace (or a shorter one)
+                    self._delete(self.core.delete_namespaced_pod, p["metadata"]["name"], ns, grace)
+                    self._pod_deleted[pkey] = grace
+                    deleted += 1
+                if not pods and not _finished(job) and not job["metadata"].get("deletionTimestamp"):
+                    # Nothing runs (its Pod is not created yet, or is gone): stop the Job itself so
+                    # that it cannot start one. A finished Job stays, with its logs, until its TTL.
+                    self._delete(self.batch.delete_namespaced_job, name, ns, 0)
+                    deleted += 1
+        return deleted
+
+    def _delete_orphans(self, plan: Plan, by_attempt, pods_by_job) -> int:
+        deleted = 0
+        for k, members in by_attempt.items():
+            if k in plan.keep:
+                continue
+            for job in members.values():
+                pods = pods_by_job.get(job["metadata"]["name"], [])
+                ended = bool(pods) and all((p.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+                                           for p in pods)
+                if _finished(job) or ended or job["metadata"].get("deletionTimestamp"):
+                    continue  # kept for its logs until ttlSecondsAfterFinished
+                log.info("deleting orphan Job", extra={"job": job["metadata"]["name"]})
+                self._delete(self.batch.delete_namespaced_job, job["metadata"]["name"],
+                             job["metadata"]["namespace"], self.opts.default_grace_s, propagation="Foreground")
+                deleted += 1
+        return deleted
+
+    def _delete(self, fn, name: str, ns: str, grace: int, propagation: str = "Background") -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            fn(name, ns, grace_period_seconds=grace, propagation_policy=propagation)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+
+def _finished(job: dict) -> bool:
+    return any(c.get("type") in ("Complete", "Failed", "SuccessCriteriaMet", "FailureTarget")
+               and c.get("status") == "True"
+               for c in (job.get("status") or {}).get("conditions") or ())
+
+
+def _api_message(err) -> str:
+    try:
+        return json.loads(err.body).get("message") or str(err.reason)
+    except (TypeError, ValueError):
+        return str(err.reason)
+
+
+def _load_api_client():
+    """In-cluster config when running in a Pod, else KUBECONFIG (or ~/.kube/config)."""
+    import os
+
+    from kubernetes import client, config
+
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+    else:
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
+    return client.ApiClient()

@@ -1,0 +1,176 @@
+"""BackendCore, the pure core of the kubernetes and local backends: the log plus the
+backend's observations -> events and a plan (what must run, stop, or is an orphan)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from schemas import (
+    FailureReason,
+    JobCancelled,
+    JobFailed,
+    JobPreempted,
+    JobStarted,
+    JobSucceeded,
+    NodeLost,
+    NodeRegistered,
+)
+from services.executor.lifecycle import BackendCore, Observation, Phase
+from tests.unit.builders import (
+    T0,
+    admitted,
+    at,
+    cancel_requested,
+    node_info,
+    preemption_requested,
+    reclaim_requested,
+    scheduled,
+    spec,
+    started,
+    submitted,
+)
+
+
+def core_with(*events) -> BackendCore:
+    c = BackendCore()
+    for e in events:
+        c.evolve(e)
+    return c
+
+
+def settle(c: BackendCore, now=T0) -> list:
+    """decide, fold the decisions back in, until nothing new (like the service loop)."""
+    out, seen = [], set()
+    while True:
+        new = [e for e in c.decide(now) if e.event_id not in seen]
+        if not new:
+            return out
+        for e in new:
+            seen.add(e.event_id)
+            c.evolve(e)
+        out += new
+
+
+def obs(phase, *, attempt=1, at_=at(5), started_at=at(1), **kw) -> Observation:
+    return Observation("j", attempt, phase, at_, started_at=started_at, **kw)
+
+
+def test_scheduled_attempt_is_planned_to_run_with_deterministic_name():
+    c = core_with(submitted("j"), admitted("j", priority=700), scheduled("j", {"n1": (0,)}))
+    plan = c.plan()
+    assert [(w.name, w.priority, w.resume) for w in plan.run] == [("j-a1", 700, False)]
+    assert plan.keep == {("j", 1)} and not plan.stop
+
+
+def test_running_then_succeeded_with_the_backends_timestamps():
+    c = core_with(submitted("j"), scheduled("j"))
+    c.observe(obs(Phase.RUNNING, at_=at(1)))
+    [s] = settle(c)
+    assert isinstance(s, JobStarted) and s.occurred_at == at(1)
+    c.observe(obs(Phase.SUCCEEDED, at_=at(9)))
+    [done] = settle(c)
+    assert isinstance(done, JobSucceeded) and (done.occurred_at, done.started_at) == (at(9), at(1))
+    assert c.plan().keep == frozenset()  # finished: its Job is no longer the log's concern
+
+
+def test_a_job_that_finished_unseen_still_gets_started_first():
+    c = core_with(submitted("j"), scheduled("j"))
+    c.observe(obs(Phase.SUCCEEDED))
+    assert [type(e) for e in settle(c)] == [JobStarted, JobSucceeded]
+
+
+def test_a_stale_observation_does_not_move_an_attempt_backwards():
+    c = core_with(submitted("j"), scheduled("j"))
+    c.observe(obs(Phase.SUCCEEDED))
+    c.observe(obs(Phase.RUNNING))
+    assert [type(e) for e in settle(c)] == [JobStarted, JobSucceeded]
+
+
+def test_observations_of_attempts_not_live_are_ignored():
+    c = core_with(submitted("j"), scheduled("j", attempt=2))
+    c.observe(obs(Phase.FAILED, attempt=1, reason=FailureReason.EXIT_CODE, exit_code=1))
+    assert settle(c) == []
+
+
+def test_failure_is_retryable_per_the_jobs_policy():
+    policy = {"max_attempts": 3, "retry_on": ["oom-killed"]}
+    c = core_with(submitted("j", spec(retry=policy)), scheduled("j"), started("j"))
+    c.observe(obs(Phase.FAILED, reason=FailureReason.OOM_KILLED, exit_code=137, message="out of memory"))
+    [f] = settle(c)
+    assert isinstance(f, JobFailed) and (f.reason, f.exit_code, f.retryable) == (FailureReason.OOM_KILLED, 137, True)
+
+
+def test_an_attempt_that_disappears_is_a_backend_error():
+    c = core_with(submitted("j"), scheduled("j"), started("j"))
+    c.observe(obs(Phase.GONE))
+    [f] = settle(c)
+    assert f.reason == FailureReason.BACKEND_ERROR and f.retryable  # in the default retry_on
+
+
+def test_cancel_stops_then_reports_once_gone():
+    c = core_with(submitted("j"), scheduled("j"), started("j"), cancel_requested("j"))
+    plan = c.plan()
+    assert [s.why for s in plan.stop] == ["cancel"] and not plan.run
+    assert settle(c) == []  # still stopping
+    c.observe(obs(Phase.GONE, at_=at(40)))
+    [e] = settle(c)
+    assert isinstance(e, JobCancelled) and e.attempt == 1 and e.occurred_at == at(40)
+
+
+def test_cancel_of_a_queued_job_needs_no_backend():
+    c = core_with(submitted("j"), cancel_requested("j"))
+    [e] = settle(c)
+    assert isinstance(e, JobCancelled) and e.attempt is None
+
+
+def test_preemption_stops_with_its_grace_and_reports_preempted():
+    c = core_with(submitted("j"), scheduled("j"), started("j"), preemption_requested("j", grace_seconds=45))
+    [stop] = c.plan().stop
+    assert (stop.why, stop.grace_seconds) == ("preempt", 45)
+    c.observe(obs(Phase.FAILED, reason=FailureReason.EXIT_CODE, exit_code=143))  # killed by SIGTERM
+    [e] = settle(c)
+    assert isinstance(e, JobPreempted) and e.preempted_by == "urgent"
+
+
+def test_reclaim_is_a_preemption_with_its_own_grace():
+    c = core_with(submitted("j"), scheduled("j"), started("j"), reclaim_requested("j"))
+    assert c.plan().stop[0].grace_seconds == 30
+
+
+def test_node_lost_fails_the_attempt_and_stops_it():
+    c = core_with(submitted("j"), scheduled("j", {"n1": (0,)}), started("j"))
+    c.observe_inventory([node_info("n1")])
+    settle(c)
+    c.observe_inventory([])
+    events = settle(c)
+    assert [type(e) for e in events] == [NodeLost, JobFailed]
+    assert events[1].reason == FailureReason.NODE_LOST and events[1].retryable
+    assert c.plan().stop == () and c.plan().keep == frozenset()
+
+
+def test_inventory_only_after_the_first_list():
+    c = BackendCore()
+    assert settle(c) == []  # nothing listed yet: never report nodes lost
+    c.observe_inventory([node_info("n1")])
+    [r] = settle(c)
+    assert isinstance(r, NodeRegistered)
+    c.observe_inventory([node_info("n1")])
+    assert settle(c) == []
+
+
+def test_a_retry_resumes_from_its_checkpoint():
+    c = core_with(submitted("j"), scheduled("j"), started("j"))
+    c.observe(obs(Phase.FAILED, reason=FailureReason.EVICTED))
+    settle(c)
+    c.evolve(scheduled("j", attempt=2, when=T0 + timedelta(seconds=60)))
+    [w] = c.plan().run
+    assert (w.name, w.resume) == ("j-a2", True)
+
+
+def test_decisions_are_deterministic():
+    def run():
+        c = core_with(submitted("j"), scheduled("j"))
+        c.observe(obs(Phase.SUCCEEDED))
+        return [e.event_id for e in settle(c)]
+
+    assert run() == run()
