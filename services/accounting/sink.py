@@ -23,30 +23,71 @@ _STATE_COLUMNS = frozenset(
      "nodes", "reason", "message", "exit_code"}
 )
 
+_TS_COLUMNS = ("admitted_at", "reserved_at", "scheduled_at", "started_at", "finished_at")
+_JOB_COLUMNS: tuple[tuple[str, str], ...] = (
+    *((c, "timestamptz") for c in _TS_COLUMNS),
+    ("attempt", "integer"), ("flavor", "text"), ("nodes", "text[]"), ("reason", "text"), ("message", "text"),
+    ("exit_code", "integer"),
+)
+assert {c for c, _ in _JOB_COLUMNS} == _STATE_COLUMNS
+
+# One statement for every change to a job row (state transitions and wait reasons): a flag and a
+# value per column, so that all of a batch's job updates go to Postgres in one pipelined
+# executemany, in log order.
+_JOB_UPDATE = "UPDATE jobs SET state = coalesce($2, state), last_sequence = $3" + "".join(
+    f", {c} = CASE WHEN ${4 + 2 * i}::boolean THEN ${5 + 2 * i}::{t} ELSE {c} END"
+    for i, (c, t) in enumerate(_JOB_COLUMNS)
+) + " WHERE job_id = $1"
+
 _SQL = {
     "job_submitted": """
         INSERT INTO jobs (job_id, team, project, queue, kind, priority_class, submitter, gpus_per_node,
-                          gang_size, total_gpus, submitted_at, last_sequence, state)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'submitted')
+                          gang_size, total_gpus, submitted_at, last_sequence, state, cpu_millis, memory_mib)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'submitted', $13, $14)
         ON CONFLICT (job_id) DO NOTHING""",
     "job_rejected": """
         INSERT INTO jobs (job_id, state, reason, message, finished_at, last_sequence)
         VALUES ($1, 'rejected', $2, $3, $4, $5)
         ON CONFLICT (job_id) DO UPDATE SET state = 'rejected', reason = $2, message = $3,
             finished_at = $4, last_sequence = $5""",
+    "job_update": _JOB_UPDATE,
+    # The attempt's quota (flavor, GPUs, borrowed part), when it was queued and its last checkpoint
+    # logged before it ended: all keyed by (job, attempt), so the result does not depend on the
+    # order a batch's rows were written in.
     "usage": """
         INSERT INTO usage_ledger (job_id, attempt, team, project, queue, flavor, gpus, started_at, ended_at,
-                                  gpu_seconds, outcome, sequence)
-        SELECT job_id, $2, team, project, queue, flavor, total_gpus, $3, $4, total_gpus * $5::float8, $6, $7
-        FROM jobs WHERE job_id = $1 AND flavor IS NOT NULL
+                                  gpu_seconds, outcome, sequence, borrowed_gpus, borrowed_gpu_seconds,
+                                  lost_gpu_seconds, last_checkpoint_at, queued_at, wait_seconds,
+                                  cpu_core_seconds, memory_gib_seconds)
+        SELECT j.job_id, $2, j.team, j.project, coalesce(r.queue, j.queue), coalesce(r.flavor, j.flavor),
+               coalesce(r.gpus, j.total_gpus), $3::timestamptz, $4::timestamptz,
+               coalesce(r.gpus, j.total_gpus) * $5::float8, $6, $7,
+               coalesce(r.borrowed, 0), coalesce(r.borrowed, 0) * $5::float8,
+               CASE WHEN $6 = 'JobPreempted' THEN coalesce(r.gpus, j.total_gpus)
+                    * greatest(0, extract(epoch FROM $4::timestamptz - greatest($3::timestamptz, c.at)))::float8
+                    ELSE 0 END,
+               c.at, a.queued_at,
+               CASE WHEN a.queued_at IS NULL THEN NULL
+                    ELSE greatest(0, extract(epoch FROM $3::timestamptz - a.queued_at))::float8 END,
+               coalesce(j.cpu_millis, 0) / 1000.0 * $5::float8, coalesce(j.memory_mib, 0) / 1024.0 * $5::float8
+        FROM jobs j
+        LEFT JOIN reservations r ON r.job_id = j.job_id AND r.attempt = $2
+        LEFT JOIN attempts a ON a.job_id = j.job_id AND a.attempt = $2
+        LEFT JOIN LATERAL (SELECT max(checkpointed_at) AS at FROM checkpoints k
+                           WHERE k.job_id = j.job_id AND k.attempt = $2 AND k.sequence < $7
+                             AND k.checkpointed_at <= $4::timestamptz) c ON true
+        WHERE j.job_id = $1 AND coalesce(r.flavor, j.flavor) IS NOT NULL
         ON CONFLICT (job_id, attempt) DO NOTHING""",
+    "attempt_queued": "INSERT INTO attempts (job_id, attempt, queued_at, sequence) VALUES ($1, $2, $3, $4) "
+                      "ON CONFLICT DO NOTHING",
+    "checkpoint": "INSERT INTO checkpoints (job_id, attempt, checkpointed_at, sequence) VALUES ($1, $2, $3, $4) "
+                  "ON CONFLICT DO NOTHING",
     "node": """
         INSERT INTO nodes (name, gpu_flavor, gpu_product, gpu_count, gpu_memory_mib, labels, unschedulable,
                            last_sequence, lost)
         VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7, $8, false)
         ON CONFLICT (name) DO UPDATE SET gpu_flavor = $2, gpu_product = $3, gpu_count = $4,
             gpu_memory_mib = $5, labels = $6::jsonb, unschedulable = $7, last_sequence = $8, lost = false""",
-    "wait_reason": "UPDATE jobs SET reason = $2, message = $3, last_sequence = $4 WHERE job_id = $1",
     "reservation": """
         INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence)
         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (job_id, attempt) DO NOTHING""",
@@ -61,18 +102,65 @@ _SQL = {
         INSERT INTO queues (name, cohort, config, last_sequence, deleted) VALUES ($1, $2, $3::jsonb, $4, false)
         ON CONFLICT (name) DO UPDATE SET cohort = $2, config = $3::jsonb, last_sequence = $4, deleted = false""",
     "queue_deleted": "UPDATE queues SET deleted = true, last_sequence = $2 WHERE name = $1",
+    "quota_history": "INSERT INTO quota_history (queue, owner, effective_from, quotas, sequence) "
+                     "VALUES ($1, $2, $3, $4::jsonb, $5) ON CONFLICT DO NOTHING",
+    "price_book": """
+        INSERT INTO price_books (name, effective_from, currency, gpu_prices, cpu_core_hour, memory_gib_hour,
+                                 idle_quota, sequence)
+        VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8) ON CONFLICT DO NOTHING""",
+    "statement": """
+        INSERT INTO statements (statement_id, period, group_by, checksum, first_sequence, last_sequence,
+                                total_cost, body, sequence)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9) ON CONFLICT (statement_id) DO NOTHING""",
 }
 
+# Ops of these statements are applied grouped, in this phase order (log order within each
+# statement). That is safe because a job's row is inserted before any update to it, every job
+# change is one statement (job_update) kept in log order, and the attempt tables are keyed by
+# (job, attempt) and written before the usage row that reads them. Every other statement keeps
+# strict log order, consecutive runs of one statement grouped.
+_PHASE = {"job_submitted": 0, "job_rejected": 1, "job_update": 2, "attempt_queued": 3, "reservation": 3,
+          "checkpoint": 3, "reservation_released": 4, "usage": 5}
 
-def _sql(statement: str) -> str:
-    if statement.startswith("set_state:"):
-        names = [n for n in statement.split(":", 1)[1].split(",") if n]
+
+def _normalize(op: Op) -> tuple[str, tuple]:
+    """The converter's op as (statement, arguments) of the SQL above."""
+    if op.statement.startswith("set_state:"):
+        names = [n for n in op.statement.split(":", 1)[1].split(",") if n]
         unknown = set(names) - _STATE_COLUMNS
         if unknown:
             raise ValueError(f"set_state: unknown columns {sorted(unknown)}")
-        sets = "".join(f", {n} = ${i}" for i, n in enumerate(names, start=4))
-        return f"UPDATE jobs SET state = $2, last_sequence = $3{sets} WHERE job_id = $1"
-    return _SQL[statement]
+        job_id, state, seq, *values = op.args
+        given = dict(zip(names, values))
+        args: list = [job_id, state, seq]
+        for c, _ in _JOB_COLUMNS:
+            args += [c in given, given.get(c)]
+        return "job_update", tuple(args)
+    if op.statement == "wait_reason":
+        job_id, reason, message, seq = op.args
+        given = {"reason": reason, "message": message}
+        args = [job_id, None, seq]
+        for c, _ in _JOB_COLUMNS:
+            args += [c in given, given.get(c)]
+        return "job_update", tuple(args)
+    if op.statement not in _SQL:
+        raise ValueError(f"no SQL for operation {op.statement!r}")
+    return op.statement, op.args
+
+
+def plan(ops: list[Op]) -> list[tuple[str, list[tuple]]]:
+    """The batch's operations as (statement, rows) groups in the order they are executed."""
+    grouped: dict[tuple[int, str], list[tuple]] = {}
+    ordered: list[tuple[str, list[tuple]]] = []
+    for op in ops:
+        name, args = _normalize(op)
+        if name in _PHASE:
+            grouped.setdefault((_PHASE[name], name), []).append(args)
+        elif ordered and ordered[-1][0] == name:
+            ordered[-1][1].append(args)
+        else:
+            ordered.append((name, [args]))
+    return [(name, rows) for (_, name), rows in sorted(grouped.items())] + ordered
 
 
 async def migrate(conn: asyncpg.Connection) -> list[str]:
@@ -120,13 +208,15 @@ async def apply_batch(conn: asyncpg.Connection, batch: list[tuple[int, list[Op]]
         )
         applied = 0
         high = current
-        for seq, ops in batch:
+        ops: list[Op] = []
+        for seq, event_ops in batch:
             if seq <= current:
                 continue
-            for op in ops:
-                await conn.execute(_sql(op.statement), *op.args)
+            ops.extend(event_ops)
             applied += 1
             high = max(high, seq)
+        for name, rows in plan(ops):
+            await conn.executemany(_SQL[name], rows)
         if high > current:
             await conn.execute(
                 "UPDATE projection_position SET last_sequence = $2, updated_at = now() WHERE projection = $1",
