@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e bench schemas lint clean
+.PHONY: help setup run test test-unit test-integration test-e2e bench schemas lint clean promtool
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -34,13 +34,17 @@ test-integration: setup ## Each service against real NATS and Postgres
 test-e2e: setup ## All services as processes, faults included
 	$(BIN)/python -m pytest -q e2e $(ARGS)
 
-bench: setup ## Benchmarks (~10 min): e2e beside the raw JetStream ceiling, the quota core at scale, Kueue's baseline
+bench: setup ## Benchmarks (~15 min): e2e beside the raw JetStream ceiling, the quota core at scale, Kueue's baseline, accounting replay
 	$(BIN)/python -m bench $(ARGS)
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.kueue
+	$(BIN)/python -m bench.accounting
+
+promtool: ## Install Debian's promtool into .cache/promtool (apt-get download + dpkg -x; for the metrics lint test)
+	@sh scripts/promtool.sh
 
 schemas: setup ## Regenerate schemas/json from the pydantic models
 	$(BIN)/python -m schemas.export
 
 clean: ## Remove the virtualenv and local data (.data)
-	rm -rf $(VENV) .data .pytest_cache .hypothesis
+	rm -rf $(VENV) .data .pytest_cache .hypothesis .cache

@@ -1,0 +1,182 @@
+"""Replay: rebuild the read models from the log into a shadow schema, compare shadow and live
+(row counts and checksums per table), and swap them. The same converter and sink as the live
+service, so a replay can only differ from live if the code (or the price book) changed: which
+is what a replay is for.
+
+A shadow is a Postgres schema (default ``shadow``) in the read-model database with the same
+migrations; it has its own ``projection_position``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+from pydantic import ValidationError
+
+from gpusched import eventlog
+from services.accounting import projection, sink
+
+PROJECTIONS = ("read-models",)
+"""The projections accounting keeps (one today: every table below shares its position)."""
+
+TABLES = ("jobs", "usage_ledger", "reservations", "attempts", "checkpoints", "nodes", "queues", "cohorts",
+          "quota_history", "price_books", "statements", "projection_position", "schema_migrations")
+# Columns that record when a row was written, not what the log says: left out of checksums.
+_VOLATILE = {"projection_position": ("updated_at",), "schema_migrations": ("applied_at",)}
+_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class ReplayError(ValueError):
+    """A replay request that cannot be carried out; says why and what is accepted."""
+
+
+def check_schema(name: str) -> str:
+    if not _SCHEMA_NAME.match(name) or name in ("public", "pg_catalog", "information_schema"):
+        raise ReplayError(f"--into {name!r}: a shadow is a schema name other than public "
+                          "(lowercase letters, digits, _; e.g. shadow)")
+    return name
+
+
+async def connect(dsn: str, schema: str = "public") -> asyncpg.Connection:
+    """A connection whose unqualified table names resolve in ``schema``."""
+    return await asyncpg.connect(dsn, server_settings={"search_path": schema}, timeout=10)
+
+
+async def reset(dsn: str, schema: str) -> None:
+    """Drop and re-create a shadow schema with the migrations applied."""
+    check_schema(schema)
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}")
+    finally:
+        await conn.close()
+    conn = await connect(dsn, schema)
+    try:
+        await sink.migrate(conn)
+    finally:
+        await conn.close()
+
+
+@dataclass
+class Progress:
+    applied: int = 0
+    last_sequence: int = 0
+    dead: int = 0
+
+
+def convert_message(msg) -> tuple[int, list[projection.Op]]:
+    seq = msg.metadata.sequence.stream
+    try:
+        return seq, projection.convert(eventlog.parse_message(msg), seq)
+    except (ValueError, ValidationError, LookupError):
+        return seq, []  # poison: the live service dead-lettered it; a replay skips it the same way
+
+
+async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, from_time: datetime | None = None,
+                 to_seq: int | None = None, batch: int = 5000,
+                 on_batch: Callable[[Progress], None] | None = None) -> Progress:
+    """Apply the log from the target's position (or ``from_seq``/``from_time``, whichever is
+    later) up to ``to_seq`` (default: the log's end now) through the converter and the sink. One
+    batch is written while the next is parsed."""
+    start = max(await sink.position(conn) + 1, from_seq or 1)
+    end = to_seq if to_seq is not None else await eventlog.last_sequence(js)
+    progress = Progress(last_sequence=start - 1)
+    if start > end:
+        return progress
+    pending: asyncio.Task | None = None
+    chunk: list[tuple[int, list[projection.Op]]] = []
+
+    async def flush(items):
+        await sink.apply_batch(conn, items)
+
+    async def hand_over(items) -> None:
+        nonlocal pending
+        if pending is not None:
+            await pending
+        pending = asyncio.create_task(flush(items))
+        progress.applied += len(items)
+        progress.last_sequence = items[-1][0]
+        if on_batch:
+            on_batch(progress)
+
+    async for msg in eventlog.read(js, from_seq=None if from_time else start, from_time=from_time, to_seq=end,
+                                   batch=min(batch, 10_000)):
+        seq, ops = convert_message(msg)
+        if seq < start:
+            continue
+        chunk.append((seq, ops))
+        if len(chunk) >= batch:
+            await hand_over(chunk)
+            chunk = []
+    if chunk:
+        await hand_over(chunk)
+    if pending is not None:
+        await pending
+    return progress
+
+
+async def table_checksums(conn: asyncpg.Connection, schema: str) -> dict[str, tuple[int, str]]:
+    """table -> (rows, md5 over the sorted md5 of each row's text)."""
+    out = {}
+    for table in TABLES:
+        exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{schema}.{table}")
+        if not exists:
+            out[table] = (0, "missing")
+            continue
+        cols = [r["attname"] for r in await conn.fetch(
+            "SELECT attname FROM pg_attribute WHERE attrelid = $1::regclass AND attnum > 0 AND NOT attisdropped "
+            "ORDER BY attname", f"{schema}.{table}")]
+        cols = [c for c in cols if c not in _VOLATILE.get(table, ())]
+        row = ", ".join(f't."{c}"' for c in cols)
+        n, digest = await conn.fetchrow(
+            f"SELECT count(*), coalesce(md5(string_agg(h, '' ORDER BY h)), '') FROM "
+            f"(SELECT md5(ROW({row})::text) AS h FROM {schema}.{table} t) s")
+        out[table] = (n, digest)
+    return out
+
+
+async def compare(dsn: str, shadow: str, live: str = "public") -> list[dict]:
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        async with conn.transaction(isolation="repeatable_read", readonly=True):
+            a = await table_checksums(conn, live)
+            b = await table_checksums(conn, shadow)
+    finally:
+        await conn.close()
+    return [{"table": t, "live_rows": a[t][0], "shadow_rows": b[t][0], "live_checksum": a[t][1][:12],
+             "shadow_checksum": b[t][1][:12], "equal": a[t] == b[t]} for t in TABLES]
+
+
+async def swap(dsn: str, js, shadow: str, on_batch=None) -> str:
+    """Make the shadow the live read models. Live writers are held off by a lock on the live
+    position while the shadow catches up to exactly the live position; the live tables move to a
+    ``retired_<time>`` schema (drop it when satisfied). Returns that schema's name."""
+    check_schema(shadow)
+    retired = f"retired_{int(time.time())}"
+    admin = await asyncpg.connect(dsn, timeout=10)
+    shadow_conn = await connect(dsn, shadow)
+    try:
+        async with admin.transaction():
+            await admin.execute("LOCK TABLE public.projection_position IN ACCESS EXCLUSIVE MODE")
+            live_pos = await admin.fetchval(
+                "SELECT last_sequence FROM public.projection_position WHERE projection = $1", sink.PROJECTION) or 0
+            await replay(js, shadow_conn, to_seq=live_pos, on_batch=on_batch)
+            shadow_pos = await sink.position(shadow_conn)
+            if shadow_pos != live_pos:
+                raise ReplayError(f"shadow is at {shadow_pos}, live at {live_pos}: cannot swap (the log's tail "
+                                  "is not readable?)")
+            await admin.execute(f"CREATE SCHEMA {retired}")
+            for table in TABLES:
+                await admin.execute(f"ALTER TABLE public.{table} SET SCHEMA {retired}")
+                await admin.execute(f"ALTER TABLE {shadow}.{table} SET SCHEMA public")
+            await admin.execute(f"DROP SCHEMA {shadow}")
+    finally:
+        await shadow_conn.close()
+        await admin.close()
+    return retired

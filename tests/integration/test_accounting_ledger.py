@@ -1,0 +1,235 @@
+"""The usage ledger, price book, chargeback statements, replay and metrics against a real
+nats-server and Postgres: guaranteed vs borrowed, work lost since the last checkpoint, queue
+wait; a statement issued when the period closes, re-derived by replay with the same checksum,
+re-issued after a price correction; shadow rebuild, compare and swap; `promtool check metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from conftest import eventually, service_settings
+from gpusched import accounting_cli, eventlog
+from schemas import (
+    JobAdmitted, JobCheckpointed, JobPreempted, JobRetryScheduled, JobScheduled, JobSpec, JobStarted, JobSubmitted,
+    JobSucceeded, NodeAssignment, NodeRegistered, QuotaReserved, new_event,
+)
+from schemas.node import NodeInfo
+from services.accounting import __main__ as accounting
+from services.accounting import metrics, queries, replay, sink
+from tests.unit.builders import price_book, queue
+
+NOV = datetime(2026, 11, 2, 9, 0, tzinfo=UTC)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def s(seconds: float) -> datetime:
+    return NOV + timedelta(seconds=seconds)
+
+
+def job(job_id: str, team: str, *, gpus: int, borrowed: int = 0, start: float = 60, end: float = 3660,
+        preempt_at: float | None = None, checkpoint_at: float | None = None) -> list:
+    spec = JobSpec(kind="training", queue="q", team=team, image="img", gpus=gpus)
+    ev = [
+        new_event(JobSubmitted, aggregate_id=job_id, producer="admission", occurred_at=s(0), key="1", spec=spec,
+                  submitter="u", intake_sequence=1),
+        new_event(JobAdmitted, aggregate_id=job_id, producer="admission", occurred_at=s(0), key="d", queue="q",
+                  priority=500, preemptible=True),
+    ]
+
+    def run(attempt: int, t0: float, t1: float, borrowed_: int, ending):
+        ev.extend([
+            new_event(QuotaReserved, aggregate_id=job_id, producer="quota", occurred_at=s(t0 - 5), key=str(attempt),
+                      attempt=attempt, queue="q", flavor="a100", gpus=gpus, borrowed=borrowed_),
+            new_event(JobScheduled, aggregate_id=job_id, producer="scheduler", occurred_at=s(t0 - 1), key=str(attempt),
+                      attempt=attempt, flavor="a100", placement=(NodeAssignment(node="n1", gpus=gpus),)),
+            new_event(JobStarted, aggregate_id=job_id, producer="executor", occurred_at=s(t0), key=str(attempt),
+                      attempt=attempt, nodes=("n1",)),
+        ])
+        if checkpoint_at is not None and attempt == 1:
+            ev.append(new_event(JobCheckpointed, aggregate_id=job_id, producer="admission", occurred_at=s(checkpoint_at + 1),
+                                key="c1", attempt=1, checkpointed_at=s(checkpoint_at), intake_sequence=2))
+        ev.append(new_event(ending, aggregate_id=job_id, producer="executor", occurred_at=s(t1), key=str(attempt),
+                            attempt=attempt, started_at=s(t0)))
+
+    if preempt_at is None:
+        run(1, start, end, borrowed, JobSucceeded)
+    else:
+        run(1, start, preempt_at, borrowed, JobPreempted)
+        ev.append(new_event(JobRetryScheduled, aggregate_id=job_id, producer="quota", occurred_at=s(preempt_at + 10),
+                            key="r1", failed_attempt=1, next_attempt=2, not_before=s(preempt_at + 10)))
+        run(2, preempt_at + 40, end, 0, JobSucceeded)
+    return ev
+
+
+def december_event():
+    return new_event(NodeRegistered, aggregate_id="n9", producer="executor",
+                     occurred_at=datetime(2026, 12, 1, 2, tzinfo=UTC), key="1",
+                     node=NodeInfo(name="n9", gpu_flavor="a100", gpu_count=8))
+
+
+def scenario() -> list:
+    q = queue("q", ("team-a", "team-b"), {"a100": 4})
+    q = q.model_copy(update={"occurred_at": datetime(2026, 11, 1, tzinfo=UTC)})
+    book = price_book({"a100": 2.0}, effective_from=datetime(2026, 10, 1, tzinfo=UTC))
+    return [q, book,
+            *job("j1", "team-a", gpus=4, borrowed=1, start=60, preempt_at=1060, checkpoint_at=660, end=4700),
+            *job("j2", "team-b", gpus=1, start=100, end=3700)]
+
+
+@pytest.fixture
+def cli_env(nats_server, pg_dsn, monkeypatch):
+    monkeypatch.setenv("GPUSCHED_NATS_URL", nats_server.url())
+    monkeypatch.setenv("GPUSCHED_NATS_USER", "operator")
+    monkeypatch.setenv("GPUSCHED_NATS_PASSWORD", nats_server.creds.users["operator"])
+    monkeypatch.setenv("GPUSCHED_PG_DSN", pg_dsn)
+    monkeypatch.setenv("GPUSCHED_CONNECTION_FILE", "/nonexistent")
+    monkeypatch.setenv("GPUSCHED_STATEMENT_GRACE_S", "0")
+    monkeypatch.setenv("GPUSCHED_STATEMENT_BY", "team")
+
+
+async def _position(dsn: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await sink.position(conn) if await conn.fetchval("SELECT to_regclass('projection_position') IS NOT NULL") else 0
+    finally:
+        await conn.close()
+
+
+async def _caught_up(js, dsn: str) -> bool:
+    return await _position(dsn) >= await eventlog.last_sequence(js)
+
+
+async def _statements(js) -> list:
+    from schemas import parse_event
+    return [parse_event(m.data) async for m in eventlog.read(js, subjects=["gpusched.statement.>"])]
+
+
+async def test_ledger_statement_replay_and_metrics(nats_server, admin_js, pg_dsn, cli_env):
+    log = eventlog.EventLog(admin_js)
+    for e in scenario():
+        await log.append(e)
+    stop = asyncio.Event()
+    task = asyncio.create_task(accounting.run(service_settings(nats_server, "accounting", pg_dsn=pg_dsn), stop))
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        rows = {(r["job_id"], r["attempt"]): dict(r) for r in await conn.fetch("SELECT * FROM usage_ledger")}
+        a1, a2 = rows[("j1", 1)], rows[("j1", 2)]
+        assert (a1["gpu_seconds"], a1["borrowed_gpu_seconds"], a1["lost_gpu_seconds"]) == (4000.0, 1000.0, 1600.0)
+        assert a1["last_checkpoint_at"] == s(660) and a1["wait_seconds"] == 60.0 and a1["outcome"] == "JobPreempted"
+        assert (a2["gpu_seconds"], a2["borrowed_gpu_seconds"], a2["lost_gpu_seconds"]) == (4 * 3600.0, 0.0, 0.0)
+        assert a2["wait_seconds"] == 30.0  # retry decided at 1070, started at 1100
+        assert rows[("j2", 1)]["cpu_core_seconds"] == 3600.0
+        assert await _statements(admin_js) == []  # November is not over in the log yet
+
+        # time travel: before j1's second attempt ended only its first attempt and j2 were in the ledger
+        early = await queries.rollup(conn, ["team"], as_of=s(4000))
+        assert [(r["team"], r["gpu_hours"]) for r in early] == [("team-a", 4000 / 3600), ("team-b", 1.0)]
+
+        # the log passes the end of November: the statement is issued and projected
+        await log.append(december_event())
+        (st,) = await eventually(lambda: _statements(admin_js))
+        assert st.period == "2026-11" and st.group_by == "team" and st.first_sequence == 1
+        assert st.last_sequence == len(scenario()) + 1  # the read models had applied the December event
+        lines = {line.key: line for line in st.lines}
+        assert lines["team-a"].usage_cost == pytest.approx((4000 + 4 * 3600) / 3600 * 2.0)
+        assert lines["team-a"].lost_gpu_seconds == 1600.0 and lines["team-a"].borrowed_gpu_seconds == 1000.0
+        assert lines["team-a"].idle_gpu_seconds > 0 and lines["team-a"].total_cost == lines["team-a"].usage_cost
+        assert st.total_cost == pytest.approx(lines["team-a"].total_cost + 2.0)
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        assert [r["statement_id"] for r in await queries.issued(conn)] == [st.aggregate_id]
+
+        # anyone can re-derive it by replay and get the same checksum
+        verified = await accounting_cli._verify(st.aggregate_id, _Quiet())
+        assert verified["verified"] and verified["replayed_checksum"] == st.checksum
+
+        # a corrected price for the same effective time re-prices November: a new statement
+        await log.append(price_book({"a100": 3.0}, effective_from=datetime(2026, 10, 1, tzinfo=UTC), key="fix",
+                                    when=datetime(2026, 12, 1, 3, tzinfo=UTC)))
+        first, second = await eventually(lambda: _ready(_statements(admin_js), 2))
+        assert second.total_cost == pytest.approx(first.total_cost * 1.5)
+        assert second.last_sequence > first.last_sequence and second.checksum != first.checksum
+        assert (await accounting_cli._verify(second.aggregate_id, _Quiet()))["verified"]
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+
+        # replay into a shadow: identical to live, table by table; then swap it in while live runs
+        result = await accounting_cli._replay("shadow", None, None, True, False, 7, _Quiet())
+        assert result["position"] == await _position(pg_dsn)
+        assert [r["table"] for r in result["compare"] if not r["equal"]] == []
+        assert {r["table"]: r["live_rows"] for r in result["compare"]}["usage_ledger"] == 3
+        await conn.execute("UPDATE shadow.usage_ledger SET gpu_seconds = gpu_seconds + 1 WHERE job_id = 'j2'")
+        diff = await replay.compare(pg_dsn, "shadow")
+        assert [r["table"] for r in diff if not r["equal"]] == ["usage_ledger"]
+        swapped = await accounting_cli._replay("shadow", None, None, False, True, 1000, _Quiet())
+        assert swapped["retired"].startswith("retired_")
+        for e in job("j3", "team-a", gpus=2, start=10, end=20):
+            await log.append(e.model_copy(update={"occurred_at": e.occurred_at + timedelta(days=30)}))
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        assert await conn.fetchval("SELECT count(*) FROM public.usage_ledger") == 4  # live writes to the new tables
+
+        # operations metrics: the exposition is valid for promtool
+        text = await metrics.exposition(conn, datetime(2026, 12, 2, tzinfo=UTC))
+        assert b'gpusched_team_gpu_seconds{flavor="a100",team="team-a"}' in text
+        assert b'gpusched_gpu_capacity{flavor="a100"} 8.0' in text
+        promtool_check(text)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await conn.close()
+
+
+async def _ready(coro, n):
+    items = await coro
+    return items if len(items) >= n else None
+
+
+def _Quiet():  # noqa: N802
+    """The CLI's stderr console, silenced under pytest."""
+    from rich.console import Console
+    return Console(file=open(os.devnull, "w"))
+
+
+def promtool() -> str:
+    if os.environ.get("PROMTOOL"):
+        return os.environ["PROMTOOL"]
+    proc = subprocess.run(["sh", str(REPO / "scripts" / "promtool.sh")], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.skip(f"promtool not installable here: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def promtool_check(text: bytes) -> None:
+    proc = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, timeout=60)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr).decode()
+    assert proc.stdout + proc.stderr == b"", (proc.stdout + proc.stderr).decode()  # no lint warnings either
+
+
+async def test_service_metrics_endpoint_passes_promtool(nats_server, admin_js, pg_dsn):
+    """The accounting process's own /metrics (process, service and read-model metrics)."""
+    import urllib.request
+
+    from gpusched import devstack
+    port = devstack.free_port()
+    log = eventlog.EventLog(admin_js)
+    for e in scenario():
+        await log.append(e)
+    env = {**os.environ, **nats_server.env("accounting"), "GPUSCHED_PG_DSN": pg_dsn,
+           "GPUSCHED_METRICS_PORT": str(port), "GPUSCHED_TICK_S": "0.05"}
+    proc = subprocess.Popen([str(Path(os.sys.executable)), "-m", "services.accounting"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        await eventually(lambda: _caught_up(admin_js, pg_dsn), timeout_s=30)
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read())
+        assert b"gpusched_queue_wait_seconds{quantile=\"0.5\",queue=\"q\"}" in body
+        assert b"gpusched_team_cost{currency=\"USD\",team=\"team-b\"} 2.0" in body
+        promtool_check(body)
+    finally:
+        proc.terminate()
+        proc.wait(10)
