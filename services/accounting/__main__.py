@@ -79,14 +79,16 @@ async def _issue(conn: asyncpg.Connection, js, issuer: statements.Issuer) -> Non
 async def _project(js, conn: asyncpg.Connection, settings: Settings, msgs,
                    issuer: statements.Issuer | None = None) -> asyncpg.Connection:
     """Convert a batch and commit it, retrying the same batch until Postgres takes it."""
-    batch: list[tuple[int, list[projection.Op]]] = []
+    batch: list[sink.Entry] = []
     for msg in msgs:
         seq = msg.metadata.sequence.stream
         kind = (msg.headers or {}).get("Gpusched-Type", "event")
+        event_id = None
         with observability.span_from_headers(f"accounting {kind}", msg.headers, sequence=seq):
             try:
                 event = eventlog.parse_message(msg)
                 ops = projection.convert(event, seq)
+                event_id = event.event_id
             except (ValueError, ValidationError, LookupError) as err:
                 await eventlog.dead_letter(js, NAME, msg, f"cannot project: {err}")
                 ops = []
@@ -94,7 +96,7 @@ async def _project(js, conn: asyncpg.Connection, settings: Settings, msgs,
                 observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
                 if issuer is not None:
                     issuer.observe(event.occurred_at)
-        batch.append((seq, ops))
+        batch.append((seq, event_id, ops))
     while True:
         try:
             with observability.BATCH_SECONDS.labels(service=NAME).time():

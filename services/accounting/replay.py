@@ -26,7 +26,8 @@ PROJECTIONS = ("read-models",)
 """The projections accounting keeps (one today: every table below shares its position)."""
 
 TABLES = ("jobs", "usage_ledger", "reservations", "attempts", "checkpoints", "nodes", "queues", "cohorts",
-          "quota_history", "price_books", "statements", "projection_position", "schema_migrations")
+          "quota_history", "price_books", "statements", "applied_events", "projection_position",
+          "schema_migrations")
 # Columns that record when a row was written, not what the log says: left out of checksums.
 _VOLATILE = {"projection_position": ("updated_at",), "schema_migrations": ("applied_at",)}
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -70,12 +71,13 @@ class Progress:
     dead: int = 0
 
 
-def convert_message(msg) -> tuple[int, list[projection.Op]]:
+def convert_message(msg) -> tuple[int, str | None, list[projection.Op]]:
     seq = msg.metadata.sequence.stream
     try:
-        return seq, projection.convert(eventlog.parse_message(msg), seq)
+        event = eventlog.parse_message(msg)
+        return seq, event.event_id, projection.convert(event, seq)
     except (ValueError, ValidationError, LookupError):
-        return seq, []  # poison: the live service dead-lettered it; a replay skips it the same way
+        return seq, None, []  # poison: the live service dead-lettered it; a replay skips it the same way
 
 
 async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, from_time: datetime | None = None,
@@ -90,7 +92,7 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
     if start > end:
         return progress
     pending: asyncio.Task | None = None
-    chunk: list[tuple[int, list[projection.Op]]] = []
+    chunk: list[sink.Entry] = []
 
     async def flush(items):
         await sink.apply_batch(conn, items)
@@ -107,10 +109,10 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
 
     async for msg in eventlog.read(js, from_seq=None if from_time else start, from_time=from_time, to_seq=end,
                                    batch=min(batch, 10_000)):
-        seq, ops = convert_message(msg)
-        if seq < start:
+        entry = convert_message(msg)
+        if entry[0] < start:
             continue
-        chunk.append((seq, ops))
+        chunk.append(entry)
         if len(chunk) >= batch:
             await hand_over(chunk)
             chunk = []

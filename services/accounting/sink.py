@@ -193,9 +193,14 @@ async def position(conn: asyncpg.Connection, projection: str = PROJECTION) -> in
     return value or 0
 
 
-async def apply_batch(conn: asyncpg.Connection, batch: list[tuple[int, list[Op]]], projection: str = PROJECTION) -> int:
-    """Apply the operations of every event newer than the stored position, then store the new
-    position, all in one transaction. Returns how many events were applied."""
+Entry = tuple[int, list[Op]] | tuple[int, str | None, list[Op]]
+"""(sequence, ops) or (sequence, event id, ops); an entry without an id is not de-duplicated by id."""
+
+
+async def apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection: str = PROJECTION) -> int:
+    """Apply the operations of every event newer than the stored position and not applied
+    before (by event id), then store the new position, all in one transaction. Returns how many
+    events were applied."""
     if not batch:
         return 0
     async with conn.transaction():
@@ -206,17 +211,29 @@ async def apply_batch(conn: asyncpg.Connection, batch: list[tuple[int, list[Op]]
         current = await conn.fetchval(
             "SELECT last_sequence FROM projection_position WHERE projection = $1 FOR UPDATE", projection
         )
+        fresh = [(e[0], e[1] if len(e) == 3 else None, e[-1]) for e in batch if e[0] > current]
+        ids = [event_id for _, event_id, _ in fresh if event_id is not None]
+        seen = set()
+        if ids:
+            seen = {r[0] for r in await conn.fetch(
+                "SELECT event_id FROM applied_events WHERE event_id = ANY($1::text[])", ids)}
         applied = 0
         high = current
         ops: list[Op] = []
-        for seq, event_ops in batch:
-            if seq <= current:
-                continue
+        new_ids: list[tuple[str, int]] = []
+        for seq, event_id, event_ops in fresh:
+            high = max(high, seq)
+            if event_id is not None:
+                if event_id in seen:
+                    continue  # the same event appended again: no effect
+                seen.add(event_id)
+                new_ids.append((event_id, seq))
             ops.extend(event_ops)
             applied += 1
-            high = max(high, seq)
         for name, rows in plan(ops):
             await conn.executemany(_SQL[name], rows)
+        if new_ids:
+            await conn.copy_records_to_table("applied_events", records=new_ids, columns=["event_id", "sequence"])
         if high > current:
             await conn.execute(
                 "UPDATE projection_position SET last_sequence = $2, updated_at = now() WHERE projection = $1",
