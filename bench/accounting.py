@@ -150,6 +150,7 @@ async def replay_run(js, dsn: str, schema: str, batch: int) -> dict:
     await admin.execute(f"DROP SCHEMA {schema} CASCADE")
     await admin.close()
     return {"events": progress.applied, "wall_s": wall, "events_per_s": progress.applied / wall,
+            "apply_s": progress.apply_s, "reader_waited_s": progress.wait_s,
             "ledger_rows": rows, "position": position}
 
 
@@ -179,7 +180,8 @@ async def main(args) -> dict:
             runs.append({"read_msgs_per_s": read, "copy_rows_per_s": copy, **rep,
                          "ratio": rep["events_per_s"] / min(read, copy)})
             print(f"  run {r + 1}: replay {rep['events_per_s']:,.0f} ev/s, ordered read {read:,.0f} msg/s, "
-                  f"COPY {copy:,.0f} rows/s, ratio {runs[-1]['ratio']:.2f}", flush=True)
+                  f"COPY {copy:,.0f} rows/s, ratio {runs[-1]['ratio']:.2f} (of {rep['wall_s']:.0f} s: writing "
+                  f"{rep['apply_s']:.0f} s, reader waiting on writes {rep['reader_waited_s']:.0f} s)", flush=True)
         await nc.close()
     finally:
         pg.stop()

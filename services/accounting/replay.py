@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
+from nats import errors as nats_errors
 from pydantic import ValidationError
 
 from gpusched import eventlog
@@ -69,7 +70,8 @@ async def reset(dsn: str, schema: str) -> None:
 class Progress:
     applied: int = 0
     last_sequence: int = 0
-    dead: int = 0
+    apply_s: float = 0.0  # time spent writing batches (overlaps reading and parsing the next)
+    wait_s: float = 0.0  # time the reader waited for the previous batch's write
 
 
 def convert_message(msg) -> tuple[int, str | None, list[projection.Op]]:
@@ -96,12 +98,16 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
     chunk: list[sink.Entry] = []
 
     async def flush(items):
+        t = time.perf_counter()
         await sink.apply_batch(conn, items)
+        progress.apply_s += time.perf_counter() - t
 
     async def hand_over(items) -> None:
         nonlocal pending
         if pending is not None:
+            t = time.perf_counter()
             await pending
+            progress.wait_s += time.perf_counter() - t
         pending = asyncio.create_task(flush(items))
         progress.applied += len(items)
         progress.last_sequence = items[-1][0]
@@ -123,30 +129,33 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
     return progress
 
 
+ACK_WINDOW = 20_000  # messages in flight from the server: bounds memory however long the log is
+
+
 async def ordered_read(js, *, start: int, end: int, from_time: datetime | None = None):
-    """Messages [start, end] of the events stream through an ordered push consumer (flow control
-    and gap recovery by the client library): about three times the rate of a pull consumer here.
-    A bounded queue between the subscription and the caller keeps memory flat."""
-    from nats.js.api import ConsumerConfig, DeliverPolicy
+    """Messages [start, end] of the events stream, in order, through an ephemeral push consumer
+    with ack-all: the server keeps at most ACK_WINDOW messages in flight (acked every tenth of
+    it), which bounds memory, and pushes without the per-batch round trips of a pull consumer
+    (about 1.5x its rate here)."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     if from_time is not None:
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=from_time.isoformat())
+        policy = dict(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=from_time.isoformat())
     elif start > 1:
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+        policy = dict(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
     else:
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
-    queue: asyncio.Queue = asyncio.Queue(maxsize=20_000)
-
-    async def cb(msg) -> None:
-        await queue.put(msg)
-
-    sub = await js.subscribe(f"{SUBJECT_PREFIX}.>", stream=eventlog.EVENTS_STREAM, ordered_consumer=True,
-                             config=config, cb=cb)
+        policy = dict(deliver_policy=DeliverPolicy.ALL)
+    config = ConsumerConfig(ack_policy=AckPolicy.ALL, max_ack_pending=ACK_WINDOW, inactive_threshold=30.0,
+                            mem_storage=True, ack_wait=300.0, **policy)
+    sub = await js.subscribe(f"{SUBJECT_PREFIX}.>", stream=eventlog.EVENTS_STREAM, config=config, manual_ack=True,
+                             pending_msgs_limit=-1, pending_bytes_limit=-1)
+    every = max(1, ACK_WINDOW // 10)
+    count = 0
     try:
         while True:
             try:
-                msg = await asyncio.wait_for(queue.get(), timeout=10.0)
-            except asyncio.TimeoutError:
+                msg = await sub.next_msg(timeout=10.0)
+            except nats_errors.TimeoutError:
                 if await eventlog.last_sequence(js) < end:
                     raise ReplayError(f"the log ends before sequence {end}") from None
                 continue
@@ -154,12 +163,15 @@ async def ordered_read(js, *, start: int, end: int, from_time: datetime | None =
             if seq > end:
                 return
             yield msg
+            count += 1
+            if count % every == 0:
+                await msg.ack()  # ack-all: everything delivered up to this one
             if seq >= end:
                 return
     finally:
         try:
             await sub.unsubscribe()
-        except Exception:  # the server reaps an ordered consumer anyway
+        except Exception:  # ephemeral: the server reaps it anyway
             pass
 
 
