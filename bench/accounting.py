@@ -33,6 +33,7 @@ from schemas import (
     QuotaReleased, QuotaReserved, dumps, event_subject, new_event,
 )
 from schemas.accounting import PriceBookUpdated
+from schemas.node import NodeInfo, NodeRegistered
 from schemas.queue import FlavorQuota, QueueConfigured
 from services.accounting import replay, sink
 
@@ -86,8 +87,13 @@ async def publish_log(nc, n_events: int) -> int:
             await nc.publish(subject.replace(JOB, jid), data, headers={"Nats-Msg-Id": f"{i}-{k}"})
         if i % 2000 == 0:
             await nc.flush()
+    # pad to exactly n_events with node inventory events
+    for k in range(n_events - 2 - jobs * len(tpl)):
+        node = new_event(NodeRegistered, aggregate_id=f"pad{k}", producer="executor", occurred_at=T0, key="1",
+                         node=NodeInfo(name=f"pad{k}", gpu_flavor="a100", gpu_count=8))
+        await nc.publish(event_subject(node), dumps(node), headers={"Nats-Msg-Id": node.event_id})
     await nc.flush()
-    want = 2 + jobs * len(tpl)
+    want = n_events
     deadline = time.monotonic() + 60
     while (got := (await js.stream_info(eventlog.EVENTS_STREAM)).state.messages) < want:
         if time.monotonic() > deadline:

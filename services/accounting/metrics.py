@@ -21,7 +21,7 @@ import asyncpg
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from services.accounting import chargeback, queries
+from services.accounting import queries
 
 TOP_FAILURES = 10
 WAIT_WINDOW_S = 86_400.0  # wait percentiles over attempts that started in the last day (log time)
@@ -39,6 +39,26 @@ HELP = {
     "gpusched_team_cost": ("Cost of the usage ledger under the current price book", ("team", "currency")),
     "gpusched_accounting_read_model_sequence": ("Stream sequence the read models are at", ()),
 }
+
+
+# Team cost in SQL (a scrape must not load the ledger): the same rule as chargeback.PriceBook —
+# each attempt's interval split at the versions' effective times, the latest version logged for
+# one effective time winning — for GPU, CPU and memory prices.
+_TEAM_COST = """
+    WITH latest AS (
+        SELECT DISTINCT ON (effective_from) effective_from, gpu_prices, cpu_core_hour, memory_gib_hour
+        FROM price_books WHERE name = 'default' ORDER BY effective_from, sequence DESC),
+    v AS (
+        SELECT *, coalesce(lead(effective_from) OVER (ORDER BY effective_from), 'infinity') AS until FROM latest)
+    SELECT u.team, sum(
+        greatest(0, extract(epoch FROM least(u.ended_at, v.until) - greatest(u.started_at, v.effective_from)))::float8
+        / 3600.0 * (u.gpus * coalesce((v.gpu_prices ->> u.flavor)::float8, 0)
+                    + CASE WHEN u.ended_at > u.started_at THEN
+                        (u.cpu_core_seconds * coalesce(v.cpu_core_hour, 0)
+                         + u.memory_gib_seconds * coalesce(v.memory_gib_hour, 0))
+                        / extract(epoch FROM u.ended_at - u.started_at)::float8 ELSE 0 END)) AS cost
+    FROM usage_ledger u JOIN v ON u.started_at < v.until AND u.ended_at > v.effective_from
+    GROUP BY u.team ORDER BY u.team"""
 
 
 @dataclass(frozen=True)
@@ -75,8 +95,12 @@ async def gather(conn: asyncpg.Connection, now: datetime) -> list[Sample]:
         failures = await conn.fetch(
             "SELECT reason, count(*) AS n FROM jobs WHERE state = 'failed' GROUP BY reason "
             "ORDER BY n DESC, reason LIMIT $1", TOP_FAILURES)
-        usage = await queries.attempts(conn)
-        prices = await queries.price_versions(conn)
+        team_usage = await conn.fetch(
+            "SELECT team, flavor, sum(gpu_seconds) AS s FROM usage_ledger GROUP BY 1, 2 ORDER BY 1, 2")
+        team_cost = await conn.fetch(_TEAM_COST)
+        currency = await conn.fetchval(
+            "SELECT currency FROM price_books WHERE name = 'default' AND effective_from <= $1 "
+            "ORDER BY effective_from DESC, sequence DESC LIMIT 1", now)
         position = await queries.position(conn)
     for flavor in sorted(set(capacity) | set(allocated)):
         cap, alloc = capacity.get(flavor) or 0, allocated.get(flavor) or 0
@@ -94,12 +118,10 @@ async def gather(conn: asyncpg.Connection, now: datetime) -> list[Sample]:
         add("gpusched_queue_oldest_pending_age_seconds", age, queue=r["queue"] or "-")
     for r in failures:
         add("gpusched_failed_jobs", r["n"], reason=r["reason"] or "-")
-    book = chargeback.PriceBook(prices)
-    currency = book.currency(now)
-    for r in chargeback.rollup(usage, prices, ["team", "flavor"]) if usage else []:
-        add("gpusched_team_gpu_seconds", r["gpu_hours"] * 3600.0, team=r["team"], flavor=r["flavor"])
-    for r in chargeback.rollup(usage, prices, ["team"]) if usage else []:
-        add("gpusched_team_cost", r["cost"], team=r["team"], currency=currency)
+    for r in team_usage:
+        add("gpusched_team_gpu_seconds", r["s"], team=r["team"], flavor=r["flavor"])
+    for r in team_cost:
+        add("gpusched_team_cost", r["cost"], team=r["team"], currency=currency or "USD")
     add("gpusched_accounting_read_model_sequence", position)
     return out
 

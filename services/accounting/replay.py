@@ -10,6 +10,7 @@ migrations; it has its own ``projection_position``.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 import re
 import time
 from collections.abc import Callable
@@ -75,7 +76,7 @@ class Progress:
 
 
 def convert_message(msg) -> tuple[int, str | None, list[projection.Op]]:
-    seq = msg.metadata.sequence.stream
+    seq = stream_sequence(msg)
     try:
         event = eventlog.parse_message(msg)
         return seq, event.event_id, projection.convert(event, seq)
@@ -147,19 +148,29 @@ async def ordered_read(js, *, start: int, end: int, from_time: datetime | None =
         policy = dict(deliver_policy=DeliverPolicy.ALL)
     config = ConsumerConfig(ack_policy=AckPolicy.ALL, max_ack_pending=ACK_WINDOW, inactive_threshold=30.0,
                             mem_storage=True, ack_wait=300.0, **policy)
+    buffer: deque = deque()
+    arrived = asyncio.Event()
+
+    async def cb(msg) -> None:  # no task or timer per message: the subscription appends, we drain
+        buffer.append(msg)
+        arrived.set()
+
     sub = await js.subscribe(f"{SUBJECT_PREFIX}.>", stream=eventlog.EVENTS_STREAM, config=config, manual_ack=True,
-                             pending_msgs_limit=-1, pending_bytes_limit=-1)
+                             cb=cb, pending_msgs_limit=-1, pending_bytes_limit=-1)
     every = max(1, ACK_WINDOW // 10)
     count = 0
     try:
         while True:
-            try:
-                msg = await sub.next_msg(timeout=10.0)
-            except nats_errors.TimeoutError:
-                if await eventlog.last_sequence(js) < end:
-                    raise ReplayError(f"the log ends before sequence {end}") from None
+            if not buffer:
+                arrived.clear()
+                try:
+                    await asyncio.wait_for(arrived.wait(), timeout=10.0)
+                except asyncio.TimeoutError:
+                    if await eventlog.last_sequence(js) < end:
+                        raise ReplayError(f"the log ends before sequence {end}") from None
                 continue
-            seq = msg.metadata.sequence.stream
+            msg = buffer.popleft()
+            seq = stream_sequence(msg)
             if seq > end:
                 return
             yield msg
@@ -173,6 +184,18 @@ async def ordered_read(js, *, start: int, end: int, from_time: datetime | None =
             await sub.unsubscribe()
         except Exception:  # ephemeral: the server reaps it anyway
             pass
+
+
+def stream_sequence(msg) -> int:
+    """The stream sequence from a JetStream reply subject without building the metadata object:
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<seq>...`` (9 tokens) or, with domain and account
+    hash, ``$JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<seq>...`` (12 tokens)."""
+    tokens = (msg.reply or "").split(".")
+    if len(tokens) == 9:
+        return int(tokens[5])
+    if len(tokens) >= 12:
+        return int(tokens[7])
+    return msg.metadata.sequence.stream
 
 
 async def table_checksums(conn: asyncpg.Connection, schema: str) -> dict[str, tuple[int, str]]:

@@ -53,6 +53,7 @@ class Issuer:
     config: IssuerConfig
     watermark: datetime | None = None  # latest event time applied
     _done: dict[tuple[str, str], int] = field(default_factory=dict)  # (period, dim) -> last_sequence issued
+    _checked: tuple | None = None  # (newest price book sequence, watermark's period) at the last full check
 
     def observe(self, t: datetime) -> None:
         if self.watermark is None or t > self.watermark:
@@ -71,6 +72,11 @@ class Issuer:
     async def issue_due(self, conn: asyncpg.Connection, js) -> list[ChargebackStatementIssued]:
         """Publish the statements that are due; returns them."""
         if not self.config.dimensions or self.watermark is None:
+            return []
+        # Nothing can have fallen due unless a period closed or a price book version arrived since.
+        closed = chargeback.period_of(self.watermark - timedelta(seconds=self.config.grace_s))
+        state = (await conn.fetchval("SELECT max(sequence) FROM price_books"), closed)
+        if state == self._checked:
             return []
         earliest = await conn.fetchval(
             "SELECT least((SELECT min(ended_at) FROM usage_ledger), (SELECT min(effective_from) FROM quota_history))")
@@ -103,4 +109,5 @@ class Issuer:
                 log.info("statement issued", extra={"statement": event.aggregate_id, "checksum": body["checksum"],
                                                     "total_cost": body["total_cost"]})
             period = chargeback.next_period(period)
+        self._checked = state
         return issued

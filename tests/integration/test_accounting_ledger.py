@@ -179,6 +179,13 @@ async def test_ledger_statement_replay_and_metrics(nats_server, admin_js, pg_dsn
         assert b'gpusched_team_gpu_seconds{flavor="a100",team="team-a"}' in text
         assert b'gpusched_gpu_capacity{flavor="a100"} 8.0' in text
         promtool_check(text)
+        # the endpoint's SQL team cost follows the same pricing rule as the statements (split at price changes)
+        await log.append(price_book({"a100": 5.0}, effective_from=s(2000), key="mid", when=s(2001)))
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        sampled = {dict(x.labels)["team"]: x.value for x in await metrics.gather(conn, s(9999))
+                   if x.name == "gpusched_team_cost"}
+        pure = {r["team"]: r["cost"] for r in await queries.rollup(conn, ["team"])}
+        assert sampled == pytest.approx(pure) and pure["team-a"] > 0
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
@@ -293,3 +300,56 @@ async def test_batched_ops_give_the_same_tables_as_one_event_at_a_time(pg_dsn):
             await conn.close()
     assert sums["one_by_one"]["usage_ledger"][0] == 40 + sum(1 for e in events if e.type == "JobPreempted")
     assert sums["one_by_one"] == sums["batched"] == sums["odd"]
+
+
+async def test_cli_prices_usage_and_chargeback(nats_server, admin_js, pg_dsn, tmp_path):
+    """As the operator: publish a price book (NATS permissions allow pricebook.*.*), then read
+    usage and a statement in every format, and see bad arguments refused with the field."""
+    import csv
+    import io
+    import json
+    import sys
+
+    log = eventlog.EventLog(admin_js)
+    for e in scenario()[:1] + scenario()[2:]:  # everything but the price book: the CLI publishes it
+        await log.append(e)
+    book = tmp_path / "pricebook.yaml"
+    book.write_text("price_books:\n  - effective_from: 2026-10-01T00:00:00Z\n    gpu_prices: {a100: 2.0}\n")
+    env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_PG_DSN": pg_dsn,
+           "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
+    cli = [sys.executable, "-m", "gpusched.cli"]
+
+    def gs(*args, check=True):
+        proc = subprocess.run(cli + list(args), env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+        if check:
+            assert proc.returncode == 0, proc.stderr
+        return proc
+
+    assert "new version from 2026-10-01" in gs("prices", "-f", str(book), "--dry-run").stdout
+    published = json.loads(gs("prices", "-f", str(book), "-o", "json").stdout)
+    assert [c["event"] for c in published] == ["PriceBookUpdated"]
+    assert json.loads(gs("apply", "-f", str(book), "-o", "json").stdout) == []  # unchanged: nothing published
+    assert json.loads(gs("prices", "-o", "json").stdout)[0]["gpu_prices"] == {"a100": 2.0}
+    stop = asyncio.Event()
+    task = asyncio.create_task(accounting.run(service_settings(nats_server, "accounting", pg_dsn=pg_dsn), stop))
+    try:
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        usage = json.loads(gs("usage", "--by", "team,day", "-o", "json").stdout)
+        assert [(r["team"], r["day"]) for r in usage] == [("team-a", "2026-11-02"), ("team-b", "2026-11-02")]
+        assert usage[1]["cost"] == pytest.approx(2.0)
+        body = json.loads(gs("chargeback", "--period", "2026-11", "--by", "team", "--format", "json").stdout)
+        assert body["checksum"].startswith("sha256:") and body["last_sequence"] == await _position(pg_dsn)
+        rows = list(csv.reader(io.StringIO(gs("chargeback", "--period", "2026-11", "--format", "csv").stdout)))
+        assert rows[0][:2] == ["team", "gpu_hours"] and [r[0] for r in rows[1:]] == ["team-a", "team-b"]
+        assert "total" in gs("chargeback", "--period", "2026-11").stdout
+        bad = gs("chargeback", "--period", "2026-13", check=False)
+        assert bad.returncode == 2 and "accepted: YYYY-MM" in bad.stderr
+        bad = gs("usage", "--by", "colour", check=False)
+        assert bad.returncode == 2 and "accepted dimensions: team, project, queue, flavor, day" in bad.stderr
+        prom = gs("metrics", "--format", "prometheus").stdout.encode()
+        promtool_check(prom)
+        table = gs("replay", "--into", "shadow")
+        assert "replayed" in table.stdout and "usage_ledger" in table.stdout
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
