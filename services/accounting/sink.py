@@ -6,6 +6,7 @@ the batch or none of it; redelivered, it skips what it has.
 from __future__ import annotations
 
 import logging
+import weakref
 from importlib import resources
 
 import asyncpg
@@ -184,6 +185,113 @@ def _merge_job_updates(rows: list[tuple]) -> list[tuple]:
     return [tuple(r) for r in merged.values()]
 
 
+# -- large batches: COPY into a temporary staging table, then one set-based statement ------------
+#
+# The same effect as executemany of the statement above over the rows in order: inserts keep the
+# first row per key (ORDER BY ord, ON CONFLICT DO NOTHING), a release applies the first release
+# of an attempt, and job updates are already one per job. Used for groups of STAGE_MIN rows or
+# more (replays, catch-up); small live batches use executemany.
+
+STAGE_MIN = 200
+
+_JOB_UPDATE_STAGE_COLUMNS = ["job_id", "state", "seq"] + [
+    x for c, _ in _JOB_COLUMNS for x in (f"f_{c}", f"v_{c}")]
+
+_STAGES: dict[str, tuple[str, list[str], str]] = {
+    "job_submitted": (
+        "job_id text, team text, project text, queue text, kind text, priority_class text, submitter text, "
+        "gpus_per_node integer, gang_size integer, total_gpus integer, submitted_at timestamptz, "
+        "last_sequence bigint, cpu_millis integer, memory_mib integer",
+        ["job_id", "team", "project", "queue", "kind", "priority_class", "submitter", "gpus_per_node", "gang_size",
+         "total_gpus", "submitted_at", "last_sequence", "cpu_millis", "memory_mib"],
+        """INSERT INTO jobs (job_id, team, project, queue, kind, priority_class, submitter, gpus_per_node, gang_size,
+                             total_gpus, submitted_at, last_sequence, state, cpu_millis, memory_mib)
+           SELECT job_id, team, project, queue, kind, priority_class, submitter, gpus_per_node, gang_size,
+                  total_gpus, submitted_at, last_sequence, 'submitted', cpu_millis, memory_mib
+           FROM {stage} ORDER BY ord ON CONFLICT (job_id) DO NOTHING"""),
+    "job_update": (
+        "job_id text, state text, seq bigint" + "".join(f", f_{c} boolean, v_{c} {t}" for c, t in _JOB_COLUMNS),
+        _JOB_UPDATE_STAGE_COLUMNS,
+        "UPDATE jobs j SET state = coalesce(s.state, j.state), last_sequence = s.seq" + "".join(
+            f", {c} = CASE WHEN s.f_{c} THEN s.v_{c} ELSE j.{c} END" for c, _ in _JOB_COLUMNS)
+        + " FROM {stage} s WHERE j.job_id = s.job_id"),
+    "attempt_queued": (
+        "job_id text, attempt integer, queued_at timestamptz, sequence bigint",
+        ["job_id", "attempt", "queued_at", "sequence"],
+        "INSERT INTO attempts (job_id, attempt, queued_at, sequence) SELECT job_id, attempt, queued_at, sequence "
+        "FROM {stage} ORDER BY ord ON CONFLICT DO NOTHING"),
+    "checkpoint": (
+        "job_id text, attempt integer, checkpointed_at timestamptz, sequence bigint",
+        ["job_id", "attempt", "checkpointed_at", "sequence"],
+        "INSERT INTO checkpoints (job_id, attempt, checkpointed_at, sequence) SELECT job_id, attempt, "
+        "checkpointed_at, sequence FROM {stage} ORDER BY ord ON CONFLICT DO NOTHING"),
+    "reservation": (
+        "job_id text, attempt integer, queue text, flavor text, gpus integer, borrowed integer, "
+        "reserved_at timestamptz, sequence bigint",
+        ["job_id", "attempt", "queue", "flavor", "gpus", "borrowed", "reserved_at", "sequence"],
+        "INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence) "
+        "SELECT job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence FROM {stage} "
+        "ORDER BY ord ON CONFLICT (job_id, attempt) DO NOTHING"),
+    "reservation_released": (
+        "job_id text, attempt integer, released_at timestamptz, sequence bigint",
+        ["job_id", "attempt", "released_at", "sequence"],
+        """UPDATE reservations r SET released_at = s.released_at, sequence = s.sequence
+           FROM (SELECT DISTINCT ON (job_id, attempt) * FROM {stage} ORDER BY job_id, attempt, ord) s
+           WHERE r.job_id = s.job_id AND r.attempt = s.attempt AND r.released_at IS NULL"""),
+    "usage": (
+        "job_id text, attempt integer, started_at timestamptz, ended_at timestamptz, seconds float8, "
+        "outcome text, sequence bigint",
+        ["job_id", "attempt", "started_at", "ended_at", "seconds", "outcome", "sequence"],
+        """INSERT INTO usage_ledger (job_id, attempt, team, project, queue, flavor, gpus, started_at, ended_at,
+                                     gpu_seconds, outcome, sequence, borrowed_gpus, borrowed_gpu_seconds,
+                                     lost_gpu_seconds, last_checkpoint_at, queued_at, wait_seconds,
+                                     cpu_core_seconds, memory_gib_seconds)
+           SELECT j.job_id, s.attempt, j.team, j.project, coalesce(r.queue, j.queue), coalesce(r.flavor, j.flavor),
+                  coalesce(r.gpus, j.total_gpus), s.started_at, s.ended_at,
+                  coalesce(r.gpus, j.total_gpus) * s.seconds, s.outcome, s.sequence,
+                  coalesce(r.borrowed, 0), coalesce(r.borrowed, 0) * s.seconds,
+                  CASE WHEN s.outcome = 'JobPreempted' THEN coalesce(r.gpus, j.total_gpus)
+                       * greatest(0, extract(epoch FROM s.ended_at - greatest(s.started_at, c.at)))::float8
+                       ELSE 0 END,
+                  c.at, a.queued_at,
+                  CASE WHEN a.queued_at IS NULL THEN NULL
+                       ELSE greatest(0, extract(epoch FROM s.started_at - a.queued_at))::float8 END,
+                  coalesce(j.cpu_millis, 0) / 1000.0 * s.seconds, coalesce(j.memory_mib, 0) / 1024.0 * s.seconds
+           FROM {stage} s
+           JOIN jobs j ON j.job_id = s.job_id
+           LEFT JOIN reservations r ON r.job_id = s.job_id AND r.attempt = s.attempt
+           LEFT JOIN attempts a ON a.job_id = s.job_id AND a.attempt = s.attempt
+           LEFT JOIN LATERAL (SELECT max(checkpointed_at) AS at FROM checkpoints k
+                              WHERE k.job_id = s.job_id AND k.attempt = s.attempt AND k.sequence < s.sequence
+                                AND k.checkpointed_at <= s.ended_at) c ON true
+           WHERE coalesce(r.flavor, j.flavor) IS NOT NULL
+           ORDER BY s.ord
+           ON CONFLICT (job_id, attempt) DO NOTHING"""),
+}
+
+
+_staged: "weakref.WeakKeyDictionary[asyncpg.Connection, set[str]]" = weakref.WeakKeyDictionary()
+
+
+async def _execute(conn: asyncpg.Connection, name: str, rows: list[tuple]) -> None:
+    stage = _STAGES.get(name)
+    if stage is None or len(rows) < STAGE_MIN:
+        await conn.executemany(_SQL[name], rows)
+        return
+    columns_sql, columns, apply_sql = stage
+    table = f"stage_{name}"
+    created = _staged.setdefault(conn, set())
+    if table not in created:  # temporary tables live as long as the session
+        await conn.execute(f"CREATE TEMP TABLE IF NOT EXISTS {table} (ord integer, {columns_sql}) "
+                           "ON COMMIT DELETE ROWS")
+        created.add(table)
+    await conn.copy_records_to_table(table, records=[(i, *r) for i, r in enumerate(rows)],
+                                     columns=["ord", *columns], schema_name="pg_temp")
+    # statistics for the planner: without them it assumes a large stage and scans whole tables
+    await conn.execute(f"ANALYZE pg_temp.{table}")
+    await conn.execute(apply_sql.format(stage=f"pg_temp.{table}"))  # emptied at commit (or rollback)
+
+
 async def migrate(conn: asyncpg.Connection) -> list[str]:
     """Apply the numbered SQL files not applied yet; safe when several replicas start at once."""
     applied: list[str] = []
@@ -224,6 +332,14 @@ async def apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection: 
     events were applied."""
     if not batch:
         return 0
+    try:
+        return await _apply_batch(conn, batch, projection)
+    except BaseException:
+        _staged.pop(conn, None)  # temporary tables created in the rolled-back transaction are gone
+        raise
+
+
+async def _apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection: str) -> int:
     async with conn.transaction():
         await conn.execute(
             "INSERT INTO projection_position (projection, last_sequence) VALUES ($1, 0) ON CONFLICT DO NOTHING",
@@ -252,7 +368,7 @@ async def apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection: 
             ops.extend(event_ops)
             applied += 1
         for name, rows in plan(ops):
-            await conn.executemany(_SQL[name], rows)
+            await _execute(conn, name, rows)
         if new_ids:
             await conn.copy_records_to_table("applied_events", records=new_ids, columns=["event_id", "sequence"])
         if high > current:

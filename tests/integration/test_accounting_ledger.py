@@ -271,7 +271,7 @@ async def test_an_event_appended_twice_changes_nothing(nats_server, admin_js, pg
         await conn.close()
 
 
-async def test_batched_ops_give_the_same_tables_as_one_event_at_a_time(pg_dsn):
+async def test_batched_ops_give_the_same_tables_as_one_event_at_a_time(pg_dsn, monkeypatch):
     """The sink groups a batch's ops by statement (phase order); the result must not depend on
     where batch boundaries fall. Interleaved lifecycles with preemptions, retries and checkpoints."""
     import random
@@ -289,7 +289,9 @@ async def test_batched_ops_give_the_same_tables_as_one_event_at_a_time(pg_dsn):
         events.append(pick.pop(0))
     entries = [(i + 1, e.event_id, projection.convert(e, i + 1)) for i, e in enumerate(events)]
     sums = {}
-    for schema, size in (("one_by_one", 1), ("batched", 10_000), ("odd", 13)):
+    for schema, size, stage_min in (("one_by_one", 1, 10**9), ("batched", 10_000, 10**9), ("odd", 13, 10**9),
+                                    ("staged", 10_000, 1), ("staged_odd", 29, 1)):
+        monkeypatch.setattr(sink, "STAGE_MIN", stage_min)  # COPY + set-based statements, or executemany
         await replay.reset(pg_dsn, schema)
         conn = await replay.connect(pg_dsn, schema)
         try:
@@ -299,7 +301,7 @@ async def test_batched_ops_give_the_same_tables_as_one_event_at_a_time(pg_dsn):
         finally:
             await conn.close()
     assert sums["one_by_one"]["usage_ledger"][0] == 40 + sum(1 for e in events if e.type == "JobPreempted")
-    assert sums["one_by_one"] == sums["batched"] == sums["odd"]
+    assert sums["one_by_one"] == sums["batched"] == sums["odd"] == sums["staged"] == sums["staged_odd"]
 
 
 async def test_cli_prices_usage_and_chargeback(nats_server, admin_js, pg_dsn, tmp_path):
@@ -353,3 +355,23 @@ async def test_cli_prices_usage_and_chargeback(nats_server, admin_js, pg_dsn, tm
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+async def test_a_failed_staged_batch_is_retried_on_the_same_connection(pg_dsn, monkeypatch):
+    """The first staged batch of a session fails after creating its temporary tables: they go
+    with the rollback, and the retry on the same connection must create them again."""
+    from services.accounting import projection
+
+    monkeypatch.setattr(sink, "STAGE_MIN", 1)
+    events = [e for i in range(5) for e in job(f"f{i}", "team-a", gpus=1)]
+    entries = [(i + 1, e.event_id, projection.convert(e, i + 1)) for i, e in enumerate(events)]
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await sink.migrate(conn)
+        broken = entries + [(len(entries) + 1, "x", [projection.Op("job_rejected", ("f0", None, None, None, None))])]
+        with pytest.raises(asyncpg.PostgresError):
+            await sink.apply_batch(conn, broken)
+        assert await sink.apply_batch(conn, entries) == len(entries)
+        assert await conn.fetchval("SELECT count(*) FROM usage_ledger") == 5
+    finally:
+        await conn.close()
