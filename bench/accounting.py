@@ -67,8 +67,7 @@ def template() -> list[tuple[str, bytes]]:
 
 
 async def publish_log(nc, n_events: int) -> int:
-    """Fill the events stream with about n_events (core publishes, flushed in chunks; the stream
-    count is checked)."""
+    """Fill the events stream with exactly n_events (acknowledged, pipelined publishes)."""
     js = nc.jetstream()
     log = eventlog.EventLog(js)
     await log.append(QueueConfigured(event_id="bench-q", aggregate_id="bench", occurred_at=T0 - timedelta(days=1),
@@ -78,21 +77,24 @@ async def publish_log(nc, n_events: int) -> int:
                                effective_from=T0 - timedelta(days=30), gpu_prices=({"flavor": "a100", "gpu_hour": 2.0},)))
     tpl = template()
     jobs = (n_events - 2) // len(tpl)
+    pending: list = []
     for i in range(jobs):
         jid = f"j{i:011d}"
         for k, (subject, payload) in enumerate(tpl):
             data = payload.replace(JOB.encode(), jid.encode())
             # unique event ids: the template's ids are per placeholder job
             data = data.replace(b'"event_id":"', f'"event_id":"{i}-'.encode(), 1)
-            await nc.publish(subject.replace(JOB, jid), data, headers={"Nats-Msg-Id": f"{i}-{k}"})
-        if i % 2000 == 0:
-            await nc.flush()
+            pending.append(await js.publish_async(subject.replace(JOB, jid), data,
+                                                  headers={"Nats-Msg-Id": f"{i}-{k}"}))
+        if len(pending) >= 4000:
+            await asyncio.gather(*pending)  # raises if any publish was refused
+            pending.clear()
     # pad to exactly n_events with node inventory events
     for k in range(n_events - 2 - jobs * len(tpl)):
         node = new_event(NodeRegistered, aggregate_id=f"pad{k}", producer="executor", occurred_at=T0, key="1",
                          node=NodeInfo(name=f"pad{k}", gpu_flavor="a100", gpu_count=8))
-        await nc.publish(event_subject(node), dumps(node), headers={"Nats-Msg-Id": node.event_id})
-    await nc.flush()
+        pending.append(await js.publish_async(event_subject(node), dumps(node), headers={"Nats-Msg-Id": node.event_id}))
+    await asyncio.gather(*pending)
     want = n_events
     deadline = time.monotonic() + 60
     while (got := (await js.stream_info(eventlog.EVENTS_STREAM)).state.messages) < want:

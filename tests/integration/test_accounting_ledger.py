@@ -375,3 +375,20 @@ async def test_a_failed_staged_batch_is_retried_on_the_same_connection(pg_dsn, m
         assert await conn.fetchval("SELECT count(*) FROM usage_ledger") == 5
     finally:
         await conn.close()
+
+
+async def test_replay_window_and_live_catch_up(nats_server, admin_js, pg_dsn, cli_env):
+    """--from replays only from a sequence (the window's shadow lacks what came before);
+    without --into, replay catches the live models up to the log's end (and is idempotent)."""
+    log = eventlog.EventLog(admin_js)
+    for e in scenario():
+        await log.append(e)
+    live = await accounting_cli._replay(None, None, None, False, False, 4, _Quiet())
+    assert live["target"] == "public" and live["position"] == len(scenario()) == live["applied"]
+    again = await accounting_cli._replay(None, None, None, False, False, 4, _Quiet())
+    assert again["applied"] == 0
+    first_job2 = next(i for i, e in enumerate(scenario(), start=1) if e.aggregate_id == "j2")
+    window = await accounting_cli._replay("window", first_job2, None, True, False, 100, _Quiet())
+    assert window["applied"] == len(scenario()) - first_job2 + 1
+    differs = {r["table"]: (r["live_rows"], r["shadow_rows"]) for r in window["compare"] if not r["equal"]}
+    assert differs["jobs"] == (2, 1) and differs["usage_ledger"] == (3, 1)  # only j2 is inside the window
