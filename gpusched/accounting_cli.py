@@ -362,7 +362,7 @@ async def _verify(statement_id: str, err_console) -> dict[str, Any]:
         finally:
             await conn.close()
             admin = await replay_mod.connect(dsn)
-            await admin.execute(f"DROP SCHEMA IF EXISTS {scratch} CASCADE")
+            await admin.execute(f"DROP SCHEMA IF EXISTS {replay_mod.q(scratch)} CASCADE")
             await admin.close()
         return {"statement_id": statement_id, "period": found.period, "group_by": found.group_by,
                 "first_sequence": found.first_sequence, "last_sequence": found.last_sequence,

@@ -47,9 +47,15 @@ def check_schema(name: str) -> str:
     return name
 
 
+def q(schema: str) -> str:
+    """A schema name as a quoted identifier (names are checked: no quotes inside), so that a
+    reserved word such as ``window`` works too."""
+    return '"' + schema.replace('"', '""') + '"'
+
+
 async def connect(dsn: str, schema: str = "public") -> asyncpg.Connection:
     """A connection whose unqualified table names resolve in ``schema``."""
-    return await asyncpg.connect(dsn, server_settings={"search_path": schema}, timeout=10)
+    return await asyncpg.connect(dsn, server_settings={"search_path": q(schema)}, timeout=10)
 
 
 async def reset(dsn: str, schema: str) -> None:
@@ -57,7 +63,7 @@ async def reset(dsn: str, schema: str) -> None:
     check_schema(schema)
     conn = await asyncpg.connect(dsn, timeout=10)
     try:
-        await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}")
+        await conn.execute(f"DROP SCHEMA IF EXISTS {q(schema)} CASCADE; CREATE SCHEMA {q(schema)}")
     finally:
         await conn.close()
     conn = await connect(dsn, schema)
@@ -202,18 +208,18 @@ async def table_checksums(conn: asyncpg.Connection, schema: str) -> dict[str, tu
     """table -> (rows, md5 over the sorted md5 of each row's text)."""
     out = {}
     for table in TABLES:
-        exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{schema}.{table}")
+        exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{q(schema)}.{table}")
         if not exists:
             out[table] = (0, "missing")
             continue
         cols = [r["attname"] for r in await conn.fetch(
             "SELECT attname FROM pg_attribute WHERE attrelid = $1::regclass AND attnum > 0 AND NOT attisdropped "
-            "ORDER BY attname", f"{schema}.{table}")]
+            "ORDER BY attname", f"{q(schema)}.{table}")]
         cols = [c for c in cols if c not in _VOLATILE.get(table, ())]
         row = ", ".join(f't."{c}"' for c in cols)
         n, digest = await conn.fetchrow(
             f"SELECT count(*), coalesce(md5(string_agg(h, '' ORDER BY h)), '') FROM "
-            f"(SELECT md5(ROW({row})::text) AS h FROM {schema}.{table} t) s")
+            f"(SELECT md5(ROW({row})::text) AS h FROM {q(schema)}.{table} t) s")
         out[table] = (n, digest)
     return out
 
@@ -251,8 +257,8 @@ async def swap(dsn: str, js, shadow: str, on_batch=None) -> str:
             await admin.execute(f"CREATE SCHEMA {retired}")
             for table in TABLES:
                 await admin.execute(f"ALTER TABLE public.{table} SET SCHEMA {retired}")
-                await admin.execute(f"ALTER TABLE {shadow}.{table} SET SCHEMA public")
-            await admin.execute(f"DROP SCHEMA {shadow}")
+                await admin.execute(f"ALTER TABLE {q(shadow)}.{table} SET SCHEMA public")
+            await admin.execute(f"DROP SCHEMA {q(shadow)}")
     finally:
         await shadow_conn.close()
         await admin.close()
