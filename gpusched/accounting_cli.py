@@ -215,8 +215,10 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
         if by not in chargeback.STATEMENT_DIMENSIONS:
             raise UserError_exit(err_console, f"--by {by!r} is not accepted; accepted: "
                                               f"{', '.join(chargeback.STATEMENT_DIMENSIONS)}")
-        now = client.utcnow()
-        body = run(with_pg(lambda conn: queries.statement(conn, period, by, as_of=now)))
+        async def compute(conn):
+            now = await queries.log_now(conn, client.utcnow())
+            return now, await queries.statement(conn, period, by, as_of=now)
+        now, body = run(with_pg(compute))
         body["statement_id"] = chargeback.statement_id(period, by, body["last_sequence"])
         body["provisional"] = chargeback.parse_period(period)[1] > now
         if fmt == Format.json:
@@ -280,11 +282,12 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
     ) -> None:
         """Operations metrics from the read models: GPU allocation, wait p50/p95, congestion, failures, team cost."""
         fmt = MetricsFormat.json if output == Output.json else format
-        now = client.utcnow()
+        async def at_log_now(conn, fn):
+            return await fn(conn, await queries.log_now(conn, client.utcnow()))
         if fmt == MetricsFormat.prometheus:
-            sys.stdout.write(run(with_pg(lambda conn: metrics.exposition(conn, now))).decode())
+            sys.stdout.write(run(with_pg(lambda conn: at_log_now(conn, metrics.exposition))).decode())
             return
-        samples = run(with_pg(lambda conn: metrics.gather(conn, now)))
+        samples = run(with_pg(lambda conn: at_log_now(conn, metrics.gather)))
         rows = [{"metric": s.name, "labels": ",".join(f"{k}={v}" for k, v in s.labels), "value": s.value}
                 for s in samples]
         emit(rows, Output.json if fmt == MetricsFormat.json else Output.table)

@@ -63,6 +63,14 @@ async def quota_versions(conn: asyncpg.Connection, max_sequence: int | None = No
     return [QuotaVersion(**{**dict(r), "quotas": json.loads(r["quotas"])}) for r in rows]
 
 
+async def log_now(conn: asyncpg.Connection, wall: datetime) -> datetime:
+    """'Now' for a client without the platform clock: the wall clock, or the newest time in the
+    read models when the platform runs ahead of it (the dev stack's time scale)."""
+    newest = await conn.fetchval(
+        "SELECT max(greatest(submitted_at, admitted_at, reserved_at, scheduled_at, started_at, finished_at)) FROM jobs")
+    return max(wall, newest) if newest is not None else wall
+
+
 async def position(conn: asyncpg.Connection, projection: str = "read-models") -> int:
     return await conn.fetchval("SELECT last_sequence FROM projection_position WHERE projection = $1",
                                projection) or 0
