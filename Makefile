@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e test-k8s bench bench-k8s schemas lint clean
+.PHONY: help setup run test test-unit test-integration test-e2e test-k8s bench bench-k8s schemas lint clean promtool
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -44,11 +44,15 @@ else
 	GPUSCHED_K8S_TESTS=1 $(BIN)/python -m pytest -q tests/executor $(ARGS)
 endif
 
-bench: setup ## Benchmarks (~11 min): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, Kueue's baseline
+bench: setup ## Benchmarks (~16 min): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, Kueue's baseline, accounting replay
 	$(BIN)/python -m bench $(ARGS)
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.scheduler
 	$(BIN)/python -m bench.kueue
+	$(BIN)/python -m bench.accounting
+
+promtool: ## Install Debian's promtool into .cache/promtool (apt-get download + dpkg -x; for the metrics lint test)
+	@sh scripts/promtool.sh
 
 bench-k8s: setup ## Kubernetes backend on the test control plane: Jobs created/s beside the raw API create rate, watch-to-event latency
 	tests/executor/controlplane/build.sh >/dev/null
@@ -58,4 +62,4 @@ schemas: setup ## Regenerate schemas/json from the pydantic models
 	$(BIN)/python -m schemas.export
 
 clean: ## Remove the virtualenv and local data (.data)
-	rm -rf $(VENV) .data .pytest_cache .hypothesis
+	rm -rf $(VENV) .data .pytest_cache .hypothesis .cache

@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.text import Text
 from rich.table import Table
 
-from gpusched import client, eventlog, observability
+from gpusched import accounting_cli, client, eventlog, observability, pricebook
 from gpusched.client import Connection, UserError
 from gpusched.settings import Settings
 
@@ -170,15 +170,22 @@ def apply(
     prune: bool = typer.Option(False, help="Delete queues the file does not list"),
     output: Output = OutputOpt,
 ) -> None:
-    """Make the queue configuration equal to a file (publishes QueueConfigured / QueueDeleted)."""
+    """Make the queue configuration (or, for a file with `price_books:`, the price book) equal to a
+    file (publishes QueueConfigured / QueueDeleted / PriceBookUpdated)."""
     async def go():
         nc = await Connection.resolve().nats()
         try:
             js = nc.jetstream()
-            config = await client.current_queues(js)
-            events = client.plan_queues(file, config, client.utcnow(), prune=prune)
-            changes = [{"event": e.type, "name": e.aggregate_id, "change": client.describe_change(e, config)}
-                       for e in events]
+            if pricebook.is_price_file(client.load_yaml(file)):
+                books = await pricebook.current(js)
+                events = pricebook.plan(file, books, client.utcnow())
+                changes = [{"event": e.type, "name": e.aggregate_id, "change": pricebook.describe(e, books)}
+                           for e in events]
+            else:
+                config = await client.current_queues(js)
+                events = client.plan_queues(file, config, client.utcnow(), prune=prune)
+                changes = [{"event": e.type, "name": e.aggregate_id, "change": client.describe_change(e, config)}
+                           for e in events]
             if not dry_run:
                 log = eventlog.EventLog(js)
                 for e in events:
@@ -234,14 +241,8 @@ def events(job_id: str, output: Output = OutputOpt) -> None:
     emit(rows, output)
 
 
-@app.command()
-def usage(output: Output = OutputOpt) -> None:
-    """GPU-hours by team and flavor, from the usage ledger."""
-    rows = run(with_pg(client.usage_by_team))
-    if output == Output.table:
-        for r in rows:
-            r["gpu_hours"] = round(r["gpu_hours"], 3)
-    emit(rows, output)
+accounting_cli.register(app, emit=emit, run=run, with_pg=with_pg, output_option=OutputOpt, output_enum=Output,
+                        console=console, err_console=err_console)
 
 
 @app.command("why")

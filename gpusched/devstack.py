@@ -106,7 +106,8 @@ def tenant_permissions(team: str) -> dict:
 def operator_permissions() -> dict:
     """The operator (CLI): configuration events, intake on behalf of any team, reading everything."""
     return {
-        "publish": {"allow": _JS_CONSUMER_API + [f"{P}.intake.>", f"{P}.queue.*.*", f"{P}.cohort.*.*"]},
+        "publish": {"allow": _JS_CONSUMER_API + [f"{P}.intake.>", f"{P}.queue.*.*", f"{P}.cohort.*.*",
+                                               f"{P}.pricebook.*.*"]},
         "subscribe": {"allow": ["_INBOX.>"]},
     }
 

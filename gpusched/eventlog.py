@@ -39,7 +39,7 @@ EVENTS_STREAM = "GPUSCHED_EVENTS"
 INTAKE_STREAM = "GPUSCHED_INTAKE"
 DLQ_STREAM = "GPUSCHED_DLQ"
 
-EVENT_SUBJECTS = [f"{SUBJECT_PREFIX}.{family}.>" for family in ("job", "queue", "cohort", "node")]
+EVENT_SUBJECTS = [f"{SUBJECT_PREFIX}.{family}.>" for family in ("job", "queue", "cohort", "node", "pricebook", "statement")]
 INTAKE_SUBJECTS = [f"{SUBJECT_PREFIX}.intake.>"]
 DLQ_SUBJECTS = [f"{SUBJECT_PREFIX}.deadletter.>"]
 

@@ -46,12 +46,20 @@ JobCancelled                executor     the job was stopped or dropped on reque
 NodeRegistered/Updated/Lost executor     node inventory as the backend sees it
 QueueConfigured/Deleted     config       queue definitions (``gpusched apply``)
 CohortConfigured            config       cohort definitions
+PriceBookUpdated            config       prices per GPU-hour per flavor from a time on (``gpusched prices``)
+ChargebackStatementIssued   accounting   a period's chargeback totals, log range and checksum
 ==========================  ===========  ====================================================
 
 Evolution: a change that an old reader cannot parse is a new ``schema_version`` with an upcaster
 in :mod:`schemas.registry`; a retired type name is never reused.
 """
 
+from schemas.accounting import (
+    ChargebackStatementIssued,
+    FlavorPrice,
+    PriceBookUpdated,
+    StatementLine,
+)
 from schemas.commands import CancelJob, ReportCheckpoint, SubmitJob
 from schemas.envelope import Event, new_event
 from schemas.job import (

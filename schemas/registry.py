@@ -7,6 +7,7 @@ from typing import Annotated, Any, Callable, Union
 
 from pydantic import Field, TypeAdapter
 
+from schemas.accounting import ChargebackStatementIssued, PriceBookUpdated
 from schemas.envelope import Event
 from schemas.job import (
     JobAdmitted,
@@ -61,6 +62,8 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     QueueConfigured: ("config", "configured"),
     QueueDeleted: ("config", "deleted"),
     CohortConfigured: ("config", "configured"),
+    PriceBookUpdated: ("config", "updated"),
+    ChargebackStatementIssued: ("accounting", "issued"),
 }
 
 ALL_EVENT_TYPES: tuple[type[Event], ...] = tuple(_TABLE)

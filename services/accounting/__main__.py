@@ -11,8 +11,9 @@ import asyncpg
 from pydantic import ValidationError
 
 from gpusched import eventlog, observability
+from gpusched.clock import ScaledClock
 from gpusched.settings import Settings
-from services.accounting import projection, sink
+from services.accounting import metrics, projection, sink, statements
 
 log = logging.getLogger("accounting")
 NAME = "accounting"
@@ -38,8 +39,11 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     that fails to commit is retried as it is; no later event is applied before it."""
     if not settings.pg_dsn:
         raise SystemExit("GPUSCHED_PG_DSN is required by the accounting service")
+    issuer = statements.Issuer(statements.IssuerConfig.from_env())
     conn = await connect_pg(settings.pg_dsn)
     await sink.migrate(conn)
+    collector = (metrics.register(settings.pg_dsn, now=ScaledClock(settings.time_scale, settings.clock_epoch).now)
+                 if settings.metrics_port else None)
     nc = await eventlog.connect(settings, "gpusched-accounting")
     js = nc.jetstream()
     try:
@@ -52,31 +56,47 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                     if stop.is_set():
                         break
                     if msgs:
-                        conn = await _project(js, conn, settings, msgs)
+                        conn = await _project(js, conn, settings, msgs, issuer)
+                        await _issue(conn, js, issuer)
             except eventlog.TRANSIENT_ERRORS as err:
                 log.warning("NATS unavailable; resuming from the stored position", extra={"error": repr(err)})
                 await asyncio.sleep(0.5)
     finally:
+        if collector is not None:
+            metrics.unregister(collector)
         await nc.close()
         await conn.close()
 
 
-async def _project(js, conn: asyncpg.Connection, settings: Settings, msgs) -> asyncpg.Connection:
+async def _issue(conn: asyncpg.Connection, js, issuer: statements.Issuer) -> None:
+    """Statements that fell due with this batch; a failure is retried after the next batch."""
+    try:
+        await issuer.issue_due(conn, js)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, *eventlog.TRANSIENT_ERRORS) as err:
+        log.warning("issuing statements failed; retrying later", extra={"error": repr(err)})
+
+
+async def _project(js, conn: asyncpg.Connection, settings: Settings, msgs,
+                   issuer: statements.Issuer | None = None) -> asyncpg.Connection:
     """Convert a batch and commit it, retrying the same batch until Postgres takes it."""
-    batch: list[tuple[int, list[projection.Op]]] = []
+    batch: list[sink.Entry] = []
     for msg in msgs:
         seq = msg.metadata.sequence.stream
         kind = (msg.headers or {}).get("Gpusched-Type", "event")
+        event_id = None
         with observability.span_from_headers(f"accounting {kind}", msg.headers, sequence=seq):
             try:
                 event = eventlog.parse_message(msg)
                 ops = projection.convert(event, seq)
+                event_id = event.event_id
             except (ValueError, ValidationError, LookupError) as err:
                 await eventlog.dead_letter(js, NAME, msg, f"cannot project: {err}")
                 ops = []
             else:
                 observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
-        batch.append((seq, ops))
+                if issuer is not None:
+                    issuer.observe(event.occurred_at)
+        batch.append((seq, event_id, ops))
     while True:
         try:
             with observability.BATCH_SECONDS.labels(service=NAME).time():

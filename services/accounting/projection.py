@@ -11,6 +11,7 @@ import json
 from typing import NamedTuple
 
 from schemas import (
+    ChargebackStatementIssued,
     CohortConfigured,
     Event,
     JobAdmitted,
@@ -34,6 +35,7 @@ from schemas import (
     QuotaReleased,
     QuotaReserved,
     PreemptionRequested,
+    PriceBookUpdated,
     ReclaimRequested,
     SchedulingPendingReasonChanged,
 )
@@ -44,7 +46,7 @@ class Op(NamedTuple):
     args: tuple
 
 
-IGNORED = (JobCheckpointed,)  # lost-work accounting is not built yet
+IGNORED: tuple[type[Event], ...] = ()
 
 
 def _state(job_id: str, state: str, seq: int, **columns) -> Op:
@@ -67,11 +69,12 @@ def convert(event: Event, seq: int) -> list[Op]:
         case JobSubmitted():
             s = event.spec
             return [Op("job_submitted", (j, s.team, s.project, s.queue, s.kind.value, s.priority_class,
-                                         event.submitter, s.gpus, s.gang_size, s.total_gpus, t, seq))]
+                                         event.submitter, s.gpus, s.gang_size, s.total_gpus, t, seq,
+                                         s.cpu_millis * s.gang_size, s.memory_mib * s.gang_size))]
         case JobRejected():
             return [Op("job_rejected", (j, event.reason.value, event.message, t, seq))]
         case JobAdmitted():
-            return [_state(j, "queued", seq, admitted_at=t)]
+            return [_state(j, "queued", seq, admitted_at=t), Op("attempt_queued", (j, 1, t, seq))]
         case QuotaPendingReasonChanged() | SchedulingPendingReasonChanged():
             return [Op("wait_reason", (j, event.reason.value, event.message, seq))]
         case QuotaReserved():
@@ -101,7 +104,10 @@ def convert(event: Event, seq: int) -> list[Op]:
             ops = [_state(j, "preempted", seq, reason="preempted", message=event.reason)]
             return ops + [u] if (u := _usage(event, seq)) else ops
         case JobRetryScheduled():
-            return [_state(j, "retrying", seq, attempt=event.next_attempt, finished_at=None)]
+            return [_state(j, "retrying", seq, attempt=event.next_attempt, finished_at=None),
+                    Op("attempt_queued", (j, event.next_attempt, t, seq))]
+        case JobCheckpointed():
+            return [Op("checkpoint", (j, event.attempt, event.checkpointed_at, seq))]
         case JobCancelRequested():
             return [_state(j, "cancelling", seq)]
         case JobCancelled():
@@ -114,9 +120,21 @@ def convert(event: Event, seq: int) -> list[Op]:
         case NodeLost():
             return [Op("node_lost", (event.name, seq))]
         case QueueConfigured():
-            return [Op("queue", (event.name, event.cohort, event.model_dump_json(), seq))]
+            nominal = json.dumps({q.flavor: q.nominal for q in event.quotas}, sort_keys=True)
+            owner = event.allowed_teams[0] if event.allowed_teams else None
+            return [Op("queue", (event.name, event.cohort, event.model_dump_json(), seq)),
+                    Op("quota_history", (event.name, owner, t, nominal, seq))]
         case QueueDeleted():
-            return [Op("queue_deleted", (event.name, seq))]
+            return [Op("queue_deleted", (event.name, seq)), Op("quota_history", (event.name, None, t, "{}", seq))]
+        case PriceBookUpdated():
+            prices = json.dumps({p.flavor: p.gpu_hour for p in event.gpu_prices}, sort_keys=True)
+            return [Op("price_book", (event.name, event.effective_from, event.currency, prices, event.cpu_core_hour,
+                                      event.memory_gib_hour, event.idle_quota, seq))]
+        case ChargebackStatementIssued():
+            body = event.model_dump_json(include={"period", "group_by", "currency", "idle_quota", "lines",
+                                                  "total_gpu_seconds", "total_cost"})
+            return [Op("statement", (j, event.period, event.group_by, event.checksum, event.first_sequence,
+                                     event.last_sequence, event.total_cost, body, seq))]
         case _ if isinstance(event, IGNORED):
             return []
     raise LookupError(f"accounting has no projection for event type {event.type}")

@@ -286,3 +286,29 @@ def drive(core: Any, events: Iterable[Event] = (), now: datetime = T0, *, log: L
 
 def types(events: Iterable[Event]) -> list[str]:
     return [e.type for e in events]
+
+
+# -- price books and statements ----------------------------------------------------------------
+
+
+def price_book(prices: dict[str, float] | None = None, *, effective_from: datetime = T0, when: datetime = T0,
+               name: str = "default", key: str = "1", **fields: Any):
+    from schemas import PriceBookUpdated
+
+    return new_event(PriceBookUpdated, aggregate_id=name, producer="config", occurred_at=when, key=key, name=name,
+                     effective_from=effective_from,
+                     gpu_prices=tuple({"flavor": f, "gpu_hour": p} for f, p in (prices or {"a100": 2.0}).items()),
+                     **fields)
+
+
+def statement(period: str = "2026-01", group_by: str = "team", *, lines: Iterable[dict[str, Any]] = (),
+              last_sequence: int = 10, when: datetime = T0):
+    from schemas import ChargebackStatementIssued
+
+    lines = tuple(lines)
+    sid = f"{period}-{group_by}-{last_sequence}"
+    return new_event(ChargebackStatementIssued, aggregate_id=sid, producer="accounting", occurred_at=when, key=sid,
+                     period=period, group_by=group_by, currency="USD", idle_quota="showback", lines=lines,
+                     total_gpu_seconds=sum(line["gpu_seconds"] for line in lines),
+                     total_cost=sum(line["total_cost"] for line in lines), first_sequence=1,
+                     last_sequence=last_sequence, checksum="sha256:" + "0" * 64)

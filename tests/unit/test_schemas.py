@@ -47,6 +47,8 @@ from tests.unit.builders import (
     preempted,
     queue,
     pending_reason,
+    price_book,
+    statement,
     reclaim_requested,
     sched_pending_reason,
     preemption_requested,
@@ -111,12 +113,17 @@ def sample_events():
         new_event(QueueDeleted, aggregate_id="old", producer="config", occurred_at=T0, key="x", name="old"),
         new_event(CohortConfigured, aggregate_id="shared", producer="config", occurred_at=T0, key="x",
                   name="shared", parent="org"),
+        price_book({"a100": 2.5, "h100-80gb": 6.0}, effective_from=at(-3600), cpu_core_hour=0.04,
+                   memory_gib_hour=0.005, idle_quota="charge-owner", currency="EUR"),
+        statement("2026-11", "project", lines=[{
+            "key": "vision", "gpu_seconds": 7200.0, "borrowed_gpu_seconds": 3600.0, "lost_gpu_seconds": 60.0,
+            "idle_gpu_seconds": 10.0, "usage_cost": 5.0, "idle_cost": 0.25, "total_cost": 5.25}]),
     ]
 
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 24
+    assert len(ALL_EVENT_TYPES) == 26
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -178,6 +185,8 @@ def test_nested_models_forbid_extra_fields():
         (node_updated("a.b"), "gpusched.node.a_b.updated"),
         (node_lost("a.b.c"), "gpusched.node.a_b_c.lost"),
         (queue("research"), "gpusched.queue.research.configured"),
+        (price_book(), "gpusched.pricebook.default.updated"),
+        (statement("2026-11", "team", last_sequence=7), "gpusched.statement.2026-11-team-7.issued"),
         (new_event(CohortConfigured, aggregate_id="shared", producer="config", occurred_at=T0, key="k", name="shared"),
          "gpusched.cohort.shared.configured"),
     ],
@@ -203,6 +212,7 @@ EXPECTED_PRODUCERS = {
     "JobStarted": "executor", "JobSucceeded": "executor", "JobFailed": "executor", "JobPreempted": "executor",
     "JobCancelled": "executor", "NodeRegistered": "executor", "NodeUpdated": "executor", "NodeLost": "executor",
     "QueueConfigured": "config", "QueueDeleted": "config", "CohortConfigured": "config",
+    "PriceBookUpdated": "config", "ChargebackStatementIssued": "accounting",
 }
 
 
@@ -227,8 +237,10 @@ def test_producer_subjects():
         "gpusched.job.*.preemption_requested", "gpusched.job.*.sched_pending", "gpusched.job.*.scheduled",
     ]
     assert producer_subjects("config") == [
-        "gpusched.cohort.*.configured", "gpusched.queue.*.configured", "gpusched.queue.*.deleted",
+        "gpusched.cohort.*.configured", "gpusched.pricebook.*.updated", "gpusched.queue.*.configured",
+        "gpusched.queue.*.deleted",
     ]
+    assert producer_subjects("accounting") == ["gpusched.statement.*.issued"]
     assert producer_subjects("nobody") == []
 
 

@@ -1,0 +1,375 @@
+"""Accounting commands of the `gpusched` CLI: usage roll-ups and time travel, the price book,
+chargeback statements (and verifying one by replay), replay into a shadow with compare and swap,
+and the operations metrics. Registered onto the main app by :mod:`gpusched.cli`."""
+
+
+import csv
+import functools
+import io
+import json
+import re
+import sys
+import uuid
+from datetime import UTC, date, datetime
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from gpusched import client, eventlog, pricebook
+from gpusched.client import Connection, UserError
+from schemas import ChargebackStatementIssued, parse_event
+from schemas.registry import SUBJECT_PREFIX, subject_token
+from services.accounting import chargeback, metrics, queries, replay as replay_mod, sink
+
+
+class Format(str, Enum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+class MetricsFormat(str, Enum):
+    table = "table"
+    json = "json"
+    prometheus = "prometheus"
+
+
+def parse_time(value: str, option: str) -> datetime:
+    """ISO 8601 with a zone, or a date (midnight UTC)."""
+    text = value.strip()
+    try:
+        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
+            return datetime.combine(date.fromisoformat(text), datetime.min.time(), tzinfo=UTC)
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        t = None
+    if t is None or t.tzinfo is None:
+        raise UserError(f"{option} {value!r}: not a time with a zone; accepted: ISO 8601 such as "
+                        "2026-11-30T12:00:00Z or 2026-11-30T12:00:00+01:00, or a date 2026-11-30 (UTC midnight)")
+    return t
+
+
+def parse_from(value: str | None) -> tuple[int | None, datetime | None]:
+    if value is None:
+        return None, None
+    if value.isdigit():
+        if int(value) < 1:
+            raise UserError(f"--from {value!r}: stream sequences start at 1")
+        return int(value), None
+    try:
+        return None, parse_time(value, "--from")
+    except UserError:
+        raise UserError(f"--from {value!r}: accepted: a stream sequence (e.g. 1200) or a time with a zone "
+                        "(e.g. 2026-11-01T00:00:00Z)") from None
+
+
+def _dimensions(value: str) -> list[str]:
+    return [d.strip() for d in value.split(",") if d.strip()]
+
+
+def _pg_dsn() -> str:
+    dsn = Connection.resolve().pg_dsn
+    if not dsn:
+        raise UserError("no Postgres configured: set GPUSCHED_PG_DSN or start `make run`")
+    return dsn
+
+
+def _chargeback_call(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except chargeback.ChargebackError as err:
+        raise UserError(str(err)) from None
+
+
+class _Bar:
+    """A rich progress bar over stream sequences (on stderr, so stdout stays parseable)."""
+
+    def __init__(self, console, label: str, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.progress = Progress(TextColumn(f"[bold]{label}[/bold]"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[rate]:>9} ev/s"), TimeRemainingColumn(),
+                                 console=console, transient=False)
+        self.task = self.progress.add_task(label, total=max(0, end - start + 1), rate="-")
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def __call__(self, p: replay_mod.Progress) -> None:
+        task = self.progress.tasks[0]
+        speed = task.speed
+        self.progress.update(self.task, completed=p.last_sequence - self.start + 1,
+                             rate=f"{speed:,.0f}" if speed else "-")
+
+
+def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callable, output_option,
+             output_enum, console, err_console) -> None:
+    Output = output_enum
+
+    def guarded(fn):
+        """Bad arguments found before connecting are shown like the errors `run` shows."""
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except UserError as err:
+                raise UserError_exit(err_console, str(err)) from None
+        return wrapper
+
+    @app.command()
+    @guarded
+    def usage(
+        by: str = typer.Option("team,flavor", help="Roll-up dimensions, comma-separated: team, project, queue, flavor, day"),
+        period: Optional[str] = typer.Option(None, help="Only attempts that ended in this month (YYYY-MM)"),
+        as_of: Optional[str] = typer.Option(None, "--as-of", help="The ledger as it stood at this time (ISO 8601)"),
+        output: Output = output_option,
+    ) -> None:
+        """GPU-hours (guaranteed / borrowed / lost), wait p50/p95 and cost per group, from the usage ledger."""
+        dims = _dimensions(by)
+        when = parse_time(as_of, "--as-of") if as_of else None
+        if period is not None:
+            _chargeback_call(chargeback.parse_period, period)
+        _chargeback_call(chargeback.rollup, [], [], dims)  # validates the dimensions before connecting
+        rows = run(with_pg(lambda conn: queries.rollup(conn, dims, period=period, as_of=when)))
+        if output == Output.table:
+            for r in rows:
+                for k, v in r.items():
+                    if isinstance(v, float):
+                        r[k] = round(v, 3)
+        emit(rows, output)
+
+    @app.command()
+    @guarded
+    def prices(
+        file: Optional[Path] = typer.Option(None, "-f", "--file", help="pricebook.yaml to publish (else: list)"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print the changes, publish nothing"),
+        output: Output = output_option,
+    ) -> None:
+        """Publish a price book file (PriceBookUpdated), or list the price book history."""
+        async def go(js):
+            books = await pricebook.current(js)
+            if file is None:
+                return [{"name": e.name, "effective_from": e.effective_from, "currency": e.currency,
+                         "gpu_prices": {p.flavor: p.gpu_hour for p in e.gpu_prices},
+                         "cpu_core_hour": e.cpu_core_hour, "memory_gib_hour": e.memory_gib_hour,
+                         "idle_quota": e.idle_quota} for _, e in sorted(books.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
+            events = pricebook.plan(file, books, client.utcnow())
+            changes = [{"event": e.type, "name": e.aggregate_id, "change": pricebook.describe(e, books)}
+                       for e in events]
+            if not dry_run:
+                log = eventlog.EventLog(js)
+                for e in events:
+                    await log.append(e)
+            return changes
+
+        async def with_js(action):
+            nc = await Connection.resolve().nats()
+            try:
+                return await action(nc.jetstream())
+            finally:
+                await nc.close()
+        emit(run(with_js(go)), output, title="dry run: nothing published" if dry_run and file else None)
+
+    @app.command("chargeback")
+    @guarded
+    def chargeback_cmd(
+        period: Optional[str] = typer.Option(None, help="Calendar month, YYYY-MM (UTC)"),
+        by: str = typer.Option("team", help="team, project, queue or flavor"),
+        format: Format = typer.Option(Format.table, "--format", help="table, csv or json"),
+        issued: bool = typer.Option(False, "--issued", help="List the statements accounting has issued"),
+        verify: Optional[str] = typer.Option(None, "--verify", metavar="STATEMENT_ID",
+                                             help="Re-derive an issued statement by replaying the log; compare checksums"),
+        output: Output = output_option,
+    ) -> None:
+        """A chargeback statement for a period: usage, borrowed, lost and idle GPU-hours and cost per group,
+        with the log range it covers and its checksum."""
+        fmt = Format.json if output == Output.json else format
+        if verify:
+            result = run(_verify(verify, err_console))
+            if fmt == Format.json:
+                print(json.dumps(result, indent=2, default=str))
+            else:
+                ok = "[green]verified[/green]" if result["verified"] else "[red]MISMATCH[/red]"
+                console.print(f"{result['statement_id']}: {ok}\n  issued:    {result['issued_checksum']}\n"
+                              f"  re-derived: {result['replayed_checksum']}\n"
+                              f"  log range {result['first_sequence']}..{result['last_sequence']}")
+            if not result["verified"]:
+                raise typer.Exit(1)
+            return
+        if issued:
+            rows = run(with_pg(lambda conn: queries.issued(conn, period)))
+            if fmt == Format.json:
+                print(json.dumps(rows, indent=2, default=str))
+            else:
+                emit([{k: v for k, v in r.items() if k != "body"} for r in rows], Output.table)
+            return
+        if period is None:
+            raise UserError_exit(err_console, "--period is required (YYYY-MM), e.g. --period 2026-11")
+        _chargeback_call(chargeback.parse_period, period)
+        if by not in chargeback.STATEMENT_DIMENSIONS:
+            raise UserError_exit(err_console, f"--by {by!r} is not accepted; accepted: "
+                                              f"{', '.join(chargeback.STATEMENT_DIMENSIONS)}")
+        async def compute(conn):
+            now = await queries.log_now(conn, client.utcnow())
+            return now, await queries.statement(conn, period, by, as_of=now)
+        now, body = run(with_pg(compute))
+        body["statement_id"] = chargeback.statement_id(period, by, body["last_sequence"])
+        body["provisional"] = chargeback.parse_period(period)[1] > now
+        if fmt == Format.json:
+            print(json.dumps(body, indent=2))
+        elif fmt == Format.csv:
+            buf = io.StringIO()
+            writer = csv.writer(buf, lineterminator="\n")
+            writer.writerows(chargeback.to_csv_rows(body))
+            sys.stdout.write(buf.getvalue())
+        else:
+            rows = [dict(zip(chargeback.to_csv_rows(body)[0], r)) for r in chargeback.to_csv_rows(body)[1:]]
+            for r in rows:
+                for k, v in r.items():
+                    if isinstance(v, float):
+                        r[k] = round(v, 4)
+            emit(rows, Output.table, title=f"chargeback {period} by {by} ({body['idle_quota']})")
+            console.print(f"total {body['total_cost']:.2f} {body['currency']}; log 1..{body['last_sequence']}; "
+                          f"{body['checksum']}" + (" (period still open: provisional)" if body["provisional"] else ""))
+
+    @app.command("replay")
+    @guarded
+    def replay_cmd(
+        projection: str = typer.Option("read-models", help=f"Projection to rebuild: {', '.join(replay_mod.PROJECTIONS)}"),
+        from_: Optional[str] = typer.Option(None, "--from", help="Start at a stream sequence or a time (ISO 8601)"),
+        into: Optional[str] = typer.Option(None, "--into", help="Shadow schema to rebuild (e.g. shadow); default: live"),
+        compare: bool = typer.Option(True, help="Compare the shadow with live (row counts, checksums)"),
+        swap: bool = typer.Option(False, help="Then make the shadow the live read models"),
+        batch: int = typer.Option(5000, min=1, max=100_000, help="Events per transaction"),
+        output: Output = output_option,
+    ) -> None:
+        """Rebuild read models from the log (with a progress bar), compare a shadow with live, swap them."""
+        if projection not in replay_mod.PROJECTIONS:
+            raise UserError_exit(err_console, f"--projection {projection!r} is not a projection; accepted: "
+                                              f"{', '.join(replay_mod.PROJECTIONS)}")
+        from_seq, from_time = parse_from(from_) if from_ else (None, None)
+        if into is not None:
+            try:
+                replay_mod.check_schema(into)
+            except replay_mod.ReplayError as err:
+                raise UserError_exit(err_console, str(err))
+        if swap and into is None:
+            raise UserError_exit(err_console, "--swap needs --into SHADOW (the schema to make live)")
+        result = run(_replay(into, from_seq, from_time, compare, swap, batch, err_console))
+        if output == Output.json:
+            print(json.dumps(result, indent=2, default=str))
+            return
+        console.print(f"replayed {result['applied']} events into {result['target']} "
+                      f"(now at {result['position']}) in {result['seconds']:.1f}s")
+        if result.get("compare"):
+            emit(result["compare"], Output.table, title=f"{result['target']} vs live")
+        if result.get("retired"):
+            console.print(f"swapped: live is the rebuilt models; the old ones are in schema {result['retired']}")
+        if result.get("compare") and not all(r["equal"] for r in result["compare"]) and not swap:
+            raise typer.Exit(1)
+
+    @app.command("metrics")
+    @guarded
+    def metrics_cmd(
+        format: MetricsFormat = typer.Option(MetricsFormat.table, "--format", help="table, json or prometheus"),
+        output: Output = output_option,
+    ) -> None:
+        """Operations metrics from the read models: GPU allocation, wait p50/p95, congestion, failures, team cost."""
+        fmt = MetricsFormat.json if output == Output.json else format
+        async def at_log_now(conn, fn):
+            return await fn(conn, await queries.log_now(conn, client.utcnow()))
+        if fmt == MetricsFormat.prometheus:
+            sys.stdout.write(run(with_pg(lambda conn: at_log_now(conn, metrics.exposition))).decode())
+            return
+        samples = run(with_pg(lambda conn: at_log_now(conn, metrics.gather)))
+        rows = [{"metric": s.name, "labels": ",".join(f"{k}={v}" for k, v in s.labels), "value": s.value}
+                for s in samples]
+        emit(rows, Output.json if fmt == MetricsFormat.json else Output.table)
+
+
+def UserError_exit(err_console, message: str):  # noqa: N802 - reads as a raise
+    err_console.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    return typer.Exit(2)
+
+
+async def _replay(into, from_seq, from_time, compare, swap, batch, err_console) -> dict[str, Any]:
+    import time
+
+    dsn = _pg_dsn()
+    nc = await Connection.resolve().nats()
+    js = nc.jetstream()
+    t0 = time.perf_counter()
+    try:
+        live = await replay_mod.connect(dsn)
+        try:
+            await sink.migrate(live)
+            live_pos = await sink.position(live)
+        finally:
+            await live.close()
+        target = into or "public"
+        if into is not None:
+            await replay_mod.reset(dsn, into)
+            if from_seq or from_time:
+                # a window replay: the shadow starts just before it
+                conn = await replay_mod.connect(dsn, into)
+                start = from_seq or 1
+                await conn.execute("INSERT INTO projection_position (projection, last_sequence) VALUES ($1, $2)",
+                                   sink.PROJECTION, start - 1)
+                await conn.close()
+        end = live_pos if into is not None else await eventlog.last_sequence(js)
+        conn = await replay_mod.connect(dsn, target)
+        try:
+            begin = max(await sink.position(conn) + 1, from_seq or 1)
+            with _Bar(err_console, f"replay → {target}", begin, end) as bar:
+                progress = await replay_mod.replay(js, conn, from_seq=from_seq, from_time=from_time, to_seq=end,
+                                                   batch=batch, on_batch=bar)
+            position = await sink.position(conn)
+        finally:
+            await conn.close()
+        result: dict[str, Any] = {"target": target, "applied": progress.applied, "position": position,
+                                  "seconds": time.perf_counter() - t0}
+        if into is not None and compare:
+            result["compare"] = await replay_mod.compare(dsn, into)
+        if swap:
+            result["retired"] = await replay_mod.swap(dsn, js, into)
+        return result
+    finally:
+        await nc.close()
+
+
+async def _verify(statement_id: str, err_console) -> dict[str, Any]:
+    """Replay the log 1..last_sequence into a scratch schema, recompute the statement there and
+    compare its checksum with the issued one."""
+    dsn = _pg_dsn()
+    nc = await Connection.resolve().nats()
+    js = nc.jetstream()
+    scratch = f"verify_{uuid.uuid4().hex[:8]}"
+    try:
+        found = None
+        async for msg in eventlog.read(js, subjects=[f"{SUBJECT_PREFIX}.statement.{subject_token(statement_id)}.issued"]):
+            found = parse_event(msg.data)
+        if not isinstance(found, ChargebackStatementIssued):
+            raise UserError(f"statement {statement_id!r} is not in the log; list them with `gpusched chargeback --issued`")
+        await replay_mod.reset(dsn, scratch)
+        conn = await replay_mod.connect(dsn, scratch)
+        try:
+            with _Bar(err_console, "verify", 1, found.last_sequence) as bar:
+                await replay_mod.replay(js, conn, to_seq=found.last_sequence, on_batch=bar)
+            body = await queries.statement(conn, found.period, found.group_by, last_sequence=found.last_sequence)
+        finally:
+            await conn.close()
+            admin = await replay_mod.connect(dsn)
+            await admin.execute(f"DROP SCHEMA IF EXISTS {replay_mod.q(scratch)} CASCADE")
+            await admin.close()
+        return {"statement_id": statement_id, "period": found.period, "group_by": found.group_by,
+                "first_sequence": found.first_sequence, "last_sequence": found.last_sequence,
+                "issued_checksum": found.checksum, "replayed_checksum": body["checksum"],
+                "verified": body["checksum"] == found.checksum, "replayed": body}
+    finally:
+        await nc.close()

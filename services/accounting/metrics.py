@@ -1,0 +1,205 @@
+"""Operations metrics from the read models, for the accounting service's Prometheus endpoint and
+``gpusched metrics``: GPU capacity and allocation per flavor, wait p50/p95 per queue, congestion
+(pending jobs, oldest pending age), failure reasons (top N), team usage and cost.
+
+Computed on scrape (cached for a few seconds), from one read-only snapshot of the database, so
+every scrape is consistent with itself. Fragmentation is the scheduler's
+(``gpusched_scheduler_fragmentation_ratio{flavor}``, ``gpusched_scheduler_largest_placeable_gang{flavor}``);
+NVML utilization, where exported, comes from the node exporters (DCGM), not from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import asyncpg
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from services.accounting import queries
+
+TOP_FAILURES = 10
+WAIT_WINDOW_S = 86_400.0  # wait percentiles over attempts that started in the last day (log time)
+
+HELP = {
+    "gpusched_gpu_capacity": ("GPUs on schedulable, not lost nodes", ("flavor",)),
+    "gpusched_gpu_allocated": ("GPUs held by scheduled or running attempts", ("flavor",)),
+    "gpusched_gpu_allocation_ratio": ("Allocated / capacity", ("flavor",)),
+    "gpusched_queue_wait_seconds": ("Wait from queued to started, attempts started in the last day",
+                                    ("queue",)),
+    "gpusched_queue_pending_jobs": ("Jobs waiting for quota", ("queue",)),
+    "gpusched_queue_oldest_pending_age_seconds": ("Age of the longest-waiting pending job", ("queue",)),
+    "gpusched_failed_jobs": (f"Failed jobs by reason (top {TOP_FAILURES})", ("reason",)),
+    "gpusched_team_gpu_seconds": ("GPU-seconds in the usage ledger", ("team", "flavor")),
+    "gpusched_team_cost": ("Cost of the usage ledger under the current price book", ("team", "currency")),
+    "gpusched_accounting_read_model_sequence": ("Stream sequence the read models are at", ()),
+}
+
+
+# Team cost in SQL (a scrape must not load the ledger): the same rule as chargeback.PriceBook —
+# each attempt's interval split at the versions' effective times, the latest version logged for
+# one effective time winning — for GPU, CPU and memory prices.
+_TEAM_COST = """
+    WITH latest AS (
+        SELECT DISTINCT ON (effective_from) effective_from, gpu_prices, cpu_core_hour, memory_gib_hour
+        FROM price_books WHERE name = 'default' ORDER BY effective_from, sequence DESC),
+    v AS (
+        SELECT *, coalesce(lead(effective_from) OVER (ORDER BY effective_from), 'infinity') AS until FROM latest)
+    SELECT u.team, sum(
+        greatest(0, extract(epoch FROM least(u.ended_at, v.until) - greatest(u.started_at, v.effective_from)))::float8
+        / 3600.0 * (u.gpus * coalesce((v.gpu_prices ->> u.flavor)::float8, 0)
+                    + CASE WHEN u.ended_at > u.started_at THEN
+                        (u.cpu_core_seconds * coalesce(v.cpu_core_hour, 0)
+                         + u.memory_gib_seconds * coalesce(v.memory_gib_hour, 0))
+                        / extract(epoch FROM u.ended_at - u.started_at)::float8 ELSE 0 END)) AS cost
+    FROM usage_ledger u JOIN v ON u.started_at < v.until AND u.ended_at > v.effective_from
+    GROUP BY u.team ORDER BY u.team"""
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+
+async def gather(conn: asyncpg.Connection, now: datetime) -> list[Sample]:
+    out: list[Sample] = []
+
+    def add(name: str, value: float, **labels: str) -> None:
+        out.append(Sample(name, tuple(labels.items()), float(value)))
+
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        capacity = dict(await conn.fetch(
+            "SELECT gpu_flavor, sum(gpu_count) FROM nodes WHERE NOT lost AND NOT unschedulable "
+            "AND gpu_flavor IS NOT NULL GROUP BY 1"))
+        allocated = dict(await conn.fetch(
+            "SELECT flavor, sum(total_gpus) FROM jobs WHERE state IN ('scheduled', 'running', 'preempting', "
+            "'cancelling') AND flavor IS NOT NULL AND finished_at IS NULL GROUP BY 1"))
+        waits = await conn.fetch(
+            """SELECT queue, percentile_cont(0.5) WITHIN GROUP (ORDER BY wait_seconds) AS p50,
+                      percentile_cont(0.95) WITHIN GROUP (ORDER BY wait_seconds) AS p95,
+                      count(*) AS n, sum(wait_seconds) AS total
+               FROM usage_ledger WHERE wait_seconds IS NOT NULL
+                 AND started_at > (SELECT max(started_at) FROM usage_ledger) - make_interval(secs => $1)
+               GROUP BY queue""", WAIT_WINDOW_S)
+        pending = await conn.fetch(
+            """SELECT queue, count(*) AS n, min(coalesce(a.queued_at, j.admitted_at)) AS oldest
+               FROM jobs j LEFT JOIN attempts a ON a.job_id = j.job_id AND a.attempt = j.attempt
+               WHERE j.state IN ('queued', 'retrying') GROUP BY queue""")
+        failures = await conn.fetch(
+            "SELECT reason, count(*) AS n FROM jobs WHERE state = 'failed' GROUP BY reason "
+            "ORDER BY n DESC, reason LIMIT $1", TOP_FAILURES)
+        team_usage = await conn.fetch(
+            "SELECT team, flavor, sum(gpu_seconds) AS s FROM usage_ledger GROUP BY 1, 2 ORDER BY 1, 2")
+        team_cost = await conn.fetch(_TEAM_COST)
+        currency = await conn.fetchval(
+            "SELECT currency FROM price_books WHERE name = 'default' AND effective_from <= $1 "
+            "ORDER BY effective_from DESC, sequence DESC LIMIT 1", now)
+        position = await queries.position(conn)
+    for flavor in sorted(set(capacity) | set(allocated)):
+        cap, alloc = capacity.get(flavor) or 0, allocated.get(flavor) or 0
+        add("gpusched_gpu_capacity", cap, flavor=flavor)
+        add("gpusched_gpu_allocated", alloc, flavor=flavor)
+        add("gpusched_gpu_allocation_ratio", alloc / cap if cap else 0.0, flavor=flavor)
+    for r in sorted(waits, key=lambda r: r["queue"]):
+        add("gpusched_queue_wait_seconds", r["p50"], queue=r["queue"], quantile="0.5")
+        add("gpusched_queue_wait_seconds", r["p95"], queue=r["queue"], quantile="0.95")
+        add("gpusched_queue_wait_seconds_count", r["n"], queue=r["queue"])
+        add("gpusched_queue_wait_seconds_sum", r["total"], queue=r["queue"])
+    for r in sorted(pending, key=lambda r: r["queue"] or ""):
+        add("gpusched_queue_pending_jobs", r["n"], queue=r["queue"] or "-")
+        age = max(0.0, (now - r["oldest"]).total_seconds()) if r["oldest"] else 0.0
+        add("gpusched_queue_oldest_pending_age_seconds", age, queue=r["queue"] or "-")
+    for r in failures:
+        add("gpusched_failed_jobs", r["n"], reason=r["reason"] or "-")
+    for r in team_usage:
+        add("gpusched_team_gpu_seconds", r["s"], team=r["team"], flavor=r["flavor"])
+    for r in team_cost:
+        add("gpusched_team_cost", r["cost"], team=r["team"], currency=currency or "USD")
+    add("gpusched_accounting_read_model_sequence", position)
+    return out
+
+
+SUMMARIES = {"gpusched_queue_wait_seconds"}  # quantiles with _count and _sum, as the text format wants
+
+
+def families(samples: list[Sample]) -> list[Metric]:
+    out: list[Metric] = []
+    for name, (help_text, label_names) in HELP.items():
+        if name in SUMMARIES:
+            summary = Metric(name, help_text, "summary")
+            for s in samples:
+                if s.name == name or s.name in (f"{name}_count", f"{name}_sum"):
+                    summary.add_sample(s.name, dict(s.labels), s.value)
+            out.append(summary)
+            continue
+        family = GaugeMetricFamily(name, help_text, labels=list(label_names))
+        for s in samples:
+            if s.name == name:
+                family.add_metric([v for _, v in s.labels], s.value)
+        out.append(family)
+    return out
+
+
+class ReadModelCollector:
+    """A prometheus_client collector that queries the read models on scrape (from the HTTP
+    server's thread, on its own connection), at most once per ``cache_s``."""
+
+    def __init__(self, dsn: str, now: Callable[[], datetime] = lambda: datetime.now(UTC),
+                 cache_s: float = 5.0) -> None:
+        self.dsn, self.now, self.cache_s = dsn, now, cache_s
+        self._lock = threading.Lock()
+        self._at = 0.0
+        self._samples: list[Sample] = []
+
+    def describe(self):
+        return []  # no query at registration
+
+    def collect(self):
+        with self._lock:
+            if time.monotonic() - self._at > self.cache_s:
+                try:
+                    self._samples = asyncio.run(self._gather())
+                    self._at = time.monotonic()
+                except (OSError, asyncpg.PostgresError):
+                    pass  # the last good snapshot (or none) rather than a failed scrape
+        return families(self._samples)
+
+    async def _gather(self) -> list[Sample]:
+        conn = await asyncpg.connect(self.dsn, timeout=5)
+        try:
+            return await gather(conn, self.now())
+        finally:
+            await conn.close()
+
+
+def register(dsn: str, registry: CollectorRegistry = REGISTRY, **kwargs) -> ReadModelCollector:
+    collector = ReadModelCollector(dsn, **kwargs)
+    registry.register(collector)
+    return collector
+
+
+def unregister(collector: ReadModelCollector, registry: CollectorRegistry = REGISTRY) -> None:
+    try:
+        registry.unregister(collector)
+    except KeyError:
+        pass
+
+
+async def exposition(conn: asyncpg.Connection, now: datetime) -> bytes:
+    """The text format, for ``gpusched metrics --format prometheus``."""
+    samples = await gather(conn, now)
+
+    class _Fixed:
+        def collect(self):
+            return families(samples)
+
+    registry = CollectorRegistry()
+    registry.register(_Fixed())
+    return generate_latest(registry)

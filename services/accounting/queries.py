@@ -1,0 +1,109 @@
+"""Reads of the accounting read models for roll-ups, statements and metrics (the adapter side of
+:mod:`services.accounting.chargeback`). Used by the accounting service and the CLI."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from services.accounting import chargeback
+from services.accounting.chargeback import Attempt, PriceVersion, QuotaVersion
+
+PRICE_BOOK = "default"
+
+
+async def attempts(conn: asyncpg.Connection, *, ended_from: datetime | None = None, ended_before: datetime | None = None,
+                   overlapping: tuple[datetime, datetime] | None = None,
+                   max_sequence: int | None = None) -> list[Attempt]:
+    """Ledger rows ending in [ended_from, ended_before) or overlapping a window (either), logged
+    at or before ``max_sequence``."""
+    clauses, args = [], []
+
+    def arg(value: Any) -> str:
+        args.append(value)
+        return f"${len(args)}"
+
+    window = []
+    if ended_from is not None or ended_before is not None:
+        part = []
+        if ended_from is not None:
+            part.append(f"ended_at >= {arg(ended_from)}")
+        if ended_before is not None:
+            part.append(f"ended_at < {arg(ended_before)}")
+        window.append("(" + " AND ".join(part) + ")")
+    if overlapping is not None:
+        window.append(f"(started_at < {arg(overlapping[1])} AND ended_at > {arg(overlapping[0])})")
+    if window:
+        clauses.append("(" + " OR ".join(window) + ")")
+    if max_sequence is not None:
+        clauses.append(f"sequence <= {arg(max_sequence)}")
+    where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+    rows = await conn.fetch(
+        f"""SELECT job_id, attempt, team, project, queue, flavor, gpus, borrowed_gpus, started_at, ended_at,
+                   lost_gpu_seconds, cpu_core_seconds, memory_gib_seconds, wait_seconds
+            FROM usage_ledger {where}""", *args)
+    return [Attempt(**dict(r)) for r in rows]
+
+
+async def price_versions(conn: asyncpg.Connection, name: str = PRICE_BOOK,
+                         max_sequence: int | None = None) -> list[PriceVersion]:
+    rows = await conn.fetch(
+        """SELECT effective_from, sequence, currency, gpu_prices, cpu_core_hour, memory_gib_hour, idle_quota
+           FROM price_books WHERE name = $1 AND ($2::bigint IS NULL OR sequence <= $2)""", name, max_sequence)
+    return [PriceVersion(**{**dict(r), "gpu_prices": json.loads(r["gpu_prices"])}) for r in rows]
+
+
+async def quota_versions(conn: asyncpg.Connection, max_sequence: int | None = None) -> list[QuotaVersion]:
+    rows = await conn.fetch(
+        "SELECT queue, owner, effective_from, quotas, sequence FROM quota_history "
+        "WHERE $1::bigint IS NULL OR sequence <= $1", max_sequence)
+    return [QuotaVersion(**{**dict(r), "quotas": json.loads(r["quotas"])}) for r in rows]
+
+
+async def log_now(conn: asyncpg.Connection, wall: datetime) -> datetime:
+    """'Now' for a client without the platform clock: the wall clock, or the newest time in the
+    read models when the platform runs ahead of it (the dev stack's time scale)."""
+    newest = await conn.fetchval(
+        "SELECT max(greatest(submitted_at, admitted_at, reserved_at, scheduled_at, started_at, finished_at)) FROM jobs")
+    return max(wall, newest) if newest is not None else wall
+
+
+async def position(conn: asyncpg.Connection, projection: str = "read-models") -> int:
+    return await conn.fetchval("SELECT last_sequence FROM projection_position WHERE projection = $1",
+                               projection) or 0
+
+
+async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, as_of: datetime | None = None,
+                    last_sequence: int | None = None) -> dict[str, Any]:
+    """A statement computed from the read models as they are now (position = last_sequence)."""
+    start, end = chargeback.parse_period(period)
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        seq = await position(conn) if last_sequence is None else last_sequence
+        rows = await attempts(conn, ended_from=start, ended_before=end, overlapping=(start, end), max_sequence=seq)
+        prices = await price_versions(conn, max_sequence=seq)
+        history = await quota_versions(conn, max_sequence=seq)
+    return chargeback.statement(rows, prices, history, period=period, group_by=group_by, first_sequence=1,
+                                last_sequence=seq, as_of=as_of)
+
+
+async def rollup(conn: asyncpg.Connection, by: list[str], *, period: str | None = None,
+                 as_of: datetime | None = None) -> list[dict[str, Any]]:
+    """Usage and cost per group; ``as_of``: the ledger as it stood at that time (the attempts that
+    had ended by then). Costs use the price book as it is now: a corrected price re-prices history."""
+    start, end = chargeback.parse_period(period) if period else (None, None)
+    if as_of is not None:
+        end = as_of if end is None else min(end, as_of)
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        rows = await attempts(conn, ended_from=start, ended_before=end)
+        prices = await price_versions(conn)
+    return chargeback.rollup(rows, prices, by)
+
+
+async def issued(conn: asyncpg.Connection, period: str | None = None) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        """SELECT statement_id, period, group_by, checksum, first_sequence, last_sequence, total_cost, body, sequence
+           FROM statements WHERE ($1::text IS NULL OR period = $1) ORDER BY period, group_by, last_sequence""", period)
+    return [{**dict(r), "body": json.loads(r["body"])} for r in rows]

@@ -1,0 +1,394 @@
+"""The usage ledger, price book, chargeback statements, replay and metrics against a real
+nats-server and Postgres: guaranteed vs borrowed, work lost since the last checkpoint, queue
+wait; a statement issued when the period closes, re-derived by replay with the same checksum,
+re-issued after a price correction; shadow rebuild, compare and swap; `promtool check metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from conftest import eventually, service_settings
+from gpusched import accounting_cli, eventlog
+from schemas import (
+    JobAdmitted, JobCheckpointed, JobPreempted, JobRetryScheduled, JobScheduled, JobSpec, JobStarted, JobSubmitted,
+    JobSucceeded, NodeAssignment, NodeRegistered, QuotaReserved, new_event,
+)
+from schemas.node import NodeInfo
+from services.accounting import __main__ as accounting
+from services.accounting import metrics, queries, replay, sink
+from tests.unit.builders import price_book, queue
+
+NOV = datetime(2026, 11, 2, 9, 0, tzinfo=UTC)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def s(seconds: float) -> datetime:
+    return NOV + timedelta(seconds=seconds)
+
+
+def job(job_id: str, team: str, *, gpus: int, borrowed: int = 0, start: float = 60, end: float = 3660,
+        preempt_at: float | None = None, checkpoint_at: float | None = None) -> list:
+    spec = JobSpec(kind="training", queue="q", team=team, image="img", gpus=gpus)
+    ev = [
+        new_event(JobSubmitted, aggregate_id=job_id, producer="admission", occurred_at=s(0), key="1", spec=spec,
+                  submitter="u", intake_sequence=1),
+        new_event(JobAdmitted, aggregate_id=job_id, producer="admission", occurred_at=s(0), key="d", queue="q",
+                  priority=500, preemptible=True),
+    ]
+
+    def run(attempt: int, t0: float, t1: float, borrowed_: int, ending):
+        ev.extend([
+            new_event(QuotaReserved, aggregate_id=job_id, producer="quota", occurred_at=s(t0 - 5), key=str(attempt),
+                      attempt=attempt, queue="q", flavor="a100", gpus=gpus, borrowed=borrowed_),
+            new_event(JobScheduled, aggregate_id=job_id, producer="scheduler", occurred_at=s(t0 - 1), key=str(attempt),
+                      attempt=attempt, flavor="a100", placement=(NodeAssignment(node="n1", gpus=gpus),)),
+            new_event(JobStarted, aggregate_id=job_id, producer="executor", occurred_at=s(t0), key=str(attempt),
+                      attempt=attempt, nodes=("n1",)),
+        ])
+        if checkpoint_at is not None and attempt == 1:
+            ev.append(new_event(JobCheckpointed, aggregate_id=job_id, producer="admission", occurred_at=s(checkpoint_at + 1),
+                                key="c1", attempt=1, checkpointed_at=s(checkpoint_at), intake_sequence=2))
+        ev.append(new_event(ending, aggregate_id=job_id, producer="executor", occurred_at=s(t1), key=str(attempt),
+                            attempt=attempt, started_at=s(t0)))
+
+    if preempt_at is None:
+        run(1, start, end, borrowed, JobSucceeded)
+    else:
+        run(1, start, preempt_at, borrowed, JobPreempted)
+        ev.append(new_event(JobRetryScheduled, aggregate_id=job_id, producer="quota", occurred_at=s(preempt_at + 10),
+                            key="r1", failed_attempt=1, next_attempt=2, not_before=s(preempt_at + 10)))
+        run(2, preempt_at + 40, end, 0, JobSucceeded)
+    return ev
+
+
+def december_event():
+    return new_event(NodeRegistered, aggregate_id="n9", producer="executor",
+                     occurred_at=datetime(2026, 12, 1, 2, tzinfo=UTC), key="1",
+                     node=NodeInfo(name="n9", gpu_flavor="a100", gpu_count=8))
+
+
+def scenario() -> list:
+    q = queue("q", ("team-a", "team-b"), {"a100": 4})
+    q = q.model_copy(update={"occurred_at": datetime(2026, 11, 1, tzinfo=UTC)})
+    book = price_book({"a100": 2.0}, effective_from=datetime(2026, 10, 1, tzinfo=UTC))
+    return [q, book,
+            *job("j1", "team-a", gpus=4, borrowed=1, start=60, preempt_at=1060, checkpoint_at=660, end=4700),
+            *job("j2", "team-b", gpus=1, start=100, end=3700)]
+
+
+@pytest.fixture
+def cli_env(nats_server, pg_dsn, monkeypatch):
+    monkeypatch.setenv("GPUSCHED_NATS_URL", nats_server.url())
+    monkeypatch.setenv("GPUSCHED_NATS_USER", "operator")
+    monkeypatch.setenv("GPUSCHED_NATS_PASSWORD", nats_server.creds.users["operator"])
+    monkeypatch.setenv("GPUSCHED_PG_DSN", pg_dsn)
+    monkeypatch.setenv("GPUSCHED_CONNECTION_FILE", "/nonexistent")
+    monkeypatch.setenv("GPUSCHED_STATEMENT_GRACE_S", "0")
+    monkeypatch.setenv("GPUSCHED_STATEMENT_BY", "team")
+
+
+async def _position(dsn: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await sink.position(conn) if await conn.fetchval("SELECT to_regclass('projection_position') IS NOT NULL") else 0
+    finally:
+        await conn.close()
+
+
+async def _caught_up(js, dsn: str) -> bool:
+    return await _position(dsn) >= await eventlog.last_sequence(js)
+
+
+async def _statements(js) -> list:
+    from schemas import parse_event
+    return [parse_event(m.data) async for m in eventlog.read(js, subjects=["gpusched.statement.>"])]
+
+
+async def test_ledger_statement_replay_and_metrics(nats_server, admin_js, pg_dsn, cli_env):
+    log = eventlog.EventLog(admin_js)
+    for e in scenario():
+        await log.append(e)
+    stop = asyncio.Event()
+    task = asyncio.create_task(accounting.run(service_settings(nats_server, "accounting", pg_dsn=pg_dsn), stop))
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        rows = {(r["job_id"], r["attempt"]): dict(r) for r in await conn.fetch("SELECT * FROM usage_ledger")}
+        a1, a2 = rows[("j1", 1)], rows[("j1", 2)]
+        assert (a1["gpu_seconds"], a1["borrowed_gpu_seconds"], a1["lost_gpu_seconds"]) == (4000.0, 1000.0, 1600.0)
+        assert a1["last_checkpoint_at"] == s(660) and a1["wait_seconds"] == 60.0 and a1["outcome"] == "JobPreempted"
+        assert (a2["gpu_seconds"], a2["borrowed_gpu_seconds"], a2["lost_gpu_seconds"]) == (4 * 3600.0, 0.0, 0.0)
+        assert a2["wait_seconds"] == 30.0  # retry decided at 1070, started at 1100
+        assert rows[("j2", 1)]["cpu_core_seconds"] == 3600.0
+        assert await _statements(admin_js) == []  # November is not over in the log yet
+
+        # time travel: before j1's second attempt ended only its first attempt and j2 were in the ledger
+        early = await queries.rollup(conn, ["team"], as_of=s(4000))
+        assert [(r["team"], r["gpu_hours"]) for r in early] == [("team-a", 4000 / 3600), ("team-b", 1.0)]
+
+        # the log passes the end of November: the statement is issued and projected
+        await log.append(december_event())
+        (st,) = await eventually(lambda: _statements(admin_js))
+        assert st.period == "2026-11" and st.group_by == "team" and st.first_sequence == 1
+        assert st.last_sequence == len(scenario()) + 1  # the read models had applied the December event
+        lines = {line.key: line for line in st.lines}
+        assert lines["team-a"].usage_cost == pytest.approx((4000 + 4 * 3600) / 3600 * 2.0)
+        assert lines["team-a"].lost_gpu_seconds == 1600.0 and lines["team-a"].borrowed_gpu_seconds == 1000.0
+        assert lines["team-a"].idle_gpu_seconds > 0 and lines["team-a"].total_cost == lines["team-a"].usage_cost
+        assert st.total_cost == pytest.approx(lines["team-a"].total_cost + 2.0)
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        assert [r["statement_id"] for r in await queries.issued(conn)] == [st.aggregate_id]
+
+        # anyone can re-derive it by replay and get the same checksum
+        verified = await accounting_cli._verify(st.aggregate_id, _Quiet())
+        assert verified["verified"] and verified["replayed_checksum"] == st.checksum
+
+        # a corrected price for the same effective time re-prices November: a new statement
+        await log.append(price_book({"a100": 3.0}, effective_from=datetime(2026, 10, 1, tzinfo=UTC), key="fix",
+                                    when=datetime(2026, 12, 1, 3, tzinfo=UTC)))
+        first, second = await eventually(lambda: _ready(_statements(admin_js), 2))
+        assert second.total_cost == pytest.approx(first.total_cost * 1.5)
+        assert second.last_sequence > first.last_sequence and second.checksum != first.checksum
+        assert (await accounting_cli._verify(second.aggregate_id, _Quiet()))["verified"]
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+
+        # replay into a shadow: identical to live, table by table; then swap it in while live runs
+        result = await accounting_cli._replay("shadow", None, None, True, False, 7, _Quiet())
+        assert result["position"] == await _position(pg_dsn)
+        assert [r["table"] for r in result["compare"] if not r["equal"]] == []
+        assert {r["table"]: r["live_rows"] for r in result["compare"]}["usage_ledger"] == 3
+        await conn.execute("UPDATE shadow.usage_ledger SET gpu_seconds = gpu_seconds + 1 WHERE job_id = 'j2'")
+        diff = await replay.compare(pg_dsn, "shadow")
+        assert [r["table"] for r in diff if not r["equal"]] == ["usage_ledger"]
+        swapped = await accounting_cli._replay("shadow", None, None, False, True, 1000, _Quiet())
+        assert swapped["retired"].startswith("retired_")
+        for e in job("j3", "team-a", gpus=2, start=10, end=20):
+            await log.append(e.model_copy(update={"occurred_at": e.occurred_at + timedelta(days=30)}))
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        assert await conn.fetchval("SELECT count(*) FROM public.usage_ledger") == 4  # live writes to the new tables
+
+        # operations metrics: the exposition is valid for promtool
+        text = await metrics.exposition(conn, datetime(2026, 12, 2, tzinfo=UTC))
+        assert b'gpusched_team_gpu_seconds{flavor="a100",team="team-a"}' in text
+        assert b'gpusched_gpu_capacity{flavor="a100"} 8.0' in text
+        promtool_check(text)
+        # the endpoint's SQL team cost follows the same pricing rule as the statements (split at price changes)
+        await log.append(price_book({"a100": 5.0}, effective_from=s(2000), key="mid", when=s(2001)))
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        sampled = {dict(x.labels)["team"]: x.value for x in await metrics.gather(conn, s(9999))
+                   if x.name == "gpusched_team_cost"}
+        pure = {r["team"]: r["cost"] for r in await queries.rollup(conn, ["team"])}
+        assert sampled == pytest.approx(pure) and pure["team-a"] > 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await conn.close()
+
+
+async def _ready(coro, n):
+    items = await coro
+    return items if len(items) >= n else None
+
+
+def _Quiet():  # noqa: N802
+    """The CLI's stderr console, silenced under pytest."""
+    from rich.console import Console
+    return Console(file=open(os.devnull, "w"))
+
+
+def promtool() -> str:
+    if os.environ.get("PROMTOOL"):
+        return os.environ["PROMTOOL"]
+    proc = subprocess.run(["sh", str(REPO / "scripts" / "promtool.sh")], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        pytest.skip(f"promtool not installable here: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def promtool_check(text: bytes) -> None:
+    proc = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, timeout=60)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr).decode()
+    assert proc.stdout + proc.stderr == b"", (proc.stdout + proc.stderr).decode()  # no lint warnings either
+
+
+async def test_service_metrics_endpoint_passes_promtool(nats_server, admin_js, pg_dsn):
+    """The accounting process's own /metrics (process, service and read-model metrics)."""
+    import urllib.request
+
+    from gpusched import devstack
+    port = devstack.free_port()
+    log = eventlog.EventLog(admin_js)
+    for e in scenario():
+        await log.append(e)
+    env = {**os.environ, **nats_server.env("accounting"), "GPUSCHED_PG_DSN": pg_dsn,
+           "GPUSCHED_METRICS_PORT": str(port), "GPUSCHED_TICK_S": "0.05"}
+    proc = subprocess.Popen([str(Path(os.sys.executable)), "-m", "services.accounting"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        await eventually(lambda: _caught_up(admin_js, pg_dsn), timeout_s=30)
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read())
+        assert b"gpusched_queue_wait_seconds{quantile=\"0.5\",queue=\"q\"}" in body
+        assert b"gpusched_team_cost{currency=\"USD\",team=\"team-b\"} 2.0" in body
+        promtool_check(body)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_an_event_appended_twice_changes_nothing(nats_server, admin_js, pg_dsn):
+    """A producer that re-decides after JetStream's duplicate window appends the same event (same
+    id) at a new sequence: the second copy must not move the job back or count again."""
+    from schemas.registry import dumps, event_subject
+
+    log = eventlog.EventLog(admin_js)
+    events = job("d1", "team-a", gpus=2, start=10, end=110)
+    for e in events:
+        await log.append(e)
+    stop = asyncio.Event()
+    task = asyncio.create_task(accounting.run(service_settings(nats_server, "accounting", pg_dsn=pg_dsn), stop))
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        before = [dict(r) for r in await conn.fetch("SELECT * FROM usage_ledger")]
+        started = next(e for e in events if e.type == "JobStarted")
+        succeeded = next(e for e in events if e.type == "JobSucceeded")
+        for e in (started, succeeded):  # outside the duplicate window: a new Nats-Msg-Id
+            await admin_js.publish(event_subject(e), dumps(e), headers={"Nats-Msg-Id": "late-" + e.event_id})
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        assert await conn.fetchval("SELECT state FROM jobs WHERE job_id = 'd1'") == "succeeded"
+        assert [dict(r) for r in await conn.fetch("SELECT * FROM usage_ledger")] == before
+        assert await conn.fetchval("SELECT count(*) FROM applied_events") == len(events)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await conn.close()
+
+
+async def test_batched_ops_give_the_same_tables_as_one_event_at_a_time(pg_dsn, monkeypatch):
+    """The sink groups a batch's ops by statement (phase order); the result must not depend on
+    where batch boundaries fall. Interleaved lifecycles with preemptions, retries and checkpoints."""
+    import random
+
+    from services.accounting import projection
+
+    rng = random.Random(7)
+    lifecycles = [job(f"b{i}", rng.choice(["team-a", "team-b"]), gpus=rng.choice([1, 2, 4]), borrowed=rng.choice([0, 1]),
+                      start=rng.uniform(10, 50), end=rng.uniform(3000, 6000),
+                      preempt_at=rng.choice([None, rng.uniform(500, 2000)]), checkpoint_at=rng.uniform(100, 400))
+                  for i in range(40)]
+    events = scenario()[:2]
+    while any(lifecycles):  # interleave: each step takes the next event of a random job
+        pick = rng.choice([lc for lc in lifecycles if lc])
+        events.append(pick.pop(0))
+    entries = [(i + 1, e.event_id, projection.convert(e, i + 1)) for i, e in enumerate(events)]
+    sums = {}
+    for schema, size, stage_min in (("one_by_one", 1, 10**9), ("batched", 10_000, 10**9), ("odd", 13, 10**9),
+                                    ("staged", 10_000, 1), ("staged_odd", 29, 1)):
+        monkeypatch.setattr(sink, "STAGE_MIN", stage_min)  # COPY + set-based statements, or executemany
+        await replay.reset(pg_dsn, schema)
+        conn = await replay.connect(pg_dsn, schema)
+        try:
+            for k in range(0, len(entries), size):
+                await sink.apply_batch(conn, entries[k:k + size])
+            sums[schema] = await replay.table_checksums(conn, schema)
+        finally:
+            await conn.close()
+    assert sums["one_by_one"]["usage_ledger"][0] == 40 + sum(1 for e in events if e.type == "JobPreempted")
+    assert sums["one_by_one"] == sums["batched"] == sums["odd"] == sums["staged"] == sums["staged_odd"]
+
+
+async def test_cli_prices_usage_and_chargeback(nats_server, admin_js, pg_dsn, tmp_path):
+    """As the operator: publish a price book (NATS permissions allow pricebook.*.*), then read
+    usage and a statement in every format, and see bad arguments refused with the field."""
+    import csv
+    import io
+    import json
+    import sys
+
+    log = eventlog.EventLog(admin_js)
+    for e in scenario()[:1] + scenario()[2:]:  # everything but the price book: the CLI publishes it
+        await log.append(e)
+    book = tmp_path / "pricebook.yaml"
+    book.write_text("price_books:\n  - effective_from: 2026-10-01T00:00:00Z\n    gpu_prices: {a100: 2.0}\n")
+    env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_PG_DSN": pg_dsn,
+           "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
+    cli = [sys.executable, "-m", "gpusched.cli"]
+
+    def gs(*args, check=True):
+        proc = subprocess.run(cli + list(args), env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+        if check:
+            assert proc.returncode == 0, proc.stderr
+        return proc
+
+    assert "new version from 2026-10-01" in gs("prices", "-f", str(book), "--dry-run").stdout
+    published = json.loads(gs("prices", "-f", str(book), "-o", "json").stdout)
+    assert [c["event"] for c in published] == ["PriceBookUpdated"]
+    assert json.loads(gs("apply", "-f", str(book), "-o", "json").stdout) == []  # unchanged: nothing published
+    assert json.loads(gs("prices", "-o", "json").stdout)[0]["gpu_prices"] == {"a100": 2.0}
+    stop = asyncio.Event()
+    task = asyncio.create_task(accounting.run(service_settings(nats_server, "accounting", pg_dsn=pg_dsn), stop))
+    try:
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        usage = json.loads(gs("usage", "--by", "team,day", "-o", "json").stdout)
+        assert [(r["team"], r["day"]) for r in usage] == [("team-a", "2026-11-02"), ("team-b", "2026-11-02")]
+        assert usage[1]["cost"] == pytest.approx(2.0)
+        body = json.loads(gs("chargeback", "--period", "2026-11", "--by", "team", "--format", "json").stdout)
+        assert body["checksum"].startswith("sha256:") and body["last_sequence"] == await _position(pg_dsn)
+        rows = list(csv.reader(io.StringIO(gs("chargeback", "--period", "2026-11", "--format", "csv").stdout)))
+        assert rows[0][:2] == ["team", "gpu_hours"] and [r[0] for r in rows[1:]] == ["team-a", "team-b"]
+        assert "total" in gs("chargeback", "--period", "2026-11").stdout
+        bad = gs("chargeback", "--period", "2026-13", check=False)
+        assert bad.returncode == 2 and "accepted: YYYY-MM" in bad.stderr
+        bad = gs("usage", "--by", "colour", check=False)
+        assert bad.returncode == 2 and "accepted dimensions: team, project, queue, flavor, day" in bad.stderr
+        prom = gs("metrics", "--format", "prometheus").stdout.encode()
+        promtool_check(prom)
+        table = gs("replay", "--into", "shadow")
+        assert "replayed" in table.stdout and "usage_ledger" in table.stdout
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_failed_staged_batch_is_retried_on_the_same_connection(pg_dsn, monkeypatch):
+    """The first staged batch of a session fails after creating its temporary tables: they go
+    with the rollback, and the retry on the same connection must create them again."""
+    from services.accounting import projection
+
+    monkeypatch.setattr(sink, "STAGE_MIN", 1)
+    events = [e for i in range(5) for e in job(f"f{i}", "team-a", gpus=1)]
+    entries = [(i + 1, e.event_id, projection.convert(e, i + 1)) for i, e in enumerate(events)]
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await sink.migrate(conn)
+        broken = entries + [(len(entries) + 1, "x", [projection.Op("job_rejected", ("f0", None, None, None, None))])]
+        with pytest.raises(asyncpg.PostgresError):
+            await sink.apply_batch(conn, broken)
+        assert await sink.apply_batch(conn, entries) == len(entries)
+        assert await conn.fetchval("SELECT count(*) FROM usage_ledger") == 5
+    finally:
+        await conn.close()
+
+
+async def test_replay_window_and_live_catch_up(nats_server, admin_js, pg_dsn, cli_env):
+    """--from replays only from a sequence (the window's shadow lacks what came before);
+    without --into, replay catches the live models up to the log's end (and is idempotent)."""
+    log = eventlog.EventLog(admin_js)
+    for e in scenario():
+        await log.append(e)
+    live = await accounting_cli._replay(None, None, None, False, False, 4, _Quiet())
+    assert live["target"] == "public" and live["position"] == len(scenario()) == live["applied"]
+    again = await accounting_cli._replay(None, None, None, False, False, 4, _Quiet())
+    assert again["applied"] == 0
+    first_job2 = next(i for i, e in enumerate(scenario(), start=1) if e.aggregate_id == "j2")
+    window = await accounting_cli._replay("window", first_job2, None, True, False, 100, _Quiet())
+    assert window["applied"] == len(scenario()) - first_job2 + 1
+    differs = {r["table"]: (r["live_rows"], r["shadow_rows"]) for r in window["compare"] if not r["equal"]}
+    assert differs["jobs"] == (2, 1) and differs["usage_ledger"] == (3, 1)  # only j2 is inside the window
