@@ -108,8 +108,24 @@ class _Bar:
                              rate=f"{speed:,.0f}" if speed else "-")
 
 
-def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callable, output_option,
-             output_enum, console, err_console) -> None:
+async def publish(js, events: list) -> None:
+    log = eventlog.EventLog(js)
+    for e in events:
+        await log.append(e)
+
+
+async def apply_price_file(js, file: Path, dry_run: bool) -> list[dict[str, Any]]:
+    """Publish the PriceBookUpdated events that make the log's price books equal the file's
+    (none with ``dry_run``); the changes, described."""
+    books = await pricebook.current(js)
+    events = pricebook.plan(file, books, client.utcnow())
+    if not dry_run:
+        await publish(js, events)
+    return [{"event": e.type, "name": e.aggregate_id, "change": pricebook.describe(e, books)} for e in events]
+
+
+def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callable, with_js: Callable,
+             output_option, output_enum, console, err_console) -> None:
     Output = output_enum
 
     def guarded(fn):
@@ -153,27 +169,13 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
     ) -> None:
         """Publish a price book file (PriceBookUpdated), or list the price book history."""
         async def go(js):
+            if file is not None:
+                return await apply_price_file(js, file, dry_run)
             books = await pricebook.current(js)
-            if file is None:
-                return [{"name": e.name, "effective_from": e.effective_from, "currency": e.currency,
-                         "gpu_prices": {p.flavor: p.gpu_hour for p in e.gpu_prices},
-                         "cpu_core_hour": e.cpu_core_hour, "memory_gib_hour": e.memory_gib_hour,
-                         "idle_quota": e.idle_quota} for _, e in sorted(books.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
-            events = pricebook.plan(file, books, client.utcnow())
-            changes = [{"event": e.type, "name": e.aggregate_id, "change": pricebook.describe(e, books)}
-                       for e in events]
-            if not dry_run:
-                log = eventlog.EventLog(js)
-                for e in events:
-                    await log.append(e)
-            return changes
-
-        async def with_js(action):
-            nc = await Connection.resolve().nats()
-            try:
-                return await action(nc.jetstream())
-            finally:
-                await nc.close()
+            return [{"name": e.name, "effective_from": e.effective_from, "currency": e.currency,
+                     "gpu_prices": {p.flavor: p.gpu_hour for p in e.gpu_prices},
+                     "cpu_core_hour": e.cpu_core_hour, "memory_gib_hour": e.memory_gib_hour,
+                     "idle_quota": e.idle_quota} for _, e in sorted(books.items(), key=lambda kv: (kv[0][0], kv[0][1]))]
         emit(run(with_js(go)), output, title="dry run: nothing published" if dry_run and file else None)
 
     @app.command("chargeback")

@@ -172,28 +172,17 @@ def apply(
 ) -> None:
     """Make the queue configuration (or, for a file with `price_books:`, the price book) equal to a
     file (publishes QueueConfigured / QueueDeleted / PriceBookUpdated)."""
-    async def go():
-        nc = await Connection.resolve().nats()
-        try:
-            js = nc.jetstream()
-            if pricebook.is_price_file(client.load_yaml(file)):
-                books = await pricebook.current(js)
-                events = pricebook.plan(file, books, client.utcnow())
-                changes = [{"event": e.type, "name": e.aggregate_id, "change": pricebook.describe(e, books)}
-                           for e in events]
-            else:
-                config = await client.current_queues(js)
-                events = client.plan_queues(file, config, client.utcnow(), prune=prune)
-                changes = [{"event": e.type, "name": e.aggregate_id, "change": client.describe_change(e, config)}
-                           for e in events]
-            if not dry_run:
-                log = eventlog.EventLog(js)
-                for e in events:
-                    await log.append(e)
-            return changes
-        finally:
-            await nc.close()
-    changes = run(go())
+    async def go(js):
+        if pricebook.is_price_file(client.load_yaml(file)):
+            return await accounting_cli.apply_price_file(js, file, dry_run)
+        config = await client.current_queues(js)
+        events = client.plan_queues(file, config, client.utcnow(), prune=prune)
+        if not dry_run:
+            await accounting_cli.publish(js, events)
+        return [{"event": e.type, "name": e.aggregate_id, "change": client.describe_change(e, config)}
+                for e in events]
+
+    changes = run(with_js(go))
     emit(changes, output, title="dry run: nothing published" if dry_run else None)
 
 
@@ -241,8 +230,8 @@ def events(job_id: str, output: Output = OutputOpt) -> None:
     emit(rows, output)
 
 
-accounting_cli.register(app, emit=emit, run=run, with_pg=with_pg, output_option=OutputOpt, output_enum=Output,
-                        console=console, err_console=err_console)
+accounting_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, output_option=OutputOpt,
+                        output_enum=Output, console=console, err_console=err_console)
 
 
 @app.command("why")
