@@ -144,12 +144,11 @@ async def raw_copy(dsn: str, n: int) -> float:
 
 
 async def replay_run(js, dsn: str, schema: str, batch: int) -> dict:
-    await replay.reset(dsn, schema)
+    t = time.perf_counter()
+    progress = await replay.rebuild(js, dsn, schema, batch=batch)  # what `gpusched replay --into` runs
+    wall = time.perf_counter() - t
     conn = await replay.connect(dsn, schema)
     try:
-        t = time.perf_counter()
-        progress = await replay.replay(js, conn, batch=batch)
-        wall = time.perf_counter() - t
         rows = await conn.fetchval("SELECT count(*) FROM usage_ledger")
         position = await sink.position(conn)
     finally:
@@ -228,7 +227,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=5000, help="events per replay transaction")
+    parser.add_argument("--batch", type=int, default=20_000, help="events per replay transaction")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     result = asyncio.run(main(args))

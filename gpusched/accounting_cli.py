@@ -248,7 +248,7 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
         into: Optional[str] = typer.Option(None, "--into", help="Shadow schema to rebuild (e.g. shadow); default: live"),
         compare: bool = typer.Option(True, help="Compare the shadow with live (row counts, checksums)"),
         swap: bool = typer.Option(False, help="Then make the shadow the live read models"),
-        batch: int = typer.Option(5000, min=1, max=100_000, help="Events per transaction"),
+        batch: int = typer.Option(20_000, min=1, max=100_000, help="Events per transaction"),
         output: Output = output_option,
     ) -> None:
         """Rebuild read models from the log (with a progress bar), compare a shadow with live, swap them."""
@@ -315,22 +315,18 @@ async def _replay(into, from_seq, from_time, compare, swap, batch, err_console) 
         finally:
             await live.close()
         target = into or "public"
-        if into is not None:
-            await replay_mod.reset(dsn, into)
-            if from_seq or from_time:
-                # a window replay: the shadow starts just before it
-                conn = await replay_mod.connect(dsn, into)
-                start = from_seq or 1
-                await conn.execute("INSERT INTO projection_position (projection, last_sequence) VALUES ($1, $2)",
-                                   sink.PROJECTION, start - 1)
-                await conn.close()
         end = live_pos if into is not None else await eventlog.last_sequence(js)
+        if into is not None:
+            with _Bar(err_console, f"replay → {target}", from_seq or 1, end) as bar:
+                progress = await replay_mod.rebuild(js, dsn, into, from_seq=from_seq, from_time=from_time,
+                                                    to_seq=end, batch=batch, on_batch=bar)
         conn = await replay_mod.connect(dsn, target)
         try:
-            begin = max(await sink.position(conn) + 1, from_seq or 1)
-            with _Bar(err_console, f"replay → {target}", begin, end) as bar:
-                progress = await replay_mod.replay(js, conn, from_seq=from_seq, from_time=from_time, to_seq=end,
-                                                   batch=batch, on_batch=bar)
+            if into is None:
+                begin = max(await sink.position(conn) + 1, from_seq or 1)
+                with _Bar(err_console, f"replay → {target}", begin, end) as bar:
+                    progress = await replay_mod.replay(js, conn, from_seq=from_seq, from_time=from_time, to_seq=end,
+                                                       batch=batch, writer_process=(dsn, target), on_batch=bar)
             position = await sink.position(conn)
         finally:
             await conn.close()
@@ -358,14 +354,15 @@ async def _verify(statement_id: str, err_console) -> dict[str, Any]:
             found = parse_event(msg.data)
         if not isinstance(found, ChargebackStatementIssued):
             raise UserError(f"statement {statement_id!r} is not in the log; list them with `gpusched chargeback --issued`")
-        await replay_mod.reset(dsn, scratch)
-        conn = await replay_mod.connect(dsn, scratch)
         try:
             with _Bar(err_console, "verify", 1, found.last_sequence) as bar:
-                await replay_mod.replay(js, conn, to_seq=found.last_sequence, on_batch=bar)
-            body = await queries.statement(conn, found.period, found.group_by, last_sequence=found.last_sequence)
+                await replay_mod.rebuild(js, dsn, scratch, to_seq=found.last_sequence, on_batch=bar)
+            conn = await replay_mod.connect(dsn, scratch)
+            try:
+                body = await queries.statement(conn, found.period, found.group_by, last_sequence=found.last_sequence)
+            finally:
+                await conn.close()
         finally:
-            await conn.close()
             admin = await replay_mod.connect(dsn)
             await admin.execute(f"DROP SCHEMA IF EXISTS {replay_mod.q(scratch)} CASCADE")
             await admin.close()

@@ -22,7 +22,7 @@ from nats import errors as nats_errors
 from pydantic import ValidationError
 
 from gpusched import eventlog
-from schemas.registry import SUBJECT_PREFIX
+from schemas.registry import SUBJECT_PREFIX, parse_event
 from services.accounting import projection, sink
 
 PROJECTIONS = ("read-models",)
@@ -73,66 +73,248 @@ async def reset(dsn: str, schema: str) -> None:
         await conn.close()
 
 
+async def defer_indexes(dsn: str, schema: str) -> list[str]:
+    """Bulk-load practice for a fresh shadow: drop its secondary indexes (not primary keys or
+    unique ones: the sink's conflict checks and joins use those) and remember their definitions
+    in the shadow, so that :func:`build_indexes` builds each once, sorted, instead of the
+    load inserting into it row by row. Returns the indexes deferred."""
+    conn = await connect(dsn, schema)
+    try:
+        async with conn.transaction():
+            rows = await conn.fetch(
+                "SELECT c.relname, pg_get_indexdef(i.indexrelid) AS ddl FROM pg_index i "
+                "JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = $1 AND NOT i.indisprimary AND NOT i.indisunique ORDER BY c.relname", schema)
+            await conn.execute("CREATE TABLE IF NOT EXISTS deferred_indexes (name text PRIMARY KEY, ddl text NOT NULL)")
+            for table in TABLES:  # nothing to vacuum in a table being loaded; build_indexes analyzes it
+                await conn.execute(f"ALTER TABLE {q(schema)}.{table} SET (autovacuum_enabled = off)")
+            for r in rows:
+                await conn.execute("INSERT INTO deferred_indexes VALUES ($1, $2) ON CONFLICT DO NOTHING", r["relname"],
+                                   r["ddl"])
+                await conn.execute(f"DROP INDEX {q(schema)}.{q(r['relname'])}")
+    finally:
+        await conn.close()
+    return [r["relname"] for r in rows]
+
+
+async def build_indexes(dsn: str, schema: str) -> list[str]:
+    """Build the indexes :func:`defer_indexes` dropped (none if there are none); a shadow is
+    swapped in only with all its indexes."""
+    conn = await connect(dsn, schema)
+    try:
+        if not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{q(schema)}.deferred_indexes"):
+            return []
+        async with conn.transaction():
+            rows = await conn.fetch("SELECT name, ddl FROM deferred_indexes ORDER BY name")
+            await conn.execute("SET LOCAL maintenance_work_mem = '256MB'")
+            for r in rows:
+                await conn.execute(r["ddl"])
+            await conn.execute("DROP TABLE deferred_indexes")
+            for table in TABLES:
+                await conn.execute(f"ALTER TABLE {q(schema)}.{table} RESET (autovacuum_enabled)")
+        await conn.execute("ANALYZE " + ", ".join(f"{q(schema)}.{t}" for t in TABLES))  # statistics for the load
+    finally:
+        await conn.close()
+    return [r["name"] for r in rows]
+
+
+async def rebuild(js, dsn: str, schema: str, *, from_seq: int | None = None, from_time: datetime | None = None,
+                  to_seq: int | None = None, batch: int = 20_000,
+                  on_batch: Callable[[Progress], None] | None = None) -> Progress:
+    """A fresh shadow from the log: reset, load it with its secondary indexes deferred and a
+    writer process, then build the indexes. A window (``from_seq``/``from_time``) starts the
+    shadow just before it."""
+    await reset(dsn, schema)
+    await defer_indexes(dsn, schema)
+    conn = await connect(dsn, schema)
+    try:
+        if from_seq:
+            await conn.execute("INSERT INTO projection_position (projection, last_sequence) VALUES ($1, $2)",
+                               sink.PROJECTION, from_seq - 1)
+        progress = await replay(js, conn, from_seq=from_seq, from_time=from_time, to_seq=to_seq, batch=batch,
+                                writer_process=(dsn, schema), on_batch=on_batch)
+    finally:
+        await conn.close()
+    await build_indexes(dsn, schema)
+    return progress
+
+
 @dataclass
 class Progress:
     applied: int = 0
     last_sequence: int = 0
     apply_s: float = 0.0  # time spent writing batches (overlaps reading and parsing the next)
-    wait_s: float = 0.0  # time the reader waited for the previous batch's write
+    wait_s: float = 0.0  # time the reader waited for the writer
+    writer_cpu_s: float = 0.0  # CPU time of the writer process (parsing, converting, encoding)
 
 
-def convert_message(msg) -> tuple[int, str | None, list[projection.Op]]:
-    seq = stream_sequence(msg)
+def convert_raw(seq: int, data: bytes) -> tuple[int, str | None, list[projection.Op]]:
+    """One message's entry for the sink: (sequence, event id, operations)."""
     try:
-        event = eventlog.parse_message(msg)
+        event = parse_event(data)
         return seq, event.event_id, projection.convert(event, seq)
     except (ValueError, ValidationError, LookupError):
         return seq, None, []  # poison: the live service dead-lettered it; a replay skips it the same way
 
 
+def convert_message(msg) -> tuple[int, str | None, list[projection.Op]]:
+    return convert_raw(stream_sequence(msg), msg.data)
+
+
+Raw = list[tuple[int, bytes]]
+"""A batch as read from the log: (stream sequence, payload)."""
+
+
+class InlineWriter:
+    """Parses and writes batches in this process, one batch written while the next is read."""
+
+    def __init__(self, conn: asyncpg.Connection, progress: Progress):
+        self.conn, self.progress = conn, progress
+        self._pending: asyncio.Task | None = None
+
+    async def _write(self, raw: Raw) -> None:
+        entries = [convert_raw(seq, data) for seq, data in raw]
+        t = time.perf_counter()
+        await sink.apply_batch(self.conn, entries)
+        self.progress.apply_s += time.perf_counter() - t
+
+    async def submit(self, raw: Raw) -> None:
+        await self.drain()
+        self._pending = asyncio.create_task(self._write(raw))
+
+    async def drain(self) -> None:
+        if self._pending is not None:
+            t = time.perf_counter()
+            pending, self._pending = self._pending, None
+            await pending
+            self.progress.wait_s += time.perf_counter() - t
+
+    async def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+
+# -- the writer process: parsing, converting and writing off the reader's core ----------------
+
+_worker: dict = {}
+
+
+def _worker_start(dsn: str, schema: str, capacity: int) -> None:
+    import gc
+
+    gc.freeze()  # the imported modules: not scanned by every collection of the batches' objects
+    # A batch allocates a few hundred thousand short-lived objects with no reference cycles:
+    # collect far less often than every 700 allocations (the default).
+    gc.set_threshold(50_000, 20, 100)
+    loop = asyncio.new_event_loop()
+    conn = loop.run_until_complete(connect(dsn, schema))
+    _worker.update(loop=loop, conn=conn, failed=None, applied=None)
+    if capacity and not loop.run_until_complete(conn.fetchval("SELECT EXISTS (SELECT FROM applied_events)")):
+        # A fresh target: every id this process applies goes into a Bloom filter (about 1.2
+        # bytes an event at 1% false positives), so that only the ids in it are looked up.
+        from rbloom import Bloom
+
+        _worker["applied"] = Bloom(max(capacity, 1000), 0.01)
+
+
+def _worker_apply(raw: Raw) -> tuple[float, float]:
+    """Parse, convert and write one batch; returns (wall, CPU) seconds. After a failure every
+    later batch is refused, so that a batch is never applied after one that was not (the
+    position would skip it)."""
+    if _worker["failed"] is not None:
+        raise ReplayError(f"an earlier batch failed: {_worker['failed']}")
+    t, cpu = time.perf_counter(), time.process_time()
+    try:
+        entries = [convert_raw(seq, data) for seq, data in raw]
+        _worker["loop"].run_until_complete(sink.apply_batch(_worker["conn"], entries, applied_filter=_worker["applied"]))
+    except BaseException as err:
+        _worker["failed"] = repr(err)
+        raise
+    return time.perf_counter() - t, time.process_time() - cpu
+
+
+def _worker_stop() -> None:
+    _worker["loop"].run_until_complete(_worker["conn"].close())
+
+
+class ProcessWriter:
+    """Hands batches to one writer process (its own Postgres connection), in order, at most
+    ``depth`` in flight: reading from JetStream and parsing plus writing then use a core each.
+    The writer applies batches in submission order and refuses all after a failed one."""
+
+    def __init__(self, dsn: str, schema: str, progress: Progress, events: int, depth: int = 2):
+        import concurrent.futures
+        import multiprocessing
+
+        self.progress, self.depth = progress, depth
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
+            initargs=(dsn, schema, events))
+        self._inflight: deque[asyncio.Future] = deque()
+
+    async def submit(self, raw: Raw) -> None:
+        while len(self._inflight) >= self.depth:
+            await self._settle_oldest()
+        self._inflight.append(asyncio.wrap_future(self._pool.submit(_worker_apply, raw)))
+
+    async def _settle_oldest(self) -> None:
+        t = time.perf_counter()
+        wall, cpu = await self._inflight.popleft()
+        self.progress.apply_s += wall
+        self.progress.writer_cpu_s += cpu
+        self.progress.wait_s += time.perf_counter() - t
+
+    async def drain(self) -> None:
+        while self._inflight:
+            await self._settle_oldest()
+
+    async def close(self) -> None:
+        for f in self._inflight:
+            f.cancel()
+        try:
+            await asyncio.wrap_future(self._pool.submit(_worker_stop))
+        except Exception:  # the process is going away either way
+            pass
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, from_time: datetime | None = None,
-                 to_seq: int | None = None, batch: int = 5000,
+                 to_seq: int | None = None, batch: int = 5000, writer_process: tuple[str, str] | None = None,
                  on_batch: Callable[[Progress], None] | None = None) -> Progress:
     """Apply the log from the target's position (or ``from_seq``/``from_time``, whichever is
-    later) up to ``to_seq`` (default: the log's end now) through the converter and the sink. One
-    batch is written while the next is parsed."""
+    later) up to ``to_seq`` (default: the log's end now) through the converter and the sink.
+    ``writer_process=(dsn, schema)``: parse and write in a separate process (the same target
+    as ``conn``, which then only reads the position), else in this one."""
     start = max(await sink.position(conn) + 1, from_seq or 1)
     end = to_seq if to_seq is not None else await eventlog.last_sequence(js)
     progress = Progress(last_sequence=start - 1)
     if start > end:
         return progress
-    pending: asyncio.Task | None = None
-    chunk: list[sink.Entry] = []
-
-    async def flush(items):
-        t = time.perf_counter()
-        await sink.apply_batch(conn, items)
-        progress.apply_s += time.perf_counter() - t
-
-    async def hand_over(items) -> None:
-        nonlocal pending
-        if pending is not None:
-            t = time.perf_counter()
-            await pending
-            progress.wait_s += time.perf_counter() - t
-        pending = asyncio.create_task(flush(items))
-        progress.applied += len(items)
-        progress.last_sequence = items[-1][0]
-        if on_batch:
+    writer = (ProcessWriter(*writer_process, progress, events=end - start + 1) if writer_process
+              else InlineWriter(conn, progress))
+    chunk: Raw = []
+    try:
+        async for msgs in ordered_read(js, start=start, end=end, from_time=from_time):
+            for msg in msgs:
+                seq = stream_sequence(msg)
+                if seq >= start:
+                    chunk.append((seq, msg.data))
+            if len(chunk) >= batch:
+                await writer.submit(chunk)
+                progress.applied += len(chunk)
+                progress.last_sequence = chunk[-1][0]
+                chunk = []
+                if on_batch:
+                    on_batch(progress)
+        if chunk:
+            await writer.submit(chunk)
+            progress.applied += len(chunk)
+            progress.last_sequence = chunk[-1][0]
+        await writer.drain()
+        if on_batch and chunk:
             on_batch(progress)
-
-    async for msg in ordered_read(js, start=start, end=end, from_time=from_time):
-        entry = convert_message(msg)
-        if entry[0] < start:
-            continue
-        chunk.append(entry)
-        if len(chunk) >= batch:
-            await hand_over(chunk)
-            chunk = []
-    if chunk:
-        await hand_over(chunk)
-    if pending is not None:
-        await pending
+    finally:
+        await writer.close()
     return progress
 
 
@@ -140,10 +322,10 @@ ACK_WINDOW = 20_000  # messages in flight from the server: bounds memory however
 
 
 async def ordered_read(js, *, start: int, end: int, from_time: datetime | None = None):
-    """Messages [start, end] of the events stream, in order, through an ephemeral push consumer
-    with ack-all: the server keeps at most ACK_WINDOW messages in flight (acked every tenth of
-    it), which bounds memory, and pushes without the per-batch round trips of a pull consumer
-    (about 1.5x its rate here)."""
+    """Messages [start, end] of the events stream, in order, in lists of what has arrived,
+    through an ephemeral push consumer with ack-all: the server keeps at most ACK_WINDOW messages
+    in flight (acked every tenth of it), which bounds memory, and pushes without the per-batch
+    round trips of a pull consumer (about 1.5x its rate here)."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     if from_time is not None:
@@ -154,7 +336,7 @@ async def ordered_read(js, *, start: int, end: int, from_time: datetime | None =
         policy = dict(deliver_policy=DeliverPolicy.ALL)
     config = ConsumerConfig(ack_policy=AckPolicy.ALL, max_ack_pending=ACK_WINDOW, inactive_threshold=30.0,
                             mem_storage=True, ack_wait=300.0, **policy)
-    buffer: deque = deque()
+    buffer: list = []
     arrived = asyncio.Event()
 
     async def cb(msg) -> None:  # no task or timer per message: the subscription appends, we drain
@@ -164,7 +346,7 @@ async def ordered_read(js, *, start: int, end: int, from_time: datetime | None =
     sub = await js.subscribe(f"{SUBJECT_PREFIX}.>", stream=eventlog.EVENTS_STREAM, config=config, manual_ack=True,
                              cb=cb, pending_msgs_limit=-1, pending_bytes_limit=-1)
     every = max(1, ACK_WINDOW // 10)
-    count = 0
+    unacked = 0
     try:
         while True:
             if not buffer:
@@ -175,15 +357,18 @@ async def ordered_read(js, *, start: int, end: int, from_time: datetime | None =
                     if await eventlog.last_sequence(js) < end:
                         raise ReplayError(f"the log ends before sequence {end}") from None
                 continue
-            msg = buffer.popleft()
-            seq = stream_sequence(msg)
-            if seq > end:
-                return
-            yield msg
-            count += 1
-            if count % every == 0:
-                await msg.ack()  # ack-all: everything delivered up to this one
-            if seq >= end:
+            msgs = buffer.copy()
+            buffer.clear()
+            last = stream_sequence(msgs[-1])
+            if last > end:
+                msgs = [m for m in msgs if stream_sequence(m) <= end]
+            if msgs:
+                yield msgs
+                unacked += len(msgs)
+                if unacked >= every:
+                    await msgs[-1].ack()  # ack-all: everything delivered up to this one
+                    unacked = 0
+            if last >= end:
                 return
     finally:
         try:
@@ -241,6 +426,7 @@ async def swap(dsn: str, js, shadow: str, on_batch=None) -> str:
     position while the shadow catches up to exactly the live position; the live tables move to a
     ``retired_<time>`` schema (drop it when satisfied). Returns that schema's name."""
     check_schema(shadow)
+    await build_indexes(dsn, shadow)  # a shadow left half-built (interrupted rebuild) gets its indexes
     retired = f"retired_{int(time.time())}"
     admin = await asyncpg.connect(dsn, timeout=10)
     shadow_conn = await connect(dsn, shadow)

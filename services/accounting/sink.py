@@ -5,6 +5,8 @@ the batch or none of it; redelivered, it skips what it has.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import weakref
 from importlib import resources
@@ -40,12 +42,17 @@ _JOB_UPDATE = "UPDATE jobs SET state = coalesce($2, state), last_sequence = $3" 
     for i, (c, t) in enumerate(_JOB_COLUMNS)
 ) + " WHERE job_id = $1"
 
+# The columns of a new job row: the spec's (from JobSubmitted), then the state and the columns
+# job updates set, so that a job submitted and changed in one batch is written once.
+_JOB_SPEC_COLUMNS = ("job_id", "team", "project", "queue", "kind", "priority_class", "submitter", "gpus_per_node",
+                     "gang_size", "total_gpus", "submitted_at", "last_sequence", "cpu_millis", "memory_mib")
+_JOB_INSERT_COLUMNS = (*_JOB_SPEC_COLUMNS, "state", *(c for c, _ in _JOB_COLUMNS))
+_JOB_DEFAULTS = tuple(1 if c == "attempt" else None for c, _ in _JOB_COLUMNS)  # the table's defaults
+
 _SQL = {
-    "job_submitted": """
-        INSERT INTO jobs (job_id, team, project, queue, kind, priority_class, submitter, gpus_per_node,
-                          gang_size, total_gpus, submitted_at, last_sequence, state, cpu_millis, memory_mib)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'submitted', $13, $14)
-        ON CONFLICT (job_id) DO NOTHING""",
+    # A new job row, with the state its later changes in the same batch give it (see _fold).
+    "job_submitted": "INSERT INTO jobs (" + ", ".join(_JOB_INSERT_COLUMNS) + ") VALUES ("
+                     + ", ".join(f"${i + 1}" for i in range(len(_JOB_INSERT_COLUMNS))) + ") ON CONFLICT (job_id) DO NOTHING",
     "job_rejected": """
         INSERT INTO jobs (job_id, state, reason, message, finished_at, last_sequence)
         VALUES ($1, 'rejected', $2, $3, $4, $5)
@@ -90,8 +97,8 @@ _SQL = {
         ON CONFLICT (name) DO UPDATE SET gpu_flavor = $2, gpu_product = $3, gpu_count = $4,
             gpu_memory_mib = $5, labels = $6::jsonb, unschedulable = $7, last_sequence = $8, lost = false""",
     "reservation": """
-        INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (job_id, attempt) DO NOTHING""",
+        INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence, released_at)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (job_id, attempt) DO NOTHING""",
     "reservation_released": """
         UPDATE reservations SET released_at = $3, sequence = $4 WHERE job_id = $1 AND attempt = $2
             AND released_at IS NULL""",
@@ -124,26 +131,40 @@ _PHASE = {"job_submitted": 0, "job_rejected": 1, "job_update": 2, "attempt_queue
           "checkpoint": 3, "reservation_released": 4, "usage": 5}
 
 
+@functools.lru_cache(maxsize=None)
+def _update_layout(statement: str) -> tuple[int, ...]:
+    """For ``set_state:a,b``: where in a job_update row the op's values go (each column is a
+    flag, then its value; the flag is at the position returned)."""
+    names = [n for n in statement.split(":", 1)[1].split(",") if n]
+    if unknown := set(names) - _STATE_COLUMNS:
+        raise ValueError(f"set_state: unknown columns {sorted(unknown)}")
+    index = {c: i for i, (c, _) in enumerate(_JOB_COLUMNS)}
+    return tuple(3 + 2 * index[n] for n in names)
+
+
+_NO_CHANGE = (False, None) * len(_JOB_COLUMNS)
+
+
+def _job_update(statement: str, job_id: str, state: str | None, seq: int, values) -> tuple:
+    row = [job_id, state, seq, *_NO_CHANGE]
+    for pos, value in zip(_update_layout(statement), values, strict=True):
+        row[pos] = True
+        row[pos + 1] = value
+    return tuple(row)
+
+
 def _normalize(op: Op) -> tuple[str, tuple]:
     """The converter's op as (statement, arguments) of the SQL above."""
-    if op.statement.startswith("set_state:"):
-        names = [n for n in op.statement.split(":", 1)[1].split(",") if n]
-        unknown = set(names) - _STATE_COLUMNS
-        if unknown:
-            raise ValueError(f"set_state: unknown columns {sorted(unknown)}")
-        job_id, state, seq, *values = op.args
-        given = dict(zip(names, values))
-        args: list = [job_id, state, seq]
-        for c, _ in _JOB_COLUMNS:
-            args += [c in given, given.get(c)]
-        return "job_update", tuple(args)
-    if op.statement == "wait_reason":
-        job_id, reason, message, seq = op.args
-        given = {"reason": reason, "message": message}
-        args = [job_id, None, seq]
-        for c, _ in _JOB_COLUMNS:
-            args += [c in given, given.get(c)]
-        return "job_update", tuple(args)
+    statement, args = op
+    if statement.startswith("set_state:"):
+        return "job_update", _job_update(statement, args[0], args[1], args[2], args[3:])
+    if statement == "wait_reason":
+        job_id, reason, message, seq = args
+        return "job_update", _job_update("set_state:reason,message", job_id, None, seq, (reason, message))
+    if op.statement == "job_submitted":
+        return "job_submitted", (*op.args, "submitted", *_JOB_DEFAULTS)
+    if op.statement == "reservation":
+        return "reservation", (*op.args, None)  # not released
     if op.statement not in _SQL:
         raise ValueError(f"no SQL for operation {op.statement!r}")
     return op.statement, op.args
@@ -185,6 +206,64 @@ def _merge_job_updates(rows: list[tuple]) -> list[tuple]:
     return [tuple(r) for r in merged.values()]
 
 
+async def _fold(conn: asyncpg.Connection, groups: list[tuple[str, list[tuple]]]) -> list[tuple[str, list[tuple]]]:
+    """Rows the batch inserts and then changes, inserted changed: a job submitted and updated in
+    the batch is one insert with its final state (not an insert and an update: a second version
+    of the row and of each of its index entries), a reservation reserved and released in it is
+    one insert with its release. Only for rows that do not exist yet (one indexed probe): the
+    change to a row that exists stays an update. The same effect as the phases, applied in order."""
+    groups = [(name, list(rows)) for name, rows in groups]
+    by_name = {name: rows for name, rows in groups if name in _PHASE}  # one group per phased statement
+    subs, updates = by_name.get("job_submitted"), by_name.get("job_update")
+    if subs and updates:
+        rejected = {r[0] for r in by_name.get("job_rejected", ())}
+        update_of = {r[0]: r for r in updates}  # merged: one per job
+        first: dict[str, int] = {}
+        for i, r in enumerate(subs):
+            if r[0] in update_of and r[0] not in rejected:
+                first.setdefault(r[0], i)
+        if first:
+            exists = {r[0] for r in await conn.fetch("SELECT job_id FROM jobs WHERE job_id = ANY($1::text[])",
+                                                     list(first))}
+            spec, folded = len(_JOB_SPEC_COLUMNS), set()
+            for job_id, i in first.items():
+                if job_id in exists:
+                    continue
+                row, upd = list(subs[i]), update_of[job_id]
+                if upd[1] is not None:
+                    row[spec] = upd[1]
+                row[11] = upd[2]  # last_sequence: the latest change's
+                for k in range(len(_JOB_COLUMNS)):
+                    if upd[3 + 2 * k]:
+                        row[spec + 1 + k] = upd[4 + 2 * k]
+                subs[i] = tuple(row)
+                folded.add(job_id)
+            updates[:] = [r for r in updates if r[0] not in folded]
+    reservations, releases = by_name.get("reservation"), by_name.get("reservation_released")
+    if reservations and releases:
+        release_of: dict[tuple, tuple] = {}
+        for r in releases:
+            release_of.setdefault((r[0], r[1]), r)  # the first release of an attempt is the one applied
+        first = {}
+        for i, r in enumerate(reservations):
+            if (r[0], r[1]) in release_of:
+                first.setdefault((r[0], r[1]), i)
+        if first:
+            keys = list(first)
+            exists = {(r[0], r[1]) for r in await conn.fetch(
+                "SELECT job_id, attempt FROM reservations WHERE (job_id, attempt) IN "
+                "(SELECT * FROM unnest($1::text[], $2::integer[]))", [k[0] for k in keys], [k[1] for k in keys])}
+            folded = set()
+            for key, i in first.items():
+                if key in exists:
+                    continue
+                _, _, released_at, seq = release_of[key]
+                reservations[i] = (*reservations[i][:7], seq, released_at)
+                folded.add(key)
+            releases[:] = [r for r in releases if (r[0], r[1]) not in folded]
+    return [(name, rows) for name, rows in groups if rows]
+
+
 # -- large batches: COPY into a temporary staging table, then one set-based statement ------------
 #
 # The same effect as executemany of the statement above over the rows in order: inserts keep the
@@ -199,16 +278,12 @@ _JOB_UPDATE_STAGE_COLUMNS = ["job_id", "state", "seq"] + [
 
 _STAGES: dict[str, tuple[str, list[str], str]] = {
     "job_submitted": (
-        "job_id text, team text, project text, queue text, kind text, priority_class text, submitter text, "
-        "gpus_per_node integer, gang_size integer, total_gpus integer, submitted_at timestamptz, "
-        "last_sequence bigint, cpu_millis integer, memory_mib integer",
-        ["job_id", "team", "project", "queue", "kind", "priority_class", "submitter", "gpus_per_node", "gang_size",
-         "total_gpus", "submitted_at", "last_sequence", "cpu_millis", "memory_mib"],
-        """INSERT INTO jobs (job_id, team, project, queue, kind, priority_class, submitter, gpus_per_node, gang_size,
-                             total_gpus, submitted_at, last_sequence, state, cpu_millis, memory_mib)
-           SELECT job_id, team, project, queue, kind, priority_class, submitter, gpus_per_node, gang_size,
-                  total_gpus, submitted_at, last_sequence, 'submitted', cpu_millis, memory_mib
-           FROM {stage} ORDER BY ord ON CONFLICT (job_id) DO NOTHING"""),
+        ", ".join(f"{c} {t}" for c, t in zip(_JOB_INSERT_COLUMNS, (
+            "text", "text", "text", "text", "text", "text", "text", "integer", "integer", "integer", "timestamptz",
+            "bigint", "integer", "integer", "text", *(t for _, t in _JOB_COLUMNS)))),
+        list(_JOB_INSERT_COLUMNS),
+        "INSERT INTO jobs (" + ", ".join(_JOB_INSERT_COLUMNS) + ") SELECT " + ", ".join(_JOB_INSERT_COLUMNS)
+        + " FROM {stage} ORDER BY ord ON CONFLICT (job_id) DO NOTHING"),
     "job_update": (
         "job_id text, state text, seq bigint" + "".join(f", f_{c} boolean, v_{c} {t}" for c, t in _JOB_COLUMNS),
         _JOB_UPDATE_STAGE_COLUMNS,
@@ -227,10 +302,10 @@ _STAGES: dict[str, tuple[str, list[str], str]] = {
         "checkpointed_at, sequence FROM {stage} ORDER BY ord ON CONFLICT DO NOTHING"),
     "reservation": (
         "job_id text, attempt integer, queue text, flavor text, gpus integer, borrowed integer, "
-        "reserved_at timestamptz, sequence bigint",
-        ["job_id", "attempt", "queue", "flavor", "gpus", "borrowed", "reserved_at", "sequence"],
-        "INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence) "
-        "SELECT job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence FROM {stage} "
+        "reserved_at timestamptz, sequence bigint, released_at timestamptz",
+        ["job_id", "attempt", "queue", "flavor", "gpus", "borrowed", "reserved_at", "sequence", "released_at"],
+        "INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence, released_at) "
+        "SELECT job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence, released_at FROM {stage} "
         "ORDER BY ord ON CONFLICT (job_id, attempt) DO NOTHING"),
     "reservation_released": (
         "job_id text, attempt integer, released_at timestamptz, sequence bigint",
@@ -326,20 +401,51 @@ Entry = tuple[int, list[Op]] | tuple[int, str | None, list[Op]]
 """(sequence, ops) or (sequence, event id, ops); an entry without an id is not de-duplicated by id."""
 
 
-async def apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection: str = PROJECTION) -> int:
+async def apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection: str = PROJECTION, *,
+                      applied_filter=None) -> int:
     """Apply the operations of every event newer than the stored position and not applied
     before (by event id), then store the new position, all in one transaction. Returns how many
-    events were applied."""
+    events were applied. ``applied_filter``: see :func:`_record_applied`."""
     if not batch:
         return 0
     try:
-        return await _apply_batch(conn, batch, projection)
+        return await _apply_batch(conn, batch, projection, applied_filter)
     except BaseException:
         _staged.pop(conn, None)  # temporary tables created in the rolled-back transaction are gone
         raise
 
 
-async def _apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection: str) -> int:
+def event_key(event_id: str) -> str:
+    """applied_events' key: the md5 of the id, as a uuid (migration 007)."""
+    return hashlib.md5(event_id.encode()).hexdigest()
+
+
+async def _record_applied(conn: asyncpg.Connection, first: dict[str, int], applied_filter=None) -> set[str]:
+    """Record the batch's event ids (at their first sequence in it) and return those an earlier
+    batch applied. ``applied_filter``: a filter (``in``, ``add``) holding at least every id
+    applied to this target so far, and maybe others (a Bloom filter, for a replay into a fresh
+    shadow): an id not in it needs no lookup."""
+    if not first:
+        return set()
+    keys = {event_id: event_key(event_id) for event_id in first}
+    if applied_filter is None:
+        maybe = list(first)
+    else:
+        maybe = [event_id for event_id in first if event_id in applied_filter]
+    earlier: set[str] = set()
+    if maybe:
+        earlier = {r[0] for r in await conn.fetch(
+            "SELECT event_id FROM applied_events WHERE event_key = ANY($1::uuid[])", [keys[i] for i in maybe])}
+    await conn.copy_records_to_table(
+        "applied_events", records=[(keys[i], i, seq) for i, seq in first.items() if i not in earlier],
+        columns=["event_key", "event_id", "sequence"])
+    if applied_filter is not None:
+        for event_id in first:
+            applied_filter.add(event_id)
+    return earlier
+
+
+async def _apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection: str, applied_filter) -> int:
     async with conn.transaction():
         await conn.execute(
             "INSERT INTO projection_position (projection, last_sequence) VALUES ($1, 0) ON CONFLICT DO NOTHING",
@@ -349,28 +455,21 @@ async def _apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection:
             "SELECT last_sequence FROM projection_position WHERE projection = $1 FOR UPDATE", projection
         )
         fresh = [(e[0], e[1] if len(e) == 3 else None, e[-1]) for e in batch if e[0] > current]
-        ids = [event_id for _, event_id, _ in fresh if event_id is not None]
-        seen = set()
-        if ids:
-            seen = {r[0] for r in await conn.fetch(
-                "SELECT event_id FROM applied_events WHERE event_id = ANY($1::text[])", ids)}
-        applied = 0
-        high = current
+        high = max((seq for seq, _, _ in fresh), default=current)
+        first: dict[str, int] = {}  # event id -> its first sequence in this batch
+        for seq, event_id, _ in fresh:
+            if event_id is not None and event_id not in first:
+                first[event_id] = seq
+        earlier = await _record_applied(conn, first, applied_filter)  # ids applied by an earlier batch
         ops: list[Op] = []
-        new_ids: list[tuple[str, int]] = []
+        applied = 0
         for seq, event_id, event_ops in fresh:
-            high = max(high, seq)
-            if event_id is not None:
-                if event_id in seen:
-                    continue  # the same event appended again: no effect
-                seen.add(event_id)
-                new_ids.append((event_id, seq))
-            ops.extend(event_ops)
+            if event_id is not None and (event_id in earlier or first[event_id] != seq):
+                continue  # the same event appended again: no effect
+            ops += event_ops
             applied += 1
-        for name, rows in plan(ops):
+        for name, rows in await _fold(conn, plan(ops)):
             await _execute(conn, name, rows)
-        if new_ids:
-            await conn.copy_records_to_table("applied_events", records=new_ids, columns=["event_id", "sequence"])
         if high > current:
             await conn.execute(
                 "UPDATE projection_position SET last_sequence = $2, updated_at = now() WHERE projection = $1",

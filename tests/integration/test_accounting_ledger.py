@@ -164,6 +164,8 @@ async def test_ledger_statement_replay_and_metrics(nats_server, admin_js, pg_dsn
         assert result["position"] == await _position(pg_dsn)
         assert [r["table"] for r in result["compare"] if not r["equal"]] == []
         assert {r["table"]: r["live_rows"] for r in result["compare"]}["usage_ledger"] == 3
+        # the rebuild loads with secondary indexes deferred, then builds them: the same as live's
+        assert await _indexes(conn, "shadow") == await _indexes(conn, "public")
         await conn.execute("UPDATE shadow.usage_ledger SET gpu_seconds = gpu_seconds + 1 WHERE job_id = 'j2'")
         diff = await replay.compare(pg_dsn, "shadow")
         assert [r["table"] for r in diff if not r["equal"]] == ["usage_ledger"]
@@ -240,6 +242,47 @@ async def test_service_metrics_endpoint_passes_promtool(nats_server, admin_js, p
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def _indexes(conn, schema: str) -> list[tuple[str, str]]:
+    return [(r["indexname"], r["indexdef"].replace(f"{schema}.", "")) for r in await conn.fetch(
+        "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1 ORDER BY indexname", schema)]
+
+
+async def test_a_rebuild_skips_an_event_appended_twice_and_equals_the_inline_replay(nats_server, admin_js, pg_dsn):
+    """The rebuild (writer process, Bloom filter of applied ids, deferred indexes) and the
+    inline replay give the same tables, and both skip the second copy of an event appended
+    again after JetStream's duplicate window, whichever batch each copy falls in."""
+    from schemas.registry import dumps, event_subject
+
+    log = eventlog.EventLog(admin_js)
+    events = scenario() + job("dup", "team-b", gpus=2, start=10, end=110)
+    for e in events:
+        await log.append(e)
+    started = next(e for e in events if e.aggregate_id == "dup" and e.type == "JobStarted")
+    for e in (started, events[-1]):
+        await admin_js.publish(event_subject(e), dumps(e), headers={"Nats-Msg-Id": "late-" + e.event_id})
+    sums = {}
+    for schema, batch in (("inline_one", 1), ("rebuilt_3", 3), ("rebuilt_all", 10_000)):
+        if schema.startswith("inline"):
+            await replay.reset(pg_dsn, schema)
+            conn = await replay.connect(pg_dsn, schema)
+            try:
+                await replay.replay(admin_js, conn, batch=batch)
+            finally:
+                await conn.close()
+        else:
+            progress = await replay.rebuild(admin_js, pg_dsn, schema, batch=batch)
+            assert progress.applied == len(events) + 2 and progress.writer_cpu_s > 0
+        conn = await replay.connect(pg_dsn, schema)
+        try:
+            sums[schema] = await replay.table_checksums(conn, schema)
+            assert await conn.fetchval("SELECT state FROM jobs WHERE job_id = 'dup'") == "succeeded"
+            assert await conn.fetchval("SELECT count(*) FROM applied_events") == len(events)
+            assert await conn.fetchval("SELECT to_regclass('deferred_indexes')") is None
+        finally:
+            await conn.close()
+    assert sums["inline_one"] == sums["rebuilt_3"] == sums["rebuilt_all"]
 
 
 async def test_an_event_appended_twice_changes_nothing(nats_server, admin_js, pg_dsn):
@@ -392,3 +435,44 @@ async def test_replay_window_and_live_catch_up(nats_server, admin_js, pg_dsn, cl
     assert window["applied"] == len(scenario()) - first_job2 + 1
     differs = {r["table"]: (r["live_rows"], r["shadow_rows"]) for r in window["compare"] if not r["equal"]}
     assert differs["jobs"] == (2, 1) and differs["usage_ledger"] == (3, 1)  # only j2 is inside the window
+
+
+async def test_the_writer_process_refuses_every_batch_after_a_failed_one(pg_dsn, monkeypatch):
+    """A batch is never applied after one that failed: the position would move past the
+    failed batch's events and they would be lost. The writer's functions run here in a thread
+    (they own an event loop, as in the writer process)."""
+    from schemas.registry import dumps
+    from services.accounting.projection import Op
+
+    await replay.reset(pg_dsn, "writer")
+    first, second = job("w1", "team-a", gpus=1), job("w2", "team-a", gpus=1)
+    raw = [(i + 1, dumps(e)) for i, e in enumerate(first + second)]
+    convert = replay.convert_raw
+
+    def broken(seq, data):  # an operation the sink has no SQL for: the batch's transaction fails
+        return (seq, None, [Op("no_such_statement", ())]) if seq == len(first) + 1 else convert(seq, data)
+
+    def run() -> list[str]:
+        replay._worker_start(pg_dsn, "writer", len(raw))
+        out = []
+        try:
+            replay._worker_apply(raw[:len(first)])
+            monkeypatch.setattr(replay, "convert_raw", broken)
+            for part in (raw[len(first):len(first) + 1], raw[len(first):]):
+                try:
+                    replay._worker_apply(part)
+                except ValueError as err:  # ReplayError is a ValueError
+                    out.append(str(err))
+        finally:
+            replay._worker_stop()
+        return out
+
+    out = await asyncio.to_thread(run)
+    assert "no SQL for operation 'no_such_statement'" in out[0]
+    assert out[1].startswith("an earlier batch failed")
+    conn = await replay.connect(pg_dsn, "writer")
+    try:
+        assert await sink.position(conn) == len(first)
+        assert await conn.fetchval("SELECT count(*) FROM jobs") == 1
+    finally:
+        await conn.close()
