@@ -28,6 +28,7 @@ from schemas import (
     JobSucceeded,
     NodeLost,
     NodeRegistered,
+    NodeTelemetryReported,
     NodeUpdated,
     QueueConfigured,
     QueueDeleted,
@@ -119,6 +120,10 @@ def convert(event: Event, seq: int) -> list[Op]:
                                 json.dumps(n.labels), n.unschedulable, seq))]
         case NodeLost():
             return [Op("node_lost", (event.name, seq))]
+        case NodeTelemetryReported():
+            return [Op("gpu_telemetry", (event.node, g.index, event.window_start, event.window_end, g.utilization,
+                                         g.memory_used_mib, g.memory_total_mib, g.power_w, g.samples,
+                                         g.allocated_samples, g.allocated_utilization, seq)) for g in event.gpus]
         case QueueConfigured():
             nominal = json.dumps({q.flavor: q.nominal for q in event.quotas}, sort_keys=True)
             owner = event.allowed_teams[0] if event.allowed_teams else None
