@@ -210,7 +210,8 @@ class LocalBackend:
                         "for none can be placed here", extra={"why": self.nvml.why, "node": self.node_name})
 
     def start(self) -> None:
-        self._telemetry(_now(), force=True)
+        # Inventory only: which GPUs live attempts hold is known from the first plan on.
+        self._telemetry(_now(), force=True, into_window=False)
 
     def close(self) -> None:
         pass
@@ -218,7 +219,8 @@ class LocalBackend:
     def synced(self) -> bool:
         return True
 
-    def _telemetry(self, now: datetime, allocated: frozenset[int] = frozenset(), force: bool = False) -> None:
+    def _telemetry(self, now: datetime, allocated: frozenset[int] = frozenset(), force: bool = False,
+                   into_window: bool = True) -> None:
         if not force and time.monotonic() - self._last_sample < self.telemetry_s:
             return
         self._last_sample = time.monotonic()
@@ -227,7 +229,7 @@ class LocalBackend:
         except Exception as err:
             log.warning("NVML sample failed", extra={"error": repr(err)})
             return
-        if self._gpus and self.telemetry_interval_s > 0:
+        if self._gpus and self.telemetry_interval_s > 0 and into_window:
             if self._window is None:
                 self._window = TelemetryWindow(start=now)
             self._window.add(self._gpus, allocated)
