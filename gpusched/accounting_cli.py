@@ -282,7 +282,8 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
         format: MetricsFormat = typer.Option(MetricsFormat.table, "--format", help="table, json or prometheus"),
         output: Output = output_option,
     ) -> None:
-        """Operations metrics from the read models: GPU allocation, wait p50/p95, congestion, failures, team cost."""
+        """Operations metrics from the read models: GPU allocation, measured utilization and allocated-idle
+        GPU time (NVML telemetry), wait p50/p95, congestion, failures, team cost."""
         fmt = MetricsFormat.json if output == Output.json else format
         async def at_log_now(conn, fn):
             return await fn(conn, await queries.log_now(conn, client.utcnow()))
@@ -293,6 +294,10 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
         rows = [{"metric": s.name, "labels": ",".join(f"{k}={v}" for k, v in s.labels), "value": s.value}
                 for s in samples]
         emit(rows, Output.json if fmt == MetricsFormat.json else Output.table)
+        if fmt == MetricsFormat.table and not metrics.has_telemetry(samples):
+            console.print(f"GPU utilization: no NVML telemetry reported in the last {metrics.TELEMETRY_WINDOW_S:g} s "
+                          "(the local executor reports it where NVML finds GPUs; on Kubernetes, read NVIDIA's "
+                          "DCGM exporter)", highlight=False)
 
 
 def UserError_exit(err_console, message: str):  # noqa: N802 - reads as a raise

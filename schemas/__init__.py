@@ -44,6 +44,7 @@ JobFailed                   executor     the attempt failed; classified reason, 
 JobPreempted                executor     the attempt was stopped to make room; not a failure
 JobCancelled                executor     the job was stopped or dropped on request
 NodeRegistered/Updated/Lost executor     node inventory as the backend sees it
+NodeTelemetryReported       executor     GPU utilization, memory, power of a node over a window (NVML)
 QueueConfigured/Deleted     config       queue definitions (``gpusched apply``)
 CohortConfigured            config       cohort definitions
 PriceBookUpdated            config       prices per GPU-hour per flavor from a time on (``gpusched prices``)
@@ -91,7 +92,7 @@ from schemas.job import (
     SchedulingPendingReasonChanged,
     SchedulingWaitReason,
 )
-from schemas.node import NodeLost, NodeRegistered, NodeUpdated
+from schemas.node import GpuTelemetry, NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
 from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass
 from schemas.queue import CohortConfigured, FlavorQuota, QueueConfigured, QueueDeleted
 from schemas.registry import (

@@ -1,12 +1,21 @@
-"""Node inventory events (``gpusched.node.<name>.*``), written by the executor."""
+"""Node inventory and GPU telemetry events (``gpusched.node.<name>.*``), written by the executor.
+
+Inventory: NodeRegistered once, NodeUpdated when the description changes, NodeLost when the node
+leaves the backend's inventory. Telemetry: NodeTelemetryReported, one per node and window, from
+backends that can measure their GPUs (the local backend through NVML); the kubernetes backend
+reports none (NVIDIA's DCGM exporter measures GPUs there).
+"""
 
 from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import AwareDatetime, Field, model_validator
 
 from schemas.envelope import DNS_SUBDOMAIN_PATTERN, NAME_PATTERN, Contract, Event
+
+MAX_TELEMETRY_WINDOW_S = 86_400
+"""Longest window one NodeTelemetryReported may cover."""
 
 
 class NodeInfo(Contract):
@@ -50,3 +59,74 @@ class NodeLost(Event):
     type: Literal["NodeLost"] = "NodeLost"
     name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN)
     reason: str = Field(default="", max_length=1024)
+
+
+class GpuTelemetry(Contract):
+    """One GPU's measurements over a report's window: the mean (or peak) of the samples taken in it."""
+
+    index: int = Field(ge=0, le=63, description="NVML device index on the node (what CUDA_VISIBLE_DEVICES names)")
+    samples: int = Field(ge=1, le=1_000_000, description="Samples taken in the window; the means are over these")
+    utilization: float = Field(
+        ge=0, le=1, description="Mean of NVML utilization.gpu over the samples: the fraction of time one or more "
+        "kernels ran (NVML's own sample period is 1/6..1 s). Not SM occupancy (DCGM's SM_ACTIVE)")
+    memory_used_mib: int = Field(ge=0, description="Peak device memory in use among the samples, MiB")
+    memory_total_mib: int = Field(ge=1, description="Device memory, MiB")
+    power_w: float | None = Field(default=None, ge=0, le=10_000,
+                                  description="Mean power draw, W; None when the device does not report it")
+    allocated_samples: int = Field(
+        default=0, ge=0, description="Samples taken while the log had this GPU allocated: a live attempt's "
+        "placement names this node and index (scheduled, running or stopping)")
+    allocated_utilization: float | None = Field(
+        default=None, ge=0, le=1, description="Mean utilization over the allocated samples; None when there are none")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "GpuTelemetry":
+        if self.memory_used_mib > self.memory_total_mib:
+            raise ValueError(f"gpu {self.index}: memory_used_mib {self.memory_used_mib} exceeds memory_total_mib "
+                             f"{self.memory_total_mib}")
+        if self.allocated_samples > self.samples:
+            raise ValueError(f"gpu {self.index}: allocated_samples {self.allocated_samples} exceeds samples "
+                             f"{self.samples}; accepted: 0..{self.samples}")
+        if (self.allocated_samples > 0) != (self.allocated_utilization is not None):
+            raise ValueError(f"gpu {self.index}: allocated_utilization must be set exactly when allocated_samples > 0 "
+                             f"(allocated_samples {self.allocated_samples}, allocated_utilization "
+                             f"{self.allocated_utilization})")
+        return self
+
+
+class NodeTelemetryReported(Event):
+    """GPU telemetry of one node over ``[window_start, window_end)``. Windows of one node follow
+    each other without overlapping; ``occurred_at`` is ``window_end``. A GPU that could not be
+    sampled in the window is left out (so ``gpus`` may list fewer than ``gpu_count``)."""
+
+    aggregate: ClassVar[str] = "node"
+    type: Literal["NodeTelemetryReported"] = "NodeTelemetryReported"
+    node: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, description="The node's name; also the aggregate id")
+    window_start: AwareDatetime = Field(description="Start of the window (inclusive), host clock, UTC")
+    window_end: AwareDatetime = Field(description="End of the window (exclusive)")
+    gpu_count: int = Field(ge=1, le=64, description="GPUs on the node when the window ended")
+    # At least one entry: checked below rather than with min_length, which pydantic also reports (as
+    # "at least 1 item") whenever an entry is invalid, burying the real error.
+    gpus: tuple[GpuTelemetry, ...] = Field(max_length=64, json_schema_extra={"minItems": 1},
+                                           description="One entry per GPU sampled (at least one)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "NodeTelemetryReported":
+        if self.node != self.aggregate_id:
+            raise ValueError(f"node {self.node!r} differs from aggregate_id {self.aggregate_id!r}; they must be equal")
+        if not self.gpus:
+            raise ValueError("gpus is empty; accepted: at least one GPU (a node with nothing sampled reports nothing)")
+        span = (self.window_end - self.window_start).total_seconds()
+        if not 0 < span <= MAX_TELEMETRY_WINDOW_S:
+            raise ValueError(f"window_end - window_start is {span:g} s; accepted: more than 0, at most "
+                             f"{MAX_TELEMETRY_WINDOW_S} s")
+        if len(self.gpus) > self.gpu_count:
+            raise ValueError(f"gpus has {len(self.gpus)} entries but the node has gpu_count {self.gpu_count}; "
+                             "accepted: at most one entry per GPU")
+        indices = [g.index for g in self.gpus]
+        if dup := sorted({i for i in indices if indices.count(i) > 1}):
+            raise ValueError(f"gpus: index {', '.join(map(str, dup))} listed more than once; each GPU appears once")
+        if bad := sorted(i for i in indices if i >= self.gpu_count):
+            raise ValueError(f"gpus: index {', '.join(map(str, bad))} out of range for gpu_count {self.gpu_count}; "
+                             f"accepted: 0..{self.gpu_count - 1}")
+        return self

@@ -29,7 +29,7 @@ from schemas.job import (
     ReclaimRequested,
     SchedulingPendingReasonChanged,
 )
-from schemas.node import NodeLost, NodeRegistered, NodeUpdated
+from schemas.node import NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
 from schemas.queue import CohortConfigured, QueueConfigured, QueueDeleted
 
 SUBJECT_PREFIX = "gpusched"
@@ -59,6 +59,7 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     NodeRegistered: ("executor", "registered"),
     NodeUpdated: ("executor", "updated"),
     NodeLost: ("executor", "lost"),
+    NodeTelemetryReported: ("executor", "telemetry"),
     QueueConfigured: ("config", "configured"),
     QueueDeleted: ("config", "deleted"),
     CohortConfigured: ("config", "configured"),

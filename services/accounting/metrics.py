@@ -1,11 +1,14 @@
 """Operations metrics from the read models, for the accounting service's Prometheus endpoint and
-``gpusched metrics``: GPU capacity and allocation per flavor, wait p50/p95 per queue, congestion
-(pending jobs, oldest pending age), failure reasons (top N), team usage and cost.
+``gpusched metrics``: GPU capacity and allocation per flavor, measured GPU utilization and
+allocated-but-idle GPU time (from NVML telemetry, where an executor reports it), wait p50/p95 per
+queue, congestion (pending jobs, oldest pending age), failure reasons (top N), team usage and cost.
 
 Computed on scrape (cached for a few seconds), from one read-only snapshot of the database, so
 every scrape is consistent with itself. Fragmentation is the scheduler's
-(``gpusched_scheduler_fragmentation_ratio{flavor}``, ``gpusched_scheduler_largest_placeable_gang{flavor}``);
-NVML utilization, where exported, comes from the node exporters (DCGM), not from here.
+(``gpusched_scheduler_fragmentation_ratio{flavor}``, ``gpusched_scheduler_largest_placeable_gang{flavor}``).
+Measured utilization comes from NodeTelemetryReported (the local executor's NVML windows); without
+telemetry those metrics are absent, not 0. Nodes on Kubernetes are measured by NVIDIA's DCGM
+exporter, which is scraped directly.
 """
 
 from __future__ import annotations
@@ -25,11 +28,22 @@ from services.accounting import queries
 
 TOP_FAILURES = 10
 WAIT_WINDOW_S = 86_400.0  # wait percentiles over attempts that started in the last day (log time)
+TELEMETRY_WINDOW_S = 3600.0  # measured utilization over the telemetry windows of the last hour (clipped)
+IDLE_BELOW = 0.05  # an allocated GPU whose mean utilization is below this sat idle
 
 HELP = {
     "gpusched_gpu_capacity": ("GPUs on schedulable, not lost nodes", ("flavor",)),
     "gpusched_gpu_allocated": ("GPUs held by scheduled or running attempts", ("flavor",)),
     "gpusched_gpu_allocation_ratio": ("Allocated / capacity", ("flavor",)),
+    "gpusched_gpu_utilization_measured_ratio": (
+        "Mean NVML utilization of the GPUs that reported telemetry in the last hour, time-weighted", ("flavor",)),
+    "gpusched_node_gpu_utilization_measured_ratio": (
+        "Mean NVML utilization of a node's GPUs over the last hour, time-weighted", ("flavor", "node")),
+    "gpusched_gpu_allocated_measured_seconds": (
+        "GPU-seconds in the last hour that GPUs were allocated to attempts and measured", ("flavor",)),
+    "gpusched_gpu_allocated_idle_seconds": (
+        f"Of those, GPU-seconds whose mean utilization while allocated was below {IDLE_BELOW:g}", ("flavor",)),
+    "gpusched_gpu_allocated_idle_ratio": ("Allocated-idle / allocated measured GPU-seconds, last hour", ("flavor",)),
     "gpusched_queue_wait_seconds": ("Wait from queued to started, attempts started in the last day",
                                     ("queue",)),
     "gpusched_queue_pending_jobs": ("Jobs waiting for quota", ("queue",)),
@@ -61,6 +75,23 @@ _TEAM_COST = """
     GROUP BY u.team ORDER BY u.team"""
 
 
+# Telemetry windows overlapping (now - window, now], each weighted by its overlap in seconds; a
+# GPU's allocated time in a window is the overlap times its share of samples taken while allocated.
+_TELEMETRY = """
+    WITH w AS (
+        SELECT t.node, coalesce(n.gpu_flavor, '-') AS flavor, t.utilization, t.allocated_utilization,
+               t.allocated_samples::float8 / t.samples AS allocated_share,
+               greatest(0, extract(epoch FROM least(t.window_end, $1::timestamptz)
+                                   - greatest(t.window_start, $1::timestamptz - make_interval(secs => $2))))::float8
+                   AS seconds
+        FROM gpu_telemetry t LEFT JOIN nodes n ON n.name = t.node
+        WHERE t.window_end > $1::timestamptz - make_interval(secs => $2) AND t.window_start < $1::timestamptz)
+    SELECT flavor, node, sum(seconds) AS seconds, sum(seconds * utilization) AS busy_seconds,
+           sum(seconds * allocated_share) AS allocated_seconds,
+           sum(CASE WHEN allocated_utilization < $3 THEN seconds * allocated_share ELSE 0 END) AS idle_seconds
+    FROM w WHERE seconds > 0 GROUP BY flavor, node ORDER BY flavor, node"""
+
+
 @dataclass(frozen=True)
 class Sample:
     name: str
@@ -68,7 +99,8 @@ class Sample:
     value: float
 
 
-async def gather(conn: asyncpg.Connection, now: datetime) -> list[Sample]:
+async def gather(conn: asyncpg.Connection, now: datetime, *,
+                 telemetry_window_s: float = TELEMETRY_WINDOW_S) -> list[Sample]:
     out: list[Sample] = []
 
     def add(name: str, value: float, **labels: str) -> None:
@@ -102,11 +134,13 @@ async def gather(conn: asyncpg.Connection, now: datetime) -> list[Sample]:
             "SELECT currency FROM price_books WHERE name = 'default' AND effective_from <= $1 "
             "ORDER BY effective_from DESC, sequence DESC LIMIT 1", now)
         position = await queries.position(conn)
+        telemetry = await conn.fetch(_TELEMETRY, now, telemetry_window_s, IDLE_BELOW)
     for flavor in sorted(set(capacity) | set(allocated)):
         cap, alloc = capacity.get(flavor) or 0, allocated.get(flavor) or 0
         add("gpusched_gpu_capacity", cap, flavor=flavor)
         add("gpusched_gpu_allocated", alloc, flavor=flavor)
         add("gpusched_gpu_allocation_ratio", alloc / cap if cap else 0.0, flavor=flavor)
+    _utilization(telemetry, add)
     for r in sorted(waits, key=lambda r: r["queue"]):
         add("gpusched_queue_wait_seconds", r["p50"], queue=r["queue"], quantile="0.5")
         add("gpusched_queue_wait_seconds", r["p95"], queue=r["queue"], quantile="0.95")
@@ -124,6 +158,29 @@ async def gather(conn: asyncpg.Connection, now: datetime) -> list[Sample]:
         add("gpusched_team_cost", r["cost"], team=r["team"], currency=currency or "USD")
     add("gpusched_accounting_read_model_sequence", position)
     return out
+
+
+def _utilization(rows, add: Callable[..., None]) -> None:
+    """Measured utilization per flavor and node, and allocated-idle GPU time per flavor. Nothing
+    at all without telemetry: absent, not 0."""
+    per_flavor: dict[str, list[float]] = {}
+    for r in rows:
+        f = per_flavor.setdefault(r["flavor"], [0.0, 0.0, 0.0, 0.0])
+        for i, k in enumerate(("seconds", "busy_seconds", "allocated_seconds", "idle_seconds")):
+            f[i] += r[k]
+    for flavor, (seconds, busy, allocated, idle) in sorted(per_flavor.items()):
+        add("gpusched_gpu_utilization_measured_ratio", busy / seconds, flavor=flavor)
+        add("gpusched_gpu_allocated_measured_seconds", allocated, flavor=flavor)
+        add("gpusched_gpu_allocated_idle_seconds", idle, flavor=flavor)
+        if allocated > 0:
+            add("gpusched_gpu_allocated_idle_ratio", idle / allocated, flavor=flavor)
+    for r in rows:  # ordered by flavor, node
+        add("gpusched_node_gpu_utilization_measured_ratio", r["busy_seconds"] / r["seconds"], flavor=r["flavor"],
+            node=r["node"])
+
+
+def has_telemetry(samples: list[Sample]) -> bool:
+    return any(s.name == "gpusched_gpu_utilization_measured_ratio" for s in samples)
 
 
 SUMMARIES = {"gpusched_queue_wait_seconds"}  # quantiles with _count and _sum, as the text format wants

@@ -29,6 +29,7 @@ from schemas import (
     JobSucceeded,
     NodeLost,
     NodeRegistered,
+    NodeTelemetryReported,
     NodeUpdated,
     QueueConfigured,
     QueueDeleted,
@@ -98,6 +99,12 @@ def _node(e: NodeRegistered | NodeUpdated, j: str, t, seq: int) -> list[Op]:
                         n.unschedulable, seq))]
 
 
+def _telemetry(e: NodeTelemetryReported, j: str, t, seq: int) -> list[Op]:
+    return [Op("gpu_telemetry", (e.node, g.index, e.window_start, e.window_end, g.utilization, g.memory_used_mib,
+                                 g.memory_total_mib, g.power_w, g.samples, g.allocated_samples, g.allocated_utilization,
+                                 seq)) for g in e.gpus]
+
+
 def _queue(e: QueueConfigured, j: str, t, seq: int) -> list[Op]:
     nominal = json.dumps({q.flavor: q.nominal for q in e.quotas}, sort_keys=True)
     owner = e.allowed_teams[0] if e.allowed_teams else None
@@ -147,6 +154,7 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     NodeRegistered: _node,
     NodeUpdated: _node,
     NodeLost: lambda e, j, t, seq: [Op("node_lost", (e.name, seq))],
+    NodeTelemetryReported: _telemetry,
     QueueConfigured: _queue,
     QueueDeleted: lambda e, j, t, seq: [Op("queue_deleted", (e.name, seq)), Op("quota_history", (e.name, None, t, "{}", seq))],
     PriceBookUpdated: _price_book,

@@ -29,7 +29,7 @@ PROJECTIONS = ("read-models",)
 """The projections accounting keeps (one today: every table below shares its position)."""
 
 TABLES = ("jobs", "usage_ledger", "reservations", "attempts", "checkpoints", "nodes", "queues", "cohorts",
-          "quota_history", "price_books", "statements", "applied_events", "projection_position",
+          "quota_history", "price_books", "statements", "gpu_telemetry", "applied_events", "projection_position",
           "schema_migrations")
 # Columns that record when a row was written, not what the log says: left out of checksums.
 _VOLATILE = {"projection_position": ("updated_at",), "schema_migrations": ("applied_at",)}

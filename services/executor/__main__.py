@@ -41,7 +41,8 @@ def make_backend(kind: str, cfg):
     if kind == "local":
         from services.executor.local import LocalBackend
 
-        return LocalBackend(cfg.local_dir, node_name=cfg.local_node, telemetry_s=cfg.local_telemetry_s)
+        return LocalBackend(cfg.local_dir, node_name=cfg.local_node, telemetry_s=cfg.local_telemetry_s,
+                            telemetry_interval_s=cfg.telemetry_interval_s)
     raise ValueError(kind)
 
 

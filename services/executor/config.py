@@ -23,6 +23,7 @@ class ExecutorConfig:
     local_dir: Path = Path(".data/local-executor")
     local_node: str | None = None
     local_telemetry_s: float = 10.0
+    telemetry_interval_s: float = 60.0  # 0: no NodeTelemetryReported
 
     @classmethod
     def from_env(cls) -> "ExecutorConfig":
@@ -34,6 +35,7 @@ class ExecutorConfig:
         if node is not None and not re.match(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$", node):
             raise ConfigError(f"GPUSCHED_LOCAL_NODE={node!r} is not a node name; accepted: a DNS subdomain "
                               "(lower-case letters, digits, '-', '.')")
+        sample_s = _number("GPUSCHED_LOCAL_TELEMETRY_S", 10.0, minimum=0.1, maximum=3600)
         return cls(
             sync_s=_number("GPUSCHED_EXECUTOR_SYNC_S", 1.0, minimum=0.05, maximum=60),
             k8s=JobOptions(
@@ -48,5 +50,27 @@ class ExecutorConfig:
             k8s_resync_s=_number("GPUSCHED_K8S_RESYNC_S", 300.0, minimum=5, maximum=86_400),
             local_dir=Path(_env("GPUSCHED_LOCAL_DIR", ".data/local-executor") or ".data/local-executor"),
             local_node=node,
-            local_telemetry_s=_number("GPUSCHED_LOCAL_TELEMETRY_S", 10.0, minimum=0.1, maximum=3600),
+            local_telemetry_s=sample_s,
+            telemetry_interval_s=_telemetry_interval(sample_s),
         )
+
+
+def _telemetry_interval(sample_s: float) -> float:
+    """GPUSCHED_TELEMETRY_INTERVAL_S: 0 (no reports), or a window that holds at least one NVML sample."""
+    name, raw = "GPUSCHED_TELEMETRY_INTERVAL_S", _env("GPUSCHED_TELEMETRY_INTERVAL_S")
+    if raw is None:
+        return max(60.0, sample_s)
+    low = max(1.0, sample_s)
+    accepted = f"accepted: 0 (no telemetry reports) or a number of seconds {low:g}..3600"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number; {accepted}") from None
+    if value == 0:
+        return 0.0
+    if not 1 <= value <= 3600:
+        raise ConfigError(f"{name}={raw!r} is out of range; {accepted}")
+    if value < sample_s:
+        raise ConfigError(f"{name}={raw!r} is shorter than GPUSCHED_LOCAL_TELEMETRY_S={sample_s:g} (the NVML "
+                          f"sampling period), so a window could hold no sample; {accepted}, or sample more often")
+    return value

@@ -1,6 +1,7 @@
 """A short check of the local backend on a machine with an NVIDIA GPU (docs/executor.md):
-NVML inventory, the NodeInfo the executor would register, three telemetry samples, and one job
-run through the local backend with CUDA_VISIBLE_DEVICES set to GPU 0.
+NVML inventory, the NodeInfo the executor would register, three telemetry samples and the
+NodeTelemetryReported they average into, and one job run through the local backend with
+CUDA_VISIBLE_DEVICES set to GPU 0.
 
     python -m services.executor.gpu_check
 """
@@ -14,8 +15,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from services.executor.lifecycle import BackendCore
-from services.executor.local import LocalBackend, Nvml, host_node
+from services.executor.lifecycle import BackendCore, TelemetryReport
+from services.executor.local import LocalBackend, Nvml, TelemetryWindow, host_node
 from services.executor.service import reconcile_once
 
 
@@ -23,8 +24,11 @@ def main() -> int:
     nvml = Nvml()
     print(json.dumps({"nvml_available": nvml.available, "why": nvml.why}))
     samples = []
+    window = TelemetryWindow(start=datetime.now(UTC))
     for _ in range(3):
-        samples.append([s.__dict__ for s in nvml.sample()])
+        taken = nvml.sample()
+        window.add(taken, allocated=frozenset({0}))  # as if a job held GPU 0
+        samples.append([s.__dict__ for s in taken])
         time.sleep(1)
     print(json.dumps({"samples": samples}, indent=1))
     gpus = nvml.sample()
@@ -32,6 +36,10 @@ def main() -> int:
     if not gpus:
         print("no GPU: CPU-only mode (nothing more to check)")
         return 1
+    core = BackendCore()
+    core.observe_telemetry(TelemetryReport("gpu-check", window.start, datetime.now(UTC), len(gpus),
+                                           window.gpus(len(gpus))))
+    print("telemetry:", core.decide(datetime.now(UTC))[0].model_dump_json())
     from tests.unit import builders as b  # noqa: PLC0415 (a dev check, run from the repository)
 
     root = Path(tempfile.mkdtemp(prefix="gpusched-gpu-check-"))

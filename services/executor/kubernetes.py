@@ -183,6 +183,7 @@ def _key(obj: dict) -> str:
 class SyncResult:
     observations: list[Observation] = field(default_factory=list)
     inventory: list[NodeInfo] | None = None  # None: not listed yet
+    telemetry: list = field(default_factory=list)  # TelemetryReports (local backend; none here: DCGM's job)
     created: int = 0
     deleted: int = 0
 

@@ -13,7 +13,9 @@ From those it derives
 * the events that follow (:meth:`BackendCore.decide`): JobStarted once the whole gang runs,
   JobSucceeded, JobFailed with the classified reason and whether the job's retry policy retries
   it, JobPreempted / JobCancelled once the stopped attempt is gone, NodeRegistered / NodeUpdated /
-  NodeLost, and JobFailed(node-lost) for attempts on a lost node;
+  NodeLost, and JobFailed(node-lost) for attempts on a lost node, and NodeTelemetryReported for
+  each telemetry window the backend closed (:meth:`BackendCore.observe_telemetry`), until it is
+  in the log;
 * the backend actions (:meth:`BackendCore.plan`): which workloads must exist (created under a
   deterministic name, so a restarted executor adopts what it finds instead of creating it twice),
   which must be stopped and with what grace period, and which the backend holds that the log does
@@ -47,16 +49,18 @@ from schemas import (
     JobSucceeded,
     NodeLost,
     NodeRegistered,
+    NodeTelemetryReported,
     NodeUpdated,
     PreemptionRequested,
     ReclaimRequested,
     new_event,
 )
 from schemas.job import NodeAssignment
-from schemas.node import NodeInfo
+from schemas.node import GpuTelemetry, NodeInfo
 
 PRODUCER = "executor"
 NAME_MAX = 63  # a Job's name ends up in a label value on its Pods
+MAX_PENDING_REPORTS = 1000  # telemetry not yet in the log (NATS away); the oldest are dropped beyond
 
 
 class Phase(StrEnum):
@@ -90,6 +94,17 @@ def workload_name(job_id: str, attempt: int, member: int | None = None) -> str:
         digest = hashlib.sha256(job_id.encode()).hexdigest()[:8]
         base = f"{job_id[: NAME_MAX - len(suffix) - 9].rstrip('-')}-{digest}"
     return re.sub(r"[^a-z0-9-]", "-", f"{base}{suffix}")
+
+
+@dataclass(frozen=True)
+class TelemetryReport:
+    """A telemetry window the backend closed: the payload of one NodeTelemetryReported."""
+
+    node: str
+    window_start: datetime
+    window_end: datetime
+    gpu_count: int
+    gpus: tuple[GpuTelemetry, ...]
 
 
 @dataclass(frozen=True)
@@ -151,6 +166,7 @@ class _State:
     registrations: dict[str, int] = field(default_factory=dict)
     observed: dict[tuple[str, int], Observation] = field(default_factory=dict)
     inventory: dict[str, NodeInfo] | None = None  # as the backend reports them; None: not listed yet
+    telemetry: dict[str, NodeTelemetryReported] = field(default_factory=dict)  # by event id, not yet in the log
 
 
 class BackendCore:
@@ -167,6 +183,9 @@ class BackendCore:
                 s.nodes[event.node.name] = event.node
                 if isinstance(event, NodeRegistered):
                     s.registrations[event.node.name] = s.registrations.get(event.node.name, 0) + 1
+                return
+            case NodeTelemetryReported():
+                s.telemetry.pop(event.event_id, None)
                 return
             case NodeLost():
                 s.nodes.pop(event.name, None)
@@ -225,12 +244,25 @@ class BackendCore:
         """The backend's full node list (after a list or any node watch event)."""
         self.state.inventory = {n.name: n for n in nodes}
 
+    def observe_telemetry(self, report: TelemetryReport) -> None:
+        """A closed telemetry window; decided as NodeTelemetryReported (id from node and window
+        start) until the log has it. Raises ValueError (pydantic's) for an invalid report."""
+        event = new_event(NodeTelemetryReported, aggregate_id=report.node, producer=PRODUCER,
+                          occurred_at=report.window_end, key=report.window_start.isoformat(), node=report.node,
+                          window_start=report.window_start, window_end=report.window_end,
+                          gpu_count=report.gpu_count, gpus=report.gpus)
+        pending = self.state.telemetry
+        pending[event.event_id] = event
+        while len(pending) > MAX_PENDING_REPORTS:
+            del pending[next(iter(pending))]
+
     def decisions_refused(self) -> None:
         """Everything is re-derived from state on each cycle."""
 
     # -- outputs -----------------------------------------------------------------------------
     def decide(self, now: datetime) -> list[Event]:
         out = self._inventory(now)
+        out.extend(self.state.telemetry.values())  # after the node's own inventory events
         for job_id, job in self.state.jobs.items():
             if (event := self._next(job_id, job, now)) is not None:
                 out.append(event)

@@ -15,6 +15,9 @@
 * Inventory, utilization and memory telemetry from NVML (pynvml) every
   ``GPUSCHED_LOCAL_TELEMETRY_S``; with no NVIDIA driver or GPU it says so once and runs
   CPU-only (the node reports 0 GPUs; jobs that ask for none still run).
+* Every ``GPUSCHED_TELEMETRY_INTERVAL_S`` (0: never) the samples taken in that window are
+  averaged (:class:`TelemetryWindow`) into a :class:`~services.executor.lifecycle.TelemetryReport`,
+  which the core publishes as NodeTelemetryReported. CPU-only mode reports nothing.
 """
 
 from __future__ import annotations
@@ -28,16 +31,16 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 from prometheus_client import Gauge
 
 from schemas import FailureReason
-from schemas.node import NodeInfo
+from schemas.node import GpuTelemetry, NodeInfo
 from services.executor.k8s_model import flavor_of
-from services.executor.lifecycle import Observation, Phase, Plan, Workload, workload_name
+from services.executor.lifecycle import Observation, Phase, Plan, TelemetryReport, Workload, workload_name
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class GpuSample:
     memory_total_mib: int
     memory_used_mib: int
     utilization: float  # 0..1
+    power_w: float | None = None  # None: the device does not report it
 
 
 class Nvml:
@@ -103,8 +107,68 @@ class Nvml:
                 util = n.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
             except Exception:  # not supported on some (e.g. MIG) devices
                 util = 0.0
-            out.append(GpuSample(i, name, mem.total // 2 ** 20, mem.used // 2 ** 20, util))
+            try:
+                power = n.nvmlDeviceGetPowerUsage(h) / 1000.0  # milliwatts
+            except Exception:  # not supported on some devices
+                power = None
+            out.append(GpuSample(i, name, mem.total // 2 ** 20, mem.used // 2 ** 20, util, power))
         return out
+
+
+@dataclass
+class _GpuSums:
+    samples: int = 0
+    utilization: float = 0.0
+    memory_used_max: int = 0
+    memory_total: int = 0
+    power: float = 0.0
+    power_samples: int = 0
+    allocated: int = 0
+    allocated_utilization: float = 0.0
+
+
+@dataclass
+class TelemetryWindow:
+    """The samples of one report window, ``[start, end)``: per GPU the mean utilization (of all
+    samples, and of those taken while the GPU was allocated), the peak memory in use and the mean
+    power. Pure: no NVML, no clock."""
+
+    start: datetime
+    _gpus: dict[int, _GpuSums] = field(default_factory=dict)
+
+    def add(self, samples: list[GpuSample], allocated: frozenset[int] = frozenset()) -> None:
+        """One sampling pass; ``allocated``: GPU indices a live attempt's placement holds now."""
+        for g in samples:
+            t = self._gpus.setdefault(g.index, _GpuSums())
+            t.samples += 1
+            t.utilization += g.utilization
+            t.memory_used_max = max(t.memory_used_max, g.memory_used_mib)
+            t.memory_total = g.memory_total_mib
+            if g.power_w is not None:
+                t.power += g.power_w
+                t.power_samples += 1
+            if g.index in allocated:
+                t.allocated += 1
+                t.allocated_utilization += g.utilization
+
+    def gpus(self, gpu_count: int) -> tuple[GpuTelemetry, ...]:
+        """The window's figures, for the GPUs the node still has (index below ``gpu_count``)."""
+        out = []
+        for index in sorted(self._gpus):
+            t = self._gpus[index]
+            if index >= gpu_count or t.memory_total < 1:
+                continue
+            out.append(GpuTelemetry(
+                index=index, samples=t.samples, utilization=_ratio(t.utilization / t.samples),
+                memory_used_mib=min(t.memory_used_max, t.memory_total), memory_total_mib=t.memory_total,
+                power_w=t.power / t.power_samples if t.power_samples else None,
+                allocated_samples=t.allocated,
+                allocated_utilization=_ratio(t.allocated_utilization / t.allocated) if t.allocated else None))
+        return tuple(out)
+
+
+def _ratio(x: float) -> float:
+    return min(1.0, max(0.0, x))  # float sums may land a hair outside 0..1
 
 
 def host_node(name: str, gpus: list[GpuSample]) -> NodeInfo:
@@ -127,23 +191,27 @@ def host_node(name: str, gpus: list[GpuSample]) -> NodeInfo:
 
 class LocalBackend:
     def __init__(self, root: Path, *, node_name: str | None = None, telemetry_s: float = 10.0,
-                 checkpoint_root: Path | None = None, nvml: Nvml | None = None) -> None:
+                 telemetry_interval_s: float = 60.0, checkpoint_root: Path | None = None,
+                 nvml: Nvml | None = None) -> None:
         self.root = Path(root)
         self.runs = self.root / "runs"
         self.runs.mkdir(parents=True, exist_ok=True)
         self.checkpoint_root = checkpoint_root or self.root / "checkpoints"
         self.node_name = node_name or default_node_name()
         self.telemetry_s = telemetry_s
+        self.telemetry_interval_s = telemetry_interval_s  # 0: no NodeTelemetryReported
         self.nvml = nvml or Nvml()
         self._last_sample = 0.0
         self._gpus: list[GpuSample] = []
+        self._window: TelemetryWindow | None = None
         self._procs: dict[str, subprocess.Popen] = {}  # runs this process started (reaped here)
         if not self.nvml.available:
             log.warning("no GPU on this host: CPU-only mode; the node reports 0 GPUs and only jobs asking "
                         "for none can be placed here", extra={"why": self.nvml.why, "node": self.node_name})
 
     def start(self) -> None:
-        self._telemetry(force=True)
+        # Inventory only: which GPUs live attempts hold is known from the first plan on.
+        self._telemetry(_now(), force=True, into_window=False)
 
     def close(self) -> None:
         pass
@@ -151,7 +219,8 @@ class LocalBackend:
     def synced(self) -> bool:
         return True
 
-    def _telemetry(self, force: bool = False) -> None:
+    def _telemetry(self, now: datetime, allocated: frozenset[int] = frozenset(), force: bool = False,
+                   into_window: bool = True) -> None:
         if not force and time.monotonic() - self._last_sample < self.telemetry_s:
             return
         self._last_sample = time.monotonic()
@@ -160,10 +229,41 @@ class LocalBackend:
         except Exception as err:
             log.warning("NVML sample failed", extra={"error": repr(err)})
             return
+        if self._gpus and self.telemetry_interval_s > 0 and into_window:
+            if self._window is None:
+                self._window = TelemetryWindow(start=now)
+            self._window.add(self._gpus, allocated)
         for g in self._gpus:
             GPU_UTIL.labels(self.node_name, str(g.index)).set(g.utilization)
             GPU_MEM_USED.labels(self.node_name, str(g.index)).set(g.memory_used_mib * 2 ** 20)
             GPU_MEM_TOTAL.labels(self.node_name, str(g.index)).set(g.memory_total_mib * 2 ** 20)
+
+    def _allocated(self, plan: Plan) -> frozenset[int]:
+        """GPU indices of this host that live attempts' placements hold (what CUDA_VISIBLE_DEVICES gets)."""
+        return frozenset(i for w in (*plan.run, *(s.workload for s in plan.stop)) for p in w.placement
+                         if p.node == self.node_name for i in p.gpu_indices[: p.gpus])
+
+    def _close_window(self, now: datetime) -> TelemetryReport | None:
+        """The report of the window that ``now`` ends, if it is due; the next window starts at ``now``."""
+        w = self._window
+        if w is None or self.telemetry_interval_s <= 0:
+            return None
+        span = (now - w.start).total_seconds()
+        if span < self.telemetry_interval_s:
+            if span < 0:  # the clock stepped back: start again from here
+                self._window = TelemetryWindow(start=now)
+            return None
+        self._window = TelemetryWindow(start=now)  # windows follow each other without a gap
+        if span > 2 * self.telemetry_interval_s:
+            # The loop stalled (or the clock jumped): the samples do not cover the window.
+            log.warning("telemetry window dropped: it was not closed in time",
+                        extra={"node": self.node_name, "window_s": span})
+            return None
+        gpus = w.gpus(len(self._gpus))
+        if not gpus:
+            return None
+        return TelemetryReport(node=self.node_name, window_start=w.start, window_end=now,
+                               gpu_count=len(self._gpus), gpus=gpus)
 
     def run_dir(self, job_id: str, attempt: int, member: int) -> Path:
         return self.runs / workload_name(job_id, attempt, member)
@@ -173,8 +273,10 @@ class LocalBackend:
         from services.executor.kubernetes import SyncResult
 
         now = now or _now()
-        self._telemetry()
-        out = SyncResult(inventory=[host_node(self.node_name, self._gpus)])
+        report = self._close_window(now)
+        self._telemetry(now, self._allocated(plan))
+        out = SyncResult(inventory=[host_node(self.node_name, self._gpus)],
+                         telemetry=[report] if report is not None else [])
         for pid_run, proc in list(self._procs.items()):
             if proc.poll() is not None:
                 del self._procs[pid_run]

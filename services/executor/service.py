@@ -31,6 +31,11 @@ def apply_result(core: BackendCore, result) -> None:
         core.observe_inventory(result.inventory)
     for obs in result.observations:
         core.observe(obs)
+    for report in result.telemetry:
+        try:
+            core.observe_telemetry(report)
+        except ValueError as err:  # a report the contract refuses: drop it, keep running
+            log.warning("telemetry report dropped", extra={"node": report.node, "error": str(err)})
 
 
 class ExecutorService(DecisionService):

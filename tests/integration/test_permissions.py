@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import nats
 import pytest
 
 from conftest import connect_as
 from gpusched import eventlog
-from schemas import JobScheduled, NodeAssignment, QuotaReserved, dumps, event_subject, new_event
+from schemas import (GpuTelemetry, JobScheduled, NodeAssignment, NodeTelemetryReported, QuotaReserved, dumps,
+                     event_subject, new_event)
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 DENIED = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError, TimeoutError)
@@ -40,8 +41,14 @@ async def test_a_service_publishes_only_the_event_types_it_produces(nats_server,
                          attempt=1, queue="q", flavor="f", gpus=1)
     scheduled = new_event(JobScheduled, aggregate_id="j1", producer="scheduler", occurred_at=NOW, key="1",
                           attempt=1, flavor="f", placement=(NodeAssignment(node="n", gpus=1),))
+    telemetry = new_event(NodeTelemetryReported, aggregate_id="gpu-1.rack-1", producer="executor", occurred_at=NOW,
+                          key="w1", node="gpu-1.rack-1", window_start=NOW - timedelta(seconds=60), window_end=NOW,
+                          gpu_count=1, gpus=(GpuTelemetry(index=0, samples=6, utilization=0.5, memory_used_mib=1,
+                                                          memory_total_mib=2),))
     for user, event, allowed in [("quota", reserved, True), ("quota", scheduled, False),
-                                 ("scheduler", scheduled, True), ("executor", reserved, False)]:
+                                 ("scheduler", scheduled, True), ("executor", reserved, False),
+                                 ("executor", telemetry, True), ("scheduler", telemetry, False),
+                                 ("accounting", telemetry, False)]:
         nc = await connect_as(nats_server, user)
         try:
             js = nc.jetstream()
@@ -52,7 +59,7 @@ async def test_a_service_publishes_only_the_event_types_it_produces(nats_server,
                     await js.publish(event_subject(event), dumps(event), timeout=1)
         finally:
             await nc.close()
-    assert await eventlog.last_sequence(admin_js) == 2
+    assert await eventlog.last_sequence(admin_js) == 3
 
 
 async def test_services_and_operator_cannot_manage_streams(nats_server, admin_js):

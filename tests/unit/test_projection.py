@@ -25,6 +25,7 @@ from tests.unit.builders import (
     cancel_requested,
     cancelled,
     failed,
+    gpu,
     node,
     node_lost,
     node_updated,
@@ -45,6 +46,7 @@ from tests.unit.builders import (
     started,
     submitted,
     succeeded,
+    telemetry,
 )
 
 SEQ = 42
@@ -101,6 +103,9 @@ CASES = [
     (node_updated("n1", None, 0, gpu_memory_mib=None, unschedulable=True),
      [Op("node", ("n1", None, None, 0, None, "{}", True, SEQ))]),
     (node_lost("n1"), [Op("node_lost", ("n1", SEQ))]),
+    (telemetry("n1", [gpu(0, 0.75, power_w=300.0), gpu(2, 0.0, allocated=0, memory_used_mib=0)], start=at(60)),
+     [Op("gpu_telemetry", ("n1", 0, at(60), at(120), 0.75, 1024, 81559, 300.0, 6, 6, 0.75, SEQ)),
+      Op("gpu_telemetry", ("n1", 2, at(60), at(120), 0.0, 0, 81559, None, 6, 0, None, SEQ))]),
     (QUEUE, [Op("queue", ("research", "shared", QUEUE.model_dump_json(), SEQ)),
              Op("quota_history", ("research", "team-a", T0, '{"a100": 8}', SEQ))]),
     (DELETED, [Op("queue_deleted", ("old", SEQ)), Op("quota_history", ("old", None, T0, "{}", SEQ))]),

@@ -41,6 +41,7 @@ from tests.unit.builders import (
     cancel_requested,
     cancelled,
     failed,
+    gpu,
     node,
     node_lost,
     node_updated,
@@ -61,6 +62,7 @@ from tests.unit.builders import (
     started,
     submitted,
     succeeded,
+    telemetry,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,6 +110,8 @@ def sample_events():
         node("gpu-1.rack-1.example", "a100", 8, features=("rdma",), labels={"rack": "r1"}, taints=("a=b:NoSchedule",)),
         node_updated("gpu-1.rack-1.example", "a100", 8, unschedulable=True),
         node_lost("gpu-1.rack-1.example"),
+        telemetry("gpu-1.rack-1.example", [gpu(0, 0.9, power_w=350.5), gpu(3, 0.01, allocated=2, allocated_utilization=0.0)],
+                  start=at(60), seconds=60),
         queue("research", ("team-a", "team-b"), {"a100": 8, "h100-80gb": 16}, cohort="shared", strict_fifo=True,
               allowed_priority_classes=("training",)),
         new_event(QueueDeleted, aggregate_id="old", producer="config", occurred_at=T0, key="x", name="old"),
@@ -123,7 +127,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 26
+    assert len(ALL_EVENT_TYPES) == 27
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -184,6 +188,7 @@ def test_nested_models_forbid_extra_fields():
         (node("gpu-1.rack-1.example"), "gpusched.node.gpu-1_rack-1_example.registered"),
         (node_updated("a.b"), "gpusched.node.a_b.updated"),
         (node_lost("a.b.c"), "gpusched.node.a_b_c.lost"),
+        (telemetry("a.b"), "gpusched.node.a_b.telemetry"),
         (queue("research"), "gpusched.queue.research.configured"),
         (price_book(), "gpusched.pricebook.default.updated"),
         (statement("2026-11", "team", last_sequence=7), "gpusched.statement.2026-11-team-7.issued"),
@@ -211,6 +216,7 @@ EXPECTED_PRODUCERS = {
     "JobScheduled": "scheduler", "PreemptionRequested": "scheduler", "SchedulingPendingReasonChanged": "scheduler",
     "JobStarted": "executor", "JobSucceeded": "executor", "JobFailed": "executor", "JobPreempted": "executor",
     "JobCancelled": "executor", "NodeRegistered": "executor", "NodeUpdated": "executor", "NodeLost": "executor",
+    "NodeTelemetryReported": "executor",
     "QueueConfigured": "config", "QueueDeleted": "config", "CohortConfigured": "config",
     "PriceBookUpdated": "config", "ChargebackStatementIssued": "accounting",
 }
@@ -239,6 +245,11 @@ def test_producer_subjects():
     assert producer_subjects("config") == [
         "gpusched.cohort.*.configured", "gpusched.pricebook.*.updated", "gpusched.queue.*.configured",
         "gpusched.queue.*.deleted",
+    ]
+    assert producer_subjects("executor") == [
+        "gpusched.job.*.cancelled", "gpusched.job.*.failed", "gpusched.job.*.preempted", "gpusched.job.*.started",
+        "gpusched.job.*.succeeded", "gpusched.node.*.lost", "gpusched.node.*.registered",
+        "gpusched.node.*.telemetry", "gpusched.node.*.updated",
     ]
     assert producer_subjects("accounting") == ["gpusched.statement.*.issued"]
     assert producer_subjects("nobody") == []
@@ -376,3 +387,60 @@ def test_naive_datetimes_are_rejected():
     with pytest.raises(ValidationError) as err:
         parse_event(raw)
     assert err.value.errors()[0]["loc"][-1] == "occurred_at"
+
+
+# -- NodeTelemetryReported validation ----------------------------------------------------------
+
+
+def _telemetry_raw(**overrides):
+    raw = json.loads(dumps(telemetry("n1", [gpu(0, 0.5), gpu(1, 0.25)], gpu_count=2)))
+    raw.update(overrides)
+    return raw
+
+
+def _gpu_raw(index=0, **overrides):
+    raw = gpu(0).model_dump()
+    raw.update(index=index, **overrides)
+    return raw
+
+
+@pytest.mark.parametrize(
+    "overrides, loc, needle",
+    [
+        ({"gpus": [_gpu_raw(utilization=1.5)]}, ("gpus", 0, "utilization"), "less than or equal to 1"),
+        ({"gpus": [_gpu_raw(utilization=-0.1)]}, ("gpus", 0, "utilization"), "greater than or equal to 0"),
+        ({"gpus": [_gpu_raw(samples=0)]}, ("gpus", 0, "samples"), "greater than or equal to 1"),
+        ({"gpus": [_gpu_raw(index=64)]}, ("gpus", 0, "index"), "less than or equal to 63"),
+        ({"gpus": [_gpu_raw(power_w=-1)]}, ("gpus", 0, "power_w"), "greater than or equal to 0"),
+        ({"gpus": [_gpu_raw(memory_used_mib=90000)]}, ("gpus", 0),
+         "gpu 0: memory_used_mib 90000 exceeds memory_total_mib 81559"),
+        ({"gpus": [_gpu_raw(allocated_samples=7)]}, ("gpus", 0), "allocated_samples 7 exceeds samples 6; accepted: 0..6"),
+        ({"gpus": [_gpu_raw(allocated_samples=0)]}, ("gpus", 0),
+         "allocated_utilization must be set exactly when allocated_samples > 0"),
+        ({"gpus": []}, (), "gpus is empty; accepted: at least one GPU"),
+        ({"gpus": [_gpu_raw(0), _gpu_raw(1), _gpu_raw(2)]}, (),
+         "gpus has 3 entries but the node has gpu_count 2; accepted: at most one entry per GPU"),
+        ({"gpus": [_gpu_raw(1), _gpu_raw(1)]}, (), "gpus: index 1 listed more than once"),
+        ({"gpus": [_gpu_raw(5)]}, (), "gpus: index 5 out of range for gpu_count 2; accepted: 0..1"),
+        ({"gpu_count": 0}, ("gpu_count",), "greater than or equal to 1"),
+        ({"window_end": "2026-01-01T00:00:00Z"}, (), "window_end - window_start is 0 s; accepted: more than 0"),
+        ({"window_end": "2026-01-03T00:00:00Z"}, (), "window_end - window_start is 172800 s"),
+        ({"window_start": "2026-01-01T00:00:00"}, ("window_start",), "timezone"),
+        ({"node": "n2"}, (), "node 'n2' differs from aggregate_id 'n1'"),
+        ({"node": "Not A Node"}, ("node",), "should match pattern"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_telemetry_validation_says_what_is_wrong(overrides, loc, needle):
+    with pytest.raises(ValidationError) as err:
+        parse_event(_telemetry_raw(**overrides))
+    errors = err.value.errors()
+    assert len(errors) == 1, errors
+    assert errors[0]["loc"][1:] == loc  # [0] is the discriminator's tag, NodeTelemetryReported
+    assert needle in errors[0]["msg"], errors[0]["msg"]
+
+
+def test_telemetry_of_some_gpus_of_a_node_is_valid():
+    event = parse_event(_telemetry_raw(gpus=[_gpu_raw(1, utilization=0.0, allocated_samples=0,
+                                                      allocated_utilization=None)]))
+    assert [g.index for g in event.gpus] == [1] and event.gpus[0].allocated_utilization is None
