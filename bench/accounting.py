@@ -157,7 +157,7 @@ async def replay_run(js, dsn: str, schema: str, batch: int) -> dict:
     await admin.execute(f"DROP SCHEMA {schema} CASCADE")
     await admin.close()
     return {"events": progress.applied, "wall_s": wall, "events_per_s": progress.applied / wall,
-            "apply_s": progress.apply_s, "reader_waited_s": progress.wait_s,
+            "apply_s": progress.apply_s, "reader_waited_s": progress.wait_s, "writer_cpu_s": progress.writer_cpu_s,
             "ledger_rows": rows, "position": position}
 
 
