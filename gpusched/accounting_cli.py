@@ -142,8 +142,8 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
     @guarded
     def usage(
         by: str = typer.Option("team,flavor", help="Roll-up dimensions, comma-separated: team, project, queue, flavor, day"),
-        period: Optional[str] = typer.Option(None, help="Only attempts that ended in this month (YYYY-MM)"),
-        as_of: Optional[str] = typer.Option(None, "--as-of", help="The ledger as it stood at this time (ISO 8601)"),
+        period: Optional[str] = typer.Option(None, help="Only the parts of attempts that ran in this month (YYYY-MM)"),
+        as_of: Optional[str] = typer.Option(None, "--as-of", help="Usage up to this time, running attempts included (ISO 8601)"),
         output: Output = output_option,
     ) -> None:
         """GPU-hours (guaranteed / borrowed / lost), wait p50/p95 and cost per group, from the usage ledger."""

@@ -83,3 +83,6 @@ class ChargebackStatementIssued(Event):
     first_sequence: int = Field(ge=0, description="First stream sequence of the log range (1: the whole log)")
     last_sequence: int = Field(ge=0, description="Read models were at this sequence when it was computed")
     checksum: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="Of the canonical statement body")
+    supersedes: str | None = Field(default=None, max_length=200,
+                                   description="The statement id this one revises (late events or a price "
+                                               "correction changed the period); None for the first")

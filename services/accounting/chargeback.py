@@ -4,8 +4,15 @@ statement call the same code, so the same rows give the same statement and the s
 
 Semantics (docs/accounting.md):
 
-* An attempt is attributed **in full to the day and period in which it ended** (``ended_at``, UTC):
-  a closed period never changes when later events arrive.
+* An attempt counts in every day and period it ran in, **prorated**: the part of
+  [started_at, ended_at) inside the day or month (UTC) — GPU-, borrowed-, CPU- and memory-seconds
+  and cost alike. Its lost work (preemption) is the last ``lost / gpus`` seconds of its run, so it
+  lands where the attempt ended. The attempt itself (its count and its queue wait) belongs to the
+  day and period in which it started. An attempt still running counts up to the time asked for
+  (a closed period's end, ``--as-of``): the caller passes it with ``ended_at`` at that time.
+* A period's figures can change after its statement was issued only through events logged late
+  (an end that happened inside it, a price correction, a quota change): accounting then issues a
+  revised statement (see statements.py).
 * Its cost integrates the price in force over its run: the interval is split at every price book
   ``effective_from``; for one ``effective_from`` the version logged last wins (a correction).
 * Idle guaranteed quota: per queue and flavor, nominal GPUs over the period (from the quota
@@ -21,7 +28,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -79,10 +86,56 @@ class Attempt:
         return max(0.0, (self.ended_at - self.started_at).total_seconds())
 
     def key(self, dimension: str) -> str:
-        if dimension == "day":
-            return self.ended_at.astimezone(UTC).date().isoformat()
+        if dimension == "day":  # a slice lies within one day (see slices)
+            return self.started_at.astimezone(UTC).date().isoformat()
         value = getattr(self, dimension)
         return NONE_KEY if value is None else str(value)
+
+    def clip(self, start: datetime | None, end: datetime | None) -> "Attempt | None":
+        """The part of the attempt in [start, end) (None: unbounded), or None if it did not run
+        then. Time-based figures in proportion; the lost work is the run's last ``lost / gpus``
+        seconds. A zero-length attempt belongs to the window holding its start."""
+        s = self.started_at if start is None else max(self.started_at, start)
+        e = self.ended_at if end is None else min(self.ended_at, end)
+        total = self.seconds
+        if total == 0:
+            return self if s == self.started_at and (end is None or self.started_at < end) else None
+        if e <= s:
+            return None
+        if s == self.started_at and e == self.ended_at:
+            return self
+        part = (e - s).total_seconds() / total
+        lost = 0.0
+        if self.lost_gpu_seconds > 0 and self.gpus > 0:
+            lost_from = self.ended_at - timedelta(seconds=self.lost_gpu_seconds / self.gpus)
+            if (w := _overlap(lost_from, self.ended_at, s, e)) is not None:
+                lost = self.gpus * (w[1] - w[0]).total_seconds()
+        return replace(self, started_at=s, ended_at=e, lost_gpu_seconds=lost,
+                       cpu_core_seconds=self.cpu_core_seconds * part, memory_gib_seconds=self.memory_gib_seconds * part)
+
+
+def _day_cuts(start: datetime, end: datetime) -> list[datetime]:
+    """Midnights (UTC) strictly inside (start, end)."""
+    day = datetime.combine(start.astimezone(UTC).date(), datetime.min.time(), tzinfo=UTC) + timedelta(days=1)
+    cuts = []
+    while day < end:
+        cuts.append(day)
+        day += timedelta(days=1)
+    return cuts
+
+
+def slices(a: Attempt, start: datetime | None = None, end: datetime | None = None,
+           by_day: bool = False) -> list[tuple[Attempt, bool]]:
+    """The attempt's parts in [start, end), split at midnights when ``by_day``; each with
+    whether it holds the attempt's start (where the attempt and its wait are counted)."""
+    part = a.clip(start, end)
+    if part is None:
+        return []
+    pieces = [part]
+    if by_day and part.seconds > 0:
+        bounds = [part.started_at, *_day_cuts(part.started_at, part.ended_at), part.ended_at]
+        pieces = [p for b0, b1 in zip(bounds, bounds[1:]) if (p := a.clip(b0, b1)) is not None]
+    return [(p, p.started_at == a.started_at) for p in pieces]
 
 
 def parse_period(period: str) -> tuple[datetime, datetime]:
@@ -217,8 +270,9 @@ def statement(attempts: Iterable[Attempt], prices: Iterable[PriceVersion], histo
               period: str, group_by: str, first_sequence: int, last_sequence: int,
               as_of: datetime | None = None) -> dict[str, Any]:
     """The chargeback statement body for one period, grouped by one dimension, with its checksum.
-    ``attempts`` may hold any rows; those that ended in the period count. ``as_of`` clips an open
-    period's idle quota (default: the period's end)."""
+    ``attempts`` may hold any rows (running ones with ``ended_at`` at the period's end or
+    ``as_of``); the part of each inside the period counts. ``as_of`` clips an open period
+    (default: the period's end)."""
     if group_by not in STATEMENT_DIMENSIONS:
         raise ChargebackError(f"--by {group_by!r} is not a statement dimension; accepted: "
                               f"{', '.join(STATEMENT_DIMENSIONS)}")
@@ -226,16 +280,16 @@ def statement(attempts: Iterable[Attempt], prices: Iterable[PriceVersion], histo
     clip = min(end, as_of) if as_of is not None else end
     book = PriceBook(prices)
     policy = book.idle_policy(clip - timedelta(microseconds=1))
-    in_period = [a for a in _ordered(attempts) if start <= a.ended_at < end]
+    attempts = _ordered(attempts)
     groups: dict[str, _Totals] = {}
-    for a in in_period:
+    for a in (part for whole in attempts for part, _ in slices(whole, start, clip)):
         t = groups.setdefault(a.key(group_by), _Totals())
         t.gpu_seconds += a.gpus * a.seconds
         t.borrowed += a.borrowed_gpus * a.seconds
         t.lost += a.lost_gpu_seconds
         t.usage_cost += book.attempt_cost(a)
     # idle quota: clipped by time, so it looks at every attempt that overlaps the window
-    for piece in idle_quota(list(_ordered(attempts)), history, start, clip):
+    for piece in idle_quota(attempts, history, start, clip):
         if piece["idle_gpu_seconds"] <= 0:
             continue
         key = {"team": piece["owner"], "queue": piece["queue"], "flavor": piece["flavor"], "project": None}[group_by]
@@ -290,23 +344,28 @@ def percentile(values: Sequence[float], p: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def rollup(attempts: Iterable[Attempt], prices: Iterable[PriceVersion], by: Sequence[str]) -> list[dict[str, Any]]:
-    """Usage and cost per group of the given dimensions (team, project, queue, flavor, day)."""
+def rollup(attempts: Iterable[Attempt], prices: Iterable[PriceVersion], by: Sequence[str], *,
+           start: datetime | None = None, end: datetime | None = None) -> list[dict[str, Any]]:
+    """Usage and cost per group of the given dimensions (team, project, queue, flavor, day), of
+    the attempts' parts in [start, end) (None: unbounded), split by day when grouped by day.
+    ``attempts`` counts the attempts that started in the group (with their queue waits)."""
     bad = [d for d in by if d not in DIMENSIONS]
     if bad or not by:
         raise ChargebackError(f"--by {','.join(by) or '(empty)'}: accepted dimensions: {', '.join(DIMENSIONS)} "
                               "(comma-separated, e.g. team,flavor)")
     book = PriceBook(prices)
     groups: dict[tuple[str, ...], _Totals] = {}
-    for a in _ordered(attempts):
-        t = groups.setdefault(tuple(a.key(d) for d in by), _Totals())
-        t.attempts += 1
-        t.gpu_seconds += a.gpus * a.seconds
-        t.borrowed += a.borrowed_gpus * a.seconds
-        t.lost += a.lost_gpu_seconds
-        t.usage_cost += book.attempt_cost(a)
-        if a.wait_seconds is not None:
-            t.waits.append(a.wait_seconds)
+    for whole in _ordered(attempts):
+        for a, first in slices(whole, start, end, by_day="day" in by):
+            t = groups.setdefault(tuple(a.key(d) for d in by), _Totals())
+            t.gpu_seconds += a.gpus * a.seconds
+            t.borrowed += a.borrowed_gpus * a.seconds
+            t.lost += a.lost_gpu_seconds
+            t.usage_cost += book.attempt_cost(a)
+            if first:
+                t.attempts += 1
+                if a.wait_seconds is not None:
+                    t.waits.append(a.wait_seconds)
     out = []
     for key in sorted(groups):
         t = groups[key]

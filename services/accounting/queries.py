@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -48,6 +48,34 @@ async def attempts(conn: asyncpg.Connection, *, ended_from: datetime | None = No
     return [Attempt(**dict(r)) for r in rows]
 
 
+async def running_attempts(conn: asyncpg.Connection, until: datetime) -> list[Attempt]:
+    """Attempts started before ``until`` that have not ended (no ledger row yet), as if they ran
+    until then: the part of a long run inside a closed period is certain before it ends. The
+    job row's start is this attempt's when it is at or after the attempt's reservation."""
+    rows = await conn.fetch(
+        """SELECT j.job_id, j.attempt, j.team, j.project, coalesce(r.queue, j.queue) AS queue,
+                  coalesce(r.flavor, j.flavor) AS flavor, coalesce(r.gpus, j.total_gpus) AS gpus,
+                  coalesce(r.borrowed, 0) AS borrowed_gpus, j.started_at, j.cpu_millis, j.memory_mib,
+                  greatest(0, extract(epoch FROM j.started_at - a.queued_at))::float8 AS wait_seconds
+           FROM jobs j
+           LEFT JOIN reservations r ON r.job_id = j.job_id AND r.attempt = j.attempt
+           LEFT JOIN attempts a ON a.job_id = j.job_id AND a.attempt = j.attempt
+           WHERE j.state IN ('running', 'preempting', 'cancelling') AND j.started_at < $1
+             AND j.started_at >= coalesce(j.reserved_at, j.started_at)
+             AND coalesce(r.flavor, j.flavor) IS NOT NULL
+             AND NOT EXISTS (SELECT FROM usage_ledger u WHERE u.job_id = j.job_id AND u.attempt = j.attempt)""",
+        until)
+    out = []
+    for r in rows:
+        seconds = max(0.0, (until - r["started_at"]).total_seconds())
+        out.append(Attempt(job_id=r["job_id"], attempt=r["attempt"], team=r["team"], project=r["project"],
+                           queue=r["queue"], flavor=r["flavor"], gpus=r["gpus"], borrowed_gpus=r["borrowed_gpus"],
+                           started_at=r["started_at"], ended_at=until,
+                           cpu_core_seconds=(r["cpu_millis"] or 0) / 1000.0 * seconds,
+                           memory_gib_seconds=(r["memory_mib"] or 0) / 1024.0 * seconds, wait_seconds=r["wait_seconds"]))
+    return out
+
+
 async def price_versions(conn: asyncpg.Connection, name: str = PRICE_BOOK,
                          max_sequence: int | None = None) -> list[PriceVersion]:
     rows = await conn.fetch(
@@ -78,11 +106,14 @@ async def position(conn: asyncpg.Connection, projection: str = "read-models") ->
 
 async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, as_of: datetime | None = None,
                     last_sequence: int | None = None) -> dict[str, Any]:
-    """A statement computed from the read models as they are now (position = last_sequence)."""
+    """A statement computed from the read models as they are now (position = last_sequence):
+    the ledger rows and the running attempts that overlap the period (up to ``as_of``)."""
     start, end = chargeback.parse_period(period)
+    until = min(end, as_of) if as_of is not None else end
     async with conn.transaction(isolation="repeatable_read", readonly=True):
         seq = await position(conn) if last_sequence is None else last_sequence
-        rows = await attempts(conn, ended_from=start, ended_before=end, overlapping=(start, end), max_sequence=seq)
+        rows = await attempts(conn, overlapping=(start, until), max_sequence=seq)
+        rows += await running_attempts(conn, until)
         prices = await price_versions(conn, max_sequence=seq)
         history = await quota_versions(conn, max_sequence=seq)
     return chargeback.statement(rows, prices, history, period=period, group_by=group_by, first_sequence=1,
@@ -90,16 +121,23 @@ async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, as_
 
 
 async def rollup(conn: asyncpg.Connection, by: list[str], *, period: str | None = None,
-                 as_of: datetime | None = None) -> list[dict[str, Any]]:
-    """Usage and cost per group; ``as_of``: the ledger as it stood at that time (the attempts that
-    had ended by then). Costs use the price book as it is now: a corrected price re-prices history."""
+                 as_of: datetime | None = None, now: datetime | None = None) -> list[dict[str, Any]]:
+    """Usage and cost per group, prorated: the parts of attempts inside ``period`` and before
+    ``as_of`` (time travel: usage up to that time, running attempts included), attempts still
+    running counted up to ``as_of`` or ``now`` (default: the log's newest time). Costs use the
+    price book as it is now: a corrected price re-prices history."""
     start, end = chargeback.parse_period(period) if period else (None, None)
     if as_of is not None:
         end = as_of if end is None else min(end, as_of)
     async with conn.transaction(isolation="repeatable_read", readonly=True):
-        rows = await attempts(conn, ended_from=start, ended_before=end)
+        until = as_of or now or await log_now(conn, datetime.now(UTC))
+        if end is not None:
+            until = min(until, end)
+        rows = await attempts(conn, overlapping=(start or datetime.min.replace(tzinfo=UTC),
+                                                 end or datetime.max.replace(tzinfo=UTC)))
+        rows += await running_attempts(conn, until)
         prices = await price_versions(conn)
-    return chargeback.rollup(rows, prices, by)
+    return chargeback.rollup(rows, prices, by, start=start, end=end)
 
 
 async def issued(conn: asyncpg.Connection, period: str | None = None) -> list[dict[str, Any]]:

@@ -1,8 +1,10 @@
 """Issuing chargeback statements (adapter): once the log's time has passed a period's end plus a
 grace period, accounting computes the period's statement from the read models and publishes
-ChargebackStatementIssued. The log, not memory, says what was issued: a statement for a period
-and dimension is issued once, and again only when a price book version logged after it changes
-prices in the period (re-pricing).
+ChargebackStatementIssued. A statement for a period and dimension is issued once, and a revision
+(``supersedes`` the previous id) only when events logged after it change the period's figures: an
+attempt that ran in the period and ended late, a price book version or a quota change in force
+in it. A change is noticed by the sequences of the ledger, price and quota rows; the period is
+recomputed, and re-issued only if its content differs (same checksum over the same log range).
 
 Settings (environment): ``GPUSCHED_STATEMENT_BY`` (comma-separated dimensions, default
 ``team``; empty: issue none), ``GPUSCHED_STATEMENT_GRACE_S`` (default 3600).
@@ -20,7 +22,6 @@ import asyncpg
 from gpusched import eventlog
 from gpusched.settings import ConfigError
 from schemas import ChargebackStatementIssued, new_event
-from schemas.registry import SUBJECT_PREFIX
 from services.accounting import chargeback, queries
 
 log = logging.getLogger("accounting.statements")
@@ -52,62 +53,83 @@ class IssuerConfig:
 class Issuer:
     config: IssuerConfig
     watermark: datetime | None = None  # latest event time applied
-    _done: dict[tuple[str, str], int] = field(default_factory=dict)  # (period, dim) -> last_sequence issued
-    _checked: tuple | None = None  # (newest price book sequence, watermark's period) at the last full check
+    _latest: dict[tuple[str, str], dict] = field(default_factory=dict)  # (period, dim) -> last issued body
+    _seen: int | None = None  # read-model position at the last full check
+    _checked: tuple | None = None  # (position, watermark's closed period) at the last full check
+    _earliest: datetime | None = None  # where the first period with usage or quota starts
 
     def observe(self, t: datetime) -> None:
         if self.watermark is None or t > self.watermark:
             self.watermark = t
 
-    async def _issued_last_sequence(self, js, period: str, dim: str) -> int | None:
-        if (period, dim) in self._done:
-            return self._done[(period, dim)]
-        info = await js.stream_info(eventlog.EVENTS_STREAM,
-                                    subjects_filter=f"{SUBJECT_PREFIX}.statement.{period}-{dim}-*.issued")
-        seqs = [int(s.split(".")[2].rsplit("-", 1)[1]) for s in (info.state.subjects or {})]
-        if seqs:
-            self._done[(period, dim)] = max(seqs)
-        return max(seqs) if seqs else None
+    async def _last_issued(self, conn: asyncpg.Connection, period: str, dim: str) -> dict | None:
+        """The latest statement issued for the period and dimension: what this process issued,
+        or the read models' copy (the log's, projected)."""
+        row = await conn.fetchrow(
+            "SELECT statement_id, checksum, first_sequence, last_sequence FROM statements "
+            "WHERE period = $1 AND group_by = $2 ORDER BY last_sequence DESC LIMIT 1", period, dim)
+        mine = self._latest.get((period, dim))
+        if row is not None and (mine is None or row["last_sequence"] >= mine["last_sequence"]):
+            return dict(row)
+        return mine
+
+    async def _affected_from(self, conn: asyncpg.Connection, since: int) -> datetime | None:
+        """The earliest time that rows logged after ``since`` change: attempts that ended (their
+        start), price book versions and quota changes (when they take effect)."""
+        return await conn.fetchval(
+            """SELECT least((SELECT min(started_at) FROM usage_ledger WHERE sequence > $1),
+                            (SELECT min(effective_from) FROM price_books WHERE sequence > $1),
+                            (SELECT min(effective_from) FROM quota_history WHERE sequence > $1))""", since)
 
     async def issue_due(self, conn: asyncpg.Connection, js) -> list[ChargebackStatementIssued]:
-        """Publish the statements that are due; returns them."""
+        """Publish the statements (and revisions) that are due; returns them."""
         if not self.config.dimensions or self.watermark is None:
             return []
-        # Nothing can have fallen due unless a period closed or a price book version arrived since.
-        closed = chargeback.period_of(self.watermark - timedelta(seconds=self.config.grace_s))
-        state = (await conn.fetchval("SELECT max(sequence) FROM price_books"), closed)
-        if state == self._checked:
-            return []
-        earliest = await conn.fetchval(
-            "SELECT least((SELECT min(ended_at) FROM usage_ledger), (SELECT min(effective_from) FROM quota_history))")
-        if earliest is None:
-            return []
-        issued = []
-        period = chargeback.period_of(earliest)
         grace = timedelta(seconds=self.config.grace_s)
-        while chargeback.parse_period(period)[1] + grace <= self.watermark:
-            start, end = chargeback.parse_period(period)
+        closed = chargeback.period_of(self.watermark - grace)
+        position = await queries.position(conn)
+        if (position, closed) == self._checked:
+            return []
+        if self._seen is None:  # after a start: what changed since the oldest issued statement
+            self._seen = await conn.fetchval("SELECT coalesce(min(last_sequence), 0) FROM statements")
+        affected = await self._affected_from(conn, self._seen)
+        if self._earliest is None:  # the first period anything ran or was guaranteed in (then only earlier if affected)
+            self._earliest = await conn.fetchval(
+                """SELECT least((SELECT min(started_at) FROM usage_ledger), (SELECT min(effective_from) FROM quota_history),
+                                (SELECT min(started_at) FROM jobs WHERE state IN ('running', 'preempting', 'cancelling')))""")
+        elif affected is not None:
+            self._earliest = min(self._earliest, affected)
+        earliest = self._earliest
+        issued: list[ChargebackStatementIssued] = []
+        period = chargeback.period_of(earliest) if earliest is not None else None
+        while period is not None and chargeback.parse_period(period)[1] + grace <= self.watermark:
+            end = chargeback.parse_period(period)[1]
             for dim in self.config.dimensions:
-                last = await self._issued_last_sequence(js, period, dim)
-                if last is not None:
-                    repriced = await conn.fetchval(
-                        "SELECT count(*) FROM price_books WHERE sequence > $1 AND effective_from < $2", last, end)
-                    if not repriced:
-                        continue
+                last = await self._last_issued(conn, period, dim)
+                if last is not None and (affected is None or end <= affected):
+                    continue  # nothing logged since touches this period
                 body = await queries.statement(conn, period, dim)
-                if not body["lines"] or body["last_sequence"] == last:
-                    self._done[(period, dim)] = last or body["last_sequence"]
+                if not body["lines"] or (last is not None and _same_content(body, last)):
                     continue
                 event = new_event(
                     ChargebackStatementIssued,
                     aggregate_id=chargeback.statement_id(period, dim, body["last_sequence"]),
                     producer="accounting", occurred_at=self.watermark, key=body["checksum"],
+                    supersedes=last["statement_id"] if last is not None else None,
                     **{k: v for k, v in body.items()})
                 await eventlog.EventLog(js).append(event)
-                self._done[(period, dim)] = body["last_sequence"]
+                self._latest[(period, dim)] = {"statement_id": event.aggregate_id, "checksum": event.checksum,
+                                               "first_sequence": event.first_sequence,
+                                               "last_sequence": event.last_sequence}
                 issued.append(event)
                 log.info("statement issued", extra={"statement": event.aggregate_id, "checksum": body["checksum"],
-                                                    "total_cost": body["total_cost"]})
+                                                    "total_cost": body["total_cost"], "supersedes": event.supersedes})
             period = chargeback.next_period(period)
-        self._checked = state
+        self._seen, self._checked = position, (position, closed)
         return issued
+
+
+def _same_content(body: dict, last: dict) -> bool:
+    """The recomputed body says what the issued one said: the same checksum over the issued range."""
+    return chargeback.checksum({**body, "first_sequence": last["first_sequence"],
+                                "last_sequence": last["last_sequence"]}) == last["checksum"]

@@ -129,9 +129,11 @@ async def test_ledger_statement_replay_and_metrics(nats_server, admin_js, pg_dsn
         assert rows[("j2", 1)]["cpu_core_seconds"] == 3600.0
         assert await _statements(admin_js) == []  # November is not over in the log yet
 
-        # time travel: before j1's second attempt ended only its first attempt and j2 were in the ledger
+        # time travel: usage up to 4000 s — j1's first attempt, the first 2900 s of its second
+        # (4 GPUs from 1100 s, it ended later), and j2
         early = await queries.rollup(conn, ["team"], as_of=s(4000))
-        assert [(r["team"], r["gpu_hours"]) for r in early] == [("team-a", 4000 / 3600), ("team-b", 1.0)]
+        assert [(r["team"], r["gpu_hours"], r["attempts"]) for r in early] == [
+            ("team-a", (4000 + 4 * 2900) / 3600, 2), ("team-b", 1.0, 1)]
 
         # the log passes the end of November: the statement is issued and projected
         await log.append(december_event())
@@ -475,4 +477,44 @@ async def test_the_writer_process_refuses_every_batch_after_a_failed_one(pg_dsn,
         assert await sink.position(conn) == len(first)
         assert await conn.fetchval("SELECT count(*) FROM jobs") == 1
     finally:
+        await conn.close()
+
+
+async def test_a_statement_counts_running_attempts_and_is_revised_by_a_late_end(nats_server, admin_js, pg_dsn,
+                                                                                cli_env):
+    """November's statement counts the November part of an attempt still running, and of one
+    whose end has not been logged yet; when that end arrives (it happened in November), a
+    revision supersedes the statement. The running one ending in December changes nothing."""
+    nov30 = (datetime(2026, 11, 30, tzinfo=UTC) - NOV).total_seconds()
+    long = job("long", "team-b", gpus=2, start=nov30 + 20 * 3600, end=nov30 + 34 * 3600)  # until Dec 1 10:00
+    late = job("late", "team-a", gpus=1, start=nov30 + 10 * 3600, end=nov30 + 12 * 3600)
+    log = eventlog.EventLog(admin_js)
+    for e in scenario()[:2] + long[:-1] + late[:-1]:
+        await log.append(e)
+    stop = asyncio.Event()
+    task = asyncio.create_task(accounting.run(service_settings(nats_server, "accounting", pg_dsn=pg_dsn), stop))
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        await log.append(december_event())
+        (first,) = await eventually(lambda: _statements(admin_js))
+        gpu_s = {line.key: line.gpu_seconds for line in first.lines}
+        assert gpu_s == {"team-a": 14 * 3600.0, "team-b": 2 * 4 * 3600.0} and first.supersedes is None
+
+        await log.append(late[-1])  # JobSucceeded at 12:00 on November 30, logged in December
+        first_, second = await eventually(lambda: _ready(_statements(admin_js), 2))
+        assert first_ == first and second.supersedes == first.aggregate_id
+        assert {line.key: line.gpu_seconds for line in second.lines} == {"team-a": 2 * 3600.0, "team-b": 8 * 3600.0}
+        assert (await accounting_cli._verify(second.aggregate_id, _Quiet()))["verified"]
+
+        await log.append(long[-1])  # ends on December 1 at 10:00: November's part is what was counted
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        await asyncio.sleep(0.5)
+        assert len(await _statements(admin_js)) == 2
+        by_day = await queries.rollup(conn, ["team", "day"])
+        assert [(r["team"], r["day"], r["gpu_hours"], r["attempts"]) for r in by_day] == [
+            ("team-a", "2026-11-30", 2.0, 1), ("team-b", "2026-11-30", 8.0, 1), ("team-b", "2026-12-01", 20.0, 0)]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
         await conn.close()

@@ -1,14 +1,18 @@
 """Pricing, roll-ups and statements (pure): split at price changes, corrections supersede, idle
-quota under both policies, attribution to the period an attempt ended in, stable checksums."""
+quota under both policies, usage prorated over the days and periods an attempt ran in, stable
+checksums."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.accounting.chargeback import (
-    Attempt, ChargebackError, PriceBook, PriceVersion, QuotaVersion, checksum, parse_period, rollup, statement,
+    Attempt, ChargebackError, PriceBook, PriceVersion, QuotaVersion, checksum, parse_period, rollup, slices,
+    statement,
 )
 
 NOV = datetime(2026, 11, 1, tzinfo=UTC)
@@ -52,15 +56,55 @@ def test_cpu_price_applies_to_core_seconds():
     assert PriceBook([price(NOV, 1, 0.0, cpu=0.5)]).attempt_cost(a) == pytest.approx(2.0)
 
 
-def test_statement_attributes_attempts_to_the_period_they_ended_in():
-    crossing = attempt("j1", start=NOV - 2 * H, hours=3.0)  # October into November: all November
+def test_statement_counts_the_part_of_each_attempt_inside_the_period():
+    crossing = attempt("j1", start=NOV - 2 * H, hours=3.0)  # October into November: its last hour
     october = attempt("j2", start=NOV - 5 * H, hours=1.0)
-    december = attempt("j3", start=NOV + 40 * 24 * H)
-    body = statement([crossing, october, december], BOOK, [], period="2026-11", group_by="team", first_sequence=1,
-                     last_sequence=9)
+    into_december = attempt("j3", start=datetime(2026, 12, 1, tzinfo=UTC) - 2 * H, hours=4.0)  # first 2 h
+    body = statement([crossing, october, into_december], BOOK, [], period="2026-11", group_by="team",
+                     first_sequence=1, last_sequence=9)
     assert [(line["key"], line["gpu_seconds"], line["total_cost"]) for line in body["lines"]] == [
-        ("team-a", 6 * 3600.0, 12.0)]
+        ("team-a", (1 + 2) * 2 * 3600.0, 12.0)]
     assert body["total_cost"] == 12.0 and body["last_sequence"] == 9
+    december = statement([crossing, october, into_december], BOOK, [], period="2026-12", group_by="team",
+                         first_sequence=1, last_sequence=9)
+    assert december["lines"][0]["gpu_seconds"] == 2 * 2 * 3600.0
+
+
+def test_lost_work_lands_where_the_attempt_ended_and_the_attempt_where_it_started():
+    # 2 GPUs from 23:00 to 02:00; preempted, the last 30 minutes lost
+    a = attempt("j1", start=NOV - H, hours=3.0, lost=2 * 1800.0, wait=60.0)
+    days = rollup([a], BOOK, ["day"])
+    assert [(d["day"], d["attempts"], d["gpu_hours"], d["lost_gpu_hours"], d["wait_p50_s"]) for d in days] == [
+        ("2026-10-31", 1, 2.0, 0.0, 60.0), ("2026-11-01", 0, 4.0, 1.0, None)]
+    (november,) = rollup([a], BOOK, ["team"], start=NOV, end=datetime(2026, 12, 1, tzinfo=UTC))
+    assert november["gpu_hours"] == 4.0 and november["attempts"] == 0 and november["cost"] == pytest.approx(8.0)
+
+
+def test_a_zero_length_attempt_counts_where_it_started():
+    a = attempt("j1", start=NOV + H, hours=0.0)
+    assert [(d["day"], d["attempts"], d["gpu_hours"]) for d in rollup([a], BOOK, ["day"])] == [("2026-11-01", 1, 0.0)]
+    assert rollup([a], BOOK, ["team"], start=NOV + 2 * H) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(start_min=st.integers(0, 60 * 24 * 40), minutes=st.integers(0, 60 * 24 * 10), gpus=st.integers(1, 8),
+       lost_min=st.integers(0, 60 * 24 * 10), cpu=st.floats(0, 1e6), change_min=st.integers(0, 60 * 24 * 50))
+def test_property_the_days_of_an_attempt_add_up_to_the_attempt(start_min, minutes, gpus, lost_min, cpu, change_min):
+    """Prorating loses and invents nothing: summed over its days (or over two periods), an
+    attempt's GPU, lost, CPU figures and cost are the whole attempt's, whatever the price changes."""
+    start = NOV - 10 * 24 * H + timedelta(minutes=start_min)
+    a = Attempt(job_id="j", attempt=1, team="t", project=None, queue="q", flavor="a100", gpus=gpus, borrowed_gpus=1,
+                started_at=start, ended_at=start + timedelta(minutes=minutes),
+                lost_gpu_seconds=gpus * 60.0 * min(lost_min, minutes), cpu_core_seconds=cpu)
+    book = [price(NOV - 60 * 24 * H, 1, 2.0, cpu=0.1), price(NOV - 10 * 24 * H + timedelta(minutes=change_min), 2, 3.5, cpu=0.2)]
+    (whole,) = rollup([a], book, ["team"])
+    days = rollup([a], book, ["day"])
+    for key in ("gpu_hours", "borrowed_gpu_hours", "lost_gpu_hours", "cost"):
+        assert sum(d[key] for d in days) == pytest.approx(whole[key], rel=1e-9, abs=1e-9), key
+    assert sum(d["attempts"] for d in days) == 1
+    pieces = [slices(a, *parse_period(p))[0][0] for p in ("2026-10", "2026-11", "2026-12") if slices(a, *parse_period(p))]
+    assert sum(p.cpu_core_seconds for p in pieces) == pytest.approx(cpu, rel=1e-9, abs=1e-6)
+    assert all(d["gpu_hours"] <= gpus * 24 + 1e-9 for d in days)
 
 
 def test_borrowed_and_lost_and_grouping():
