@@ -48,6 +48,7 @@ _JOB_SPEC_COLUMNS = ("job_id", "team", "project", "queue", "kind", "priority_cla
                      "gang_size", "total_gpus", "submitted_at", "last_sequence", "cpu_millis", "memory_mib")
 _JOB_INSERT_COLUMNS = (*_JOB_SPEC_COLUMNS, "state", *(c for c, _ in _JOB_COLUMNS))
 _JOB_DEFAULTS = tuple(1 if c == "attempt" else None for c, _ in _JOB_COLUMNS)  # the table's defaults
+_JOB_LAST_SEQUENCE = _JOB_SPEC_COLUMNS.index("last_sequence")
 
 _SQL = {
     # A new job row, with the state its later changes in the same batch give it (see _fold).
@@ -167,13 +168,13 @@ def _normalize(op: Op) -> tuple[str, tuple]:
     if statement == "wait_reason":
         job_id, reason, message, seq = args
         return "job_update", _job_update("set_state:reason,message", job_id, None, seq, (reason, message))
-    if op.statement == "job_submitted":
-        return "job_submitted", (*op.args, "submitted", *_JOB_DEFAULTS)
-    if op.statement == "reservation":
-        return "reservation", (*op.args, None)  # not released
-    if op.statement not in _SQL:
-        raise ValueError(f"no SQL for operation {op.statement!r}")
-    return op.statement, op.args
+    if statement == "job_submitted":
+        return "job_submitted", (*args, "submitted", *_JOB_DEFAULTS)
+    if statement == "reservation":
+        return "reservation", (*args, None)  # not released
+    if statement not in _SQL:
+        raise ValueError(f"no SQL for operation {statement!r}")
+    return statement, args
 
 
 def plan(ops: list[Op]) -> list[tuple[str, list[tuple]]]:
@@ -238,7 +239,7 @@ async def _fold(conn: asyncpg.Connection, groups: list[tuple[str, list[tuple]]])
                 row, upd = list(subs[i]), update_of[job_id]
                 if upd[1] is not None:
                     row[spec] = upd[1]
-                row[11] = upd[2]  # last_sequence: the latest change's
+                row[_JOB_LAST_SEQUENCE] = upd[2]  # the latest change's
                 for k in range(len(_JOB_COLUMNS)):
                     if upd[3 + 2 * k]:
                         row[spec + 1 + k] = upd[4 + 2 * k]
@@ -264,6 +265,7 @@ async def _fold(conn: asyncpg.Connection, groups: list[tuple[str, list[tuple]]])
                 if key in exists:
                     continue
                 _, _, released_at, seq = release_of[key]
+                # (job, attempt, queue, flavor, gpus, borrowed, reserved_at) + the release's sequence and time
                 reservations[i] = (*reservations[i][:7], seq, released_at)
                 folded.add(key)
             releases[:] = [r for r in releases if (r[0], r[1]) not in folded]
