@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
-from nats import errors as nats_errors
 from pydantic import ValidationError
 
 from gpusched import eventlog
@@ -163,10 +162,6 @@ def convert_raw(seq: int, data: bytes) -> tuple[int, str | None, list[projection
         return seq, event.event_id, projection.convert(event, seq)
     except (ValueError, ValidationError, LookupError):
         return seq, None, []  # poison: the live service dead-lettered it; a replay skips it the same way
-
-
-def convert_message(msg) -> tuple[int, str | None, list[projection.Op]]:
-    return convert_raw(stream_sequence(msg), msg.data)
 
 
 Raw = list[tuple[int, bytes]]
