@@ -10,9 +10,11 @@ migrations; it has its own ``projection_position``.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import queue
 import re
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -197,12 +199,20 @@ class InlineWriter:
             self._pending.cancel()
 
 
-# -- the writer process: parsing, converting and writing off the reader's core ----------------
+# -- writer processes: parsing, converting and writing off the reader's core -----------------
+#
+# Batches go round-robin to WRITERS processes, each with its own Postgres connection. A writer
+# parses and converts its batch at once (in parallel with the others), then waits for the turn:
+# a token the writer of the previous batch sends after its transaction committed. So batches
+# commit in log order, one at a time, while the next ones are being parsed. The token also says
+# whether a batch failed (then every later one is refused: the position must never move past
+# events that were not written) and carries the event ids of the batches since this writer's
+# last one, for its Bloom filter of applied ids.
 
-_worker: dict = {}
+WRITERS = 2
 
 
-def _worker_start(dsn: str, schema: str, capacity: int) -> None:
+def _writer_main(dsn: str, schema: str, capacity: int, writers: int, jobs, turn_in, turn_out, results) -> None:
     import gc
 
     gc.freeze()  # the imported modules: not scanned by every collection of the batches' objects
@@ -211,75 +221,120 @@ def _worker_start(dsn: str, schema: str, capacity: int) -> None:
     gc.set_threshold(50_000, 20, 100)
     loop = asyncio.new_event_loop()
     conn = loop.run_until_complete(connect(dsn, schema))
-    _worker.update(loop=loop, conn=conn, failed=None, applied=None)
+    applied = None
     if capacity and not loop.run_until_complete(conn.fetchval("SELECT EXISTS (SELECT FROM applied_events)")):
-        # A fresh target: every id this process applies goes into a Bloom filter, so that only
-        # the ids in it are looked up: about 3.6 bytes an event at one false positive in a
-        # million, so that a lookup (a scan while the key is deferred) is rare.
+        # A fresh target: every id applied goes into a Bloom filter, so that only the ids in it
+        # are looked up: about 3.6 bytes an event at one false positive in a million, so that a
+        # lookup (a scan while the key is deferred) is rare.
         from rbloom import Bloom
 
-        _worker["applied"] = Bloom(max(capacity, 1000), 1e-6)
-
-
-def _worker_apply(raw: Raw) -> tuple[float, float]:
-    """Parse, convert and write one batch; returns (wall, CPU) seconds. After a failure every
-    later batch is refused, so that a batch is never applied after one that was not (the
-    position would skip it)."""
-    if _worker["failed"] is not None:
-        raise ReplayError(f"an earlier batch failed: {_worker['failed']}")
-    t, cpu = time.perf_counter(), time.process_time()
+        applied = Bloom(max(capacity, 1000), 1e-6)
+    # Both pipes are read eagerly by threads, so that a sender never waits for this writer to
+    # want the next message: the reader's loop stays free, and the last writer can hand the turn
+    # on while the next one has no batch left (else the two wait for each other at the end).
+    jobs, turn_in = _eager(jobs), _eager(turn_in)
     try:
-        entries = [convert_raw(seq, data) for seq, data in raw]
-        _worker["loop"].run_until_complete(sink.apply_batch(_worker["conn"], entries, applied_filter=_worker["applied"]))
-    except BaseException as err:
-        _worker["failed"] = repr(err)
-        raise
-    return time.perf_counter() - t, time.process_time() - cpu
+        while (job := jobs.get()) is not None:
+            t, cpu = time.perf_counter(), time.process_time()
+            entries = [convert_raw(seq, data) for seq, data in job]
+            if (token := turn_in.get()) is None:
+                raise ReplayError("the writer of the previous batch exited without handing on the turn")
+            failed, recent = token  # the previous batch has committed (or failed)
+            ids = [e[1] for e in entries if e[1] is not None]
+            if failed is None:
+                if applied is not None:
+                    for batch_ids in recent:
+                        applied.update(batch_ids)
+                try:
+                    loop.run_until_complete(sink.apply_batch(conn, entries, applied_filter=applied))
+                except Exception as err:
+                    failed = f"the batch ending at sequence {job[-1][0]} failed: {err!r}"
+            # the next writer needs the ids of the writers - 1 batches since its own last one
+            turn_out.send((failed, (recent + [ids])[-(writers - 1):] if writers > 1 else []))
+            results.send((failed, time.perf_counter() - t, time.process_time() - cpu))
+    finally:
+        loop.run_until_complete(conn.close())
 
 
-def _worker_stop() -> None:
-    _worker["loop"].run_until_complete(_worker["conn"].close())
+def _eager(conn) -> queue.Queue:
+    """A queue that a daemon thread fills with every message from ``conn``; None once it closes."""
+    q: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        try:
+            while True:
+                q.put(conn.recv())
+        except (EOFError, OSError):
+            q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
 
 
 class ProcessWriter:
-    """Hands batches to one writer process (its own Postgres connection), in order, at most
-    ``depth`` in flight: reading from JetStream and parsing plus writing then use a core each.
-    The writer applies batches in submission order and refuses all after a failed one."""
+    """Hands batches to ``writers`` writer processes in turn (see above), at most ``depth`` in
+    flight; results come back in submission order."""
 
-    def __init__(self, dsn: str, schema: str, progress: Progress, events: int, depth: int = 2):
-        import concurrent.futures
+    def __init__(self, dsn: str, schema: str, progress: Progress, events: int, writers: int | None = None,
+                 depth: int = 4):
         import multiprocessing
 
-        self.progress, self.depth = progress, depth
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
-            initargs=(dsn, schema, events))
-        self._inflight: deque[asyncio.Future] = deque()
+        ctx = multiprocessing.get_context("spawn")
+        writers = writers or WRITERS
+        self.progress, self.depth, self._next = progress, max(depth, writers), 0
+        turns = [ctx.Pipe(duplex=False) for _ in range(writers)]  # turns[i]: into writer i
+        self._jobs, self._results, self._procs = [], [], []
+        for i in range(writers):
+            jobs_r, jobs_w = ctx.Pipe(duplex=False)
+            results_r, results_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_writer_main, name=f"replay-writer-{i}", daemon=True,
+                               args=(dsn, schema, events, writers, jobs_r, turns[i][0], turns[(i + 1) % writers][1],
+                                     results_w))
+            proc.start()
+            self._jobs.append(jobs_w)
+            self._results.append(results_r)
+            self._procs.append(proc)
+        turns[0][1].send((None, []))  # the first batch's turn
+        self._inflight: deque[int] = deque()  # writer index of each batch in flight, oldest first
 
     async def submit(self, raw: Raw) -> None:
         while len(self._inflight) >= self.depth:
             await self._settle_oldest()
-        self._inflight.append(asyncio.wrap_future(self._pool.submit(_worker_apply, raw)))
+        i = self._next
+        self._next = (i + 1) % len(self._jobs)
+        self._jobs[i].send(raw)
+        self._inflight.append(i)
 
     async def _settle_oldest(self) -> None:
         t = time.perf_counter()
-        wall, cpu = await self._inflight.popleft()
+        i = self._inflight.popleft()
+        failed, wall, cpu = await asyncio.get_running_loop().run_in_executor(None, self._receive, i)
+        self.progress.wait_s += time.perf_counter() - t
         self.progress.apply_s += wall
         self.progress.writer_cpu_s += cpu
-        self.progress.wait_s += time.perf_counter() - t
+        if failed is not None:
+            raise ReplayError(failed)
+
+    def _receive(self, i: int):
+        while not self._results[i].poll(1.0):
+            if not self._procs[i].is_alive():
+                raise ReplayError(f"writer process {i} exited (code {self._procs[i].exitcode}) before its result")
+        return self._results[i].recv()
 
     async def drain(self) -> None:
         while self._inflight:
             await self._settle_oldest()
 
     async def close(self) -> None:
-        for f in self._inflight:
-            f.cancel()
-        try:
-            await asyncio.wrap_future(self._pool.submit(_worker_stop))
-        except Exception:  # the process is going away either way
-            pass
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for jobs in self._jobs:
+            try:
+                jobs.send(None)
+            except OSError:  # that writer is gone already
+                pass
+        for proc in self._procs:
+            await asyncio.get_running_loop().run_in_executor(None, proc.join, 30)
+            if proc.is_alive():
+                proc.kill()
 
 
 async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, from_time: datetime | None = None,
@@ -297,23 +352,25 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
     writer = (ProcessWriter(*writer_process, progress, events=end - start + 1) if writer_process
               else InlineWriter(conn, progress))
     chunk: Raw = []
+
+    async def hand_over(items: Raw) -> None:
+        await writer.submit(items)
+        progress.applied += len(items)
+        progress.last_sequence = items[-1][0]
+
     try:
         async for msgs in ordered_read(js, start=start, end=end, from_time=from_time):
             for msg in msgs:
                 seq = stream_sequence(msg)
                 if seq >= start:
                     chunk.append((seq, msg.data))
-            if len(chunk) >= batch:
-                await writer.submit(chunk)
-                progress.applied += len(chunk)
-                progress.last_sequence = chunk[-1][0]
-                chunk = []
+            while len(chunk) >= batch:  # batches of exactly ``batch`` events (the last one less)
+                await hand_over(chunk[:batch])
+                chunk = chunk[batch:]
                 if on_batch:
                     on_batch(progress)
         if chunk:
-            await writer.submit(chunk)
-            progress.applied += len(chunk)
-            progress.last_sequence = chunk[-1][0]
+            await hand_over(chunk)
         await writer.drain()
         if on_batch and chunk:
             on_batch(progress)

@@ -251,10 +251,11 @@ async def _indexes(conn, schema: str) -> list[tuple[str, str]]:
         "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1 ORDER BY indexname", schema)]
 
 
-async def test_a_rebuild_skips_an_event_appended_twice_and_equals_the_inline_replay(nats_server, admin_js, pg_dsn):
-    """The rebuild (writer process, Bloom filter of applied ids, deferred indexes) and the
+async def test_a_rebuild_skips_an_event_appended_twice_and_equals_the_inline_replay(nats_server, admin_js, pg_dsn,
+                                                                                     monkeypatch):
+    """The rebuild (writer processes, Bloom filter of applied ids, deferred indexes) and the
     inline replay give the same tables, and both skip the second copy of an event appended
-    again after JetStream's duplicate window, whichever batch each copy falls in."""
+    again after JetStream's duplicate window, whichever batch and writer each copy falls in."""
     from schemas.registry import dumps, event_subject
 
     log = eventlog.EventLog(admin_js)
@@ -265,7 +266,9 @@ async def test_a_rebuild_skips_an_event_appended_twice_and_equals_the_inline_rep
     for e in (started, events[-1]):
         await admin_js.publish(event_subject(e), dumps(e), headers={"Nats-Msg-Id": "late-" + e.event_id})
     sums = {}
-    for schema, batch in (("inline_one", 1), ("rebuilt_3", 3), ("rebuilt_all", 10_000)):
+    for schema, batch, writers in (("inline_one", 1, 0), ("rebuilt_3", 3, 2), ("rebuilt_3_by_1", 3, 1),
+                                   ("rebuilt_3_by_3", 3, 3), ("rebuilt_all", 10_000, 2)):
+        monkeypatch.setattr(replay, "WRITERS", writers)
         if schema.startswith("inline"):
             await replay.reset(pg_dsn, schema)
             conn = await replay.connect(pg_dsn, schema)
@@ -284,7 +287,7 @@ async def test_a_rebuild_skips_an_event_appended_twice_and_equals_the_inline_rep
             assert await conn.fetchval("SELECT to_regclass('deferred_indexes')") is None
         finally:
             await conn.close()
-    assert sums["inline_one"] == sums["rebuilt_3"] == sums["rebuilt_all"]
+    assert all(s == sums["inline_one"] for s in sums.values()), sums.keys()
 
 
 async def test_an_event_appended_twice_changes_nothing(nats_server, admin_js, pg_dsn):
@@ -439,43 +442,47 @@ async def test_replay_window_and_live_catch_up(nats_server, admin_js, pg_dsn, cl
     assert differs["jobs"] == (2, 1) and differs["usage_ledger"] == (3, 1)  # only j2 is inside the window
 
 
-async def test_the_writer_process_refuses_every_batch_after_a_failed_one(pg_dsn, monkeypatch):
-    """A batch is never applied after one that failed: the position would move past the
-    failed batch's events and they would be lost. The writer's functions run here in a thread
-    (they own an event loop, as in the writer process)."""
-    from schemas.registry import dumps
-    from services.accounting.projection import Op
-
-    await replay.reset(pg_dsn, "writer")
-    first, second = job("w1", "team-a", gpus=1), job("w2", "team-a", gpus=1)
-    raw = [(i + 1, dumps(e)) for i, e in enumerate(first + second)]
-    convert = replay.convert_raw
-
-    def broken(seq, data):  # an operation the sink has no SQL for: the batch's transaction fails
-        return (seq, None, [Op("no_such_statement", ())]) if seq == len(first) + 1 else convert(seq, data)
-
-    def run() -> list[str]:
-        replay._worker_start(pg_dsn, "writer", len(raw))
-        out = []
-        try:
-            replay._worker_apply(raw[:len(first)])
-            monkeypatch.setattr(replay, "convert_raw", broken)
-            for part in (raw[len(first):len(first) + 1], raw[len(first):]):
-                try:
-                    replay._worker_apply(part)
-                except ValueError as err:  # ReplayError is a ValueError
-                    out.append(str(err))
-        finally:
-            replay._worker_stop()
-        return out
-
-    out = await asyncio.to_thread(run)
-    assert "no SQL for operation 'no_such_statement'" in out[0]
-    assert out[1].startswith("an earlier batch failed")
-    conn = await replay.connect(pg_dsn, "writer")
+async def test_the_writers_refuse_every_batch_after_a_failed_one(admin_js, pg_dsn):
+    """A batch is never applied after one that failed, whichever writer process holds it: the
+    position would move past the failed batch's events and they would be lost. The second of
+    three one-job batches fails in Postgres (a trigger refuses its job)."""
+    log = eventlog.EventLog(admin_js)
+    start = await eventlog.last_sequence(admin_js) + 1
+    batches = [job(name, "team-a", gpus=1) for name in ("w1", "boom", "w2")]
+    for e in sum(batches, []):
+        await log.append(e)
+    await replay.reset(pg_dsn, "writers")
+    conn = await replay.connect(pg_dsn, "writers")
     try:
-        assert await sink.position(conn) == len(first)
-        assert await conn.fetchval("SELECT count(*) FROM jobs") == 1
+        await conn.execute("""
+            CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS
+                $$ BEGIN RAISE EXCEPTION 'refused %', NEW.job_id; END $$;
+            CREATE TRIGGER refuse BEFORE INSERT ON jobs FOR EACH ROW WHEN (NEW.job_id = 'boom') EXECUTE FUNCTION refuse();
+        """)
+        with pytest.raises(replay.ReplayError, match=r"failed: .*refused boom"):
+            await replay.replay(admin_js, conn, from_seq=start, batch=len(batches[0]),
+                                writer_process=(pg_dsn, "writers"))
+        assert await sink.position(conn) == start + len(batches[0]) - 1
+        assert [r[0] for r in await conn.fetch("SELECT job_id FROM jobs")] == ["w1"]
+    finally:
+        await conn.close()
+
+
+async def test_a_rebuild_of_batches_larger_than_a_pipe_buffer_finishes(admin_js, pg_dsn):
+    """The turn carries a batch's event ids (here about 95 KB; a pipe holds 64 KB): the
+    writer of the last batch must be able to hand it on to a writer that has no batch left."""
+    log = eventlog.EventLog(admin_js)
+    start = await eventlog.last_sequence(admin_js) + 1
+    events = [e for i in range(800) for e in job(f"big{i}", "team-a", gpus=1)]
+    for e in events:
+        await log.append(e)
+    progress = await asyncio.wait_for(
+        replay.rebuild(admin_js, pg_dsn, "big", from_seq=start, batch=len(events) // 2), 60)
+    assert progress.applied == len(events)
+    conn = await replay.connect(pg_dsn, "big")
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM applied_events") == len(events)
+        assert await conn.fetchval("SELECT count(*) FROM jobs WHERE state = 'succeeded'") == 800
     finally:
         await conn.close()
 
