@@ -291,10 +291,15 @@ class ProcessWriter:
                                args=(dsn, schema, events, writers, jobs_r, turns[i][0], turns[(i + 1) % writers][1],
                                      results_w))
             proc.start()
+            jobs_r.close()  # the writer's ends: held here too, a writer's death would go unnoticed
+            results_w.close()
             self._jobs.append(jobs_w)
             self._results.append(results_r)
             self._procs.append(proc)
         turns[0][1].send((None, []))  # the first batch's turn
+        for turn in turns:
+            for end in turn:
+                end.close()
         self._inflight: deque[int] = deque()  # writer index of each batch in flight, oldest first
 
     async def submit(self, raw: Raw) -> None:
@@ -302,7 +307,10 @@ class ProcessWriter:
             await self._settle_oldest()
         i = self._next
         self._next = (i + 1) % len(self._jobs)
-        self._jobs[i].send(raw)
+        try:
+            self._jobs[i].send(raw)
+        except OSError as err:
+            raise ReplayError(f"writer process {i} exited before its batch was handed over: {err!r}") from err
         self._inflight.append(i)
 
     async def _settle_oldest(self) -> None:
@@ -316,10 +324,11 @@ class ProcessWriter:
             raise ReplayError(failed)
 
     def _receive(self, i: int):
-        while not self._results[i].poll(1.0):
-            if not self._procs[i].is_alive():
-                raise ReplayError(f"writer process {i} exited (code {self._procs[i].exitcode}) before its result")
-        return self._results[i].recv()
+        try:
+            return self._results[i].recv()
+        except EOFError:  # its end closed: the writer is gone
+            self._procs[i].join(5)
+            raise ReplayError(f"writer process {i} exited (code {self._procs[i].exitcode}) before its result") from None
 
     async def drain(self) -> None:
         while self._inflight:

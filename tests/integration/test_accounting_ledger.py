@@ -487,6 +487,39 @@ async def test_a_rebuild_of_batches_larger_than_a_pipe_buffer_finishes(admin_js,
         await conn.close()
 
 
+async def test_a_rebuild_whose_writer_is_killed_fails_and_keeps_a_consistent_position(admin_js, pg_dsn):
+    """A writer process killed (SIGKILL) while a rebuild runs: the rebuild stops with an error
+    naming the writer instead of waiting for it, the other writer stops too, and the shadow's
+    position covers exactly the jobs it holds (a resumed replay would continue from there)."""
+    import multiprocessing
+    import signal
+
+    log = eventlog.EventLog(admin_js)
+    start = await eventlog.last_sequence(admin_js) + 1
+    per_job = len(job("k0", "team-a", gpus=1))
+    for i in range(400):
+        for e in job(f"k{i}", "team-a", gpus=1):
+            await log.append(e)
+    rebuild = asyncio.create_task(replay.rebuild(admin_js, pg_dsn, "killed", from_seq=start, batch=per_job * 5))
+    victim = None
+    while victim is None and not rebuild.done():
+        victim = next((p for p in multiprocessing.active_children() if p.name == "replay-writer-0"), None)
+        await asyncio.sleep(0.01)
+    assert victim is not None, "the rebuild finished before a writer could be killed"
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(replay.ReplayError, match="writer process 0 exited"):
+        await asyncio.wait_for(rebuild, 60)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("replay-writer")]
+    conn = await replay.connect(pg_dsn, "killed")
+    try:
+        written = await sink.position(conn)
+        done = written - start + 1 if written else 0  # events applied, whole batches of whole jobs
+        assert done % per_job == 0
+        assert await conn.fetchval("SELECT count(*) FROM jobs WHERE state = 'succeeded'") == done // per_job
+    finally:
+        await conn.close()
+
+
 async def test_a_statement_counts_running_attempts_and_is_revised_by_a_late_end(nats_server, admin_js, pg_dsn,
                                                                                 cli_env):
     """November's statement counts the November part of an attempt still running, and of one
