@@ -383,7 +383,12 @@ async def test_cli_prices_usage_and_chargeback(nats_server, admin_js, pg_dsn, tm
     stop = asyncio.Event()
     task = asyncio.create_task(accounting.run(service_settings(nats_server, "accounting", pg_dsn=pg_dsn), stop))
     try:
-        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        # The price book's time (now) closes November: accounting issues its statement, an event
+        # it then applies too. Quiet once both are done.
+        async def quiet() -> bool:
+            return bool(await _statements(admin_js)) and await _caught_up(admin_js, pg_dsn)
+
+        await eventually(quiet)
         usage = json.loads(gs("usage", "--by", "team,day", "-o", "json").stdout)
         assert [(r["team"], r["day"]) for r in usage] == [("team-a", "2026-11-02"), ("team-b", "2026-11-02")]
         assert usage[1]["cost"] == pytest.approx(2.0)
