@@ -130,8 +130,8 @@ async def build_indexes(dsn: str, schema: str) -> list[str]:
 async def rebuild(js, dsn: str, schema: str, *, from_seq: int | None = None, from_time: datetime | None = None,
                   to_seq: int | None = None, batch: int = 20_000,
                   on_batch: Callable[[Progress], None] | None = None) -> Progress:
-    """A fresh shadow from the log: reset, load it with its secondary indexes deferred and a
-    writer process, then build the indexes. A window (``from_seq``/``from_time``) starts the
+    """A fresh shadow from the log: reset, load it with its secondary indexes deferred and
+    writer processes, then build the indexes. A window (``from_seq``/``from_time``) starts the
     shadow just before it."""
     await reset(dsn, schema)
     await defer_indexes(dsn, schema)
@@ -154,7 +154,7 @@ class Progress:
     last_sequence: int = 0
     apply_s: float = 0.0  # time spent writing batches (overlaps reading and parsing the next)
     wait_s: float = 0.0  # time the reader waited for the writer
-    writer_cpu_s: float = 0.0  # CPU time of the writer process (parsing, converting, encoding)
+    writer_cpu_s: float = 0.0  # CPU time of the writer processes (parsing, converting, encoding)
 
 
 def convert_raw(seq: int, data: bytes) -> tuple[int, str | None, list[projection.Op]]:
@@ -272,15 +272,14 @@ def _eager(conn) -> queue.Queue:
 
 
 class ProcessWriter:
-    """Hands batches to ``writers`` writer processes in turn (see above), at most ``depth`` in
+    """Hands batches to WRITERS writer processes in turn (see above), at most ``depth`` in
     flight; results come back in submission order."""
 
-    def __init__(self, dsn: str, schema: str, progress: Progress, events: int, writers: int | None = None,
-                 depth: int = 4):
+    def __init__(self, dsn: str, schema: str, progress: Progress, events: int, depth: int = 4):
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        writers = writers or WRITERS
+        writers = WRITERS
         self.progress, self.depth, self._next = progress, max(depth, writers), 0
         turns = [ctx.Pipe(duplex=False) for _ in range(writers)]  # turns[i]: into writer i
         self._jobs, self._results, self._procs = [], [], []
@@ -351,7 +350,7 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
                  on_batch: Callable[[Progress], None] | None = None) -> Progress:
     """Apply the log from the target's position (or ``from_seq``/``from_time``, whichever is
     later) up to ``to_seq`` (default: the log's end now) through the converter and the sink.
-    ``writer_process=(dsn, schema)``: parse and write in a separate process (the same target
+    ``writer_process=(dsn, schema)``: parse and write in writer processes (the same target
     as ``conn``, which then only reads the position), else in this one."""
     start = max(await sink.position(conn) + 1, from_seq or 1)
     end = to_seq if to_seq is not None else await eventlog.last_sequence(js)
