@@ -272,12 +272,14 @@ async def _fold(conn: asyncpg.Connection, groups: list[tuple[str, list[tuple]]])
     return [(name, rows) for name, rows in groups if rows]
 
 
-# -- large batches: COPY into a temporary staging table, then one set-based statement ------------
+# -- large batches: COPY ---------------------------------------------------------------------------
 #
-# The same effect as executemany of the statement above over the rows in order: inserts keep the
-# first row per key (ORDER BY ord, ON CONFLICT DO NOTHING), a release applies the first release
-# of an attempt, and job updates are already one per job. Used for groups of STAGE_MIN rows or
-# more (replays, catch-up); small live batches use executemany.
+# Groups of STAGE_MIN rows or more (replays, catch-up; small live batches use executemany) go by
+# COPY: the inserts of new rows straight into their table (_DIRECT, below), the rest into a
+# temporary staging table, then one set-based statement. The same effect as executemany of the
+# statement above over the rows in order: the usage insert keeps the first row per key (ORDER BY
+# ord, ON CONFLICT DO NOTHING), a release applies the first release of an attempt, and job
+# updates are already one per job.
 
 STAGE_MIN = 200
 
@@ -285,36 +287,12 @@ _JOB_UPDATE_STAGE_COLUMNS = ["job_id", "state", "seq"] + [
     x for c, _ in _JOB_COLUMNS for x in (f"f_{c}", f"v_{c}")]
 
 _STAGES: dict[str, tuple[str, list[str], str]] = {
-    "job_submitted": (
-        ", ".join(f"{c} {t}" for c, t in zip(_JOB_INSERT_COLUMNS, (
-            "text", "text", "text", "text", "text", "text", "text", "integer", "integer", "integer", "timestamptz",
-            "bigint", "integer", "integer", "text", *(t for _, t in _JOB_COLUMNS)))),
-        list(_JOB_INSERT_COLUMNS),
-        "INSERT INTO jobs (" + ", ".join(_JOB_INSERT_COLUMNS) + ") SELECT " + ", ".join(_JOB_INSERT_COLUMNS)
-        + " FROM {stage} ORDER BY ord ON CONFLICT (job_id) DO NOTHING"),
     "job_update": (
         "job_id text, state text, seq bigint" + "".join(f", f_{c} boolean, v_{c} {t}" for c, t in _JOB_COLUMNS),
         _JOB_UPDATE_STAGE_COLUMNS,
         "UPDATE jobs j SET state = coalesce(s.state, j.state), last_sequence = s.seq" + "".join(
             f", {c} = CASE WHEN s.f_{c} THEN s.v_{c} ELSE j.{c} END" for c, _ in _JOB_COLUMNS)
         + " FROM {stage} s WHERE j.job_id = s.job_id"),
-    "attempt_queued": (
-        "job_id text, attempt integer, queued_at timestamptz, sequence bigint",
-        ["job_id", "attempt", "queued_at", "sequence"],
-        "INSERT INTO attempts (job_id, attempt, queued_at, sequence) SELECT job_id, attempt, queued_at, sequence "
-        "FROM {stage} ORDER BY ord ON CONFLICT DO NOTHING"),
-    "checkpoint": (
-        "job_id text, attempt integer, checkpointed_at timestamptz, sequence bigint",
-        ["job_id", "attempt", "checkpointed_at", "sequence"],
-        "INSERT INTO checkpoints (job_id, attempt, checkpointed_at, sequence) SELECT job_id, attempt, "
-        "checkpointed_at, sequence FROM {stage} ORDER BY ord ON CONFLICT DO NOTHING"),
-    "reservation": (
-        "job_id text, attempt integer, queue text, flavor text, gpus integer, borrowed integer, "
-        "reserved_at timestamptz, sequence bigint, released_at timestamptz",
-        ["job_id", "attempt", "queue", "flavor", "gpus", "borrowed", "reserved_at", "sequence", "released_at"],
-        "INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence, released_at) "
-        "SELECT job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence, released_at FROM {stage} "
-        "ORDER BY ord ON CONFLICT (job_id, attempt) DO NOTHING"),
     "reservation_released": (
         "job_id text, attempt integer, released_at timestamptz, sequence bigint",
         ["job_id", "attempt", "released_at", "sequence"],
@@ -353,14 +331,50 @@ _STAGES: dict[str, tuple[str, list[str], str]] = {
 }
 
 
+# Insert-only statements (ON CONFLICT DO NOTHING on the table's primary key): their large groups
+# go straight into the table by COPY, without a staging table's second copy of every row. The
+# rows are the first per key, less the keys the table has (one probe by the key's first column,
+# job_id, through the primary key's index). The same effect as the INSERT over the rows in
+# order: nothing else writes a read model meanwhile, since every batch holds the lock on the
+# position row (_apply_batch) until it commits.
+_DIRECT: dict[str, tuple[str, tuple[str, ...], tuple[int, ...]]] = {
+    # statement: (table, columns of a row, positions of the primary key's columns in a row)
+    "job_submitted": ("jobs", _JOB_INSERT_COLUMNS, (0,)),
+    "attempt_queued": ("attempts", ("job_id", "attempt", "queued_at", "sequence"), (0, 1)),
+    "checkpoint": ("checkpoints", ("job_id", "attempt", "checkpointed_at", "sequence"), (0, 1, 3)),
+    "reservation": ("reservations", ("job_id", "attempt", "queue", "flavor", "gpus", "borrowed", "reserved_at",
+                                     "sequence", "released_at"), (0, 1)),
+}
+_KEY_COLUMNS = {"jobs": ("job_id",), "attempts": ("job_id", "attempt"),
+                "checkpoints": ("job_id", "attempt", "sequence"), "reservations": ("job_id", "attempt")}
+assert all(tuple(columns[i] for i in key) == _KEY_COLUMNS[table] for table, columns, key in _DIRECT.values())
+
+
+async def _copy_new(conn: asyncpg.Connection, name: str, rows: list[tuple]) -> None:
+    table, columns, key = _DIRECT[name]
+    first: dict[tuple, tuple] = {}
+    for row in rows:
+        first.setdefault(tuple(row[i] for i in key), row)  # the first row per key wins
+    existing = await conn.fetch(
+        f"SELECT {', '.join(_KEY_COLUMNS[table])} FROM {table} WHERE job_id = ANY($1::text[])",
+        list({k[0] for k in first}))
+    for r in existing:
+        first.pop(tuple(r), None)
+    if first:
+        await conn.copy_records_to_table(table, records=list(first.values()), columns=list(columns))
+
+
 _staged: "weakref.WeakKeyDictionary[asyncpg.Connection, set[str]]" = weakref.WeakKeyDictionary()
 
 
 async def _execute(conn: asyncpg.Connection, name: str, rows: list[tuple]) -> None:
-    stage = _STAGES.get(name)
-    if stage is None or len(rows) < STAGE_MIN:
+    if len(rows) < STAGE_MIN or (name not in _STAGES and name not in _DIRECT):
         await conn.executemany(_SQL[name], rows)
         return
+    if name in _DIRECT:
+        await _copy_new(conn, name, rows)
+        return
+    stage = _STAGES[name]
     columns_sql, columns, apply_sql = stage
     table = f"stage_{name}"
     created = _staged.setdefault(conn, set())

@@ -335,6 +335,15 @@ async def test_batched_ops_give_the_same_tables_as_one_event_at_a_time(pg_dsn, m
     while any(lifecycles):  # interleave: each step takes the next event of a random job
         pick = rng.choice([lc for lc in lifecycles if lc])
         events.append(pick.pop(0))
+    # Re-decided copies under new ids (not de-duplicated by id): a second submission with another
+    # team and a second reservation of attempt 1 with other GPUs, a few events to a few hundred
+    # after the first (the same batch or a later one). The first row of a key stands.
+    for k in range(8):
+        first = next(i for i, e in enumerate(events) if e.aggregate_id == f"b{k}" and e.type == "QuotaReserved")
+        sub, res = events[1 + next(i for i, e in enumerate(events[1:]) if e.aggregate_id == f"b{k}")], events[first]
+        events.insert(first + rng.randint(1, 200), res.model_copy(update={"event_id": f"again-r{k}", "gpus": 8}))
+        events.insert(first + rng.randint(1, 200), sub.model_copy(update={
+            "event_id": f"again-s{k}", "spec": sub.spec.model_copy(update={"team": "team-z"})}))
     entries = [(i + 1, e.event_id, projection.convert(e, i + 1)) for i, e in enumerate(events)]
     sums = {}
     for schema, size, stage_min in (("one_by_one", 1, 10**9), ("batched", 10_000, 10**9), ("odd", 13, 10**9),
@@ -350,6 +359,12 @@ async def test_batched_ops_give_the_same_tables_as_one_event_at_a_time(pg_dsn, m
             await conn.close()
     assert sums["one_by_one"]["usage_ledger"][0] == 40 + sum(1 for e in events if e.type == "JobPreempted")
     assert sums["one_by_one"] == sums["batched"] == sums["odd"] == sums["staged"] == sums["staged_odd"]
+    conn = await replay.connect(pg_dsn, "staged_odd")
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM jobs WHERE team = 'team-z'") == 0
+        assert await conn.fetchval("SELECT count(*) FROM reservations WHERE gpus = 8") == 0
+    finally:
+        await conn.close()
 
 
 async def test_cli_prices_usage_and_chargeback(nats_server, admin_js, pg_dsn, tmp_path):
