@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from array import array
 import re
 import threading
 import time
@@ -232,7 +233,7 @@ def _writer_main(dsn: str, schema: str, capacity: int, writers: int, jobs, turn_
     # Both pipes are read eagerly by threads, so that a sender never waits for this writer to
     # want the next message: the reader's loop stays free, and the last writer can hand the turn
     # on while the next one has no batch left (else the two wait for each other at the end).
-    jobs, turn_in = _eager(jobs), _eager(turn_in)
+    jobs, turn_in = _eager(jobs, lambda c: unpack(c.recv_bytes()) or None), _eager(turn_in)
     try:
         while (job := jobs.get()) is not None:
             t, cpu = time.perf_counter(), time.process_time()
@@ -256,14 +257,36 @@ def _writer_main(dsn: str, schema: str, capacity: int, writers: int, jobs, turn_
         loop.run_until_complete(conn.close())
 
 
-def _eager(conn) -> queue.Queue:
+def pack(raw: Raw) -> bytes:
+    """A batch as one buffer for a writer's pipe: the count, the sequences, the payloads' sizes,
+    then the payloads. Pickle would memoize every tuple and payload, which cost the reader
+    about 1 µs an event."""
+    sizes = array("I", [len(data) for _, data in raw])
+    return b"".join([len(raw).to_bytes(4, "little"), array("q", [seq for seq, _ in raw]).tobytes(), sizes.tobytes(),
+                     *[data for _, data in raw]])
+
+
+def unpack(buf: bytes) -> Raw:
+    n = int.from_bytes(buf[:4], "little")
+    seqs, sizes = array("q"), array("I")
+    at = 4 + n * seqs.itemsize
+    seqs.frombytes(buf[4:at])
+    sizes.frombytes(buf[at:at + n * sizes.itemsize])
+    raw, at = [], at + n * sizes.itemsize
+    for seq, size in zip(seqs, sizes):
+        raw.append((seq, buf[at:at + size]))
+        at += size
+    return raw
+
+
+def _eager(conn, receive=lambda c: c.recv()) -> queue.Queue:
     """A queue that a daemon thread fills with every message from ``conn``; None once it closes."""
     q: queue.Queue = queue.Queue()
 
     def pump() -> None:
         try:
             while True:
-                q.put(conn.recv())
+                q.put(receive(conn))
         except (EOFError, OSError):
             q.put(None)
 
@@ -307,7 +330,7 @@ class ProcessWriter:
         i = self._next
         self._next = (i + 1) % len(self._jobs)
         try:
-            self._jobs[i].send(raw)
+            self._jobs[i].send_bytes(pack(raw))
         except OSError as err:
             raise ReplayError(f"writer process {i} exited before its batch was handed over: {err!r}") from err
         self._inflight.append(i)
@@ -336,7 +359,7 @@ class ProcessWriter:
     async def close(self) -> None:
         for jobs in self._jobs:
             try:
-                jobs.send(None)
+                jobs.send_bytes(pack([]))  # no batch: stop
             except OSError:  # that writer is gone already
                 pass
         for proc in self._procs:
