@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from array import array
 import re
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -259,8 +259,8 @@ def _writer_main(dsn: str, schema: str, capacity: int, writers: int, jobs, turn_
 
 def pack(raw: Raw) -> bytes:
     """A batch as one buffer for a writer's pipe: the count, the sequences, the payloads' sizes,
-    then the payloads. Pickle would memoize every tuple and payload, which cost the reader
-    about 1 µs an event."""
+    then the payloads. A pickle memoizes every tuple and payload: 0.5 µs an event of the reader's
+    time, against 0.1 packed (a 20,000-event batch)."""
     sizes = array("I", [len(data) for _, data in raw])
     return b"".join([len(raw).to_bytes(4, "little"), array("q", [seq for seq, _ in raw]).tobytes(), sizes.tobytes(),
                      *[data for _, data in raw]])

@@ -345,9 +345,6 @@ _DIRECT: dict[str, tuple[str, tuple[str, ...], tuple[int, ...]]] = {
     "reservation": ("reservations", ("job_id", "attempt", "queue", "flavor", "gpus", "borrowed", "reserved_at",
                                      "sequence", "released_at"), (0, 1)),
 }
-_KEY_COLUMNS = {"jobs": ("job_id",), "attempts": ("job_id", "attempt"),
-                "checkpoints": ("job_id", "attempt", "sequence"), "reservations": ("job_id", "attempt")}
-assert all(tuple(columns[i] for i in key) == _KEY_COLUMNS[table] for table, columns, key in _DIRECT.values())
 
 
 async def _copy_new(conn: asyncpg.Connection, name: str, rows: list[tuple]) -> None:
@@ -356,7 +353,7 @@ async def _copy_new(conn: asyncpg.Connection, name: str, rows: list[tuple]) -> N
     for row in rows:
         first.setdefault(tuple(row[i] for i in key), row)  # the first row per key wins
     existing = await conn.fetch(
-        f"SELECT {', '.join(_KEY_COLUMNS[table])} FROM {table} WHERE job_id = ANY($1::text[])",
+        f"SELECT {', '.join(columns[i] for i in key)} FROM {table} WHERE job_id = ANY($1::text[])",
         list({k[0] for k in first}))
     for r in existing:
         first.pop(tuple(r), None)
@@ -368,13 +365,13 @@ _staged: "weakref.WeakKeyDictionary[asyncpg.Connection, set[str]]" = weakref.Wea
 
 
 async def _execute(conn: asyncpg.Connection, name: str, rows: list[tuple]) -> None:
-    if len(rows) < STAGE_MIN or (name not in _STAGES and name not in _DIRECT):
-        await conn.executemany(_SQL[name], rows)
-        return
-    if name in _DIRECT:
+    if name in _DIRECT and len(rows) >= STAGE_MIN:
         await _copy_new(conn, name, rows)
         return
-    stage = _STAGES[name]
+    stage = _STAGES.get(name)
+    if stage is None or len(rows) < STAGE_MIN:
+        await conn.executemany(_SQL[name], rows)
+        return
     columns_sql, columns, apply_sql = stage
     table = f"stage_{name}"
     created = _staged.setdefault(conn, set())

@@ -340,7 +340,7 @@ async def test_batched_ops_give_the_same_tables_as_one_event_at_a_time(pg_dsn, m
     # after the first (the same batch or a later one). The first row of a key stands.
     for k in range(8):
         first = next(i for i, e in enumerate(events) if e.aggregate_id == f"b{k}" and e.type == "QuotaReserved")
-        sub, res = events[1 + next(i for i, e in enumerate(events[1:]) if e.aggregate_id == f"b{k}")], events[first]
+        sub, res = next(e for e in events if e.aggregate_id == f"b{k}" and e.type == "JobSubmitted"), events[first]
         events.insert(first + rng.randint(1, 200), res.model_copy(update={"event_id": f"again-r{k}", "gpus": 8}))
         events.insert(first + rng.randint(1, 200), sub.model_copy(update={
             "event_id": f"again-s{k}", "spec": sub.spec.model_copy(update={"team": "team-z"})}))
