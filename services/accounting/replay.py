@@ -233,6 +233,7 @@ def _writer_main(dsn: str, schema: str, capacity: int, writers: int, jobs, turn_
     # Both pipes are read eagerly by threads, so that a sender never waits for this writer to
     # want the next message: the reader's loop stays free, and the last writer can hand the turn
     # on while the next one has no batch left (else the two wait for each other at the end).
+    # an empty batch (ProcessWriter.close) reads as None: stop
     jobs, turn_in = _eager(jobs, lambda c: unpack(c.recv_bytes()) or None), _eager(turn_in)
     try:
         while (job := jobs.get()) is not None:
