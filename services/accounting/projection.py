@@ -7,6 +7,7 @@ so an older accounting keeps running beside a newer producer.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -52,9 +53,18 @@ IGNORED: tuple[type[Event], ...] = ()
 
 
 def _state(job_id: str, state: str, seq: int, **columns) -> Op:
-    """Set the job's state and the named timestamp/detail columns."""
-    names = tuple(sorted(columns))
-    return Op("set_state:" + ",".join(names), (job_id, state, seq, *(columns[n] for n in names)))
+    """Set the job's state and the named timestamp/detail columns (in the statement sorted by
+    name, whatever order they are given in)."""
+    statement, order = _state_statement(tuple(columns))
+    values = tuple(columns.values())
+    return Op(statement, (job_id, state, seq, *[values[i] for i in order]))
+
+
+@functools.lru_cache(maxsize=None)
+def _state_statement(names: tuple[str, ...]) -> tuple[str, tuple[int, ...]]:
+    """Once per call site: the statement, and where each sorted name is in ``names``."""
+    order = tuple(sorted(range(len(names)), key=names.__getitem__))
+    return "set_state:" + ",".join(names[i] for i in order), order
 
 
 def _usage(event: JobSucceeded | JobFailed | JobPreempted | JobCancelled, seq: int) -> Op | None:

@@ -423,11 +423,8 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
 
     try:
         with BatchCollector() as collector:
-            async for msgs in ordered_read(js, start=start, end=end, from_time=from_time):
-                for msg in msgs:
-                    seq = stream_sequence(msg)
-                    if seq >= start:
-                        chunk.append((seq, msg.data))
+            async for items in ordered_read(js, start=start, end=end, from_time=from_time):
+                chunk += items
                 while len(chunk) >= batch:  # batches of exactly ``batch`` events (the last one less)
                     await hand_over(chunk[:batch])
                     chunk = chunk[batch:]
@@ -448,10 +445,10 @@ ACK_WINDOW = 20_000  # messages in flight from the server: bounds memory however
 
 
 async def ordered_read(js, *, start: int, end: int, from_time: datetime | None = None):
-    """Messages [start, end] of the events stream, in order, in lists of what has arrived,
-    through an ephemeral push consumer with ack-all: the server keeps at most ACK_WINDOW messages
-    in flight (acked every tenth of it), which bounds memory, and pushes without the per-batch
-    round trips of a pull consumer (about 1.5x its rate here)."""
+    """The log's (stream sequence, payload) pairs [start, end], in order, in lists of what has
+    arrived, through an ephemeral push consumer with ack-all: the server keeps at most
+    ACK_WINDOW messages in flight (acked every tenth of it), which bounds memory, and pushes
+    without the per-batch round trips of a pull consumer (about 1.5x its rate here)."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     if from_time is not None:
@@ -462,11 +459,15 @@ async def ordered_read(js, *, start: int, end: int, from_time: datetime | None =
         policy = dict(deliver_policy=DeliverPolicy.ALL)
     config = ConsumerConfig(ack_policy=AckPolicy.ALL, max_ack_pending=ACK_WINDOW, inactive_threshold=30.0,
                             mem_storage=True, ack_wait=300.0, **policy)
-    buffer: list = []
+    buffer: Raw = []
+    last: list = [None]  # the latest message, to ack up to
     arrived = asyncio.Event()
 
-    async def cb(msg) -> None:  # no task or timer per message: the subscription appends, we drain
-        buffer.append(msg)
+    async def cb(msg) -> None:
+        # No task or timer per message, and only its sequence and payload are kept: the message
+        # object is freed at once, as it would be by a consumer that only counts.
+        buffer.append((stream_sequence(msg), msg.data))
+        last[0] = msg
         arrived.set()
 
     sub = await js.subscribe(f"{SUBJECT_PREFIX}.>", stream=eventlog.EVENTS_STREAM, config=config, manual_ack=True,
@@ -483,18 +484,18 @@ async def ordered_read(js, *, start: int, end: int, from_time: datetime | None =
                     if await eventlog.last_sequence(js) < end:
                         raise ReplayError(f"the log ends before sequence {end}") from None
                 continue
-            msgs = buffer.copy()
+            items, newest = buffer.copy(), last[0]
             buffer.clear()
-            last = stream_sequence(msgs[-1])
-            if last > end:
-                msgs = [m for m in msgs if stream_sequence(m) <= end]
-            if msgs:
-                yield msgs
-                unacked += len(msgs)
+            top = items[-1][0]
+            if top > end or items[0][0] < start:
+                items = [item for item in items if start <= item[0] <= end]
+            if items:
+                yield items
+                unacked += len(items)
                 if unacked >= every:
-                    await msgs[-1].ack()  # ack-all: everything delivered up to this one
+                    await newest.ack()  # ack-all: everything delivered up to this one
                     unacked = 0
-            if last >= end:
+            if top >= end:
                 return
     finally:
         try:

@@ -152,36 +152,51 @@ def _update_layout(statement: str) -> tuple[int, ...]:
 _NO_CHANGE = (False, None) * len(_JOB_COLUMNS)
 
 
-def _job_update(statement: str, job_id: str, state: str | None, seq: int, values) -> tuple:
-    row = [job_id, state, seq, *_NO_CHANGE]
+def _update(updates: dict[str, list], statement: str, job_id: str, state: str | None, seq: int, values) -> None:
+    """Fold one change of a job into its job_update row in ``updates`` (log order: the later
+    value of each column wins, the latest state and sequence). Nothing in a batch reads a job's
+    mutable columns between its updates (phase order), so one update per job has the same
+    effect as several."""
+    row = updates.get(job_id)
+    if row is None:
+        updates[job_id] = row = [job_id, state, seq, *_NO_CHANGE]
+    else:
+        if state is not None:
+            row[1] = state
+        row[2] = seq
     for pos, value in zip(_update_layout(statement), values, strict=True):
         row[pos] = True
         row[pos + 1] = value
-    return tuple(row)
 
 
 def _normalize(op: Op) -> tuple[str, tuple]:
-    """The converter's op as (statement, arguments) of the SQL above."""
+    """The converter's op (other than a job's change: see _update) as (statement, arguments) of
+    the SQL above."""
     statement, args = op
-    if statement.startswith("set_state:"):
-        return "job_update", _job_update(statement, args[0], args[1], args[2], args[3:])
-    if statement == "wait_reason":
-        job_id, reason, message, seq = args
-        return "job_update", _job_update("set_state:reason,message", job_id, None, seq, (reason, message))
     if statement == "job_submitted":
         return "job_submitted", (*args, "submitted", *_JOB_DEFAULTS)
     if statement == "reservation":
         return "reservation", (*args, None)  # not released
-    if statement not in _SQL:
+    if statement not in _SQL or statement == "job_update":
         raise ValueError(f"no SQL for operation {statement!r}")
     return statement, args
 
 
 def plan(ops: list[Op]) -> list[tuple[str, list[tuple]]]:
-    """The batch's operations as (statement, rows) groups in the order they are executed."""
+    """The batch's operations as (statement, rows) groups in the order they are executed; a
+    job's changes are one job_update row per job."""
     grouped: dict[tuple[int, str], list[tuple]] = {}
     ordered: list[tuple[str, list[tuple]]] = []
+    updates: dict[str, list] = {}
     for op in ops:
+        statement, args = op
+        if statement.startswith("set_state:"):
+            _update(updates, statement, args[0], args[1], args[2], args[3:])
+            continue
+        if statement == "wait_reason":
+            job_id, reason, message, seq = args
+            _update(updates, "set_state:reason,message", job_id, None, seq, (reason, message))
+            continue
         name, args = _normalize(op)
         if name in _PHASE:
             grouped.setdefault((_PHASE[name], name), []).append(args)
@@ -189,28 +204,9 @@ def plan(ops: list[Op]) -> list[tuple[str, list[tuple]]]:
             ordered[-1][1].append(args)
         else:
             ordered.append((name, [args]))
-    if (key := (_PHASE["job_update"], "job_update")) in grouped:
-        grouped[key] = _merge_job_updates(grouped[key])
+    if updates:
+        grouped[(_PHASE["job_update"], "job_update")] = [tuple(r) for r in updates.values()]
     return [(name, rows) for (_, name), rows in sorted(grouped.items())] + ordered
-
-
-def _merge_job_updates(rows: list[tuple]) -> list[tuple]:
-    """A job's updates in one batch folded into one (log order: the later value of each column
-    wins, the latest state and sequence). Nothing in the batch reads a job's mutable columns
-    between its updates (phase order), so one update per job has the same effect as several."""
-    merged: dict[str, list] = {}
-    for row in rows:
-        current = merged.get(row[0])
-        if current is None:
-            merged[row[0]] = list(row)
-            continue
-        if row[1] is not None:
-            current[1] = row[1]
-        current[2] = row[2]
-        for i in range(3, len(row), 2):
-            if row[i]:
-                current[i], current[i + 1] = True, row[i + 1]
-    return [tuple(r) for r in merged.values()]
 
 
 async def _fold(conn: asyncpg.Connection, groups: list[tuple[str, list[tuple]]]) -> list[tuple[str, list[tuple]]]:
