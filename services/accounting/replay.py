@@ -267,22 +267,22 @@ def _writer_main(dsn: str, schema: str, capacity: int, writers: int, jobs, turn_
     try:
         while (job := jobs.get()) is not None:
             t, cpu = time.perf_counter(), time.process_time()
-            entries = [convert_raw(seq, data) for seq, data in job]
+            prepared = sink.prepare([convert_raw(seq, data) for seq, data in job])  # while the turn is elsewhere
             if (token := turn_in.get()) is None:
                 raise ReplayError("the writer of the previous batch exited without handing on the turn")
             failed, recent = token  # the previous batch has committed (or failed)
-            ids = [e[1] for e in entries if e[1] is not None]
+            ids = list(prepared.first)
             if failed is None:
                 if applied is not None:
                     for batch_ids in recent:
                         applied.update(batch_ids)
                 try:
-                    loop.run_until_complete(sink.apply_batch(conn, entries, applied_filter=applied))
+                    loop.run_until_complete(sink.apply_batch(conn, prepared, applied_filter=applied))
                 except Exception as err:
                     failed = f"the batch ending at sequence {job[-1][0]} failed: {err!r}"
             # the next writer needs the ids of the writers - 1 batches since its own last one
             turn_out.send((failed, (recent + [ids])[-(writers - 1):] if writers > 1 else []))
-            del entries, ids, job
+            del prepared, ids, job
             collector.after_batch()
             results.send((failed, time.perf_counter() - t, time.process_time() - cpu))
     finally:

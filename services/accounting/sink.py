@@ -9,6 +9,7 @@ import functools
 import hashlib
 import logging
 import weakref
+from dataclasses import dataclass
 from importlib import resources
 
 import asyncpg
@@ -416,15 +417,54 @@ Entry = tuple[int, list[Op]] | tuple[int, str | None, list[Op]]
 """(sequence, ops) or (sequence, event id, ops); an entry without an id is not de-duplicated by id."""
 
 
-async def apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection: str = PROJECTION, *,
+@dataclass(frozen=True)
+class Prepared:
+    """What applying a batch takes that needs no database, worked out ahead (a replay's writer
+    does it while an earlier batch is being written): the batch's event ids at their first
+    sequence in it, and the plan of every event in it but the copies of an id earlier in the
+    batch. Valid as long as the target has none of the batch yet (its position is below the
+    batch, and no id in it was applied before); :func:`apply_batch` checks, and works it out
+    again for what is left when not."""
+
+    entries: list[tuple[int, str | None, list[Op]]]
+    first: dict[str, int]  # event id -> its first sequence in the batch
+    ids: list[tuple[str, str, int]]  # applied_events' rows: (key, id, first sequence) of each id
+    groups: list[tuple[str, list[tuple]]]
+    applied: int  # events planned
+    low: int  # the batch's lowest and highest sequence (0 if empty)
+    high: int
+
+
+def prepare(batch: list[Entry], skip: frozenset[str] | set[str] = frozenset()) -> Prepared:
+    """The batch's plan, less the events whose id is in ``skip`` (applied by an earlier batch)."""
+    entries = [(e[0], e[1] if len(e) == 3 else None, e[-1]) for e in batch]
+    first: dict[str, int] = {}
+    for seq, event_id, _ in entries:
+        if event_id is not None and event_id not in first:
+            first[event_id] = seq
+    ops: list[Op] = []
+    applied = 0
+    for seq, event_id, event_ops in entries:
+        if event_id is not None and (event_id in skip or first[event_id] != seq):
+            continue  # the same event appended again: no effect
+        ops += event_ops
+        applied += 1
+    seqs = [e[0] for e in entries]
+    ids = [(event_key(event_id), event_id, seq) for event_id, seq in first.items()]
+    return Prepared(entries, first, ids, plan(ops), applied, min(seqs, default=0), max(seqs, default=0))
+
+
+async def apply_batch(conn: asyncpg.Connection, batch: list[Entry] | Prepared, projection: str = PROJECTION, *,
                       applied_filter=None) -> int:
     """Apply the operations of every event newer than the stored position and not applied
     before (by event id), then store the new position, all in one transaction. Returns how many
-    events were applied. ``applied_filter``: see :func:`_record_applied`."""
-    if not batch:
+    events were applied. ``batch``: entries, or entries prepared (:func:`prepare`).
+    ``applied_filter``: see :func:`_record_applied`."""
+    prepared = batch if isinstance(batch, Prepared) else prepare(batch)
+    if not prepared.entries:
         return 0
     try:
-        return await _apply_batch(conn, batch, projection, applied_filter)
+        return await _apply_batch(conn, prepared, projection, applied_filter)
     except BaseException:
         _staged.pop(conn, None)  # temporary tables created in the rolled-back transaction are gone
         raise
@@ -435,32 +475,31 @@ def event_key(event_id: str) -> str:
     return hashlib.md5(event_id.encode()).hexdigest()
 
 
-async def _record_applied(conn: asyncpg.Connection, first: dict[str, int], applied_filter=None) -> set[str]:
+async def _record_applied(conn: asyncpg.Connection, prepared: Prepared, applied_filter=None) -> set[str]:
     """Record the batch's event ids (at their first sequence in it) and return those an earlier
     batch applied. ``applied_filter``: a filter (``in``, ``add``) holding at least every id
     applied to this target so far, and maybe others (a Bloom filter, for a replay into a fresh
     shadow): an id not in it needs no lookup."""
-    if not first:
+    if not prepared.ids:
         return set()
-    keys = {event_id: event_key(event_id) for event_id in first}
     if applied_filter is None:
-        maybe = list(first)
+        maybe = [key for key, _, _ in prepared.ids]
     else:
-        maybe = [event_id for event_id in first if event_id in applied_filter]
+        maybe = [key for key, event_id, _ in prepared.ids if event_id in applied_filter]
     earlier: set[str] = set()
     if maybe:
         earlier = {r[0] for r in await conn.fetch(
-            "SELECT event_id FROM applied_events WHERE event_key = ANY($1::uuid[])", [keys[i] for i in maybe])}
+            "SELECT event_id FROM applied_events WHERE event_key = ANY($1::uuid[])", maybe)}
     await conn.copy_records_to_table(
-        "applied_events", records=[(keys[i], i, seq) for i, seq in first.items() if i not in earlier],
+        "applied_events", records=[r for r in prepared.ids if r[1] not in earlier] if earlier else prepared.ids,
         columns=["event_key", "event_id", "sequence"])
     if applied_filter is not None:
-        for event_id in first:
+        for event_id in prepared.first:
             applied_filter.add(event_id)
     return earlier
 
 
-async def _apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection: str, applied_filter) -> int:
+async def _apply_batch(conn: asyncpg.Connection, prepared: Prepared, projection: str, applied_filter) -> int:
     async with conn.transaction():
         await conn.execute(
             "INSERT INTO projection_position (projection, last_sequence) VALUES ($1, 0) ON CONFLICT DO NOTHING",
@@ -469,25 +508,17 @@ async def _apply_batch(conn: asyncpg.Connection, batch: list[Entry], projection:
         current = await conn.fetchval(
             "SELECT last_sequence FROM projection_position WHERE projection = $1 FOR UPDATE", projection
         )
-        fresh = [(e[0], e[1] if len(e) == 3 else None, e[-1]) for e in batch if e[0] > current]
-        high = max((seq for seq, _, _ in fresh), default=current)
-        first: dict[str, int] = {}  # event id -> its first sequence in this batch
-        for seq, event_id, _ in fresh:
-            if event_id is not None and event_id not in first:
-                first[event_id] = seq
-        earlier = await _record_applied(conn, first, applied_filter)  # ids applied by an earlier batch
-        ops: list[Op] = []
-        applied = 0
-        for seq, event_id, event_ops in fresh:
-            if event_id is not None and (event_id in earlier or first[event_id] != seq):
-                continue  # the same event appended again: no effect
-            ops += event_ops
-            applied += 1
-        for name, rows in await _fold(conn, plan(ops)):
+        if prepared.low <= current:  # some of it is applied already (a redelivery): plan what is left
+            prepared = prepare([e for e in prepared.entries if e[0] > current])
+        high = max(prepared.high, current)
+        earlier = await _record_applied(conn, prepared, applied_filter)  # ids applied by an earlier batch
+        if earlier:
+            prepared = prepare(prepared.entries, skip=earlier)
+        for name, rows in await _fold(conn, prepared.groups):
             await _execute(conn, name, rows)
         if high > current:
             await conn.execute(
                 "UPDATE projection_position SET last_sequence = $2, updated_at = now() WHERE projection = $1",
                 projection, high,
             )
-    return applied
+    return prepared.applied
