@@ -236,8 +236,8 @@ class BatchCollector:
 # -- writer processes: parsing, converting and writing off the reader's core -----------------
 #
 # Batches go round-robin to WRITERS processes, each with its own Postgres connection. A writer
-# parses and converts its batch at once (in parallel with the others), then waits for the turn:
-# a token the writer of the previous batch sends after its transaction committed. So batches
+# parses, converts and plans its batch at once (in parallel with the others), then waits for the
+# turn: a token the writer of the previous batch sends after its transaction committed. So batches
 # commit in log order, one at a time, while the next ones are being parsed. The token also says
 # whether a batch failed (then every later one is refused: the position must never move past
 # events that were not written) and carries the event ids of the batches since this writer's
