@@ -7,7 +7,6 @@ so an older accounting keeps running beside a newer producer.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -52,19 +51,29 @@ class Op(NamedTuple):
 IGNORED: tuple[type[Event], ...] = ()
 
 
-def _state(job_id: str, state: str, seq: int, **columns) -> Op:
-    """Set the job's state and the named timestamp/detail columns (in the statement sorted by
-    name, whatever order they are given in)."""
-    statement, order = _state_statement(tuple(columns))
-    values = tuple(columns.values())
-    return Op(statement, (job_id, state, seq, *[values[i] for i in order]))
+def _change(state: str, *columns: str) -> Callable[..., Op]:
+    """A job change, built once per call site: ``(job id, sequence, *values of columns) -> Op``
+    that sets the job's state and the named timestamp/detail columns (the statement names them
+    sorted, whatever order they are given in). Replays run it for most events: no per-call
+    sorting or keyword dicts."""
+    order = sorted(range(len(columns)), key=columns.__getitem__)
+    statement = "set_state:" + ",".join(columns[i] for i in order)
+    if order == list(range(len(columns))):
+        return lambda job_id, seq, *values: Op(statement, (job_id, state, seq, *values))
+    return lambda job_id, seq, *values: Op(statement, (job_id, state, seq, *[values[i] for i in order]))
 
 
-@functools.lru_cache(maxsize=None)
-def _state_statement(names: tuple[str, ...]) -> tuple[str, tuple[int, ...]]:
-    """Once per call site: the statement, and where each sorted name is in ``names``."""
-    order = tuple(sorted(range(len(names)), key=names.__getitem__))
-    return "set_state:" + ",".join(names[i] for i in order), order
+_QUEUED = _change("queued", "admitted_at")
+_RESERVED = _change("reserved", "reserved_at", "attempt", "flavor", "reason", "message")
+_PREEMPTING = _change("preempting", "message")
+_SCHEDULED = _change("scheduled", "scheduled_at", "nodes", "flavor", "reason", "message")
+_RUNNING = _change("running", "started_at")
+_SUCCEEDED = _change("succeeded", "finished_at", "exit_code")
+_FAILED = _change("failed", "finished_at", "reason", "message", "exit_code")
+_PREEMPTED = _change("preempted", "reason", "message")
+_CANCELLED = _change("cancelled", "finished_at", "message")
+_RETRYING = _change("retrying", "attempt", "finished_at")
+_CANCELLING = _change("cancelling")
 
 
 def _usage(event: JobSucceeded | JobFailed | JobPreempted | JobCancelled, seq: int) -> Op | None:
@@ -87,20 +96,19 @@ def _ended(e: JobSucceeded | JobFailed | JobPreempted | JobCancelled, seq: int, 
 
 
 def _succeeded(e: JobSucceeded, j: str, t, seq: int) -> list[Op]:
-    return _ended(e, seq, _state(j, "succeeded", seq, finished_at=t, exit_code=0))
+    return _ended(e, seq, _SUCCEEDED(j, seq, t, 0))
 
 
 def _failed(e: JobFailed, j: str, t, seq: int) -> list[Op]:
-    return _ended(e, seq, _state(j, "failed", seq, finished_at=t, reason=e.reason.value, message=e.message,
-                                 exit_code=e.exit_code))
+    return _ended(e, seq, _FAILED(j, seq, t, e.reason.value, e.message, e.exit_code))
 
 
 def _preempted(e: JobPreempted, j: str, t, seq: int) -> list[Op]:
-    return _ended(e, seq, _state(j, "preempted", seq, reason="preempted", message=e.reason))
+    return _ended(e, seq, _PREEMPTED(j, seq, "preempted", e.reason))
 
 
 def _cancelled(e: JobCancelled, j: str, t, seq: int) -> list[Op]:
-    return _ended(e, seq, _state(j, "cancelled", seq, finished_at=t, message=e.reason))
+    return _ended(e, seq, _CANCELLED(j, seq, t, e.reason))
 
 
 def _node(e: NodeRegistered | NodeUpdated, j: str, t, seq: int) -> list[Op]:
@@ -139,27 +147,26 @@ def _statement(e: ChargebackStatementIssued, j: str, t, seq: int) -> list[Op]:
 _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     JobSubmitted: _job_submitted,
     JobRejected: lambda e, j, t, seq: [Op("job_rejected", (j, e.reason.value, e.message, t, seq))],
-    JobAdmitted: lambda e, j, t, seq: [_state(j, "queued", seq, admitted_at=t), Op("attempt_queued", (j, 1, t, seq))],
+    JobAdmitted: lambda e, j, t, seq: [_QUEUED(j, seq, t), Op("attempt_queued", (j, 1, t, seq))],
     QuotaPendingReasonChanged: lambda e, j, t, seq: [Op("wait_reason", (j, e.reason.value, e.message, seq))],
     SchedulingPendingReasonChanged: lambda e, j, t, seq: [Op("wait_reason", (j, e.reason.value, e.message, seq))],
     QuotaReserved: lambda e, j, t, seq: [
-        _state(j, "reserved", seq, reserved_at=t, attempt=e.attempt, flavor=e.flavor, reason=None, message=None),
+        _RESERVED(j, seq, t, e.attempt, e.flavor, None, None),
         Op("reservation", (j, e.attempt, e.queue, e.flavor, e.gpus, e.borrowed, t, seq))],
     QuotaReleased: lambda e, j, t, seq: [Op("reservation_released", (j, e.attempt, t, seq))],
-    ReclaimRequested: lambda e, j, t, seq: [_state(j, "preempting", seq, message=e.message)],
-    PreemptionRequested: lambda e, j, t, seq: [_state(j, "preempting", seq, message=e.message)],
+    ReclaimRequested: lambda e, j, t, seq: [_PREEMPTING(j, seq, e.message)],
+    PreemptionRequested: lambda e, j, t, seq: [_PREEMPTING(j, seq, e.message)],
     CohortConfigured: lambda e, j, t, seq: [Op("cohort", (e.name, e.parent, seq))],
     # placed: the last wait reason (quota's or the scheduler's) no longer applies
-    JobScheduled: lambda e, j, t, seq: [_state(j, "scheduled", seq, scheduled_at=t, nodes=[p.node for p in e.placement],
-                                               flavor=e.flavor, reason=None, message=None)],
-    JobStarted: lambda e, j, t, seq: [_state(j, "running", seq, started_at=t)],
+    JobScheduled: lambda e, j, t, seq: [_SCHEDULED(j, seq, t, [p.node for p in e.placement], e.flavor, None, None)],
+    JobStarted: lambda e, j, t, seq: [_RUNNING(j, seq, t)],
     JobSucceeded: _succeeded,
     JobFailed: _failed,
     JobPreempted: _preempted,
-    JobRetryScheduled: lambda e, j, t, seq: [_state(j, "retrying", seq, attempt=e.next_attempt, finished_at=None),
+    JobRetryScheduled: lambda e, j, t, seq: [_RETRYING(j, seq, e.next_attempt, None),
                                              Op("attempt_queued", (j, e.next_attempt, t, seq))],
     JobCheckpointed: lambda e, j, t, seq: [Op("checkpoint", (j, e.attempt, e.checkpointed_at, seq))],
-    JobCancelRequested: lambda e, j, t, seq: [_state(j, "cancelling", seq)],
+    JobCancelRequested: lambda e, j, t, seq: [_CANCELLING(j, seq)],
     JobCancelled: _cancelled,
     NodeRegistered: _node,
     NodeUpdated: _node,
