@@ -5,8 +5,6 @@ the batch or none of it; redelivered, it skips what it has.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -139,7 +137,6 @@ _PHASE = {"job_submitted": 0, "job_rejected": 1, "job_update": 2, "attempt_queue
           "checkpoint": 3, "reservation_released": 4, "usage": 5}
 
 
-@functools.lru_cache(maxsize=None)
 def _update_layout(statement: str) -> tuple[int, ...]:
     """For ``set_state:a,b``: where in a job_update row the op's values go (each column is a
     flag, then its value; the flag is at the position returned)."""
@@ -151,27 +148,11 @@ def _update_layout(statement: str) -> tuple[int, ...]:
 
 
 _NO_CHANGE = (False, None) * len(_JOB_COLUMNS)
-
-
-def _update(updates: dict[str, list], statement: str, job_id: str, state: str | None, seq: int, values) -> None:
-    """Fold one change of a job into its job_update row in ``updates`` (log order: the later
-    value of each column wins, the latest state and sequence). Nothing in a batch reads a job's
-    mutable columns between its updates (phase order), so one update per job has the same
-    effect as several."""
-    row = updates.get(job_id)
-    if row is None:
-        updates[job_id] = row = [job_id, state, seq, *_NO_CHANGE]
-    else:
-        if state is not None:
-            row[1] = state
-        row[2] = seq
-    for pos, value in zip(_update_layout(statement), values, strict=True):
-        row[pos] = True
-        row[pos + 1] = value
+_WAIT_REASON = _update_layout("set_state:reason,message")
 
 
 def _normalize(op: Op) -> tuple[str, tuple]:
-    """The converter's op (other than a job's change: see _update) as (statement, arguments) of
+    """The converter's op (other than a job's change: see plan) as (statement, arguments) of
     the SQL above."""
     statement, args = op
     if statement == "job_submitted":
@@ -184,30 +165,53 @@ def _normalize(op: Op) -> tuple[str, tuple]:
 
 
 def plan(ops: list[Op]) -> list[tuple[str, list[tuple]]]:
-    """The batch's operations as (statement, rows) groups in the order they are executed; a
-    job's changes are one job_update row per job."""
+    """The batch's operations as (statement, rows) groups in the order they are executed.
+
+    A job's changes (``set_state:…`` and ``wait_reason``) fold into one job_update row per job
+    as they come, in log order: the later value of each column wins, the latest state and
+    sequence. Nothing in a batch reads a job's mutable columns between its updates (phase
+    order), so one update per job has the same effect as several. This loop runs for every op
+    of a replay, so the fold is written out here rather than called."""
     grouped: dict[tuple[int, str], list[tuple]] = {}
     ordered: list[tuple[str, list[tuple]]] = []
     updates: dict[str, list] = {}
+    layouts = _layouts
     for op in ops:
         statement, args = op
-        if statement.startswith("set_state:"):
-            _update(updates, statement, args[0], args[1], args[2], args[3:])
-            continue
-        if statement == "wait_reason":
-            job_id, reason, message, seq = args
-            _update(updates, "set_state:reason,message", job_id, None, seq, (reason, message))
-            continue
-        name, args = _normalize(op)
-        if name in _PHASE:
-            grouped.setdefault((_PHASE[name], name), []).append(args)
-        elif ordered and ordered[-1][0] == name:
-            ordered[-1][1].append(args)
+        layout = layouts.get(statement)
+        if layout is None and statement.startswith("set_state:"):
+            layout = layouts[statement] = _update_layout(statement)
+        if layout is not None:  # (job, state, seq, *values)
+            job_id, state, seq, values = args[0], args[1], args[2], args[3:]
+        elif statement == "wait_reason":  # (job, reason, message, seq)
+            job_id, state, seq, values, layout = args[0], None, args[3], args[1:3], _WAIT_REASON
         else:
-            ordered.append((name, [args]))
+            name, args = _normalize(op)
+            if name in _PHASE:
+                grouped.setdefault((_PHASE[name], name), []).append(args)
+            elif ordered and ordered[-1][0] == name:
+                ordered[-1][1].append(args)
+            else:
+                ordered.append((name, [args]))
+            continue
+        if len(values) != len(layout):
+            raise ValueError(f"{statement}: {len(layout)} values expected, got {len(values)}")
+        row = updates.get(job_id)
+        if row is None:
+            updates[job_id] = row = [job_id, state, seq, *_NO_CHANGE]
+        else:
+            if state is not None:
+                row[1] = state
+            row[2] = seq
+        for pos, value in zip(layout, values):
+            row[pos] = True
+            row[pos + 1] = value
     if updates:
         grouped[(_PHASE["job_update"], "job_update")] = [tuple(r) for r in updates.values()]
     return [(name, rows) for (_, name), rows in sorted(grouped.items())] + ordered
+
+
+_layouts: dict[str, tuple[int, ...]] = {}  # set_state statement -> its layout (a handful of call sites)
 
 
 async def _fold(conn: asyncpg.Connection, groups: list[tuple[str, list[tuple]]]) -> list[tuple[str, list[tuple]]]:
@@ -428,7 +432,7 @@ class Prepared:
 
     entries: list[tuple[int, str | None, list[Op]]]
     first: dict[str, int]  # event id -> its first sequence in the batch
-    ids: list[tuple[str, str, int]]  # applied_events' rows: (key, id, first sequence) of each id
+    ids: list[tuple[str, int]]  # applied_events' rows: (id, first sequence) of each id
     groups: list[tuple[str, list[tuple]]]
     applied: int  # events planned
     low: int  # the batch's lowest and highest sequence (0 if empty)
@@ -450,7 +454,7 @@ def prepare(batch: list[Entry], skip: frozenset[str] | set[str] = frozenset()) -
         ops += event_ops
         applied += 1
     seqs = [e[0] for e in entries]
-    ids = [(event_key(event_id), event_id, seq) for event_id, seq in first.items()]
+    ids = list(first.items())
     return Prepared(entries, first, ids, plan(ops), applied, min(seqs, default=0), max(seqs, default=0))
 
 
@@ -470,11 +474,6 @@ async def apply_batch(conn: asyncpg.Connection, batch: list[Entry] | Prepared, p
         raise
 
 
-def event_key(event_id: str) -> str:
-    """applied_events' key: the md5 of the id, as a uuid (migration 007)."""
-    return hashlib.md5(event_id.encode()).hexdigest()
-
-
 async def _record_applied(conn: asyncpg.Connection, prepared: Prepared, applied_filter=None) -> set[str]:
     """Record the batch's event ids (at their first sequence in it) and return those an earlier
     batch applied. ``applied_filter``: a filter (``in``, ``add``) holding at least every id
@@ -483,16 +482,17 @@ async def _record_applied(conn: asyncpg.Connection, prepared: Prepared, applied_
     if not prepared.ids:
         return set()
     if applied_filter is None:
-        maybe = [key for key, _, _ in prepared.ids]
+        maybe = list(prepared.first)
     else:
-        maybe = [key for key, event_id, _ in prepared.ids if event_id in applied_filter]
+        maybe = [event_id for event_id in prepared.first if event_id in applied_filter]
     earlier: set[str] = set()
-    if maybe:
+    if maybe:  # by the key Postgres derives from the id (migration 008): the primary key's index
         earlier = {r[0] for r in await conn.fetch(
-            "SELECT event_id FROM applied_events WHERE event_key = ANY($1::uuid[])", maybe)}
+            "SELECT event_id FROM applied_events WHERE event_key = ANY(SELECT md5(i)::uuid FROM unnest($1::text[]) i)",
+            maybe)}
     await conn.copy_records_to_table(
-        "applied_events", records=[r for r in prepared.ids if r[1] not in earlier] if earlier else prepared.ids,
-        columns=["event_key", "event_id", "sequence"])
+        "applied_events", records=[r for r in prepared.ids if r[0] not in earlier] if earlier else prepared.ids,
+        columns=["event_id", "sequence"])
     if applied_filter is not None:
         for event_id in prepared.first:
             applied_filter.add(event_id)
