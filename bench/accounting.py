@@ -158,7 +158,8 @@ async def replay_run(js, dsn: str, schema: str, batch: int) -> dict:
     await admin.execute("CHECKPOINT")  # this run's dirty pages are not flushed during the next one's ceilings
     await admin.close()
     return {"events": progress.applied, "wall_s": wall, "events_per_s": progress.applied / wall,
-            "apply_s": progress.apply_s, "reader_waited_s": progress.wait_s, "writer_cpu_s": progress.writer_cpu_s,
+            "read_s": progress.read_s, "apply_s": progress.apply_s, "turn_wait_s": progress.wait_s,
+            "writer_cpu_s": progress.writer_cpu_s,
             "ledger_rows": rows, "position": position}
 
 
@@ -188,8 +189,9 @@ async def main(args) -> dict:
             runs.append({"read_msgs_per_s": read, "copy_rows_per_s": copy, **rep,
                          "ratio": rep["events_per_s"] / min(read, copy)})
             print(f"  run {r + 1}: replay {rep['events_per_s']:,.0f} ev/s, ordered read {read:,.0f} msg/s, "
-                  f"COPY {copy:,.0f} rows/s, ratio {runs[-1]['ratio']:.2f} (of {rep['wall_s']:.0f} s: writing "
-                  f"{rep['apply_s']:.0f} s, reader waiting on writes {rep['reader_waited_s']:.0f} s)", flush=True)
+                  f"COPY {copy:,.0f} rows/s, ratio {runs[-1]['ratio']:.2f} ({rep['wall_s']:.1f} s; the writers together: "
+                  f"reading {rep['read_s']:.0f} s, parsing and writing {rep['apply_s']:.0f} s, waiting for the turn "
+                  f"{rep['turn_wait_s']:.0f} s, CPU {rep['writer_cpu_s']:.0f} s)", flush=True)
         await nc.close()
     finally:
         pg.stop()

@@ -15,8 +15,6 @@ import queue
 import re
 import threading
 import time
-from array import array
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -132,8 +130,8 @@ async def build_indexes(dsn: str, schema: str) -> list[str]:
 async def rebuild(js, dsn: str, schema: str, *, from_seq: int | None = None, from_time: datetime | None = None,
                   to_seq: int | None = None, batch: int = 20_000,
                   on_batch: Callable[[Progress], None] | None = None) -> Progress:
-    """A fresh shadow from the log: reset, load it with its secondary indexes deferred and
-    writer processes, then build the indexes. A window (``from_seq``/``from_time``) starts the
+    """A fresh shadow from the log: reset, load it with its secondary indexes deferred by
+    writer processes that each read their own ranges of the log, then build the indexes. A window (``from_seq``/``from_time``) starts the
     shadow just before it."""
     await reset(dsn, schema)
     await defer_indexes(dsn, schema)
@@ -155,8 +153,9 @@ class Progress:
     applied: int = 0
     last_sequence: int = 0
     apply_s: float = 0.0  # time spent writing batches (overlaps reading and parsing the next)
-    wait_s: float = 0.0  # time the reader waited for the writer
-    writer_cpu_s: float = 0.0  # CPU time of the writer processes (parsing, converting, encoding)
+    wait_s: float = 0.0  # time the reader waited for the writer (writer processes: for the turn)
+    read_s: float = 0.0  # writer processes: time spent reading their ranges from JetStream
+    writer_cpu_s: float = 0.0  # CPU time of the writer processes (reading, parsing, converting, encoding)
 
 
 def convert_raw(seq: int, data: bytes) -> tuple[int, str | None, list[projection.Op]]:
@@ -233,24 +232,126 @@ class BatchCollector:
             gc.enable()
 
 
-# -- writer processes: parsing, converting and writing off the reader's core -----------------
+# -- writer processes: each reads, parses and writes its own ranges of the log ---------------
 #
-# Batches go round-robin to WRITERS processes, each with its own Postgres connection. A writer
-# parses, converts and plans its batch at once (in parallel with the others), then waits for the
-# turn: a token the writer of the previous batch sends after its transaction committed. So batches
-# commit in log order, one at a time, while the next ones are being parsed. The token also says
-# whether a batch failed (then every later one is refused: the position must never move past
-# events that were not written) and carries the event ids of the batches since this writer's
-# last one, for its Bloom filter of applied ids.
+# A rebuild cuts the log [start, end] into ranges of ``batch`` stream sequences and deals them
+# round-robin to WRITERS processes, each with its own NATS and Postgres connection: range k goes
+# to writer k % WRITERS. A writer reads its range straight from JetStream (an ephemeral pull
+# consumer without acks, started at the range's first sequence), parses, converts and plans it,
+# then waits for the turn: a token the writer of the previous range sends after its transaction
+# committed. So ranges commit in log order, one at a time, while the next ones are being read
+# and parsed; no message passes through a second process, and the server tracks no acks. The
+# token also says whether a range failed (then every later one is refused: the position must
+# never move past events that were not written) and carries the event ids of the ranges since
+# this writer's last one, for its Bloom filter of applied ids. The parent only starts the
+# writers and collects their results in range order.
 
 WRITERS = 2
+PULL_CHUNK = 5000
+"""Messages per pull request: bounds what the server buffers for a writer (a few MiB), far
+below its slow-consumer limit; one round trip per chunk is a fraction of a percent of its time."""
 
 
-def _writer_main(dsn: str, schema: str, capacity: int, writers: int, jobs, turn_in, turn_out, results) -> None:
+@dataclass(frozen=True)
+class NatsOptions:
+    """How a writer process connects: the parent's server and credentials (no TLS context,
+    which does not cross a process boundary)."""
+
+    servers: tuple[str, ...]
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+
+    @classmethod
+    def of(cls, js) -> NatsOptions:
+        nc = js._nc  # nats-py keeps the client's options on it; the context has no public accessor
+        if nc.options.get("tls") is not None:
+            raise ReplayError("a rebuild's writer processes cannot reuse a TLS connection's context; "
+                              "replay without writer processes (gpusched replay without --into) or over plain NATS")
+        url = nc.connected_url
+        if url is None:
+            raise ReplayError("NATS is not connected")
+        return cls(servers=(url.geturl(),), user=nc.options.get("user"), password=nc.options.get("password"),
+                   token=nc.options.get("token"))
+
+    async def connect(self):
+        import nats
+
+        auth = {k: v for k, v in (("user", self.user), ("password", self.password), ("token", self.token)) if v}
+        return await nats.connect(list(self.servers), name="gpusched-replay-writer", allow_reconnect=False,
+                                  connect_timeout=5, **auth)
+
+
+def ranges(start: int, end: int, batch: int) -> list[tuple[int, int]]:
+    """[start, end] as consecutive ranges of ``batch`` sequences (the last one shorter)."""
+    return [(lo, min(lo + batch - 1, end)) for lo in range(start, end + 1, batch)]
+
+
+async def read_range(js, lo: int, hi: int, *, chunk: int = PULL_CHUNK) -> Raw:
+    """The log's (stream sequence, payload) pairs with lo <= sequence <= hi, in order, through
+    an ephemeral pull consumer that starts at ``lo`` and needs no acks. Requests ask for what is
+    available (``no_wait``): a sequence deleted from the stream is simply not there, and a
+    request that finds nothing more ends the range."""
+    import json
+
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    nc = js._nc
+    config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                            opt_start_seq=lo, filter_subject=f"{SUBJECT_PREFIX}.>", inactive_threshold=30.0,
+                            mem_storage=True)
+    consumer = (await js.add_consumer(eventlog.EVENTS_STREAM, config=config)).name
+    out: Raw = []
+    state = {"got": 0, "want": 0, "status": None, "top": lo - 1}
+    answered = asyncio.Event()
+
+    async def cb(msg) -> None:
+        if not msg.reply:  # a status: 404 (nothing more now) or 408 (expired) end a request
+            state["status"] = (msg.headers or {}).get("Status", "?"), (msg.headers or {}).get("Description", "")
+            answered.set()
+            return
+        seq = stream_sequence(msg)
+        state["top"] = seq
+        if seq <= hi:
+            out.append((seq, msg.data))
+        state["got"] += 1
+        if state["got"] >= state["want"] or seq >= hi:
+            answered.set()
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=cb, pending_msgs_limit=-1, pending_bytes_limit=-1)
+    subject = f"$JS.API.CONSUMER.MSG.NEXT.{eventlog.EVENTS_STREAM}.{consumer}"
+    try:
+        while state["top"] < hi:
+            state.update(got=0, want=min(chunk, hi - state["top"]), status=None)
+            answered.clear()
+            await nc.publish(subject, json.dumps({"batch": state["want"], "no_wait": True}).encode(), reply=inbox)
+            try:
+                await asyncio.wait_for(answered.wait(), timeout=30.0)
+            except asyncio.TimeoutError:
+                raise ReplayError(f"no answer from JetStream reading sequences {state['top'] + 1}..{hi}") from None
+            if state["status"] is not None:
+                code, description = state["status"]
+                if code in ("404", "408"):
+                    break  # nothing left in the range (its last sequences were deleted)
+                raise ReplayError(f"JetStream refused the read of {state['top'] + 1}..{hi}: {code} {description}")
+    finally:
+        await sub.unsubscribe()
+        try:
+            await js.delete_consumer(eventlog.EVENTS_STREAM, consumer)
+        except Exception:  # ephemeral: the server reaps it after inactive_threshold anyway
+            pass
+    return out
+
+
+def _writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tuple[int, int]], capacity: int,
+                 writers: int, turn_in, turn_out, results) -> None:
     collector = BatchCollector()
     collector.__enter__()  # for the life of the process
     loop = asyncio.new_event_loop()
     conn = loop.run_until_complete(connect(dsn, schema))
+    nc = loop.run_until_complete(nats_options.connect())
+    js = nc.jetstream()
     applied = None
     if capacity and not loop.run_until_complete(conn.fetchval("SELECT EXISTS (SELECT FROM applied_events)")):
         # A fresh target: every id applied goes into a Bloom filter, so that only the ids in it
@@ -259,18 +360,25 @@ def _writer_main(dsn: str, schema: str, capacity: int, writers: int, jobs, turn_
         from rbloom import Bloom
 
         applied = Bloom(max(capacity, 1000), 1e-6)
-    # Both pipes are read eagerly by threads, so that a sender never waits for this writer to
-    # want the next message: the reader's loop stays free, and the last writer can hand the turn
-    # on while the next one has no batch left (else the two wait for each other at the end).
-    # an empty batch (ProcessWriter.close) reads as None: stop
-    jobs, turn_in = _eager(jobs, lambda c: unpack(c.recv_bytes()) or None), _eager(turn_in)
+    # The turn is read eagerly by a thread, so that the previous writer never waits for this one
+    # to want it (a token can be larger than a pipe's buffer).
+    turn_in = _eager(turn_in)
     try:
-        while (job := jobs.get()) is not None:
+        for lo, hi in mine:
             t, cpu = time.perf_counter(), time.process_time()
-            prepared = sink.prepare([convert_raw(seq, data) for seq, data in job])  # while the turn is elsewhere
+            raw, unread = [], None
+            try:  # while the turn is elsewhere
+                raw = loop.run_until_complete(read_range(js, lo, hi))
+            except Exception as err:  # said in turn, below: no later range may be written
+                unread = f"reading the range {lo}..{hi} failed: {err!r}"
+            read_s = time.perf_counter() - t
+            prepared = sink.prepare([convert_raw(seq, data) for seq, data in raw])
+            waited = time.perf_counter()
             if (token := turn_in.get()) is None:
-                raise ReplayError("the writer of the previous batch exited without handing on the turn")
-            failed, recent = token  # the previous batch has committed (or failed)
+                raise ReplayError("the writer of the previous range exited without handing on the turn")
+            failed, recent = token  # the previous range has committed (or failed)
+            failed = failed or unread
+            waited = time.perf_counter() - waited
             ids = list(prepared.first)
             if failed is None:
                 if applied is not None:
@@ -279,46 +387,30 @@ def _writer_main(dsn: str, schema: str, capacity: int, writers: int, jobs, turn_
                 try:
                     loop.run_until_complete(sink.apply_batch(conn, prepared, applied_filter=applied))
                 except Exception as err:
-                    failed = f"the batch ending at sequence {job[-1][0]} failed: {err!r}"
-            # the next writer needs the ids of the writers - 1 batches since its own last one
-            turn_out.send((failed, (recent + [ids])[-(writers - 1):] if writers > 1 else []))
-            del prepared, ids, job
+                    failed = f"the range {lo}..{hi} failed: {err!r}"
+            try:  # the next writer needs the ids of the writers - 1 ranges since its own last one
+                turn_out.send((failed, (recent + [ids])[-(writers - 1):] if writers > 1 else []))
+            except OSError:  # it has no range left and has exited: nobody needs the turn
+                pass
+            n = len(raw)
+            del prepared, ids, raw
             collector.after_batch()
-            results.send((failed, time.perf_counter() - t, time.process_time() - cpu))
+            results.send((failed, n, read_s, waited, time.perf_counter() - t, time.process_time() - cpu))
+            if failed is not None:
+                return
     finally:
+        loop.run_until_complete(nc.close())
         loop.run_until_complete(conn.close())
 
 
-def pack(raw: Raw) -> bytes:
-    """A batch as one buffer for a writer's pipe: the count, the sequences, the payloads' sizes,
-    then the payloads. A pickle memoizes every tuple and payload: 0.5 µs an event of the reader's
-    time, against 0.1 packed (a 20,000-event batch)."""
-    sizes = array("I", [len(data) for _, data in raw])
-    return b"".join([len(raw).to_bytes(4, "little"), array("q", [seq for seq, _ in raw]).tobytes(), sizes.tobytes(),
-                     *[data for _, data in raw]])
-
-
-def unpack(buf: bytes) -> Raw:
-    n = int.from_bytes(buf[:4], "little")
-    seqs, sizes = array("q"), array("I")
-    at = 4 + n * seqs.itemsize
-    seqs.frombytes(buf[4:at])
-    sizes.frombytes(buf[at:at + n * sizes.itemsize])
-    raw, at = [], at + n * sizes.itemsize
-    for seq, size in zip(seqs, sizes):
-        raw.append((seq, buf[at:at + size]))
-        at += size
-    return raw
-
-
-def _eager(conn, receive=lambda c: c.recv()) -> queue.Queue:
+def _eager(conn) -> queue.Queue:
     """A queue that a daemon thread fills with every message from ``conn``; None once it closes."""
     q: queue.Queue = queue.Queue()
 
     def pump() -> None:
         try:
             while True:
-                q.put(receive(conn))
+                q.put(conn.recv())
         except (EOFError, OSError):
             q.put(None)
 
@@ -326,56 +418,38 @@ def _eager(conn, receive=lambda c: c.recv()) -> queue.Queue:
     return q
 
 
-class ProcessWriter:
-    """Hands batches to WRITERS writer processes in turn (see above), at most ``depth`` in
-    flight; results come back in submission order."""
+class RangeWriters:
+    """WRITERS writer processes over the ranges of [start, end] (see above); :meth:`results`
+    yields each range's outcome in log order."""
 
-    def __init__(self, dsn: str, schema: str, progress: Progress, events: int, depth: int = 4):
+    def __init__(self, js, dsn: str, schema: str, start: int, end: int, batch: int):
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        writers = WRITERS
-        self.progress, self.depth, self._next = progress, max(depth, writers), 0
+        self.ranges = ranges(start, end, batch)
+        writers = max(1, min(WRITERS, len(self.ranges)))
+        options = NatsOptions.of(js)
         turns = [ctx.Pipe(duplex=False) for _ in range(writers)]  # turns[i]: into writer i
-        self._jobs, self._results, self._procs = [], [], []
+        self._results, self._procs = [], []
         for i in range(writers):
-            jobs_r, jobs_w = ctx.Pipe(duplex=False)
             results_r, results_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_writer_main, name=f"replay-writer-{i}", daemon=True,
-                               args=(dsn, schema, events, writers, jobs_r, turns[i][0], turns[(i + 1) % writers][1],
-                                     results_w))
+                               args=(dsn, schema, options, self.ranges[i::writers], end - start + 1, writers,
+                                     turns[i][0], turns[(i + 1) % writers][1], results_w))
             proc.start()
-            jobs_r.close()  # the writer's ends: held here too, a writer's death would go unnoticed
-            results_w.close()
-            self._jobs.append(jobs_w)
+            results_w.close()  # the writer's end: held here too, a writer's death would go unnoticed
             self._results.append(results_r)
             self._procs.append(proc)
-        turns[0][1].send((None, []))  # the first batch's turn
+        turns[0][1].send((None, []))  # the first range's turn
         for turn in turns:
-            for end in turn:
-                end.close()
-        self._inflight: deque[int] = deque()  # writer index of each batch in flight, oldest first
+            for end_ in turn:
+                end_.close()
 
-    async def submit(self, raw: Raw) -> None:
-        while len(self._inflight) >= self.depth:
-            await self._settle_oldest()
-        i = self._next
-        self._next = (i + 1) % len(self._jobs)
-        try:
-            self._jobs[i].send_bytes(pack(raw))
-        except OSError as err:
-            raise ReplayError(f"writer process {i} exited before its batch was handed over: {err!r}") from err
-        self._inflight.append(i)
-
-    async def _settle_oldest(self) -> None:
-        t = time.perf_counter()
-        i = self._inflight.popleft()
-        failed, wall, cpu = await asyncio.get_running_loop().run_in_executor(None, self._receive, i)
-        self.progress.wait_s += time.perf_counter() - t
-        self.progress.apply_s += wall
-        self.progress.writer_cpu_s += cpu
-        if failed is not None:
-            raise ReplayError(failed)
+    async def results(self):
+        """(range, (failed, events read, read s, turn waited s, wall s, CPU s)) in log order."""
+        loop = asyncio.get_running_loop()
+        for k, rng in enumerate(self.ranges):
+            yield rng, await loop.run_in_executor(None, self._receive, k % len(self._procs))
 
     def _receive(self, i: int):
         try:
@@ -384,20 +458,52 @@ class ProcessWriter:
             self._procs[i].join(5)
             raise ReplayError(f"writer process {i} exited (code {self._procs[i].exitcode}) before its result") from None
 
-    async def drain(self) -> None:
-        while self._inflight:
-            await self._settle_oldest()
-
     async def close(self) -> None:
-        for jobs in self._jobs:
-            try:
-                jobs.send_bytes(pack([]))  # no batch: stop
-            except OSError:  # that writer is gone already
-                pass
+        loop = asyncio.get_running_loop()
         for proc in self._procs:
-            await asyncio.get_running_loop().run_in_executor(None, proc.join, 30)
+            await loop.run_in_executor(None, proc.join, 30)
             if proc.is_alive():
                 proc.kill()
+
+
+async def _write_ranges(js, dsn: str, schema: str, start: int, end: int, batch: int, progress: Progress,
+                        on_batch: Callable[[Progress], None] | None) -> None:
+    writers = RangeWriters(js, dsn, schema, start, end, batch)
+    try:
+        async for (_, hi), (failed, n, read_s, waited, wall, cpu) in writers.results():
+            progress.read_s += read_s
+            progress.wait_s += waited
+            progress.apply_s += wall - read_s - waited
+            progress.writer_cpu_s += cpu
+            if failed is not None:
+                raise ReplayError(failed)
+            progress.applied += n
+            progress.last_sequence = hi
+            if on_batch:
+                on_batch(progress)
+    except BaseException:
+        for proc in writers._procs:  # a failed or interrupted rebuild leaves no writer behind
+            proc.kill()
+        raise
+    finally:
+        await writers.close()
+
+
+async def start_sequence(js, from_time: datetime) -> int | None:
+    """The first stream sequence at or after ``from_time`` (None: nothing is that recent)."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+    from nats.errors import TimeoutError as NatsTimeout
+
+    sub = await js.pull_subscribe(f"{SUBJECT_PREFIX}.>", stream=eventlog.EVENTS_STREAM, config=ConsumerConfig(
+        ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=from_time.isoformat(),
+        inactive_threshold=10.0, mem_storage=True))
+    try:
+        msgs = await sub.fetch(1, timeout=1.0)
+    except NatsTimeout:
+        return None
+    finally:
+        await sub.unsubscribe()
+    return stream_sequence(msgs[0]) if msgs else None
 
 
 async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, from_time: datetime | None = None,
@@ -405,15 +511,20 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
                  on_batch: Callable[[Progress], None] | None = None) -> Progress:
     """Apply the log from the target's position (or ``from_seq``/``from_time``, whichever is
     later) up to ``to_seq`` (default: the log's end now) through the converter and the sink.
-    ``writer_process=(dsn, schema)``: parse and write in writer processes (the same target
+    ``writer_process=(dsn, schema)``: read, parse and write in writer processes (the same target
     as ``conn``, which then only reads the position), else in this one."""
     start = max(await sink.position(conn) + 1, from_seq or 1)
     end = to_seq if to_seq is not None else await eventlog.last_sequence(js)
     progress = Progress(last_sequence=start - 1)
+    if writer_process is not None and from_time is not None and start <= end:
+        at = await start_sequence(js, from_time)
+        start = max(start, at if at is not None else end + 1)
     if start > end:
         return progress
-    writer = (ProcessWriter(*writer_process, progress, events=end - start + 1) if writer_process
-              else InlineWriter(conn, progress))
+    if writer_process is not None:
+        await _write_ranges(js, *writer_process, start, end, batch, progress, on_batch)
+        return progress
+    writer = InlineWriter(conn, progress)
     chunk: Raw = []
 
     async def hand_over(items: Raw) -> None:
@@ -440,8 +551,8 @@ async def replay(js, conn: asyncpg.Connection, *, from_seq: int | None = None, f
         await writer.close()
     return progress
 
-
 ACK_WINDOW = 20_000  # messages in flight from the server: bounds memory however long the log is
+IDLE_CHECK_S = 2.0  # nothing arrived for this long: ask the server whether anything is left to come
 
 
 async def ordered_read(js, *, start: int, end: int, from_time: datetime | None = None):
@@ -474,15 +585,19 @@ async def ordered_read(js, *, start: int, end: int, from_time: datetime | None =
                              cb=cb, pending_msgs_limit=-1, pending_bytes_limit=-1)
     every = max(1, ACK_WINDOW // 10)
     unacked = 0
+    top = start - 1  # the newest sequence seen
     try:
         while True:
             if not buffer:
                 arrived.clear()
                 try:
-                    await asyncio.wait_for(arrived.wait(), timeout=10.0)
+                    await asyncio.wait_for(arrived.wait(), timeout=IDLE_CHECK_S)
                 except asyncio.TimeoutError:
                     if await eventlog.last_sequence(js) < end:
                         raise ReplayError(f"the log ends before sequence {end}") from None
+                    info = await sub.consumer_info()
+                    if info.num_pending == 0 and (info.delivered.stream_seq or 0) <= top:
+                        return  # the rest up to ``end`` was deleted from the stream
                 continue
             items, newest = buffer.copy(), last[0]
             buffer.clear()

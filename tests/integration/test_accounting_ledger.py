@@ -536,6 +536,57 @@ async def test_a_rebuild_of_batches_larger_than_a_pipe_buffer_finishes(admin_js,
         await conn.close()
 
 
+async def test_writers_read_around_deleted_sequences_and_from_a_time(admin_js, pg_dsn):
+    """Writer processes read their ranges straight from JetStream: a sequence deleted from the
+    stream (in the middle of a range, and the log's last one) is skipped as the inline replay
+    skips it, and --from TIME starts at the first event stored at or after that time."""
+    log = eventlog.EventLog(admin_js)
+    start = await eventlog.last_sequence(admin_js) + 1
+    early = [e for i in range(3) for e in job(f"t{i}", "team-a", gpus=1, checkpoint_at=600)]
+    for e in early:
+        await log.append(e)
+    await asyncio.sleep(0.05)
+    between = datetime.now(UTC)
+    await asyncio.sleep(0.05)
+    late = job("t3", "team-a", gpus=2)
+    for e in late:
+        await log.append(e)
+    end = await eventlog.last_sequence(admin_js)
+    checkpointed = start + next(i for i, e in enumerate(early) if e.type == "JobCheckpointed")
+    for seq in (checkpointed, end):  # t0's checkpoint, and t3's last event (its success)
+        await admin_js.delete_msg(eventlog.EVENTS_STREAM, seq)
+
+    async def tables(schema: str) -> dict:
+        conn = await replay.connect(pg_dsn, schema)
+        try:
+            return await replay.table_checksums(conn, schema)
+        finally:
+            await conn.close()
+
+    await replay.reset(pg_dsn, "inline_gaps")
+    conn = await replay.connect(pg_dsn, "inline_gaps")
+    try:
+        await replay.replay(admin_js, conn, from_seq=start, batch=4)
+    finally:
+        await conn.close()
+    progress = await asyncio.wait_for(replay.rebuild(admin_js, pg_dsn, "gaps", from_seq=start, batch=4), 60)
+    assert progress.applied == len(early) + len(late) - 2
+    sums = await tables("gaps")
+    assert sums == await tables("inline_gaps")
+    assert sums["checkpoints"][0] == 2 and sums["applied_events"][0] == len(early) + len(late) - 2
+
+    progress = await asyncio.wait_for(replay.rebuild(admin_js, pg_dsn, "late", from_time=between, batch=3), 60)
+    assert progress.applied == len(late) - 1
+    conn = await replay.connect(pg_dsn, "late")
+    try:
+        assert [r[0] for r in await conn.fetch("SELECT job_id FROM jobs")] == ["t3"]
+        assert await sink.position(conn) == end - 1
+    finally:
+        await conn.close()
+    future = await replay.rebuild(admin_js, pg_dsn, "none", from_time=datetime.now(UTC) + timedelta(hours=1))
+    assert future.applied == 0
+
+
 async def test_a_rebuild_whose_writer_is_killed_fails_and_keeps_a_consistent_position(admin_js, pg_dsn):
     """A writer process killed (SIGKILL) while a rebuild runs: the rebuild stops with an error
     naming the writer instead of waiting for it, the other writer stops too, and the shadow's

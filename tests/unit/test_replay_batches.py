@@ -1,5 +1,5 @@
-"""The replay's batch plumbing: the buffer a reader hands a writer process comes back as it
-went, and the garbage collector is run per batch and given back as it was."""
+"""The replay's batch plumbing: the ranges dealt to writer processes cover the log exactly once,
+in order, and the garbage collector is run per batch and given back as it was."""
 
 from __future__ import annotations
 
@@ -9,13 +9,24 @@ import weakref
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from services.accounting.replay import BatchCollector, pack, unpack
+from services.accounting.replay import BatchCollector, ranges
 
 
-@example([])  # a writer's stop
-@given(st.lists(st.tuples(st.integers(min_value=1, max_value=2**63 - 1), st.binary(max_size=600)), max_size=50))
-def test_a_packed_batch_unpacks_to_itself(raw):
-    assert unpack(pack(raw)) == raw
+@example(1, 1, 1)
+@example(5, 4, 3)  # nothing to read
+@given(st.integers(min_value=1, max_value=10**12), st.integers(min_value=0, max_value=5000),
+       st.integers(min_value=1, max_value=700))
+def test_ranges_cover_the_log_once_in_order(start, length, batch):
+    end = start + length - 1
+    got = ranges(start, end, batch)
+    assert [seq for lo, hi in got for seq in range(lo, hi + 1)] == list(range(start, end + 1))
+    assert all(hi - lo + 1 == batch for lo, hi in got[:-1]) and all(0 < hi - lo + 1 <= batch for lo, hi in got)
+
+
+def test_each_writer_gets_every_writers_th_range():
+    got = ranges(10, 109, 20)
+    assert got == [(10, 29), (30, 49), (50, 69), (70, 89), (90, 109)]
+    assert got[1::2] == [(30, 49), (70, 89)]  # writer 1 of 2
 
 
 class _Node:
