@@ -7,12 +7,16 @@ This machine has no GPU. The GPU case runs the local backend over a stand-in for
 reader only (``StandInNvml``, as tests/executor/test_local.py does): everything after the
 sample (windows, the core, the executor's NATS user, the log, the projection, SQL, metrics, the
 CLI) is the real code. The CPU-only case uses the real NVML reader, which finds no GPU here and
-publishes nothing; ``test_real_nvml_reports`` runs only where NVML finds a GPU."""
+publishes nothing; ``test_real_nvml_reports`` and ``test_a_busy_job_on_a_real_gpu_is_measured_end_to_end``
+run only where NVML finds a GPU (the second also needs PyTorch to load it): they are run on a
+GPU machine by hand (docs/executor.md, "Checking on a real GPU")."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -27,6 +31,7 @@ from gpusched import devstack, eventlog
 from schemas import JobCancelRequested, JobScheduled, JobSpec, JobSubmitted, NodeRegistered, new_event, parse_event
 from schemas.job import NodeAssignment
 from services.accounting import metrics, sink
+from services.executor.k8s_model import flavor_of
 from services.executor.lifecycle import BackendCore
 from services.executor.local import GpuSample, LocalBackend, Nvml
 from services.executor.service import ExecutorService
@@ -53,13 +58,13 @@ def executor(nats_server, root, nvml, interval_s=1.0) -> ExecutorService:
                            sync_s=0.1)
 
 
-async def schedule_on_gpu(log: eventlog.EventLog, job_id: str, gpu: int, script: str) -> None:
+async def schedule_on_gpu(log: eventlog.EventLog, job_id: str, gpu: int, script: str, flavor: str = FLAVOR) -> None:
     now = datetime.now(UTC)
     spec = JobSpec(kind="batch", queue="q", team="team-a", image="-", gpus=1, command=("sh", "-c", script))
     seq = await log.append(new_event(JobSubmitted, aggregate_id=job_id, producer="admission", occurred_at=now,
                                      key="1", spec=spec, submitter="u", intake_sequence=1), expected_last_seq=0)
     await log.append(new_event(JobScheduled, aggregate_id=job_id, producer="scheduler", occurred_at=now, key="1",
-                               attempt=1, flavor=FLAVOR,
+                               attempt=1, flavor=flavor,
                                placement=(NodeAssignment(node="gpu-0", gpus=1, gpu_indices=(gpu,)),)),
                      expected_last_seq=seq)
 
@@ -219,6 +224,71 @@ async def test_real_nvml_reports(nats_server, admin_js, tmp_path):
     assert r.gpu_count == len(nvml.sample()) and r.gpus
     for g in r.gpus:
         assert 0 <= g.utilization <= 1 and 0 <= g.memory_used_mib <= g.memory_total_mib and g.samples >= 1
+
+
+# A CUDA load for the job below: bf16 matrix products on the one GPU CUDA_VISIBLE_DEVICES names.
+MATMUL_LOAD = """
+import time, torch
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+print("cuda", torch.cuda.get_device_name(0), flush=True)
+end = time.time() + 120
+while time.time() < end:
+    a @ a
+    torch.cuda.synchronize()
+"""
+
+
+async def test_a_busy_job_on_a_real_gpu_is_measured_end_to_end(nats_server, admin_js, pg_dsn, tmp_path):
+    """Where NVML finds a GPU and PyTorch can use it: a job that keeps GPU 0 busy is measured by
+    the real NVML reader while the log holds that GPU for it (allocated samples, high utilization),
+    and accounting serves that as measured utilization and not as allocated-but-idle time."""
+    nvml = Nvml()
+    if not nvml.available:
+        pytest.skip(f"no GPU here ({nvml.why})")
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("no PyTorch here to load the GPU with")
+    product = nvml.sample()[0].name
+    flavor = flavor_of(re.sub(r"\s+", "-", product.strip()))
+    log = eventlog.EventLog(admin_js)
+    async with running(executor(nats_server, tmp_path, nvml)):
+        await schedule_on_gpu(log, "matmul", 0, f"exec {sys.executable} -c '{MATMUL_LOAD}'", flavor=flavor)
+
+        async def two_busy_windows_while_allocated():
+            reports = await events(admin_js, "gpusched.node.gpu-0.telemetry")
+            busy = [r for r in reports if r.gpus[0].allocated_samples == r.gpus[0].samples
+                    and r.gpus[0].allocated_utilization > 0.5]
+            return reports if len(busy) >= 2 else None
+
+        reports = await eventually(two_busy_windows_while_allocated, timeout_s=120)
+        await log.append(new_event(JobCancelRequested, aggregate_id="matmul", producer="admission",
+                                   occurred_at=datetime.now(UTC), key="c", requested_by="u"))
+        await eventually(lambda: events(admin_js, "gpusched.job.matmul.cancelled"), timeout_s=60)
+    (registered,) = await events(admin_js, "gpusched.node.gpu-0.registered")
+    assert registered.node.gpu_flavor == flavor and registered.node.gpu_count == len(nvml.sample())
+    assert "cuda" in (tmp_path / "runs/matmul-a1-m0/log").read_text()
+    for r in reports:
+        g = r.gpus[0]
+        assert 0 < g.memory_used_mib <= g.memory_total_mib and (g.power_w is None or g.power_w > 0)
+
+    port = devstack.free_port()
+    proc = accounting_process(nats_server, pg_dsn, port)
+    try:
+        await eventually(lambda: caught_up(admin_js, pg_dsn), timeout_s=30)
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                                                      timeout=10).read())
+        label = f'{{flavor="{flavor}"}}'
+        measured = series(body, "gpusched_gpu_utilization_measured_ratio")[
+            f"gpusched_gpu_utilization_measured_ratio{label}"]
+        idle = series(body, "gpusched_gpu_allocated_idle_ratio")[f"gpusched_gpu_allocated_idle_ratio{label}"]
+        held = series(body, "gpusched_gpu_allocated_measured_seconds")[
+            f"gpusched_gpu_allocated_measured_seconds{label}"]
+        print(f"{product}: measured utilization {measured:.2f}, allocated-idle {idle:.2f} of {held:.1f} s held")
+        # The job's first seconds (Python and CUDA starting) hold the GPU idle, and count as
+        # allocated-idle; the two busy windows waited for above do not.
+        assert measured > 0.2 and 0 <= idle < 1 and held * (1 - idle) >= 1.5
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 async def test_measured_utilization_is_time_weighted_clipped_and_idempotent(pg_dsn):
