@@ -254,8 +254,9 @@ below its slow-consumer limit; one round trip per chunk is a fraction of a perce
 
 @dataclass(frozen=True)
 class NatsOptions:
-    """How a writer process connects: the parent's server and credentials (no TLS context,
-    which does not cross a process boundary)."""
+    """How a writer process connects: the parent's server and credentials. A ``tls://`` URL
+    carries over (nats-py then uses the system's trust store); an SSL context the caller built
+    does not cross a process boundary."""
 
     servers: tuple[str, ...]
     user: str | None = None
@@ -266,8 +267,8 @@ class NatsOptions:
     def of(cls, js) -> NatsOptions:
         nc = js._nc  # nats-py keeps the client's options on it; the context has no public accessor
         if nc.options.get("tls") is not None:
-            raise ReplayError("a rebuild's writer processes cannot reuse a TLS connection's context; "
-                              "replay without writer processes (gpusched replay without --into) or over plain NATS")
+            raise ReplayError("a rebuild's writer processes cannot reuse the caller's TLS context; connect with "
+                              "a tls:// URL (the system's trust store) or replay without writer_process")
         url = nc.connected_url
         if url is None:
             raise ReplayError("NATS is not connected")
