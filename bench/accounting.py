@@ -190,7 +190,7 @@ async def main(args) -> dict:
                          "ratio": rep["events_per_s"] / min(read, copy)})
             print(f"  run {r + 1}: replay {rep['events_per_s']:,.0f} ev/s, ordered read {read:,.0f} msg/s, "
                   f"COPY {copy:,.0f} rows/s, ratio {runs[-1]['ratio']:.2f} ({rep['wall_s']:.1f} s; the writers together: "
-                  f"reading {rep['read_s']:.0f} s, parsing and writing {rep['apply_s']:.0f} s, waiting for the turn "
+                  f"waiting for reads {rep['read_s']:.0f} s, parsing and writing {rep['apply_s']:.0f} s, waiting for the turn "
                   f"{rep['turn_wait_s']:.0f} s, CPU {rep['writer_cpu_s']:.0f} s)", flush=True)
         await nc.close()
     finally:

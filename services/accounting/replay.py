@@ -154,7 +154,7 @@ class Progress:
     last_sequence: int = 0
     apply_s: float = 0.0  # time spent writing batches (overlaps reading and parsing the next)
     wait_s: float = 0.0  # time the reader waited for the writer (writer processes: for the turn)
-    read_s: float = 0.0  # writer processes: time spent reading their ranges from JetStream
+    read_s: float = 0.0  # writer processes: time spent waiting for a range's read (the rest overlaps)
     writer_cpu_s: float = 0.0  # CPU time of the writer processes (reading, parsing, converting, encoding)
 
 
@@ -239,12 +239,13 @@ class BatchCollector:
 # to writer k % WRITERS. A writer reads its range straight from JetStream (an ephemeral pull
 # consumer without acks, started at the range's first sequence), parses, converts and plans it,
 # then waits for the turn: a token the writer of the previous range sends after its transaction
-# committed. So ranges commit in log order, one at a time, while the next ones are being read
-# and parsed; no message passes through a second process, and the server tracks no acks. The
-# token also says whether a range failed (then every later one is refused: the position must
-# never move past events that were not written) and carries the event ids of the ranges since
-# this writer's last one, for its Bloom filter of applied ids. The parent only starts the
-# writers and collects their results in range order.
+# committed. Meanwhile, and while it writes, it reads its next range. So ranges commit in log
+# order, one at a time, while the next ones are being read and parsed; no message passes through
+# a second process, and the server tracks no acks. The token also says whether a range failed
+# (then every later one is refused: the position must never move past events that were not
+# written) and carries the event ids of the ranges since this writer's last one, for its Bloom
+# filter of applied ids. The parent only starts the writers and collects their results in range
+# order.
 
 WRITERS = 2
 PULL_CHUNK = 5000
@@ -364,18 +365,26 @@ def _writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tu
     # The turn is read eagerly by a thread, so that the previous writer never waits for this one
     # to want it (a token can be larger than a pipe's buffer).
     turn_in = _eager(turn_in)
+
+    async def read(lo: int, hi: int) -> tuple[Raw, str | None]:
+        try:
+            return await read_range(js, lo, hi), None
+        except Exception as err:  # said in turn, below: no later range may be written
+            return [], f"reading the range {lo}..{hi} failed: {err!r}"
+
+    # The next range is read while this one waits for the turn and is written: the read runs
+    # whenever this writer would otherwise wait (for the turn, for Postgres). So a writer holds
+    # at most two ranges.
+    pending = loop.create_task(read(*mine[0])) if mine else None
     try:
-        for lo, hi in mine:
+        for k, (lo, hi) in enumerate(mine):
             t, cpu = time.perf_counter(), time.process_time()
-            raw, unread = [], None
-            try:  # while the turn is elsewhere
-                raw = loop.run_until_complete(read_range(js, lo, hi))
-            except Exception as err:  # said in turn, below: no later range may be written
-                unread = f"reading the range {lo}..{hi} failed: {err!r}"
-            read_s = time.perf_counter() - t
+            raw, unread = loop.run_until_complete(pending)
+            pending = loop.create_task(read(*mine[k + 1])) if k + 1 < len(mine) else None
+            read_s = time.perf_counter() - t  # what the read left to wait for
             prepared = sink.prepare([convert_raw(seq, data) for seq, data in raw])
             waited = time.perf_counter()
-            if (token := turn_in.get()) is None:
+            if (token := loop.run_until_complete(loop.run_in_executor(None, turn_in.get))) is None:
                 raise ReplayError("the writer of the previous range exited without handing on the turn")
             failed, recent = token  # the previous range has committed (or failed)
             failed = failed or unread
@@ -400,6 +409,9 @@ def _writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tu
             if failed is not None:
                 return
     finally:
+        if pending is not None:
+            pending.cancel()
+            loop.run_until_complete(asyncio.gather(pending, return_exceptions=True))
         loop.run_until_complete(nc.close())
         loop.run_until_complete(conn.close())
 
