@@ -14,12 +14,14 @@ GPU machine by hand (docs/executor.md, "Checking on a real GPU")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import re
 import subprocess
 import sys
 import urllib.request
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -83,11 +85,22 @@ async def caught_up(js, dsn: str) -> bool:
         await conn.close()
 
 
-def accounting_process(nats_server, pg_dsn: str, port: int) -> subprocess.Popen:
+@contextlib.asynccontextmanager
+async def accounting_metrics(nats_server, admin_js, pg_dsn: str) -> AsyncIterator[bytes]:
+    """The accounting process, run until the block ends: its /metrics once it has caught up
+    with the log."""
+    port = devstack.free_port()
     env = {**os.environ, **nats_server.env("accounting"), "GPUSCHED_PG_DSN": pg_dsn,
            "GPUSCHED_METRICS_PORT": str(port), "GPUSCHED_TICK_S": "0.05"}
-    return subprocess.Popen([sys.executable, "-m", "services.accounting"], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "services.accounting"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await eventually(lambda: caught_up(admin_js, pg_dsn), timeout_s=30)
+        yield await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                                                     timeout=10).read())
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def cli(nats_server, pg_dsn: str, *args: str) -> str:
@@ -137,10 +150,7 @@ async def test_telemetry_from_the_executor_to_metrics_and_cli(nats_server, admin
     # one after the other, never overlapping (back to back unless a stalled window was dropped)
     assert starts == sorted(starts) and all(a.window_end <= b.window_start for a, b in zip(reports, reports[1:]))
 
-    port = devstack.free_port()
-    proc = accounting_process(nats_server, pg_dsn, port)
-    try:
-        await eventually(lambda: caught_up(admin_js, pg_dsn), timeout_s=30)
+    async with accounting_metrics(nats_server, admin_js, pg_dsn) as body:
         conn = await asyncpg.connect(pg_dsn)
         try:
             rows = await conn.fetch("SELECT * FROM gpu_telemetry ORDER BY window_start, gpu")
@@ -150,9 +160,6 @@ async def test_telemetry_from_the_executor_to_metrics_and_cli(nats_server, admin
         assert {(r["node"], r["gpu"]) for r in rows} == {("gpu-0", 0), ("gpu-0", 1)}
         assert any(r["gpu"] == 1 and r["allocated_samples"] > 0 and r["allocated_utilization"] == pytest.approx(0.02)
                    for r in rows)
-
-        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                                                      timeout=10).read())
         promtool_check(body)
         flavor = f'{{flavor="{FLAVOR}"}}'
         # both GPUs reported over the same windows: the mean of 0.6 and 0.02
@@ -174,9 +181,6 @@ async def test_telemetry_from_the_executor_to_metrics_and_cli(nats_server, admin
         promtool_check(prom)
         assert series(prom, "gpusched_gpu_allocated_idle_ratio") == {
             f"gpusched_gpu_allocated_idle_ratio{flavor}": pytest.approx(1.0)}
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 async def test_cpu_only_publishes_no_telemetry_and_the_metrics_say_so(nats_server, admin_js, pg_dsn, tmp_path):
@@ -189,12 +193,7 @@ async def test_cpu_only_publishes_no_telemetry_and_the_metrics_say_so(nats_serve
         await asyncio.sleep(3)  # three telemetry intervals
     assert await events(admin_js, "gpusched.node.*.telemetry") == []
 
-    port = devstack.free_port()
-    proc = accounting_process(nats_server, pg_dsn, port)
-    try:
-        await eventually(lambda: caught_up(admin_js, pg_dsn), timeout_s=30)
-        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                                                      timeout=10).read())
+    async with accounting_metrics(nats_server, admin_js, pg_dsn) as body:
         promtool_check(body)
         for name in ("gpusched_gpu_utilization_measured_ratio", "gpusched_gpu_allocated_idle_ratio",
                      "gpusched_gpu_allocated_idle_seconds"):
@@ -202,9 +201,6 @@ async def test_cpu_only_publishes_no_telemetry_and_the_metrics_say_so(nats_serve
         table = cli(nats_server, pg_dsn, "metrics")
         assert "GPU utilization: no NVML telemetry reported in the last 3600 s" in table
         assert "gpusched_gpu_utilization_measured_ratio" not in table
-    finally:
-        proc.terminate()
-        proc.wait(10)
     conn = await asyncpg.connect(pg_dsn)
     try:
         assert await conn.fetchval("SELECT count(*) FROM gpu_telemetry") == 0
@@ -270,12 +266,7 @@ async def test_a_busy_job_on_a_real_gpu_is_measured_end_to_end(nats_server, admi
         g = r.gpus[0]
         assert 0 < g.memory_used_mib <= g.memory_total_mib and (g.power_w is None or g.power_w > 0)
 
-    port = devstack.free_port()
-    proc = accounting_process(nats_server, pg_dsn, port)
-    try:
-        await eventually(lambda: caught_up(admin_js, pg_dsn), timeout_s=30)
-        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                                                      timeout=10).read())
+    async with accounting_metrics(nats_server, admin_js, pg_dsn) as body:
         label = f'{{flavor="{flavor}"}}'
         measured = series(body, "gpusched_gpu_utilization_measured_ratio")[
             f"gpusched_gpu_utilization_measured_ratio{label}"]
@@ -286,9 +277,6 @@ async def test_a_busy_job_on_a_real_gpu_is_measured_end_to_end(nats_server, admi
         # The job's first seconds (Python and CUDA starting) hold the GPU idle, and count as
         # allocated-idle; the two busy windows waited for above do not.
         assert measured > 0.2 and 0 <= idle < 1 and held * (1 - idle) >= 1.5
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 async def test_measured_utilization_is_time_weighted_clipped_and_idempotent(pg_dsn):
