@@ -131,8 +131,8 @@ async def rebuild(js, dsn: str, schema: str, *, from_seq: int | None = None, fro
                   to_seq: int | None = None, batch: int = 20_000,
                   on_batch: Callable[[Progress], None] | None = None) -> Progress:
     """A fresh shadow from the log: reset, load it with its secondary indexes deferred by
-    writer processes that each read their own ranges of the log, then build the indexes. A window (``from_seq``/``from_time``) starts the
-    shadow just before it."""
+    writer processes that each read their own ranges of the log, then build the indexes. A
+    window (``from_seq``/``from_time``) starts the shadow just before it."""
     await reset(dsn, schema)
     await defer_indexes(dsn, schema)
     conn = await connect(dsn, schema)
@@ -152,7 +152,7 @@ async def rebuild(js, dsn: str, schema: str, *, from_seq: int | None = None, fro
 class Progress:
     applied: int = 0
     last_sequence: int = 0
-    apply_s: float = 0.0  # time spent writing batches (overlaps reading and parsing the next)
+    apply_s: float = 0.0  # time spent writing batches (writer processes: parsing and writing)
     wait_s: float = 0.0  # time the reader waited for the writer (writer processes: for the turn)
     read_s: float = 0.0  # writer processes: time spent waiting for a range's read (the rest overlaps)
     writer_cpu_s: float = 0.0  # CPU time of the writer processes (reading, parsing, converting, encoding)

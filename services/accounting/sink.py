@@ -149,6 +149,7 @@ def _update_layout(statement: str) -> tuple[int, ...]:
 
 _NO_CHANGE = (False, None) * len(_JOB_COLUMNS)
 _WAIT_REASON = _update_layout("set_state:reason,message")
+_layouts: dict[str, tuple[int, ...]] = {}  # set_state statement -> its layout (a handful of call sites)
 
 
 def _normalize(op: Op) -> tuple[str, tuple]:
@@ -209,9 +210,6 @@ def plan(ops: list[Op]) -> list[tuple[str, list[tuple]]]:
     if updates:
         grouped[(_PHASE["job_update"], "job_update")] = [tuple(r) for r in updates.values()]
     return [(name, rows) for (_, name), rows in sorted(grouped.items())] + ordered
-
-
-_layouts: dict[str, tuple[int, ...]] = {}  # set_state statement -> its layout (a handful of call sites)
 
 
 async def _fold(conn: asyncpg.Connection, groups: list[tuple[str, list[tuple]]]) -> list[tuple[str, list[tuple]]]:
@@ -432,7 +430,6 @@ class Prepared:
 
     entries: list[tuple[int, str | None, list[Op]]]
     first: dict[str, int]  # event id -> its first sequence in the batch
-    ids: list[tuple[str, int]]  # applied_events' rows: (id, first sequence) of each id
     groups: list[tuple[str, list[tuple]]]
     applied: int  # events planned
     low: int  # the batch's lowest and highest sequence (0 if empty)
@@ -454,8 +451,7 @@ def prepare(batch: list[Entry], skip: frozenset[str] | set[str] = frozenset()) -
         ops += event_ops
         applied += 1
     seqs = [e[0] for e in entries]
-    ids = list(first.items())
-    return Prepared(entries, first, ids, plan(ops), applied, min(seqs, default=0), max(seqs, default=0))
+    return Prepared(entries, first, plan(ops), applied, min(seqs, default=0), max(seqs, default=0))
 
 
 async def apply_batch(conn: asyncpg.Connection, batch: list[Entry] | Prepared, projection: str = PROJECTION, *,
@@ -479,7 +475,7 @@ async def _record_applied(conn: asyncpg.Connection, prepared: Prepared, applied_
     batch applied. ``applied_filter``: a filter (``in``, ``add``) holding at least every id
     applied to this target so far, and maybe others (a Bloom filter, for a replay into a fresh
     shadow): an id not in it needs no lookup."""
-    if not prepared.ids:
+    if not prepared.first:
         return set()
     if applied_filter is None:
         maybe = list(prepared.first)
@@ -490,9 +486,10 @@ async def _record_applied(conn: asyncpg.Connection, prepared: Prepared, applied_
         earlier = {r[0] for r in await conn.fetch(
             "SELECT event_id FROM applied_events WHERE event_key = ANY(SELECT md5(i)::uuid FROM unnest($1::text[]) i)",
             maybe)}
-    await conn.copy_records_to_table(
-        "applied_events", records=[r for r in prepared.ids if r[0] not in earlier] if earlier else prepared.ids,
-        columns=["event_id", "sequence"])
+    records = list(prepared.first.items())  # (id, its first sequence in the batch)
+    if earlier:
+        records = [r for r in records if r[0] not in earlier]
+    await conn.copy_records_to_table("applied_events", records=records, columns=["event_id", "sequence"])
     if applied_filter is not None:
         for event_id in prepared.first:
             applied_filter.add(event_id)

@@ -23,10 +23,9 @@ def test_ranges_cover_the_log_once_in_order(start, length, batch):
     assert all(hi - lo + 1 == batch for lo, hi in got[:-1]) and all(0 < hi - lo + 1 <= batch for lo, hi in got)
 
 
-def test_each_writer_gets_every_writers_th_range():
-    got = ranges(10, 109, 20)
-    assert got == [(10, 29), (30, 49), (50, 69), (70, 89), (90, 109)]
-    assert got[1::2] == [(30, 49), (70, 89)]  # writer 1 of 2
+def test_ranges_of_a_log_that_does_not_start_at_one():
+    assert ranges(10, 109, 20) == [(10, 29), (30, 49), (50, 69), (70, 89), (90, 109)]
+    assert ranges(10, 105, 20)[-1] == (90, 105)
 
 
 class _Node:
