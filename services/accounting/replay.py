@@ -106,22 +106,55 @@ async def defer_indexes(dsn: str, schema: str) -> list[str]:
     return [r["relname"] for r in rows] + [key["conname"]]
 
 
-async def build_indexes(dsn: str, schema: str) -> list[str]:
-    """Build the indexes :func:`defer_indexes` dropped (none if there are none); a shadow is
-    swapped in only with all its indexes."""
+INDEX_BUILDERS = 2
+"""Sessions that build a shadow's deferred indexes and analyze its tables at once: each build
+and each ANALYZE keeps one core busy, and a rebuild's last seconds are spent there."""
+
+
+async def build_indexes(dsn: str, schema: str, *, sessions: int = INDEX_BUILDERS) -> list[str]:
+    """Build the indexes :func:`defer_indexes` dropped (none if there are none), then analyze
+    the tables, on ``sessions`` connections at once; a shadow is swapped in only with all its
+    indexes. Each index is built in a transaction that also strikes it off ``deferred_indexes``,
+    so a build that fails part way resumes with what is left; the last one drops the list and
+    turns autovacuum back on."""
     conn = await connect(dsn, schema)
     try:
         if not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{q(schema)}.deferred_indexes"):
             return []
+        rows = await conn.fetch("SELECT name, ddl FROM deferred_indexes ORDER BY name")
+        # applied_events' key (one entry per event) is the longest build: it goes first.
+        rows = sorted(rows, key=lambda r: not r["ddl"].startswith("ALTER TABLE"))
+        work: asyncio.Queue = asyncio.Queue()
+        for r in rows:
+            work.put_nowait((r["name"], r["ddl"]))
+        for table in TABLES:  # statistics for the load, after the builds (an ANALYZE waits for a build's lock)
+            work.put_nowait((None, f"ANALYZE {q(schema)}.{table}"))
+
+        async def builder() -> None:
+            session = await connect(dsn, schema)
+            try:
+                await session.execute("SET maintenance_work_mem = '256MB'")
+                while not work.empty():
+                    name, sql = work.get_nowait()
+                    async with session.transaction():
+                        await session.execute(sql)
+                        if name is not None:
+                            await session.execute("DELETE FROM deferred_indexes WHERE name = $1", name)
+            finally:
+                await session.close()
+
+        builders = [asyncio.create_task(builder()) for _ in range(max(1, sessions))]
+        try:
+            await asyncio.gather(*builders)
+        except BaseException:  # a failed build stops the others; the list keeps what is left
+            for task in builders:
+                task.cancel()
+            await asyncio.gather(*builders, return_exceptions=True)
+            raise
         async with conn.transaction():
-            rows = await conn.fetch("SELECT name, ddl FROM deferred_indexes ORDER BY name")
-            await conn.execute("SET LOCAL maintenance_work_mem = '256MB'")
-            for r in rows:
-                await conn.execute(r["ddl"])
             await conn.execute("DROP TABLE deferred_indexes")
             for table in TABLES:
                 await conn.execute(f"ALTER TABLE {q(schema)}.{table} RESET (autovacuum_enabled)")
-        await conn.execute("ANALYZE " + ", ".join(f"{q(schema)}.{t}" for t in TABLES))  # statistics for the load
     finally:
         await conn.close()
     return [r["name"] for r in rows]
@@ -299,9 +332,10 @@ async def read_range(js, lo: int, hi: int, *, chunk: int = PULL_CHUNK) -> Raw:
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     nc = js._nc
+    # No filter: the stream holds the events only, and a filtered consumer costs the server a
+    # count of what matches after its start, each range (32–42 ms on 400,000 messages here).
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                            opt_start_seq=lo, filter_subject=f"{SUBJECT_PREFIX}.>", inactive_threshold=30.0,
-                            mem_storage=True)
+                            opt_start_seq=lo, inactive_threshold=30.0, mem_storage=True)
     consumer = (await js.add_consumer(eventlog.EVENTS_STREAM, config=config)).name
     out: Raw = []
     state = {"got": 0, "want": 0, "status": None, "top": lo - 1}

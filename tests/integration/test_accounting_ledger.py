@@ -620,6 +620,33 @@ async def test_a_rebuild_whose_writer_is_killed_fails_and_keeps_a_consistent_pos
         await conn.close()
 
 
+async def test_a_failed_index_build_resumes_with_what_is_left(pg_dsn):
+    """The deferred indexes are built on two sessions, each in its own transaction that strikes
+    it off the list: a build that fails leaves the list with the failed one (and any not reached),
+    none built twice, and the next build finishes the rest, then drops the list."""
+    await replay.reset(pg_dsn, "resume")
+    deferred = await replay.defer_indexes(pg_dsn, "resume")
+    conn = await replay.connect(pg_dsn, "resume")
+    try:
+        # the last of the list (built in name order, after applied_events' key)
+        await conn.execute("INSERT INTO deferred_indexes VALUES ('zz_broken', 'CREATE INDEX zz ON no_such_table (x)')")
+        with pytest.raises(asyncpg.UndefinedTableError):
+            await replay.build_indexes(pg_dsn, "resume")
+        left = {r[0] for r in await conn.fetch("SELECT name FROM deferred_indexes")}
+        assert "zz_broken" in left
+        built = {r[0] for r in await conn.fetch("SELECT indexname FROM pg_indexes WHERE schemaname = 'resume'")}
+        assert built & set(deferred) and not built & left  # what was built is off the list
+        await conn.execute("DELETE FROM deferred_indexes WHERE name = 'zz_broken'")
+        assert sorted(await replay.build_indexes(pg_dsn, "resume")) == sorted(left - {"zz_broken"})
+        assert await conn.fetchval("SELECT to_regclass('deferred_indexes')") is None
+        names = {r[0] for r in await conn.fetch("SELECT indexname FROM pg_indexes WHERE schemaname = 'resume'")}
+        assert set(deferred) <= names
+        assert await conn.fetchval(
+            "SELECT reloptions FROM pg_class WHERE oid = 'resume.jobs'::regclass") is None  # autovacuum back on
+    finally:
+        await conn.close()
+
+
 async def test_a_statement_counts_running_attempts_and_is_revised_by_a_late_end(nats_server, admin_js, pg_dsn,
                                                                                 cli_env):
     """November's statement counts the November part of an attempt still running, and of one
