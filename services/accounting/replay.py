@@ -332,8 +332,8 @@ async def read_range(js, lo: int, hi: int, *, chunk: int = PULL_CHUNK) -> Raw:
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     nc = js._nc
-    # No filter: the stream holds the events only, and a filtered consumer costs the server a
-    # count of what matches after its start, each range (32–42 ms on 400,000 messages here).
+    # No filter: the stream holds the events only, and a consumer filtered on them cost the
+    # server 63–73 ms of CPU to create on 1,000,000 messages here (1 ms unfiltered), each range.
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                             opt_start_seq=lo, inactive_threshold=30.0, mem_storage=True)
     consumer = (await js.add_consumer(eventlog.EVENTS_STREAM, config=config)).name
