@@ -124,18 +124,15 @@ async def build_indexes(dsn: str, schema: str, *, sessions: int = INDEX_BUILDERS
         rows = await conn.fetch("SELECT name, ddl FROM deferred_indexes ORDER BY name")
         # applied_events' key (one entry per event) is the longest build: it goes first.
         rows = sorted(rows, key=lambda r: not r["ddl"].startswith("ALTER TABLE"))
-        work: asyncio.Queue = asyncio.Queue()
-        for r in rows:
-            work.put_nowait((r["name"], r["ddl"]))
-        for table in TABLES:  # statistics for the load, after the builds (an ANALYZE waits for a build's lock)
-            work.put_nowait((None, f"ANALYZE {q(schema)}.{table}"))
+        # One iterator for all sessions: each statement is taken by one. The ANALYZEs (statistics
+        # for the load) come after the builds: one waits for a build on its table anyway.
+        work = iter([(r["name"], r["ddl"]) for r in rows] + [(None, f"ANALYZE {q(schema)}.{t}") for t in TABLES])
 
         async def builder() -> None:
             session = await connect(dsn, schema)
             try:
                 await session.execute("SET maintenance_work_mem = '256MB'")
-                while not work.empty():
-                    name, sql = work.get_nowait()
+                for name, sql in work:
                     async with session.transaction():
                         await session.execute(sql)
                         if name is not None:
