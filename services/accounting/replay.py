@@ -414,12 +414,12 @@ def _writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tu
             pending = loop.create_task(read(*mine[k + 1])) if k + 1 < len(mine) else None
             read_s = time.perf_counter() - t  # what the read left to wait for
             prepared = sink.prepare([convert_raw(seq, data) for seq, data in raw])
-            waited = time.perf_counter()
+            turn_asked = time.perf_counter()
             if (token := loop.run_until_complete(loop.run_in_executor(None, turn_in.get))) is None:
                 raise ReplayError("the writer of the previous range exited without handing on the turn")
             failed, recent = token  # the previous range has committed (or failed)
             failed = failed or unread
-            waited = time.perf_counter() - waited
+            waited = time.perf_counter() - turn_asked
             ids = list(prepared.first)
             if failed is None:
                 if applied is not None:
@@ -502,6 +502,11 @@ class RangeWriters:
             self._procs[i].join(5)
             raise ReplayError(f"writer process {i} exited (code {self._procs[i].exitcode}) before its result") from None
 
+    def kill(self) -> None:
+        """Stop every writer now (a failed or interrupted rebuild leaves none behind)."""
+        for proc in self._procs:
+            proc.kill()
+
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
         for proc in self._procs:
@@ -526,8 +531,7 @@ async def _write_ranges(js, dsn: str, schema: str, start: int, end: int, batch: 
             if on_batch:
                 on_batch(progress)
     except BaseException:
-        for proc in writers._procs:  # a failed or interrupted rebuild leaves no writer behind
-            proc.kill()
+        writers.kill()
         raise
     finally:
         await writers.close()
