@@ -587,6 +587,41 @@ async def test_writers_read_around_deleted_sequences_and_from_a_time(admin_js, p
     assert future.applied == 0
 
 
+async def test_a_range_read_past_nats_pys_message_handling_reads_what_the_plain_client_reads(admin_js,
+                                                                                             monkeypatch):
+    """The writers' client takes JetStream's deliveries straight from nats-py's parser: the same
+    (sequence, payload) pairs as nats-py's ordinary path, around a deleted sequence, in several
+    pull requests and up to a range past the log's end (answered by a status), with none of the
+    deliveries passing through nats-py's per-message handling."""
+    log = eventlog.EventLog(admin_js)
+    start = await eventlog.last_sequence(admin_js) + 1
+    for e in job("rr0", "team-a", gpus=1) + job("rr1", "team-a", gpus=1):
+        await log.append(e)
+    end = await eventlog.last_sequence(admin_js)
+    await admin_js.delete_msg(eventlog.EVENTS_STREAM, start + 3)
+    handled: list = []  # the clients whose deliveries went through nats-py's handling
+    ordinary = replay.NatsClient._process_msg
+
+    async def counting(self, sid, subject, reply, data, headers):
+        if reply.startswith(b"$JS.ACK."):
+            handled.append(self)
+        return await ordinary(self, sid, subject, reply, data, headers)
+
+    monkeypatch.setattr(replay.NatsClient, "_process_msg", counting)
+    plain = await replay.read_range(admin_js, start, end + 5, chunk=3)
+    assert [seq for seq, _ in plain] == [q for q in range(start, end + 1) if q != start + 3]
+    assert handled.count(admin_js._nc) == len(plain)
+    nc = await replay.NatsOptions.of(admin_js).connect()
+    try:
+        assert isinstance(nc, replay.RangeClient)
+        assert await replay.read_range(nc.jetstream(), start, end + 5, chunk=3) == plain
+        assert await replay.read_range(nc.jetstream(), start + 2, end - 1) == [
+            p for p in plain if start + 2 <= p[0] < end]
+    finally:
+        await nc.close()
+    assert nc not in handled
+
+
 async def test_a_rebuild_whose_writer_is_killed_fails_and_keeps_a_consistent_position(admin_js, pg_dsn):
     """A writer process killed (SIGKILL) while a rebuild runs: the rebuild stops with an error
     naming the writer instead of waiting for it, the other writer stops too, and the shadow's
