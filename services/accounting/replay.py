@@ -360,7 +360,8 @@ async def read_range(js, lo: int, hi: int, *, chunk: int = PULL_CHUNK) -> Raw:
     """The log's (stream sequence, payload) pairs with lo <= sequence <= hi, in order, through
     an ephemeral pull consumer that starts at ``lo`` and needs no acks. Requests ask for what is
     available (``no_wait``): a sequence deleted from the stream is simply not there, and a
-    request that finds nothing more ends the range."""
+    request that finds nothing more ends the range. Through a :class:`RangeClient` (the
+    writers'), the deliveries skip nats-py's per-message handling."""
     import json
 
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
