@@ -44,9 +44,11 @@ def lifecycle(job_id: str, gpus: int, runtime_s: float, team: str = "team-a") ->
 async def totals(dsn: str):
     conn = await asyncpg.connect(dsn)
     try:
-        rows = await conn.fetch("SELECT job_id, gpu_seconds FROM usage_ledger ORDER BY job_id")
-        pos = await sink.position(conn)
-        states = dict(await conn.fetch("SELECT job_id, state FROM jobs"))
+        # One snapshot: read apart, a batch committed in between gave a position past the rows read.
+        async with conn.transaction(isolation="repeatable_read", readonly=True):
+            rows = await conn.fetch("SELECT job_id, gpu_seconds FROM usage_ledger ORDER BY job_id")
+            pos = await sink.position(conn)
+            states = dict(await conn.fetch("SELECT job_id, state FROM jobs"))
         return {r["job_id"]: r["gpu_seconds"] for r in rows}, pos, states
     finally:
         await conn.close()
