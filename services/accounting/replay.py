@@ -437,6 +437,12 @@ def _writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tu
     collector.__enter__()  # for the life of the process
     loop = asyncio.new_event_loop()
     conn = loop.run_until_complete(connect(dsn, schema))
+    # Ranges commit one at a time, each after the previous one's commit: a commit that waited
+    # for its WAL flush (16 ms each here) would hold up every writer. So they do not wait,
+    # except this writer's last range: its flush makes every range before it durable too. A
+    # Postgres crash before then loses the last commits together with the position that covers
+    # them (a commit is still all or nothing), and a rerun applies those ranges again.
+    loop.run_until_complete(conn.execute("SET synchronous_commit = off"))
     nc = loop.run_until_complete(nats_options.connect())
     js = nc.jetstream()
     applied = None
@@ -480,6 +486,8 @@ def _writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tu
                     for batch_ids in recent:
                         applied.update(batch_ids)
                 try:
+                    if k == len(mine) - 1:
+                        loop.run_until_complete(conn.execute("SET synchronous_commit = on"))
                     loop.run_until_complete(sink.apply_batch(conn, prepared, applied_filter=applied))
                 except Exception as err:
                     failed = f"the range {lo}..{hi} failed: {err!r}"
