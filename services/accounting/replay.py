@@ -474,27 +474,36 @@ def _writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tu
             pending = loop.create_task(read(*mine[k + 1])) if k + 1 < len(mine) else None
             read_s = time.perf_counter() - t  # what the read left to wait for
             prepared = sink.prepare([convert_raw(seq, data) for seq, data in raw])
+            ids = list(prepared.first)
+            # The filter holds the ids of every range this writer has heard of; what it flags
+            # is found before the turn, which holds up every writer, and the ranges committed
+            # since (the token's) are checked exactly in it.
+            flagged = own = None
+            if applied is not None:
+                own = set(ids)
+                flagged = {event_id for event_id in ids if event_id in applied}
             turn_asked = time.perf_counter()
             if (token := loop.run_until_complete(loop.run_in_executor(None, turn_in.get))) is None:
                 raise ReplayError("the writer of the previous range exited without handing on the turn")
             failed, recent = token  # the previous range has committed (or failed)
             failed = failed or unread
             waited = time.perf_counter() - turn_asked
-            ids = list(prepared.first)
             if failed is None:
-                if applied is not None:
-                    for batch_ids in recent:
-                        applied.update(batch_ids)
+                maybe = None if own is None else flagged.union(*(own.intersection(batch) for batch in recent))
                 try:
                     if k == len(mine) - 1:
                         loop.run_until_complete(conn.execute("SET synchronous_commit = on"))
-                    loop.run_until_complete(sink.apply_batch(conn, prepared, applied_filter=applied))
+                    loop.run_until_complete(sink.apply_batch(conn, prepared, maybe_applied=maybe))
                 except Exception as err:
                     failed = f"the range {lo}..{hi} failed: {err!r}"
             try:  # the next writer needs the ids of the writers - 1 ranges since its own last one
                 turn_out.send((failed, (recent + [ids])[-(writers - 1):] if writers > 1 else []))
             except OSError:  # it has no range left and has exited: nobody needs the turn
                 pass
+            if applied is not None and failed is None:  # after the turn is handed on
+                for batch in recent:
+                    applied.update(batch)
+                applied.update(ids)
             n = len(raw)
             del prepared, ids, raw
             collector.after_batch()

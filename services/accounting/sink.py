@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Container
 from dataclasses import dataclass
 from importlib import resources
 
@@ -455,32 +456,34 @@ def prepare(batch: list[Entry], skip: frozenset[str] | set[str] = frozenset()) -
 
 
 async def apply_batch(conn: asyncpg.Connection, batch: list[Entry] | Prepared, projection: str = PROJECTION, *,
-                      applied_filter=None) -> int:
+                      maybe_applied: Container[str] | None = None) -> int:
     """Apply the operations of every event newer than the stored position and not applied
     before (by event id), then store the new position, all in one transaction. Returns how many
     events were applied. ``batch``: entries, or entries prepared (:func:`prepare`).
-    ``applied_filter``: see :func:`_record_applied`."""
+    ``maybe_applied``: see :func:`_record_applied`."""
     prepared = batch if isinstance(batch, Prepared) else prepare(batch)
     if not prepared.entries:
         return 0
     try:
-        return await _apply_batch(conn, prepared, projection, applied_filter)
+        return await _apply_batch(conn, prepared, projection, maybe_applied)
     except BaseException:
         _staged.pop(conn, None)  # temporary tables created in the rolled-back transaction are gone
         raise
 
 
-async def _record_applied(conn: asyncpg.Connection, prepared: Prepared, applied_filter=None) -> set[str]:
+async def _record_applied(conn: asyncpg.Connection, prepared: Prepared,
+                          maybe_applied: Container[str] | None = None) -> set[str]:
     """Record the batch's event ids (at their first sequence in it) and return those an earlier
-    batch applied. ``applied_filter``: a filter (``in``, ``add``) holding at least every id
-    applied to this target so far, and maybe others (a Bloom filter, for a replay into a fresh
-    shadow): an id not in it needs no lookup."""
+    batch applied. ``maybe_applied``: ids that may have been applied to this target before,
+    at least every one that was (for a replay into a fresh shadow: what its Bloom filter of the
+    ids applied so far lets through); an id not in it needs no lookup. None: every id is
+    looked up."""
     if not prepared.first:
         return set()
-    if applied_filter is None:
+    if maybe_applied is None:
         maybe = list(prepared.first)
     else:
-        maybe = [event_id for event_id in prepared.first if event_id in applied_filter]
+        maybe = [event_id for event_id in prepared.first if event_id in maybe_applied]
     earlier: set[str] = set()
     if maybe:  # by the key Postgres derives from the id (migration 008): the primary key's index
         earlier = {r[0] for r in await conn.fetch(
@@ -490,13 +493,11 @@ async def _record_applied(conn: asyncpg.Connection, prepared: Prepared, applied_
     if earlier:
         records = [r for r in records if r[0] not in earlier]
     await conn.copy_records_to_table("applied_events", records=records, columns=["event_id", "sequence"])
-    if applied_filter is not None:
-        for event_id in prepared.first:
-            applied_filter.add(event_id)
     return earlier
 
 
-async def _apply_batch(conn: asyncpg.Connection, prepared: Prepared, projection: str, applied_filter) -> int:
+async def _apply_batch(conn: asyncpg.Connection, prepared: Prepared, projection: str,
+                       maybe_applied: Container[str] | None) -> int:
     async with conn.transaction():
         await conn.execute(
             "INSERT INTO projection_position (projection, last_sequence) VALUES ($1, 0) ON CONFLICT DO NOTHING",
@@ -508,7 +509,7 @@ async def _apply_batch(conn: asyncpg.Connection, prepared: Prepared, projection:
         if prepared.low <= current:  # some of it is applied already (a redelivery): plan what is left
             prepared = prepare([e for e in prepared.entries if e[0] > current])
         high = max(prepared.high, current)
-        earlier = await _record_applied(conn, prepared, applied_filter)  # ids applied by an earlier batch
+        earlier = await _record_applied(conn, prepared, maybe_applied)  # ids applied by an earlier batch
         if earlier:
             prepared = prepare(prepared.entries, skip=earlier)
         for name, rows in await _fold(conn, prepared.groups):
