@@ -475,9 +475,9 @@ def _writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tu
             read_s = time.perf_counter() - t  # what the read left to wait for
             prepared = sink.prepare([convert_raw(seq, data) for seq, data in raw])
             ids = list(prepared.first)
-            # The filter holds the ids of every range this writer has heard of; what it flags
-            # is found before the turn, which holds up every writer, and the ranges committed
-            # since (the token's) are checked exactly in it.
+            # The filter holds the ids of every range this writer has heard of so far: what it
+            # flags is found before the turn (which holds up every writer); in the turn, only
+            # the ids of the ranges committed since (the token's) are checked, exactly.
             flagged = own = None
             if applied is not None:
                 own = set(ids)
