@@ -320,10 +320,10 @@ class RangeClient(NatsClient):
     """nats-py's client with a shortcut for the writers' range reads. nats-py hands each message
     from its protocol parser to ``_process_msg``, which parses its headers, builds a Msg and
     queues it for the subscription's task, which then awaits its callback: about a quarter of a
-    writer's CPU in a profile, for reads that keep only a message's sequence and payload. The deliveries
-    (messages with a reply subject) to a subscription registered with :meth:`deliver_raw` go as
-    ``(reply, payload)`` straight from the parser to its handler instead; its status messages
-    (no reply subject) still reach the subscription's callback.
+    writer's CPU in a profile, for reads that keep only a message's sequence and payload. The
+    deliveries (messages with a reply subject) to a subscription registered with
+    :meth:`deliver_raw` go as ``(reply, payload)`` straight from the parser to its handler
+    instead; its status messages (no reply subject) still reach the subscription's callback.
 
     Both hooks are nats-py's own, private ones (as of nats-py 2.16): ``_process_msg(sid, subject,
     reply, data, headers)``, its entry point from the parser, and a subscription's ``_id`` (its
@@ -738,12 +738,13 @@ async def ordered_read(js, *, start: int, end: int, from_time: datetime | None =
             pass
 
 
-def reply_sequence(reply: bytes) -> int:
-    """The stream sequence from a JetStream delivery's reply subject, without building nats-py's
-    metadata object: ``$JS.ACK.<stream>.<consumer>.<delivered>.<seq>...`` (9 tokens) or, with
-    domain and account hash, ``$JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<seq>...``
-    (12 tokens). ValueError for anything else."""
-    tokens = reply.split(b".")
+def reply_sequence(reply: bytes | str) -> int:
+    """The stream sequence from a JetStream delivery's reply subject (as the parser hands it
+    over, or as nats-py's Msg has it), without building nats-py's metadata object:
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<seq>...`` (9 tokens) or, with domain and account
+    hash, ``$JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<seq>...`` (12 tokens).
+    ValueError for anything else."""
+    tokens = reply.split(b"." if isinstance(reply, bytes) else ".")
     if len(tokens) == 9:
         return int(tokens[5])
     if len(tokens) >= 12:
@@ -754,7 +755,7 @@ def reply_sequence(reply: bytes) -> int:
 def stream_sequence(msg) -> int:
     """:func:`reply_sequence` of a nats-py message (its metadata, if the subject is not one)."""
     try:
-        return reply_sequence((msg.reply or "").encode())
+        return reply_sequence(msg.reply or "")
     except ValueError:
         return msg.metadata.sequence.stream
 

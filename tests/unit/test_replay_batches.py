@@ -30,7 +30,7 @@ def test_ranges_cover_the_log_once_in_order(start, length, batch):
     (b"$JS.ACK.hub.ACCHASH.EVENTS.Xb2kQ.1.40007.12.1764855000000000000.3.tok", 40007),  # domain, account hash
 ])
 def test_the_stream_sequence_of_a_delivery(reply, seq):
-    assert reply_sequence(reply) == seq
+    assert reply_sequence(reply) == reply_sequence(reply.decode()) == seq
 
 
 @pytest.mark.parametrize("reply", [b"_INBOX.abc", b"", b"$JS.ACK.EVENTS.c.1.x.1.2.3",
