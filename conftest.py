@@ -15,8 +15,10 @@ import nats
 import pytest
 import pytest_asyncio
 
-from gpusched import devstack, eventlog
-from gpusched.settings import Settings
+from gpusched import devstack
+
+from runtime import eventlog
+from runtime.settings import Settings
 
 TEST_TEAMS = ("team-a", "team-b", "team-c")
 

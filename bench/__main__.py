@@ -20,7 +20,9 @@ import asyncpg
 import nats
 import psutil
 
-from gpusched import client, devstack, eventlog
+from gpusched import client, devstack
+
+from runtime import eventlog
 from schemas import JobSpec, SubmitJob, parse_event
 from schemas.queue import FlavorQuota, QueueConfigured
 

@@ -27,7 +27,9 @@ import asyncpg
 import nats
 import psutil
 
-from gpusched import devstack, eventlog
+from gpusched import devstack
+
+from runtime import eventlog
 from schemas import (
     JobAdmitted, JobCheckpointed, JobScheduled, JobSpec, JobStarted, JobSubmitted, JobSucceeded, NodeAssignment,
     QuotaReleased, QuotaReserved, dumps, event_subject, new_event,

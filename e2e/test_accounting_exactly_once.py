@@ -11,7 +11,8 @@ import asyncpg
 import pytest
 
 from conftest import eventually
-from gpusched import devstack, eventlog
+from gpusched import devstack
+from runtime import eventlog
 from schemas.registry import dumps, event_subject
 from services.accounting import sink
 from tests.integration.test_accounting_ledger import job

@@ -21,7 +21,8 @@ import asyncpg
 import pytest
 
 from conftest import connect_as, eventually
-from gpusched import client, devstack, eventlog
+from gpusched import client, devstack
+from runtime import eventlog
 from schemas import JobSpec, SubmitJob, parse_event
 from schemas.queue import FlavorQuota, QueueConfigured
 

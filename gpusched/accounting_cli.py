@@ -18,7 +18,9 @@ from typing import Any, Callable, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from gpusched import client, eventlog, pricebook
+from gpusched import client, pricebook
+
+from runtime import eventlog
 from gpusched.client import Connection, UserError
 from schemas import ChargebackStatementIssued, parse_event
 from schemas.registry import SUBJECT_PREFIX, subject_token

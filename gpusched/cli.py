@@ -18,9 +18,11 @@ from rich.markup import escape
 from rich.text import Text
 from rich.table import Table
 
-from gpusched import accounting_cli, client, eventlog, observability, pricebook
+from gpusched import accounting_cli, client, pricebook
+
+from runtime import eventlog, observability
 from gpusched.client import Connection, UserError
-from gpusched.settings import Settings
+from runtime.settings import Settings
 
 app = typer.Typer(help="gpusched: GPU job scheduling on an event log.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -311,7 +313,7 @@ def sim_cmd(
     """Replay a GPU cluster trace through the quota, scheduler and sim-executor cores."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gpusched import replay as rp
+    from gpusched import tracesim as rp
     from services.scheduler.placement import parse_policy
 
     try:

@@ -19,7 +19,7 @@ import yaml
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gpusched import eventlog, observability
+from runtime import eventlog, observability
 from schemas import (
     CancelJob, CohortConfigured, Event, QueueConfigured, QueueDeleted, ReportCheckpoint, SubmitJob, new_event,
     parse_event,
@@ -77,7 +77,7 @@ class Connection:
             raise UserError(f"cannot connect to Postgres: {err}") from None
 
 
-def _first_error(err: ValidationError, source: str) -> str:
+def first_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors(include_url=False)[:5]:
         where = ".".join(str(p) for p in e["loc"]) or "(root)"
@@ -105,7 +105,7 @@ def submit_command_from_file(path: Path, submitter: str | None = None) -> Submit
     try:
         command = SubmitJob.model_validate(raw)
     except ValidationError as err:
-        raise UserError(_first_error(err, str(path))) from None
+        raise UserError(first_error(err, str(path))) from None
     if command.job_id is None:
         command = command.model_copy(update={"job_id": new_job_id(command)})
     return command
@@ -160,7 +160,7 @@ async def report_checkpoint(js: JetStreamContext, job_id: str, team: str, attemp
         command = ReportCheckpoint(job_id=job_id, attempt=attempt, checkpointed_at=checkpointed_at or utcnow(),
                                    step=step, location=location, reported_by=reported_by)
     except ValidationError as err:
-        raise UserError(_first_error(err, "checkpoint")) from None
+        raise UserError(first_error(err, "checkpoint")) from None
     return await publish_command(js, team, "checkpoint", command)
 
 
@@ -267,7 +267,7 @@ def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = Fa
     try:
         parsed = QueuesFile.model_validate(raw)
     except ValidationError as err:
-        raise UserError(_first_error(err, str(path))) from None
+        raise UserError(first_error(err, str(path))) from None
     out: list[Event] = []
     for i, c in enumerate(parsed.cohorts):
         existing_c = config.cohorts.get(c.name)
@@ -277,7 +277,7 @@ def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = Fa
             out.append(new_event(CohortConfigured, aggregate_id=c.name, producer="config", occurred_at=now,
                                  key=f"{c.model_dump_json()}@{now.isoformat()}", **c.model_dump()))
         except ValidationError as err:
-            raise UserError(_first_error(err, f"{path}: cohorts[{i}] ({c.name})")) from None
+            raise UserError(first_error(err, f"{path}: cohorts[{i}] ({c.name})")) from None
     names = [q.name for q in parsed.queues]
     if dupes := sorted({n for n in names if names.count(n) > 1}):
         raise UserError(f"{path}: queues: name(s) {dupes} appear more than once; each queue once")
@@ -287,7 +287,7 @@ def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = Fa
                 event_id="pending", aggregate_id=q.name, occurred_at=now, producer="config", **q.model_dump()
             )
         except ValidationError as err:
-            raise UserError(_first_error(err, f"{path}: queues[{i}] ({q.name})")) from None
+            raise UserError(first_error(err, f"{path}: queues[{i}] ({q.name})")) from None
         existing = current.get(q.name)
         if existing is not None and _config_payload(existing) == _config_payload(event):
             continue

@@ -21,8 +21,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from gpusched import client, devstack, eventlog
-from gpusched.settings import Settings
+from gpusched import client, devstack
+
+from runtime import eventlog
+from runtime.settings import Settings
 from schemas import JobSpec, SubmitJob
 from services.executor.cluster import load_cluster  # the dev stack runs the sim cluster it loads
 from schemas.job import JobKind

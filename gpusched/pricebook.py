@@ -22,8 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gpusched import eventlog
-from gpusched.client import UserError, _first_error, load_yaml
+from runtime import eventlog
+from gpusched.client import UserError, first_error, load_yaml
 from schemas import PriceBookUpdated, new_event, parse_event
 from schemas.registry import SUBJECT_PREFIX
 
@@ -68,7 +68,7 @@ def plan(path: Path, existing: dict[tuple[str, datetime], PriceBookUpdated], now
     try:
         parsed = PriceBooksFile.model_validate(raw)
     except ValidationError as err:
-        raise UserError(_first_error(err, str(path))) from None
+        raise UserError(first_error(err, str(path))) from None
     out = []
     for i, book in enumerate(parsed.price_books):
         fields = book.model_dump()
@@ -77,7 +77,7 @@ def plan(path: Path, existing: dict[tuple[str, datetime], PriceBookUpdated], now
             probe = PriceBookUpdated(event_id="pending", aggregate_id=book.name, occurred_at=now, producer="config",
                                      **fields)
         except ValidationError as err:
-            raise UserError(_first_error(err, f"{path}: price_books[{i}] ({book.name})")) from None
+            raise UserError(first_error(err, f"{path}: price_books[{i}] ({book.name})")) from None
         old = existing.get((probe.name, probe.effective_from))
         if old is not None and _payload(old) == _payload(probe):
             continue

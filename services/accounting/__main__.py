@@ -10,9 +10,9 @@ import signal
 import asyncpg
 from pydantic import ValidationError
 
-from gpusched import eventlog, observability
-from gpusched.clock import ScaledClock
-from gpusched.settings import Settings
+from runtime import eventlog, observability
+from runtime.clock import ScaledClock
+from runtime.settings import Settings
 from services.accounting import metrics, projection, sink, statements
 
 log = logging.getLogger("accounting")

@@ -24,7 +24,7 @@ import asyncpg
 from nats.aio.client import Client as NatsClient
 from pydantic import ValidationError
 
-from gpusched import eventlog
+from runtime import eventlog
 from schemas.registry import SUBJECT_PREFIX, parse_event
 from services.accounting import projection, sink
 

@@ -19,8 +19,8 @@ from datetime import datetime, timedelta
 
 import asyncpg
 
-from gpusched import eventlog
-from gpusched.settings import ConfigError
+from runtime import eventlog
+from runtime.settings import ConfigError
 from schemas import ChargebackStatementIssued, new_event
 from services.accounting import chargeback, queries
 

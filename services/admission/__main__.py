@@ -6,8 +6,8 @@ import logging
 
 from nats.aio.msg import Msg
 
-from gpusched import eventlog, observability
-from gpusched.service import DecisionService, run_service
+from runtime import eventlog, observability
+from runtime.loop import DecisionService, run_service
 from schemas import Event, JobSubmitted
 from services.admission.domain import AdmissionCore, PoisonCommand
 

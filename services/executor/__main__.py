@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 import sys
 
-from gpusched.service import run_service
-from gpusched.settings import ConfigError, Settings
+from runtime.loop import run_service
+from runtime.settings import ConfigError, Settings
 from services.executor.cluster import ClusterSpecError, load_cluster
 from services.executor.sim import SimExecutorCore
 

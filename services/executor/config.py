@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpusched.settings import ConfigError, _env, _number
+from runtime.settings import ConfigError, env_value, env_number
 from services.executor.k8s_model import JobOptions
 
 _NS = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -27,28 +27,28 @@ class ExecutorConfig:
 
     @classmethod
     def from_env(cls) -> "ExecutorConfig":
-        ns = _env("GPUSCHED_K8S_NAMESPACE", "gpusched") or "gpusched"
+        ns = env_value("GPUSCHED_K8S_NAMESPACE", "gpusched") or "gpusched"
         if not _NS.match(ns.replace("{team}", "team")):
             raise ConfigError(f"GPUSCHED_K8S_NAMESPACE={ns!r} is not a namespace name; accepted: a DNS label "
                               "(lower-case letters, digits, '-'), optionally with {team}, e.g. 'gpu-{team}'")
-        node = _env("GPUSCHED_LOCAL_NODE")
+        node = env_value("GPUSCHED_LOCAL_NODE")
         if node is not None and not re.match(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$", node):
             raise ConfigError(f"GPUSCHED_LOCAL_NODE={node!r} is not a node name; accepted: a DNS subdomain "
                               "(lower-case letters, digits, '-', '.')")
-        sample_s = _number("GPUSCHED_LOCAL_TELEMETRY_S", 10.0, minimum=0.1, maximum=3600)
+        sample_s = env_number("GPUSCHED_LOCAL_TELEMETRY_S", 10.0, minimum=0.1, maximum=3600)
         return cls(
-            sync_s=_number("GPUSCHED_EXECUTOR_SYNC_S", 1.0, minimum=0.05, maximum=60),
+            sync_s=env_number("GPUSCHED_EXECUTOR_SYNC_S", 1.0, minimum=0.05, maximum=60),
             k8s=JobOptions(
                 namespace=ns,
-                checkpoint_root=_env("GPUSCHED_K8S_CHECKPOINT_ROOT", "/checkpoints") or "/checkpoints",
-                ttl_after_finished_s=int(_number("GPUSCHED_K8S_TTL_AFTER_FINISHED_S", 3600, minimum=0,
+                checkpoint_root=env_value("GPUSCHED_K8S_CHECKPOINT_ROOT", "/checkpoints") or "/checkpoints",
+                ttl_after_finished_s=int(env_number("GPUSCHED_K8S_TTL_AFTER_FINISHED_S", 3600, minimum=0,
                                                  maximum=30 * 86_400, integer=True)),
-                default_grace_s=int(_number("GPUSCHED_K8S_DEFAULT_GRACE_S", 30, minimum=0, maximum=86_400,
+                default_grace_s=int(env_number("GPUSCHED_K8S_DEFAULT_GRACE_S", 30, minimum=0, maximum=86_400,
                                             integer=True)),
-                service_account=_env("GPUSCHED_K8S_SERVICE_ACCOUNT"),
+                service_account=env_value("GPUSCHED_K8S_SERVICE_ACCOUNT"),
             ),
-            k8s_resync_s=_number("GPUSCHED_K8S_RESYNC_S", 300.0, minimum=5, maximum=86_400),
-            local_dir=Path(_env("GPUSCHED_LOCAL_DIR", ".data/local-executor") or ".data/local-executor"),
+            k8s_resync_s=env_number("GPUSCHED_K8S_RESYNC_S", 300.0, minimum=5, maximum=86_400),
+            local_dir=Path(env_value("GPUSCHED_LOCAL_DIR", ".data/local-executor") or ".data/local-executor"),
             local_node=node,
             local_telemetry_s=sample_s,
             telemetry_interval_s=_telemetry_interval(sample_s),
@@ -57,7 +57,7 @@ class ExecutorConfig:
 
 def _telemetry_interval(sample_s: float) -> float:
     """GPUSCHED_TELEMETRY_INTERVAL_S: 0 (no reports), or a window that holds at least one NVML sample."""
-    name, raw = "GPUSCHED_TELEMETRY_INTERVAL_S", _env("GPUSCHED_TELEMETRY_INTERVAL_S")
+    name, raw = "GPUSCHED_TELEMETRY_INTERVAL_S", env_value("GPUSCHED_TELEMETRY_INTERVAL_S")
     if raw is None:
         return max(60.0, sample_s)
     low = max(1.0, sample_s)

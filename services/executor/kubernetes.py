@@ -196,7 +196,7 @@ class KubernetesBackend:
         from kubernetes import client
 
         self.opts = opts
-        self.api_client = api_client or _load_api_client()
+        self.api_client = api_client or load_api_client()
         self.batch = client.BatchV1Api(self.api_client)
         self.core = client.CoreV1Api(self.api_client)
         per_team = "{team}" in opts.namespace
@@ -410,7 +410,7 @@ def _api_message(err) -> str:
         return str(err.reason)
 
 
-def _load_api_client():
+def load_api_client():
     """In-cluster config when running in a Pod, else KUBECONFIG (or ~/.kube/config)."""
     import os
 

@@ -170,7 +170,7 @@ class _State:
 
 
 class BackendCore:
-    """A :class:`gpusched.service.Core` for backends whose outcomes come from the outside world."""
+    """A :class:`runtime.loop.Core` for backends whose outcomes come from the outside world."""
 
     def __init__(self) -> None:
         self.state = _State()

@@ -39,9 +39,9 @@ def _pod_logs(cfg, job_id: str, attempt: int | None) -> list[tuple[str, str]]:
     from kubernetes.client.exceptions import ApiException
 
     from services.executor.k8s_model import L_ATTEMPT, L_JOB, L_MEMBER
-    from services.executor.kubernetes import _load_api_client
+    from services.executor.kubernetes import load_api_client
 
-    core = client.CoreV1Api(_load_api_client())
+    core = client.CoreV1Api(load_api_client())
     selector = f"{L_JOB}={job_id}" + (f",{L_ATTEMPT}={attempt}" if attempt is not None else "")
     ns = cfg.k8s.namespace
     pods = (core.list_pod_for_all_namespaces(label_selector=selector) if "{team}" in ns

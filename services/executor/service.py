@@ -1,6 +1,6 @@
 """The executor service for backends with a real outside world (kubernetes, local).
 
-The shared decision loop (:class:`gpusched.service.DecisionService`) folds the log into
+The shared decision loop (:class:`runtime.loop.DecisionService`) folds the log into
 :class:`~services.executor.lifecycle.BackendCore` and appends what it decides. Beside it, the
 side loop reconciles every ``sync_s``: it takes the core's plan, lets the backend act on it and
 look (in a worker thread: the Kubernetes client blocks), and feeds the backend's observations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gpusched.service import DecisionService
+from runtime.loop import DecisionService
 from services.executor.lifecycle import BackendCore
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Quota adapter: the shared decision loop around :class:`QuotaCore`."""
 
-from gpusched.service import run_service
+from runtime.loop import run_service
 from services.quota.domain import QuotaCore
 
 

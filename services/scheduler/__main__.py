@@ -15,8 +15,8 @@ from datetime import datetime
 
 from prometheus_client import Gauge
 
-from gpusched.service import run_service
-from gpusched.settings import _choice, _number
+from runtime.loop import run_service
+from runtime.settings import env_choice, env_number
 from schemas import Event
 from services.scheduler.domain import PreemptionLimits, SchedulerCore
 from services.scheduler.placement import Policy
@@ -53,11 +53,11 @@ class ObservedSchedulerCore(SchedulerCore):
 
 
 def build_core(settings, clock) -> SchedulerCore:
-    policy = Policy(_choice("GPUSCHED_SCHEDULER_POLICY", Policy.BEST_FIT.value, tuple(p.value for p in Policy)))
+    policy = Policy(env_choice("GPUSCHED_SCHEDULER_POLICY", Policy.BEST_FIT.value, tuple(p.value for p in Policy)))
     limits = PreemptionLimits(
-        enabled=_choice("GPUSCHED_PREEMPTION", "on", ("on", "off")) == "on",
-        max_per_window=int(_number("GPUSCHED_PREEMPTION_MAX_PER_WINDOW", 20, minimum=0, maximum=100_000, integer=True)),
-        window_seconds=_number("GPUSCHED_PREEMPTION_WINDOW_S", 300.0, minimum=1, maximum=86_400),
+        enabled=env_choice("GPUSCHED_PREEMPTION", "on", ("on", "off")) == "on",
+        max_per_window=int(env_number("GPUSCHED_PREEMPTION_MAX_PER_WINDOW", 20, minimum=0, maximum=100_000, integer=True)),
+        window_seconds=env_number("GPUSCHED_PREEMPTION_WINDOW_S", 300.0, minimum=1, maximum=86_400),
     )
     return ObservedSchedulerCore(policy, preemption=limits)
 

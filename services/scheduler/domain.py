@@ -426,7 +426,7 @@ class SchedulerCore:
         req = job.request
         inv = self.state.inventory
         flavors = tuple(inv.flavors) if group == CPU_GROUP else (group,)
-        dist = self._distribution(None if group == CPU_GROUP else group)
+        dist = self.workload_distribution(None if group == CPU_GROUP else group)
         if req.gang == 1:
             node = best_node(inv, flavors, req, self.policy, dist)
             nodes = [node] if node is not None else None
@@ -440,7 +440,7 @@ class SchedulerCore:
             out.append(NodeAssignment(node=n.name, gpus=req.gpus, gpu_indices=idx, gpu_milli=req.milli))
         return tuple(out)
 
-    def _distribution(self, flavor: str | None) -> Workload:
+    def workload_distribution(self, flavor: str | None) -> Workload:
         """The workload distribution FGD scores against: request size classes of the attempts
         reserved on this flavor, as probabilities (one GPU when there are none yet); rebuilt
         only when a reservation changed the counts."""

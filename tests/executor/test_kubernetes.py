@@ -193,7 +193,7 @@ def test_one_failed_member_fails_the_gang_and_stops_the_rest(driver, admin):
 async def test_the_executor_service_against_nats_and_the_cluster(nats_server, admin_js, control_plane, executor_api):
     """The real service loop: the log in NATS, the reconcile side loop, the cluster."""
     from conftest import eventually, running, service_settings
-    from gpusched import eventlog
+    from runtime import eventlog
     from schemas import parse_event
     from services.executor.k8s_model import JobOptions
     from services.executor.kubernetes import KubernetesBackend

@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from conftest import eventually, service_settings
-from gpusched import eventlog
+from runtime import eventlog
 from schemas import (
     JobAdmitted, JobScheduled, JobSpec, JobStarted, JobSubmitted, JobSucceeded, NodeAssignment, QuotaReserved,
     new_event,

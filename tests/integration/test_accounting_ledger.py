@@ -15,7 +15,8 @@ import asyncpg
 import pytest
 
 from conftest import eventually, service_settings
-from gpusched import accounting_cli, eventlog
+from gpusched import accounting_cli
+from runtime import eventlog
 from schemas import (
     JobAdmitted, JobCheckpointed, JobPreempted, JobRetryScheduled, JobScheduled, JobSpec, JobStarted, JobSubmitted,
     JobSucceeded, NodeAssignment, NodeRegistered, QuotaReserved, new_event,

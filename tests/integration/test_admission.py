@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import pytest
 
 from conftest import connect_as, eventually, running, service_settings
-from gpusched import eventlog
+from runtime import eventlog
 from schemas import JobStarted, NodeRegistered, QueueConfigured, SubmitJob, new_event, parse_event
 from schemas.commands import MAX_COMMAND_BYTES
 from schemas.job import rejection_id

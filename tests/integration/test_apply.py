@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gpusched import eventlog
+from runtime import eventlog
 from schemas import parse_event
 
 CLI = [sys.executable, "-m", "gpusched.cli"]

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from gpusched import eventlog
+from runtime import eventlog
 from schemas import JobAdmitted, JobSpec, JobSubmitted, new_event
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from conftest import eventually, running, service_settings
-from gpusched import eventlog
+from runtime import eventlog
 from schemas import JobCancelRequested, JobScheduled, JobSpec, JobSubmitted, new_event, parse_event
 from schemas.job import NodeAssignment
 from services.executor.lifecycle import BackendCore

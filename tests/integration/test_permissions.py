@@ -8,7 +8,7 @@ import nats
 import pytest
 
 from conftest import connect_as
-from gpusched import eventlog
+from runtime import eventlog
 from schemas import (GpuTelemetry, JobScheduled, NodeAssignment, NodeTelemetryReported, QuotaReserved, dumps,
                      event_subject, new_event)
 

@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 import pytest
 
 from conftest import eventually, running, service_settings
-from gpusched import eventlog
-from gpusched.clock import ScaledClock
-from gpusched.service import DecisionService
+from runtime import eventlog
+from runtime.clock import ScaledClock
+from runtime.loop import DecisionService
 from schemas import DEFAULT_PRIORITY_CLASSES, JobAdmitted, JobCancelRequested, JobSpec, JobSubmitted, QueueConfigured, new_event, parse_event
 from schemas.node import NodeInfo
 from schemas.queue import FlavorQuota

@@ -29,7 +29,8 @@ import asyncpg
 import pytest
 
 from conftest import eventually, running, service_settings
-from gpusched import devstack, eventlog
+from gpusched import devstack
+from runtime import eventlog
 from schemas import JobCancelRequested, JobScheduled, JobSpec, JobSubmitted, NodeRegistered, new_event, parse_event
 from schemas.job import NodeAssignment
 from services.accounting import metrics, sink

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpusched.settings import ConfigError
+from runtime.settings import ConfigError
 from services.executor.config import ExecutorConfig
 
 

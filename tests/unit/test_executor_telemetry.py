@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 
-from gpusched.settings import ConfigError
+from runtime.settings import ConfigError
 from schemas import NodeRegistered, NodeTelemetryReported
 from services.executor.config import ExecutorConfig
 from services.executor.lifecycle import MAX_PENDING_REPORTS, BackendCore, Plan, TelemetryReport, Workload

@@ -218,7 +218,7 @@ def test_executor_rbac_is_minimal(docs: list[dict]) -> None:
 
 # -- every setting a service reads is set by its manifest -------------------------------------
 
-_READ = re.compile(r'(?:_env|_number|_choice|environ\.get|getenv)\(\s*"(GPUSCHED_[A-Z0-9_]+)"|environ\["(GPUSCHED_[A-Z0-9_]+)"\]')
+_READ = re.compile(r'(?:env_value|env_number|env_choice|environ\.get|getenv)\(\s*"(GPUSCHED_[A-Z0-9_]+)"|environ\["(GPUSCHED_[A-Z0-9_]+)"\]')
 
 # Read by a service, deliberately not set by the base (an overlay may), and why.
 UNSET_ON_PURPOSE = {
@@ -230,7 +230,7 @@ UNSET_ON_PURPOSE = {
     "GPUSCHED_LOCAL_TELEMETRY_S": "local backend only",
     "GPUSCHED_K8S_SERVICE_ACCOUNT": "unset: the Jobs' Pods run as the namespace's default ServiceAccount",
 }
-# Read by every service (gpusched/settings.py) but used by one only.
+# Read by every service (runtime/settings.py) but used by one only.
 ONLY_FOR = {"GPUSCHED_PG_DSN": "accounting"}
 
 
@@ -249,7 +249,7 @@ def _provided(docs: list[dict], svc: str) -> dict[str, dict]:
 
 
 def test_every_variable_a_service_reads_is_set_by_its_manifest(docs: list[dict]) -> None:
-    shared = _reads(REPO_ROOT / "gpusched" / "settings.py")
+    shared = _reads(REPO_ROOT / "runtime" / "settings.py")
     assert {"GPUSCHED_NATS_URL", "GPUSCHED_TICK_S", "GPUSCHED_PG_DSN"} <= shared  # the scan sees the reads
     seen: set[str] = set()
     for svc in SERVICES:
@@ -267,7 +267,7 @@ def test_every_variable_a_service_reads_is_set_by_its_manifest(docs: list[dict])
 
 def test_service_settings_in_the_manifests_are_the_defaults(docs: list[dict], monkeypatch) -> None:
     """The Deployments' own settings only make the defaults visible; they change nothing."""
-    from gpusched.settings import Settings
+    from runtime.settings import Settings
     from services.accounting.statements import IssuerConfig
     from services.executor.config import ExecutorConfig
     from services.scheduler.__main__ import build_core

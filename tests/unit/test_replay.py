@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpusched.cli import app
-from gpusched.replay import TraceError, inflation, load_trace, replay, workload_of, write_synthetic_trace
+from gpusched.tracesim import TraceError, inflation, load_trace, replay, workload_of, write_synthetic_trace
 from services.scheduler.placement import Policy
 
 REAL = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "alibaba-gpu-2023"

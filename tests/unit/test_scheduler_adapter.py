@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
-from gpusched.settings import ConfigError
+from runtime.settings import ConfigError
 from services.scheduler.__main__ import build_core
 from services.scheduler.placement import Policy
 from tests.unit.builders import T0, admitted, drive, node, reserved, spec, submitted

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusched.settings import ConfigError, Settings
+from runtime.settings import ConfigError, Settings
 
 
 @pytest.fixture(autouse=True)

@@ -276,7 +276,7 @@ def _sample(p: Platform, t: float, waiting: int, demand: float = 0.0, fgd: bool 
 def fgd_fragmentation(p: Platform) -> float:
     """FGD's measure over the cluster: the expected share of free GPU capacity that a task drawn
     from the trace's workload could not use where it lies (CPU-aware)."""
-    workload = p.scheduler._distribution(FLAVOR)
+    workload = p.scheduler.workload_distribution(FLAVOR)
     free = frag = 0.0
     for n in p.scheduler.state.inventory.nodes.values():
         f = sum(n.free)

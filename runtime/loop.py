@@ -23,9 +23,9 @@ from typing import Protocol
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from gpusched import eventlog, observability
-from gpusched.clock import Clock, ScaledClock
-from gpusched.settings import Settings
+from runtime import eventlog, observability
+from runtime.clock import Clock, ScaledClock
+from runtime.settings import Settings
 from schemas.envelope import Event
 from schemas.registry import parse_event
 

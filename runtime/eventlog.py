@@ -28,8 +28,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
-from gpusched import observability
-from gpusched.settings import Settings
+from runtime import observability
+from runtime.settings import Settings
 from schemas.envelope import Event
 from schemas.registry import SUBJECT_PREFIX, aggregate_subjects, dumps, event_subject, parse_event
 

@@ -15,13 +15,13 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the variable and the accepted values."""
 
 
-def _env(name: str, default: str | None = None) -> str | None:
+def env_value(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return default if value in (None, "") else value
 
 
-def _number(name: str, default: float, *, minimum: float, maximum: float, integer: bool = False) -> float:
-    raw = _env(name)
+def env_number(name: str, default: float, *, minimum: float, maximum: float, integer: bool = False) -> float:
+    raw = env_value(name)
     if raw is None:
         return default
     try:
@@ -34,8 +34,8 @@ def _number(name: str, default: float, *, minimum: float, maximum: float, intege
     return value
 
 
-def _choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
-    value = _env(name, default)
+def env_choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
+    value = env_value(name, default)
     assert value is not None
     if value not in accepted:
         raise ConfigError(f"{name}={value!r} is not accepted; accepted: {', '.join(accepted)}")
@@ -64,24 +64,24 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> "Settings":
-        trace_dir = _env("GPUSCHED_TRACE_DIR")
-        sim_cluster = _env("GPUSCHED_SIM_CLUSTER")
+        trace_dir = env_value("GPUSCHED_TRACE_DIR")
+        sim_cluster = env_value("GPUSCHED_SIM_CLUSTER")
         return cls(
-            nats_url=_env("GPUSCHED_NATS_URL", cls.nats_url) or cls.nats_url,
-            nats_user=_env("GPUSCHED_NATS_USER"),
-            nats_password=_env("GPUSCHED_NATS_PASSWORD"),
-            pg_dsn=_env("GPUSCHED_PG_DSN"),
-            stream_replicas=int(_number("GPUSCHED_STREAM_REPLICAS", 1, minimum=1, maximum=5, integer=True)),
-            duplicate_window_s=_number("GPUSCHED_DUPLICATE_WINDOW_S", 120.0, minimum=1, maximum=86_400),
-            time_scale=_number("GPUSCHED_TIME_SCALE", 1.0, minimum=0.001, maximum=1_000_000),
-            clock_epoch=_number("GPUSCHED_CLOCK_EPOCH", time.time(), minimum=0, maximum=4e9),
-            metrics_port=int(_number("GPUSCHED_METRICS_PORT", 0, minimum=0, maximum=65535, integer=True)),
-            log_level=_choice("GPUSCHED_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
-            log_format=_choice("GPUSCHED_LOG_FORMAT", "json", ("json", "text")),
-            otel_exporter=_choice("GPUSCHED_OTEL_EXPORTER", "none", ("none", "console", "file")),
+            nats_url=env_value("GPUSCHED_NATS_URL", cls.nats_url) or cls.nats_url,
+            nats_user=env_value("GPUSCHED_NATS_USER"),
+            nats_password=env_value("GPUSCHED_NATS_PASSWORD"),
+            pg_dsn=env_value("GPUSCHED_PG_DSN"),
+            stream_replicas=int(env_number("GPUSCHED_STREAM_REPLICAS", 1, minimum=1, maximum=5, integer=True)),
+            duplicate_window_s=env_number("GPUSCHED_DUPLICATE_WINDOW_S", 120.0, minimum=1, maximum=86_400),
+            time_scale=env_number("GPUSCHED_TIME_SCALE", 1.0, minimum=0.001, maximum=1_000_000),
+            clock_epoch=env_number("GPUSCHED_CLOCK_EPOCH", time.time(), minimum=0, maximum=4e9),
+            metrics_port=int(env_number("GPUSCHED_METRICS_PORT", 0, minimum=0, maximum=65535, integer=True)),
+            log_level=env_choice("GPUSCHED_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
+            log_format=env_choice("GPUSCHED_LOG_FORMAT", "json", ("json", "text")),
+            otel_exporter=env_choice("GPUSCHED_OTEL_EXPORTER", "none", ("none", "console", "file")),
             trace_dir=Path(trace_dir) if trace_dir else None,
-            executor_backend=_choice("GPUSCHED_EXECUTOR_BACKEND", "sim", ("sim", "kubernetes", "local")),
+            executor_backend=env_choice("GPUSCHED_EXECUTOR_BACKEND", "sim", ("sim", "kubernetes", "local")),
             sim_cluster=Path(sim_cluster) if sim_cluster else None,
-            batch_size=int(_number("GPUSCHED_BATCH_SIZE", 256, minimum=1, maximum=10_000, integer=True)),
-            tick_s=_number("GPUSCHED_TICK_S", 0.5, minimum=0.01, maximum=60),
+            batch_size=int(env_number("GPUSCHED_BATCH_SIZE", 256, minimum=1, maximum=10_000, integer=True)),
+            tick_s=env_number("GPUSCHED_TICK_S", 0.5, minimum=0.01, maximum=60),
         )
