@@ -16,7 +16,6 @@ import pytest
 import pytest_asyncio
 
 from gpusched import devstack
-
 from runtime import eventlog
 from runtime.settings import Settings
 

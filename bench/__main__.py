@@ -14,14 +14,14 @@ import platform
 import statistics
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import asyncpg
 import nats
 import psutil
 
-from gpusched import client, devstack
-
+from gpusched import commands, devstack
 from runtime import eventlog
 from schemas import JobSpec, SubmitJob, parse_event
 from schemas.queue import FlavorQuota, QueueConfigured
@@ -65,7 +65,7 @@ async def e2e(server: devstack.NatsServer, pg: devstack.Postgres, admin_js, n_jo
     env = devstack.service_env(server.env, dsn, cluster=cluster, time_scale=1.0, epoch=time.time(),
                                extra={"GPUSCHED_TICK_S": "0.02", "GPUSCHED_LOG_LEVEL": "WARNING"})
     log = eventlog.EventLog(admin_js)
-    await log.append(QueueConfigured(event_id="bench-q", aggregate_id="bench", occurred_at=client.utcnow(),
+    await log.append(QueueConfigured(event_id="bench-q", aggregate_id="bench", occurred_at=datetime.now(UTC),
                                      producer="config", name="bench", allowed_teams=("team-a",),
                                      quotas=(FlavorQuota(flavor="a100", nominal=100_000),)))
     procs = devstack.ServiceProcesses(workdir / "logs", env)
@@ -111,7 +111,7 @@ async def _phase(admin_js, ojs, prefix: str, n: int, rate: float | None) -> dict
         if rate is not None:
             await asyncio.sleep(max(0.0, t0 + i / rate - time.time()))
         submitted_at[job.job_id] = time.time()
-        await client.publish_command(ojs, "team-a", "submit", job)
+        await commands.publish_command(ojs, "team-a", "submit", job)
 
     async def released() -> int:
         info = await admin_js.stream_info(eventlog.EVENTS_STREAM, subjects_filter="gpusched.job.*.quota_released")

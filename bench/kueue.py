@@ -31,8 +31,7 @@ from pathlib import Path
 
 import nats
 
-from gpusched import client, devstack
-
+from gpusched import commands, devstack
 from runtime import eventlog
 from schemas import CohortConfigured, FlavorQuota, JobSpec, QueueConfigured, SubmitJob, new_event, parse_event
 from schemas.queue import PreemptionPolicy
@@ -91,7 +90,7 @@ async def run(scale: float, timeout_s: float) -> dict:
         js = nc.jetstream()
         await eventlog.provision(js)
         log = eventlog.EventLog(js)
-        for event in config_events(client.utcnow()):
+        for event in config_events(datetime.now(UTC)):
             await log.append(event)
         procs.start_all()
         await asyncio.sleep(4)  # rebuild, register nodes
@@ -104,7 +103,7 @@ async def run(scale: float, timeout_s: float) -> dict:
             if delay > 0:
                 await asyncio.sleep(delay)
             submitted_at[job.job_id] = time.time()
-            await client.publish_command(js, "team-a", "submit", job)
+            await commands.publish_command(js, "team-a", "submit", job)
         submit_s = time.time() - t0
 
         async def finished() -> int:

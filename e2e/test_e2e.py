@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import asyncpg
 import pytest
 
 from conftest import connect_as, eventually
-from gpusched import client, devstack
+from gpusched import commands, devstack
 from runtime import eventlog
 from schemas import JobSpec, SubmitJob, parse_event
 from schemas.queue import FlavorQuota, QueueConfigured
@@ -48,7 +49,7 @@ async def stack(nats_server, postgres, admin_js, pg_dsn, tmp_path):
     log = eventlog.EventLog(admin_js)
     for i, team in enumerate(TEAMS):
         await log.append(QueueConfigured(
-            event_id=f"q-{team}", aggregate_id=f"q-{team}", occurred_at=client.utcnow(), producer="config",
+            event_id=f"q-{team}", aggregate_id=f"q-{team}", occurred_at=datetime.now(UTC), producer="config",
             name=f"q-{team}", allowed_teams=(team,),
             quotas=(FlavorQuota(flavor="a100", nominal=8), FlavorQuota(flavor="l4", nominal=5 + i))))
     procs = devstack.ServiceProcesses(tmp_path / "logs", env)
@@ -108,7 +109,7 @@ async def test_500_jobs_survive_kill_9_of_every_service(stack, nats_server):
 
     async def submit_all():
         for i, job in enumerate(jobs):
-            await client.publish_command(ojs, job.spec.team, "submit", job)
+            await commands.publish_command(ojs, job.spec.team, "submit", job)
             if i % 10 == 0:
                 await asyncio.sleep(0.2)  # keep submissions flowing while admission is killed
 

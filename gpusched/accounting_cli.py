@@ -18,10 +18,10 @@ from typing import Any, Callable, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from gpusched import client, pricebook
-
+from gpusched import pricebook
+from gpusched.connection import Connection
+from gpusched.userinput import UserError
 from runtime import eventlog
-from gpusched.client import Connection, UserError
 from schemas import ChargebackStatementIssued, parse_event
 from schemas.registry import SUBJECT_PREFIX, subject_token
 from services.accounting import chargeback, metrics, queries, replay as replay_mod, sink
@@ -120,7 +120,7 @@ async def apply_price_file(js, file: Path, dry_run: bool) -> list[dict[str, Any]
     """Publish the PriceBookUpdated events that make the log's price books equal the file's
     (none with ``dry_run``); the changes, described."""
     books = await pricebook.current(js)
-    events = pricebook.plan(file, books, client.utcnow())
+    events = pricebook.plan(file, books, datetime.now(UTC))
     if not dry_run:
         await publish(js, events)
     return [{"event": e.type, "name": e.aggregate_id, "change": pricebook.describe(e, books)} for e in events]
@@ -220,7 +220,7 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
             raise UserError_exit(err_console, f"--by {by!r} is not accepted; accepted: "
                                               f"{', '.join(chargeback.STATEMENT_DIMENSIONS)}")
         async def compute(conn):
-            now = await queries.log_now(conn, client.utcnow())
+            now = await queries.log_now(conn, datetime.now(UTC))
             return now, await queries.statement(conn, period, by, as_of=now)
         now, body = run(with_pg(compute))
         body["statement_id"] = chargeback.statement_id(period, by, body["last_sequence"])
@@ -288,7 +288,7 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
         GPU time (NVML telemetry), wait p50/p95, congestion, failures, team cost."""
         fmt = MetricsFormat.json if output == Output.json else format
         async def at_log_now(conn, fn):
-            return await fn(conn, await queries.log_now(conn, client.utcnow()))
+            return await fn(conn, await queries.log_now(conn, datetime.now(UTC)))
         if fmt == MetricsFormat.prometheus:
             sys.stdout.write(run(with_pg(lambda conn: at_log_now(conn, metrics.exposition))).decode())
             return

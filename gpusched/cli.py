@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from datetime import date, datetime
+from datetime import UTC, date, datetime
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
@@ -18,11 +18,12 @@ from rich.markup import escape
 from rich.text import Text
 from rich.table import Table
 
-from gpusched import accounting_cli, client, pricebook
-
+from gpusched import accounting_cli, commands, history, pricebook, queueconfig, quota_usage, userinput
+from gpusched.connection import Connection
+from gpusched.userinput import UserError
 from runtime import eventlog, observability
-from gpusched.client import Connection, UserError
 from runtime.settings import Settings
+from services.accounting import queries
 
 app = typer.Typer(help="gpusched: GPU job scheduling on an event log.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -113,18 +114,18 @@ def submit(
 ) -> None:
     """Submit a job."""
     async def go():
-        command = client.submit_command_from_file(file)
+        command = commands.submit_command_from_file(file)
         nc = await Connection.resolve().nats()
         observability.client_tracing()
         try:
             js = nc.jetstream()
             with observability.tracer().start_as_current_span("gpusched submit", attributes={"job": command.job_id}):
-                seq = await client.publish_command(js, command.spec.team, "submit", command)
+                seq = await commands.publish_command(js, command.spec.team, "submit", command)
                 trace_id = observability.current_trace_id()
             result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": seq, "decision": None,
                                       "trace_id": trace_id}
             if wait:
-                decision = await client.wait_for_decision(js, command.job_id, seq)
+                decision = await commands.wait_for_decision(js, command.job_id, seq)
                 if decision is not None:
                     result["decision"] = decision.type
                     if decision.type == "JobRejected":
@@ -142,7 +143,7 @@ def submit(
 def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the job"),
                reason: str = typer.Option("", help="Why"), output: Output = OutputOpt) -> None:
     """Ask to cancel a job."""
-    seq = run(with_js(lambda js: client.cancel(js, job_id, team, requested_by="cli", reason=reason)))
+    seq = run(with_js(lambda js: commands.cancel(js, job_id, team, requested_by="cli", reason=reason)))
     emit({"job_id": job_id, "intake_sequence": seq}, output)
 
 
@@ -160,7 +161,7 @@ def checkpoint_cmd(
     from datetime import UTC
 
     when = at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
-    seq = run(with_js(lambda js: client.report_checkpoint(js, job_id, team, attempt, reported_by="cli",
+    seq = run(with_js(lambda js: commands.report_checkpoint(js, job_id, team, attempt, reported_by="cli",
                                                            checkpointed_at=when, step=step, location=location)))
     emit({"job_id": job_id, "attempt": attempt, "intake_sequence": seq}, output)
 
@@ -175,13 +176,13 @@ def apply(
     """Make the queue configuration (or, for a file with `price_books:`, the price book) equal to a
     file (publishes QueueConfigured / QueueDeleted / PriceBookUpdated)."""
     async def go(js):
-        if pricebook.is_price_file(client.load_yaml(file)):
+        if pricebook.is_price_file(userinput.load_yaml(file)):
             return await accounting_cli.apply_price_file(js, file, dry_run)
-        config = await client.current_queues(js)
-        events = client.plan_queues(file, config, client.utcnow(), prune=prune)
+        config = await queueconfig.current_queues(js)
+        events = queueconfig.plan_queues(file, config, datetime.now(UTC), prune=prune)
         if not dry_run:
             await accounting_cli.publish(js, events)
-        return [{"event": e.type, "name": e.aggregate_id, "change": client.describe_change(e, config)}
+        return [{"event": e.type, "name": e.aggregate_id, "change": queueconfig.describe_change(e, config)}
                 for e in events]
 
     changes = run(with_js(go))
@@ -191,7 +192,7 @@ def apply(
 @app.command()
 def jobs(team: Optional[str] = None, state: Optional[str] = None, limit: int = 50, output: Output = OutputOpt) -> None:
     """List jobs from the read model."""
-    emit(run(with_pg(lambda conn: client.list_jobs(conn, team, state, limit))), output)
+    emit(run(with_pg(lambda conn: queries.list_jobs(conn, team, state, limit))), output)
 
 
 @app.command()
@@ -200,7 +201,7 @@ def job(job_id: str, output: Output = OutputOpt) -> None:
     async def go():
         conn = await Connection.resolve().pg()
         try:
-            found = await client.get_job(conn, job_id)
+            found = await queries.get_job(conn, job_id)
         finally:
             await conn.close()
         if found is None:
@@ -218,7 +219,7 @@ def job(job_id: str, output: Output = OutputOpt) -> None:
 @app.command()
 def events(job_id: str, output: Output = OutputOpt) -> None:
     """A job's history from the event log."""
-    history = run(with_js(lambda js: client.job_events(js, job_id)))
+    history = run(with_js(lambda js: history.job_events(js, job_id)))
     if output == Output.json:
         emit([{"sequence": s, **e.model_dump(mode="json")} for s, e in history], output)
         return
@@ -239,7 +240,7 @@ accounting_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_j
 @app.command("why")
 def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
     """Why a job waits: its current quota reason, position in its queue, and the reason history."""
-    data = run(with_js(lambda js: client.why(js, job_id)))
+    data = run(with_js(lambda js: history.why(js, job_id)))
     if output == Output.json:
         emit(data, output)
         return
@@ -277,7 +278,7 @@ def logs(job_id: str, attempt: Optional[int] = typer.Option(None, help="Only thi
 @app.command()
 def queues(output: Output = OutputOpt) -> None:
     """Quota per queue and flavor: nominal, used, borrowed, lent, pending."""
-    emit(run(with_pg(client.queue_usage)), output, columns=None if output == Output.json else
+    emit(run(with_pg(quota_usage.queue_usage)), output, columns=None if output == Output.json else
          ["queue", "cohort", "flavor", "nominal", "borrowing_limit", "lending_limit", "used", "borrowed", "lent",
           "pending_jobs"])
 

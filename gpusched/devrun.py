@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import time
+from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
 
@@ -21,13 +22,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from gpusched import client, devstack
-
+from gpusched import commands, connection, devstack, history, queueconfig
 from runtime import eventlog
 from runtime.settings import Settings
 from schemas import JobSpec, SubmitJob
-from services.executor.cluster import load_cluster  # the dev stack runs the sim cluster it loads
 from schemas.job import JobKind
+from services.accounting import queries
+from services.executor.cluster import load_cluster  # the dev stack runs the sim cluster it loads
 
 console = Console(width=None if Console().is_terminal else 150)
 TEAMS = ("team-research", "team-product", "team-platform")
@@ -72,7 +73,7 @@ async def _submit_demo(js, workload, stop: asyncio.Event) -> None:
         if stop.is_set():
             return
         await asyncio.sleep(delay)
-        await client.publish_command(js, command.spec.team, "submit", command)
+        await commands.publish_command(js, command.spec.team, "submit", command)
 
 
 def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dict[str, int],
@@ -117,11 +118,11 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     if os.environ.get("GPUSCHED_NATS_URL"):
         external_nats_env = {k: os.environ[k] for k in ("GPUSCHED_NATS_URL", "GPUSCHED_NATS_USER",
                                                         "GPUSCHED_NATS_PASSWORD") if k in os.environ}
-        admin = client.Connection.resolve()
+        admin = connection.Connection.resolve()
     else:
         nats_server = devstack.NatsServer(data_dir / "nats", teams=TEAMS).start()
         started.append(nats_server)
-        admin = client.Connection(nats_server.url(), "admin", nats_server.creds.users["admin"], None)
+        admin = connection.Connection(nats_server.url(), "admin", nats_server.creds.users["admin"], None)
     if os.environ.get("GPUSCHED_PG_DSN"):
         dsn = os.environ["GPUSCHED_PG_DSN"]
     else:
@@ -136,7 +137,7 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
                       f"(delete {clock_file} to change it)[/yellow]")
     clock_file.write_text(json.dumps(clock))
 
-    operator = client.Connection(admin.nats_url, "operator" if nats_server else admin.nats_user,
+    operator = connection.Connection(admin.nats_url, "operator" if nats_server else admin.nats_user,
                                  nats_server.creds.users["operator"] if nats_server else admin.nats_password, dsn)
     (run_dir / "connection.json").write_text(json.dumps(operator.__dict__))
     (run_dir / "connection.json").chmod(0o600)
@@ -144,7 +145,7 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     nc = await admin.nats()
     js = nc.jetstream()
     await eventlog.provision(js, eventlog.StreamLimits.from_settings(Settings.from_env()))
-    for event in client.plan_queues(example("queues.yaml"), await client.current_queues(js), client.utcnow()):
+    for event in queueconfig.plan_queues(example("queues.yaml"), await queueconfig.current_queues(js), datetime.now(UTC)):
         await eventlog.EventLog(js).append(event)
 
     metrics_ports = {name: devstack.free_port() for name in devstack.SERVICES}
@@ -164,7 +165,7 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
         console.print("metrics: " + "  ".join(f"{n} :{p}" for n, p in metrics_ports.items()))
         console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage   (reads .data/run/connection.json)")
         if demo:
-            already = await client.job_events(js, "demo-0000")
+            already = await history.job_events(js, "demo-0000")
             offset = 0 if not already else int(time.time()) % 100000  # a second run submits new jobs
             workload = [(d, c.model_copy(update={"job_id": f"{c.job_id}-{offset}" if offset else c.job_id}))
                         for d, c in demo_workload(demo_jobs)]
@@ -199,8 +200,8 @@ async def _supervise(procs: devstack.ServiceProcesses, js, conn, capacity: int, 
             for name in procs.restart_dead():
                 restarts[name] = restarts.get(name, 0) + 1
             try:
-                counts = await client.state_counts(conn)
-                usage = await client.usage_by_team(conn)
+                counts = await queries.state_counts(conn)
+                usage = await queries.usage_by_team(conn)
                 running = await conn.fetchval("SELECT coalesce(sum(total_gpus), 0) FROM jobs WHERE state = 'running'")
             except asyncpg.UndefinedTableError:  # accounting has not applied its migrations yet
                 counts, usage, running = [], [], 0

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime import eventlog
-from gpusched.client import UserError, first_error, load_yaml
+from gpusched.userinput import UserError, first_error, load_yaml
 from schemas import PriceBookUpdated, new_event, parse_event
 from schemas.registry import SUBJECT_PREFIX
 

@@ -1,5 +1,7 @@
-"""Reads of the accounting read models for roll-ups, statements and metrics (the adapter side of
-:mod:`services.accounting.chargeback`). Used by the accounting service and the CLI."""
+"""Reads of the accounting read models: jobs, usage, queues (for the CLI and the applications), and
+roll-ups, statements and metrics (the adapter side of :mod:`services.accounting.chargeback`).
+This module is the only place outside the projection that knows the read models' tables: the
+applications read through it and hold no SQL of their own."""
 
 from __future__ import annotations
 
@@ -145,3 +147,70 @@ async def issued(conn: asyncpg.Connection, period: str | None = None) -> list[di
         """SELECT statement_id, period, group_by, checksum, first_sequence, last_sequence, total_cost, body, sequence
            FROM statements WHERE ($1::text IS NULL OR period = $1) ORDER BY period, group_by, last_sequence""", period)
     return [{**dict(r), "body": json.loads(r["body"])} for r in rows]
+
+
+# -- jobs, usage and queues, for the applications ----------------------------------------------
+
+
+async def list_jobs(conn: asyncpg.Connection, team: str | None = None, state: str | None = None,
+                    limit: int = 50) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        """SELECT job_id, team, queue, state, attempt, total_gpus, flavor, submitted_at, finished_at
+           FROM jobs WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
+           ORDER BY submitted_at DESC NULLS LAST, job_id LIMIT $3""",
+        team, state, limit,
+    )
+    return [dict(r) for r in rows]
+
+
+async def get_job(conn: asyncpg.Connection, job_id: str) -> dict[str, Any] | None:
+    """The job's row with its ledger rows as ``usage`` (one per attempt), or None."""
+    row = await conn.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
+    if row is None:
+        return None
+    job = dict(row)
+    job["usage"] = [dict(r) for r in await conn.fetch(
+        "SELECT attempt, flavor, gpus, started_at, ended_at, gpu_seconds, outcome FROM usage_ledger "
+        "WHERE job_id = $1 ORDER BY attempt", job_id)]
+    return job
+
+
+async def usage_by_team(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        """SELECT team, flavor, count(*) AS attempts, sum(gpu_seconds) / 3600.0 AS gpu_hours
+           FROM usage_ledger GROUP BY team, flavor ORDER BY team, flavor"""
+    )
+    return [dict(r) for r in rows]
+
+
+async def state_counts(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    rows = await conn.fetch("SELECT coalesce(team, '-') AS team, state, count(*) AS n FROM jobs GROUP BY 1, 2")
+    return [dict(r) for r in rows]
+
+
+async def queue_quotas(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    """One row per live queue and flavor: its cohort, the root of that cohort's tree
+    (``cohort_root``; None outside any cohort), nominal and limits, the GPUs its unreleased
+    reservations hold (``used``) and its waiting jobs (``pending_jobs``)."""
+    rows = [dict(r) for r in await conn.fetch(
+        """SELECT q.name AS queue, q.cohort, fq->>'flavor' AS flavor, (fq->>'nominal')::int AS nominal,
+                  (fq->>'borrowing_limit')::int AS borrowing_limit, (fq->>'lending_limit')::int AS lending_limit,
+                  coalesce((SELECT sum(r.gpus) FROM reservations r WHERE r.queue = q.name
+                            AND r.flavor = fq->>'flavor' AND r.released_at IS NULL), 0)::int AS used
+           FROM queues q, jsonb_array_elements(q.config->'quotas') fq
+           WHERE NOT q.deleted ORDER BY q.name, fq->>'flavor'""")]
+    parents = dict(await conn.fetch("SELECT name, parent FROM cohorts"))
+    pending = dict(await conn.fetch(
+        "SELECT queue, count(*) FROM jobs WHERE state IN ('queued', 'retrying') GROUP BY queue"))
+    for r in rows:
+        r["cohort_root"] = _cohort_root(r["cohort"], parents)
+        r["pending_jobs"] = pending.get(r["queue"], 0)
+    return rows
+
+
+def _cohort_root(cohort: str | None, parents: dict[str, str | None]) -> str | None:
+    seen = set()
+    while cohort is not None and parents.get(cohort) is not None and cohort not in seen:
+        seen.add(cohort)
+        cohort = parents[cohort]
+    return cohort

@@ -32,12 +32,12 @@ def test_gauges_after_a_cycle(monkeypatch):
 
 
 async def _why(monkeypatch, events):
-    from gpusched import client
+    from gpusched import history
 
     async def fake_job_events(js, job_id):
         return list(enumerate(events, start=1))
-    monkeypatch.setattr(client, "job_events", fake_job_events)
-    return await client.why(None, "j")
+    monkeypatch.setattr(history, "job_events", fake_job_events)
+    return await history.why(None, "j")
 
 
 def test_why_shows_the_scheduling_reason_while_holding_quota(monkeypatch):

@@ -1,0 +1,58 @@
+"""How an operator's tools reach a running platform: the NATS and Postgres addresses and
+credentials, from the environment or from what a local `make run` wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import nats
+
+from gpusched.userinput import UserError
+
+CONNECTION_FILE = Path(".data/run/connection.json")
+
+
+@dataclass(frozen=True)
+class Connection:
+    nats_url: str
+    nats_user: str | None
+    nats_password: str | None
+    pg_dsn: str | None
+
+    @classmethod
+    def resolve(cls) -> "Connection":
+        """Environment first (GPUSCHED_NATS_URL, GPUSCHED_NATS_USER, GPUSCHED_NATS_PASSWORD,
+        GPUSCHED_PG_DSN); otherwise what a local `make run` wrote to .data/run/connection.json."""
+        saved: dict[str, Any] = {}
+        path = Path(os.environ.get("GPUSCHED_CONNECTION_FILE", CONNECTION_FILE))
+        if path.exists():
+            saved = json.loads(path.read_text())
+        return cls(
+            nats_url=os.environ.get("GPUSCHED_NATS_URL") or saved.get("nats_url") or "nats://127.0.0.1:4222",
+            nats_user=os.environ.get("GPUSCHED_NATS_USER") or saved.get("nats_user"),
+            nats_password=os.environ.get("GPUSCHED_NATS_PASSWORD") or saved.get("nats_password"),
+            pg_dsn=os.environ.get("GPUSCHED_PG_DSN") or saved.get("pg_dsn"),
+        )
+
+    async def nats(self) -> nats.NATS:
+        kwargs: dict[str, Any] = {}
+        if self.nats_user:
+            kwargs = {"user": self.nats_user, "password": self.nats_password or ""}
+        try:
+            return await nats.connect(self.nats_url, connect_timeout=3, max_reconnect_attempts=2,
+                                      allow_reconnect=False, name="gpusched-cli", **kwargs)
+        except Exception as err:  # nats-py raises several unrelated types here
+            raise UserError(f"cannot connect to NATS at {self.nats_url}: {err!r} (is `make run` running?)") from None
+
+    async def pg(self) -> asyncpg.Connection:
+        if not self.pg_dsn:
+            raise UserError("no Postgres configured: set GPUSCHED_PG_DSN or start `make run`")
+        try:
+            return await asyncpg.connect(self.pg_dsn, timeout=5)
+        except (OSError, asyncpg.PostgresError) as err:
+            raise UserError(f"cannot connect to Postgres: {err}") from None

@@ -1,0 +1,152 @@
+"""Queue and cohort configuration as a file (queues.yaml): what the log has now, what a file
+changes, and the events that make the log equal the file (``gpusched apply``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from nats.js import JetStreamContext
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpusched.userinput import UserError, first_error, load_yaml
+from runtime import eventlog
+from schemas import CohortConfigured, Event, QueueConfigured, QueueDeleted, new_event, parse_event
+from schemas.registry import SUBJECT_PREFIX
+
+
+class QueueSpec(BaseModel):
+    """One queue in queues.yaml: the QueueConfigured fields without the envelope."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    cohort: str | None = None
+    allowed_teams: list[str] = Field(default_factory=list)
+    allowed_users: list[str] = Field(default_factory=list)
+    allowed_priority_classes: list[str] = Field(default_factory=list)
+    quotas: list[dict[str, Any]] = Field(default_factory=list)
+    strict_fifo: bool = False
+    budget: dict[str, Any] | None = None
+    preemption: dict[str, Any] = Field(default_factory=dict)
+
+
+class CohortSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    parent: str | None = None
+    usage_half_life_seconds: float | None = None
+    history_weight: float = 0.5
+
+    def same_as(self, event: CohortConfigured) -> bool:
+        return (self.parent, self.usage_half_life_seconds, self.history_weight) == (
+            event.parent, event.usage_half_life_seconds, event.history_weight)
+
+
+class QueuesFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cohorts: list[CohortSpec] = Field(default_factory=list)
+    queues: list[QueueSpec]
+
+
+def _config_payload(event: QueueConfigured) -> dict[str, Any]:
+    return event.model_dump(mode="json", exclude={"event_id", "occurred_at", "producer", "causation_id",
+                                                   "correlation_id", "aggregate_id", "schema_version", "type"})
+
+
+@dataclass
+class QuotaConfig:
+    """The queue and cohort configuration as the log has it now."""
+
+    queues: dict[str, QueueConfigured]
+    cohorts: dict[str, CohortConfigured]
+
+
+async def current_queues(js: JetStreamContext) -> QuotaConfig:
+    config = QuotaConfig({}, {})
+    async for msg in eventlog.read(js, subjects=[f"{SUBJECT_PREFIX}.queue.>", f"{SUBJECT_PREFIX}.cohort.>"]):
+        event = parse_event(msg.data)
+        if isinstance(event, QueueConfigured):
+            config.queues[event.name] = event
+        elif isinstance(event, QueueDeleted):
+            config.queues.pop(event.name, None)
+        elif isinstance(event, CohortConfigured):
+            config.cohorts[event.name] = event
+    return config
+
+
+def describe_change(event: Event, config: QuotaConfig) -> str:
+    """What an apply event changes, field by field (quotas matched by flavor)."""
+    if isinstance(event, QueueDeleted):
+        return "deleted"
+    if isinstance(event, CohortConfigured):
+        old = config.cohorts.get(event.name)
+        if old is None:
+            return "new"
+        return "; ".join(f"{f}: {getattr(old, f)} → {getattr(event, f)}"
+                         for f in ("parent", "usage_half_life_seconds", "history_weight")
+                         if getattr(old, f) != getattr(event, f))
+    old = config.queues.get(event.aggregate_id)
+    if old is None:
+        return "new"
+    before, after = _config_payload(old), _config_payload(event)
+    changes = []
+    for field_name in sorted(set(before) | set(after)):
+        if field_name == "quotas":
+            b = {q["flavor"]: q for q in before.get("quotas", [])}
+            a = {q["flavor"]: q for q in after.get("quotas", [])}
+            for flavor in sorted(set(b) | set(a)):
+                if flavor not in a:
+                    changes.append(f"quotas[{flavor}]: removed")
+                elif flavor not in b:
+                    changes.append(f"quotas[{flavor}]: added {a[flavor]}")
+                else:
+                    changes += [f"quotas[{flavor}].{k}: {b[flavor].get(k)} → {a[flavor].get(k)}"
+                                for k in sorted(a[flavor]) if a[flavor].get(k) != b[flavor].get(k)]
+        elif before.get(field_name) != after.get(field_name):
+            changes.append(f"{field_name}: {before.get(field_name)} → {after.get(field_name)}")
+    return "; ".join(changes)
+
+
+def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = False) -> list[Event]:
+    """The events that make the log's queue and cohort configuration equal the file's: changed
+    or new cohorts first, then queues; with ``prune``, QueueDeleted for queues the file lacks."""
+    current = config.queues
+    raw = load_yaml(path)
+    try:
+        parsed = QueuesFile.model_validate(raw)
+    except ValidationError as err:
+        raise UserError(first_error(err, str(path))) from None
+    out: list[Event] = []
+    for i, c in enumerate(parsed.cohorts):
+        existing_c = config.cohorts.get(c.name)
+        if existing_c is not None and c.same_as(existing_c):
+            continue
+        try:
+            out.append(new_event(CohortConfigured, aggregate_id=c.name, producer="config", occurred_at=now,
+                                 key=f"{c.model_dump_json()}@{now.isoformat()}", **c.model_dump()))
+        except ValidationError as err:
+            raise UserError(first_error(err, f"{path}: cohorts[{i}] ({c.name})")) from None
+    names = [q.name for q in parsed.queues]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise UserError(f"{path}: queues: name(s) {dupes} appear more than once; each queue once")
+    for i, q in enumerate(parsed.queues):
+        try:
+            event = QueueConfigured(
+                event_id="pending", aggregate_id=q.name, occurred_at=now, producer="config", **q.model_dump()
+            )
+        except ValidationError as err:
+            raise UserError(first_error(err, f"{path}: queues[{i}] ({q.name})")) from None
+        existing = current.get(q.name)
+        if existing is not None and _config_payload(existing) == _config_payload(event):
+            continue
+        digest = json.dumps(_config_payload(event), sort_keys=True)
+        out.append(new_event(QueueConfigured, aggregate_id=q.name, producer="config", occurred_at=now,
+                             key=f"{digest}@{now.isoformat()}", **q.model_dump()))
+    if prune:
+        for name in sorted(current.keys() - set(names)):
+            out.append(new_event(QueueDeleted, aggregate_id=name, producer="config", occurred_at=now,
+                                 key=now.isoformat(), name=name))
+    return out
