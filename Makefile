@@ -58,6 +58,9 @@ bench-k8s: setup ## Kubernetes backend on the test control plane: Jobs created/s
 	tests/executor/controlplane/build.sh >/dev/null
 	$(BIN)/python -m bench.k8s $(ARGS)
 
+lint: setup ## The layering contracts (import-linter; also run by `make test`)
+	$(BIN)/lint-imports
+
 schemas: setup ## Regenerate schemas/json from the pydantic models
 	$(BIN)/python -m schemas.export
 
