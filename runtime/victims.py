@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from schemas.priority import PriorityClass
 
@@ -66,6 +66,22 @@ class Attempt(Protocol):
 
     @property
     def preemptions(self) -> int | None: ...  # preemptions counted against the job; None: no count
+
+
+class SubmittedJob:
+    """For a core's record of a job that keeps its ``submitted`` event (JobSubmitted) and
+    ``spec`` (JobSpec): the job id and priority class an :class:`Attempt` has."""
+
+    submitted: Any
+    spec: Any
+
+    @property
+    def job_id(self) -> str:
+        return self.submitted.aggregate_id
+
+    @property
+    def priority_class(self) -> str:
+        return self.spec.priority_class
 
 
 A = TypeVar("A", bound=Attempt)

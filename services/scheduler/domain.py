@@ -1,26 +1,30 @@
 """Scheduler's pure core: which nodes and GPUs an attempt that holds quota runs on, which
 lower-priority attempts make room for it, and why the others wait.
 
-The cycle (``decide``), over the state folded from the log:
+The cycle (``decide``), over the state folded from the log, in numbered phases:
 
-1. heads: attempts holding quota and not yet placed, in the quota service's order (priority, then
-   reservation time, then job id), only in the groups (one per reserved flavor, one for CPU-only
-   work) where something changed since the last cycle: new heads, capacity that grew (a release,
-   a node added, updated or uncordoned: the flavor's *generation*), or a wake-up time that passed;
-2. snapshot: the inventory with this cycle's own tentative placements charged, so later heads of
-   the cycle see them (rolled back by ``decisions_refused`` if the log refused them);
-3. fit: each head that did not already fail at the current generation is placed by the policy
-   (:mod:`services.scheduler.placement`); a request shape that failed once fails for the rest of
-   the cycle without another search;
-4. preempt: a head that still does not fit, and outranks running attempts, gets room by
-   PreemptionRequested of victims chosen to lose the least work (bounded; see ``_preempt``);
-5. explain: every head still waiting gets a structured reason with the numbers and an ETA
-   (SchedulingPendingReasonChanged) when the reason changes, rate-limited;
-6. emit: the events, in head order.
+1. heads (``_groups_to_decide``): attempts holding quota and not yet placed, in the quota
+   service's order (priority, then reservation time, then job id), only in the groups (one per
+   reserved flavor, one for CPU-only work) where something changed since the last cycle: new
+   heads, capacity that grew (a release, a node added, updated or uncordoned: the flavor's
+   *generation*), or a wake-up time that passed;
+2. snapshot (``_snapshot``): a copy-on-write view of the inventory with the decisions still on
+   their way to the log charged; each placement of the cycle is charged there too, so later
+   heads see it. The state itself changes only when the log returns the decisions, so a refused
+   decision needs no undoing;
+3. fit (``_fit``): each head that did not already fail at the current generation is placed by the
+   policy (:mod:`services.scheduler.placement`); a request shape that failed once fails for the
+   rest of the cycle without another search;
+4. preempt (``_preempt``): a head that still does not fit, and outranks running attempts, gets
+   room by PreemptionRequested of victims chosen by the shared policy
+   (:mod:`runtime.victims`; bounded, see :class:`PreemptionLimits`);
+5. explain (``_explain``): every head still waiting gets a structured reason with the numbers and
+   an ETA (SchedulingPendingReasonChanged), throttled by :mod:`runtime.waits`.
 
-A cycle therefore costs in proportion to the heads whose situation changed, not to all of them.
-GPU device indices are assigned lowest first; no GPU is given to two attempts beyond its capacity
-(whole GPUs to one, sharable GPUs up to 1000 thousandths in all).
+Each phase returns plain values (placements, victims, explanations); the events come out in head
+order. A cycle therefore costs in proportion to the heads whose situation changed, not to all of
+them. GPU device indices are assigned lowest first; no GPU is given to two attempts beyond its
+capacity (whole GPUs to one, sharable GPUs up to 1000 thousandths in all).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from datetime import datetime, timedelta
 
 from sortedcontainers import SortedList
 
+from runtime.victims import SubmittedJob, VictimPolicy
+from runtime.waits import throttle, told_recently
 from schemas import (
     Event,
     JobAdmitted,
@@ -71,7 +77,6 @@ from services.scheduler.placement import (
 )
 
 PRODUCER = "scheduler"
-REASON_INTERVAL_S = 30.0
 CPU_GROUP = "*"  # heads of CPU-only work (gpus == 0): any node
 
 
@@ -86,7 +91,7 @@ class PreemptionLimits:
 
 
 @dataclass
-class SchedJob:
+class SchedJob(SubmittedJob):
     spec: JobSpec
     submitted: JobSubmitted
     request: Request
@@ -97,16 +102,26 @@ class SchedJob:
     cancel_requested: bool = False
     started_at: datetime | None = None  # of the placed attempt
     checkpoint_at: datetime | None = None  # latest checkpoint of the placed attempt
-    stopping: bool = False  # a preemption or reclaim of the placed attempt was requested
+    stop_requested: bool = False  # a preemption or reclaim of the placed attempt was requested
     preemptions: int = 0  # PreemptionRequested against this job, all attempts
     waiting: SchedulingPendingReasonChanged | None = None  # last reason given for this attempt
     reasons_given: int = 0  # reason events of this attempt (their id key)
     tried_generation: int = -1  # the group's generation when it last failed to fit
     victims: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) being stopped for this head
 
+    # The rest of what the victim policy (runtime.victims.Attempt) reads.
     @property
-    def job_id(self) -> str:
-        return self.submitted.aggregate_id
+    def stopping(self) -> bool:
+        return self.stop_requested or self.cancel_requested
+
+    @property
+    def held_gpus(self) -> float:
+        share = (self.spec.gpu_milli or MILLI) / MILLI
+        return self.spec.gpus * share * self.spec.gang_size
+
+    @property
+    def held_since(self) -> datetime:
+        return self.reservation.occurred_at  # type: ignore[union-attr]
 
 
 @dataclass
@@ -126,17 +141,28 @@ class SchedulerState:
         return self.inventory.nodes
 
 
+@dataclass
+class Cycle:
+    """What one cycle decides against: the inventory snapshot (the state's, with the cycle's
+    placements and those still on their way to the log charged) and what is left of the
+    preemption limits."""
+
+    inventory: Inventory
+    preempt_budget: int  # PreemptionRequested still allowed in the window
+    preempt_tries: int  # heads that may still look for victims
+    chosen_victims: set[str] = field(default_factory=set)
+    lowest_running: dict[str, int] = field(default_factory=dict)  # group -> lowest running priority
+
+
+Explanation = tuple  # (SchedulingWaitReason, message, numbers for the event or None)
+
+
 def _group(job: SchedJob) -> str:
     return CPU_GROUP if job.spec.gpus == 0 else job.reservation.flavor  # type: ignore[union-attr]
 
 
 def _head_key(job: SchedJob) -> tuple:
     return (-job.priority, job.reservation.occurred_at, job.job_id)  # type: ignore[union-attr]
-
-
-def _gpus_of(job: SchedJob) -> float:
-    share = (job.spec.gpu_milli or MILLI) / MILLI
-    return job.spec.gpus * share * job.spec.gang_size
 
 
 class SchedulerCore:
@@ -154,10 +180,10 @@ class SchedulerCore:
         self.explain = explain
         self.policy = Policy(policy)
         self.priority_classes = priority_classes
+        self.victim_policy = VictimPolicy(priority_classes)
         self.limits = preemption
         self._dirty: set[str] = set()  # groups to look at in the next cycle
-        self._seen_generation: dict[str, int] = {}
-        self._tentative: dict[str, JobScheduled] = {}  # decided this cycle, not yet back from the log
+        self._awaiting: dict[str, JobScheduled] = {}  # decided, not yet back from the log
         self._fresh: dict[str, dict[tuple, list[str]]] = {}  # heads added since the last cycle
         self._wake_at: datetime | None = None
 
@@ -172,19 +198,16 @@ class SchedulerCore:
         self._dirty.update(self.state.groups)
 
     def decisions_refused(self) -> None:
-        """Some decisions were not recorded: undo this cycle's tentative placements and look at
-        every group again."""
-        for job_id, event in list(self._tentative.items()):
-            self._charge(self.state.jobs[job_id], event, -1)  # it is still a head
-        self._tentative.clear()
+        """Some decisions were not recorded: derive them again, looking at every group. The
+        state never held them (cycles decide against a snapshot), so there is nothing to undo."""
+        self._awaiting.clear()
         for job in self.state.jobs.values():
             job.tried_generation = -1
         self._mark_all_dirty()
 
-    def _charge(self, job: SchedJob, placement: JobScheduled, sign: int) -> None:
-        inv = self.state.inventory
+    def _charge(self, inventory: Inventory, job: SchedJob, placement: JobScheduled, sign: int) -> None:
         for a in placement.placement:
-            inv.charge(a.node, a.gpu_indices, a.gpu_milli, job.spec.cpu_millis, job.spec.memory_mib, sign)
+            inventory.charge(a.node, a.gpu_indices, a.gpu_milli, job.spec.cpu_millis, job.spec.memory_mib, sign)
 
     def _add_head(self, job: SchedJob) -> None:
         s = self.state
@@ -226,23 +249,16 @@ class SchedulerCore:
                 s.jobs[event.aggregate_id] = SchedJob(spec=event.spec, submitted=event, request=Request.of(event.spec))
                 return
         job = s.jobs.get(event.aggregate_id)
-        if job is None:
-            return
+        if job is not None:
+            self._evolve_job(job, event)
+
+    def _evolve_job(self, job: SchedJob, event: Event) -> None:
+        s = self.state
         match event:
             case JobAdmitted():
                 job.priority, job.preemptible = event.priority, event.preemptible
             case QuotaReserved():
-                if job.cancel_requested:
-                    return
-                if job.reservation is not None:
-                    self._drop_head(job)
-                job.reservation = event
-                job.waiting, job.reasons_given = None, 0
-                job.victims = set()
-                if job.spec.gpus > 0:
-                    sizes = s.sizes.setdefault(event.flavor, {})
-                    sizes[job.request.size_class] = sizes.get(job.request.size_class, 0) + 1
-                self._add_head(job)
+                self._reserved(job, event)
             case JobScheduled():
                 self._placed(job, event)
             case JobStarted():
@@ -259,12 +275,12 @@ class SchedulerCore:
                 job.preemptions += 1
                 s.preemption_times.append(event.occurred_at)
                 if job.placement is not None and job.placement.attempt == event.attempt:
-                    job.stopping = True
+                    job.stop_requested = True
                     if (head := s.jobs.get(event.for_job)) is not None:
                         head.victims.add((job.job_id, event.attempt))
             case ReclaimRequested():
                 if job.placement is not None and job.placement.attempt == event.attempt:
-                    job.stopping = True
+                    job.stop_requested = True
             case JobSucceeded() | JobFailed() | JobPreempted() | JobCancelled():
                 self._end_attempt(job)
             case QuotaReleased():
@@ -276,27 +292,36 @@ class SchedulerCore:
                 if job.placement is None:
                     self._drop_head(job)
 
+    def _reserved(self, job: SchedJob, event: QuotaReserved) -> None:
+        if job.cancel_requested:
+            return
+        if job.reservation is not None:
+            self._drop_head(job)
+        job.reservation = event
+        job.waiting, job.reasons_given = None, 0
+        job.victims = set()
+        if job.spec.gpus > 0:
+            sizes = self.state.sizes.setdefault(event.flavor, {})
+            sizes[job.request.size_class] = sizes.get(job.request.size_class, 0) + 1
+        self._add_head(job)
+
     def _placed(self, job: SchedJob, event: JobScheduled) -> None:
         s = self.state
-        tentative = self._tentative.pop(job.job_id, None)
-        if tentative is not None and (tentative.event_id, tentative.placement) != (event.event_id, event.placement):
-            self._charge(job, tentative, -1)
-            tentative = None
+        self._awaiting.pop(job.job_id, None)
         if job.placement is None or job.placement.event_id != event.event_id:
             self._drop_head(job)
-            if tentative is None:
-                self._charge(job, event, +1)
+            self._charge(s.inventory, job, event, +1)
         job.placement = event
         job.started_at = job.checkpoint_at = None
-        job.stopping = False
+        job.stop_requested = False
         s.heads.pop(job.job_id, None)
         s.running.setdefault(event.flavor, set()).add(job.job_id)
 
     def _end_attempt(self, job: SchedJob) -> None:
         s = self.state
+        self._awaiting.pop(job.job_id, None)
         if job.placement is not None:
-            self._tentative.pop(job.job_id, None)
-            self._charge(job, job.placement, -1)
+            self._charge(s.inventory, job, job.placement, -1)
             s.running.get(job.placement.flavor, set()).discard(job.job_id)
             if job.started_at is not None and job.spec.expected_runtime_seconds is not None:
                 end = job.started_at + timedelta(seconds=job.spec.expected_runtime_seconds)
@@ -308,111 +333,137 @@ class SchedulerCore:
         job.placement = None
         job.reservation = None
         job.started_at = job.checkpoint_at = None
-        job.stopping = False
+        job.stop_requested = False
         job.victims = set()
 
     # -- decide ------------------------------------------------------------------------------
     def decide(self, now: datetime) -> list[Event]:
-        s = self.state
-        if self._wake_at is not None and self._wake_at <= now:
-            self._wake_at = None
-            for job in s.jobs.values():
-                job.tried_generation = -1
-            self._mark_all_dirty()
-        if not self._dirty:
+        """One cycle: 1. heads, 2. snapshot, then per group 3. fit, 4. preempt, 5. explain."""
+        groups = self._groups_to_decide(now)
+        if not groups:
             return []
-        dirty, self._dirty = self._dirty, set()
+        cycle = self._snapshot(now)
         out: list[Event] = []
-        preempt_budget = self._preemption_budget(now)
-        preempt_tries = self.limits.max_heads_per_cycle if self.limits.enabled else 0
-        chosen_victims: set[str] = set()
-        for group in sorted(g for g in dirty if g != CPU_GROUP) + ([CPU_GROUP] if CPU_GROUP in dirty else []):
-            shapes = s.groups.get(group)
-            if not shapes:
-                continue
-            generation = self._generation(group)
-            fresh = self._fresh.pop(group, {})
-            lowest: dict[str, int] = {}
-            # Heads of one request shape fit or fail together, so the heads are walked as a merge
-            # of the per-shape queues in head order, and a shape leaves the merge at its first
-            # failure: the cycle costs placements + shapes, not pending heads.
-            merge = [(keys[0], shape) for shape, keys in shapes.items() if keys]
-            heapq.heapify(merge)
-            while merge:
-                key, shape = heapq.heappop(merge)
-                keys = shapes[shape]
-                job = s.jobs[key[2]]
-                if job.job_id in self._tentative:  # placed by an earlier cycle, not back from the log yet
-                    i = keys.bisect_right(key)
-                    if i < len(keys):
-                        heapq.heappush(merge, (keys[i], shape))
-                    continue
-                placement = None
-                if job.tried_generation != generation:
-                    placement = self._fit(job, group)
-                if placement is not None:
-                    event = new_event(
-                        JobScheduled, aggregate_id=job.job_id, producer=PRODUCER, occurred_at=now,
-                        key=str(job.reservation.attempt), cause=job.reservation, attempt=job.reservation.attempt,
-                        flavor=job.reservation.flavor, placement=placement,
-                    )
-                    self._tentative[job.job_id] = event
-                    self._charge(job, event, +1)
-                    out.append(event)
-                    i = keys.bisect_right(key)
-                    if i < len(keys):
-                        heapq.heappush(merge, (keys[i], shape))
-                    continue
-                retried = job.tried_generation != generation
-                job.tried_generation = generation
-                explained = None
-                if self._victims_alive(job):
-                    explained = (SchedulingWaitReason.PREEMPTING,
-                                 f"waiting for {len(job.victims)} preempted attempt(s) to stop: "
-                                 f"{', '.join(v for v, _ in sorted(job.victims)[:5])}", None)
-                elif (retried and self.limits.enabled and job.spec.gpus > 0
-                      and job.priority > self._lowest_running_priority(group, lowest)):
-                    if preempt_tries <= 0 or preempt_budget <= 0:
-                        job.tried_generation = -1  # look again next cycle, when there is budget
-                        self._dirty.add(group)
-                    else:
-                        preempt_tries -= 1
-                        victims = self._preempt(job, group, now, preempt_budget, chosen_victims)
-                        if victims:
-                            preempt_budget -= len(victims)
-                            chosen_victims.update(v.aggregate_id for v in victims)
-                            out.extend(victims)
-                            explained = False
-                if explained is False or explained is not None:
-                    # What it waits for is spoken for: the next head of its shape may still fit or
-                    # preempt on its own.
-                    i = keys.bisect_right(key)
-                    if i < len(keys):
-                        heapq.heappush(merge, (keys[i], shape))
-                    if explained is not False and self.explain:
-                        out.extend(self._reason(job, group, explained, now))
-                    continue
-                if not self.explain:
-                    continue
-                # The shape leaves the merge: its failing head, and the heads of its shape that
-                # arrived since the last cycle, are told why (rate-limited); older heads keep the
-                # reason they were given until their shape is looked at again.
-                waiting = [job] if retried else []
-                waiting += [s.jobs[j] for j in fresh.get(shape, ())
-                            if j != job.job_id and s.jobs[j].placement is None and s.jobs[j].reservation is not None
-                            and j not in self._tentative]
-                for other in waiting:
-                    other.tried_generation = generation
-                    last = other.waiting
-                    if last is not None and now < last.occurred_at + timedelta(seconds=REASON_INTERVAL_S):
-                        continue  # looked at again (and told) at most every REASON_INTERVAL_S
-                    if explained is None:
-                        explained = self._explain(other, group, now)
-                    out.extend(self._reason(other, group, explained, now))
-            self._seen_generation[group] = generation
+        for group in groups:
+            out.extend(self._decide_group(cycle, group, now))
         return out
 
-    def _lowest_running_priority(self, group: str, memo: dict[str, int]) -> int:
+    def _groups_to_decide(self, now: datetime) -> list[str]:
+        """Phase 1: the groups whose heads may have a new answer (their flavor first, CPU-only
+        work last). A wake-up time that passed makes every head worth another look."""
+        if self._wake_at is not None and self._wake_at <= now:
+            self._wake_at = None
+            for job in self.state.jobs.values():
+                job.tried_generation = -1
+            self._mark_all_dirty()
+        dirty, self._dirty = self._dirty, set()
+        return sorted(g for g in dirty if g != CPU_GROUP) + ([CPU_GROUP] if CPU_GROUP in dirty else [])
+
+    def _snapshot(self, now: datetime) -> Cycle:
+        """Phase 2: the inventory as the log will hold it once the decisions on their way there
+        are in, and the preemption limits left for this cycle."""
+        tries = self.limits.max_heads_per_cycle if self.limits.enabled else 0
+        return Cycle(self._decided_inventory(), self._preemption_budget(now), tries)
+
+    def _decided_inventory(self) -> Inventory:
+        """A snapshot of the inventory with the decisions on their way to the log charged."""
+        inventory = self.state.inventory.snapshot()
+        for job_id, placement in self._awaiting.items():
+            self._charge(inventory, self.state.jobs[job_id], placement, +1)
+        return inventory
+
+    def _decide_group(self, cycle: Cycle, group: str, now: datetime) -> list[Event]:
+        """Phases 3 to 5 for one group. Heads of one request shape fit or fail together, so the
+        heads are walked as a merge of the per-shape queues in head order, and a shape leaves the
+        merge at its first failure: the cycle costs placements + shapes, not pending heads."""
+        shapes = self.state.groups.get(group)
+        if not shapes:
+            return []
+        generation = self._generation(group)
+        fresh = self._fresh.pop(group, {})
+        out: list[Event] = []
+        merge = [(keys[0], shape) for shape, keys in shapes.items() if keys]
+        heapq.heapify(merge)
+        while merge:
+            key, shape = heapq.heappop(merge)
+            job = self.state.jobs[key[2]]
+            retried = job.tried_generation != generation
+            events, settled = self._head(cycle, job, group, generation, now)
+            out.extend(events)
+            if settled:  # what it waits for is spoken for: the next head of its shape may still go
+                keys = shapes[shape]
+                i = keys.bisect_right(key)
+                if i < len(keys):
+                    heapq.heappush(merge, (keys[i], shape))
+            elif self.explain:
+                out.extend(self._tell_shape(cycle, job, group, shape, fresh.get(shape, ()), retried,
+                                            generation, now))
+        return out
+
+    def _head(self, cycle: Cycle, job: SchedJob, group: str, generation: int,
+              now: datetime) -> tuple[list[Event], bool]:
+        """One head: placed, preempting or waiting for its victims (settled: the merge goes on
+        with the next head of its shape), or it does not fit (its shape leaves the merge)."""
+        if job.job_id in self._awaiting:  # placed by an earlier cycle, not back from the log yet
+            return [], True
+        retried = job.tried_generation != generation
+        if retried and (placement := self._fit(cycle.inventory, job, group)) is not None:
+            return [self._place(cycle, job, placement, now)], True
+        job.tried_generation = generation
+        if self._victims_alive(job):
+            explained = (SchedulingWaitReason.PREEMPTING,
+                         f"waiting for {len(job.victims)} preempted attempt(s) to stop: "
+                         f"{', '.join(v for v, _ in sorted(job.victims)[:5])}", None)
+            return (self._reason(job, group, explained, now) if self.explain else []), True
+        if not (retried and self.limits.enabled and job.spec.gpus > 0
+                and job.priority > self._lowest_running_priority(cycle, group)):
+            return [], False
+        if cycle.preempt_tries <= 0 or cycle.preempt_budget <= 0:
+            job.tried_generation = -1  # look again next cycle, when there is budget
+            self._dirty.add(group)
+            return [], False
+        cycle.preempt_tries -= 1
+        victims = self._preempt(cycle, job, group, now)
+        if not victims:
+            return [], False
+        cycle.preempt_budget -= len(victims)
+        cycle.chosen_victims.update(v.aggregate_id for v in victims)
+        return list(victims), True
+
+    def _place(self, cycle: Cycle, job: SchedJob, placement: tuple[NodeAssignment, ...],
+               now: datetime) -> JobScheduled:
+        r = job.reservation
+        event = new_event(
+            JobScheduled, aggregate_id=job.job_id, producer=PRODUCER, occurred_at=now, key=str(r.attempt),
+            cause=r, attempt=r.attempt, flavor=r.flavor, placement=placement,  # type: ignore[union-attr]
+        )
+        self._awaiting[job.job_id] = event
+        self._charge(cycle.inventory, job, event, +1)
+        return event
+
+    def _tell_shape(self, cycle: Cycle, job: SchedJob, group: str, shape: tuple, fresh: tuple | list,
+                    retried: bool, generation: int, now: datetime) -> list[Event]:
+        """Phase 5 for a shape that left the merge: its failing head (if it was tried now) and
+        the heads of its shape that arrived since the last cycle are told why, each at most every
+        REASON_INTERVAL_S; older heads keep the reason they were given until their shape is
+        looked at again."""
+        jobs = self.state.jobs
+        waiting = [job] if retried else []
+        waiting += [jobs[j] for j in fresh if j != job.job_id and jobs[j].placement is None
+                    and jobs[j].reservation is not None and j not in self._awaiting]
+        out: list[Event] = []
+        explained = None
+        for other in waiting:
+            other.tried_generation = generation
+            if told_recently(other.waiting, now):
+                continue
+            if explained is None:
+                explained = self._explain(cycle.inventory, other, group, now)
+            out.extend(self._reason(other, group, explained, now))
+        return out
+
+    def _lowest_running_priority(self, cycle: Cycle, group: str) -> int:
+        memo = cycle.lowest_running
         if group not in memo:
             s = self.state
             memo[group] = min((s.jobs[j].priority for j in s.running.get(group, ())), default=1 << 30)
@@ -422,9 +473,9 @@ class SchedulerCore:
         jobs = self.state.jobs
         return any((p := jobs[v].placement) is not None and p.attempt == n for v, n in job.victims if v in jobs)
 
-    def _fit(self, job: SchedJob, group: str) -> tuple[NodeAssignment, ...] | None:
+    def _fit(self, inv: Inventory, job: SchedJob, group: str) -> tuple[NodeAssignment, ...] | None:
+        """Phase 3: the head's placement on the snapshot under the policy, or None."""
         req = job.request
-        inv = self.state.inventory
         flavors = tuple(inv.flavors) if group == CPU_GROUP else (group,)
         dist = self.workload_distribution(None if group == CPU_GROUP else group)
         if req.gang == 1:
@@ -434,11 +485,8 @@ class SchedulerCore:
             nodes = place_gang(inv, flavors, req, self.policy, dist)
         if nodes is None:
             return None
-        out = []
-        for n in nodes:
-            idx = choose_gpus(n, req, self.policy, dist)
-            out.append(NodeAssignment(node=n.name, gpus=req.gpus, gpu_indices=idx, gpu_milli=req.milli))
-        return tuple(out)
+        return tuple(NodeAssignment(node=n.name, gpus=req.gpus, gpu_indices=choose_gpus(n, req, self.policy, dist),
+                                    gpu_milli=req.milli) for n in nodes)
 
     def workload_distribution(self, flavor: str | None) -> Workload:
         """The workload distribution FGD scores against: request size classes of the attempts
@@ -467,109 +515,54 @@ class SchedulerCore:
     def _wake(self, at: datetime) -> None:
         self._wake_at = at if self._wake_at is None else min(self._wake_at, at)
 
-    def _class(self, job: SchedJob) -> PriorityClass | None:
-        return self.priority_classes.get(job.spec.priority_class)
+    def _preempt(self, cycle: Cycle, head: SchedJob, flavor: str, now: datetime) -> list[PreemptionRequested] | None:
+        """Phase 4: victims that make the head fit and lose the least work, or None when no set
+        of eligible victims (within the budget left) would.
 
-    def victim_status(self, victim: SchedJob, head: SchedJob, now: datetime) -> str | None:
-        """None if ``victim`` may be preempted for ``head`` now; otherwise why not."""
-        if victim.priority >= head.priority:
-            return "equal or higher priority"
-        pc = self._class(victim)
-        if not victim.preemptible or (pc is not None and not pc.preemptible):
-            return "non-preemptible class"
-        if victim.stopping or victim.cancel_requested:
-            return "already stopping"
-        if victim.started_at is None:
-            return "not started"
-        if pc is not None:
-            protected_until = victim.started_at + timedelta(seconds=pc.protection_seconds)
-            if now < protected_until:
-                self._wake(protected_until)
-                return "protection window"
-            if pc.max_preemptions is not None and victim.preemptions >= pc.max_preemptions:
-                return "preemption budget used"
-        return None
-
-    def lost_work(self, victim: SchedJob, now: datetime) -> float:
-        since = max(t for t in (victim.started_at, victim.checkpoint_at) if t is not None)
-        return _gpus_of(victim) * max(0.0, (now - since).total_seconds())
-
-    def _preempt(self, head: SchedJob, flavor: str, now: datetime, budget: int,
-                 taken: set[str]) -> list[PreemptionRequested] | None:
-        """Victims that make the head fit and lose the least work, or None when no set of
-        eligible victims (within ``budget``) would.
-
-        Per node: its eligible victims, least lost work first, until the member fits; a gang
-        takes the ``gang`` nodes that are cheapest that way. A victim's lost work is its GPUs ×
-        seconds since its last checkpoint of this attempt (or its start)."""
-        s = self.state
-        req = head.request
-        on_node: dict[str, list[tuple[float, str]]] = {}
-        for vid in s.running.get(flavor, ()):
-            if vid in taken:
-                continue
-            victim = s.jobs[vid]
-            if self.victim_status(victim, head, now) is not None:
-                continue
-            lost = self.lost_work(victim, now)
+        Per node: its eligible victims in the victim policy's order until the member fits; a gang
+        takes the ``gang`` nodes that are cheapest that way (lost work, then victims, then name)."""
+        ranking = self.victim_policy.rank(
+            (self.state.jobs[v] for v in self.state.running.get(flavor, ()) if v not in cycle.chosen_victims),
+            now, below=head.priority, started_only=True)
+        if ranking.wake_at is not None:
+            self._wake(ranking.wake_at)
+        on_node: dict[str, list[SchedJob]] = {}
+        for victim in ranking.victims:
             for a in victim.placement.placement:  # type: ignore[union-attr]
-                on_node.setdefault(a.node, []).append((lost, vid))
+                on_node.setdefault(a.node, []).append(victim)
         if not on_node:
             return None
-        options: list[tuple[float, int, str, list[str]]] = []
-        inv = s.inventory
-        for node in candidates_or_all(inv, flavor, req):
-            if node.info.unschedulable or not static_ok(node, req):
-                continue
-            free = list(node.free)
-            cpu, mem = node.used_cpu, node.used_memory
-            chosen: list[str] = []
-            cost = 0.0
-            for lost, vid in sorted(on_node.get(node.name, [])):
-                if fits_now(node, free, cpu, mem, req):
-                    break
-                victim = s.jobs[vid]
-                for a in victim.placement.placement:  # type: ignore[union-attr]
-                    if a.node == node.name:
-                        share = a.gpu_milli or MILLI
-                        for i in a.gpu_indices:
-                            free[i] = min(MILLI, free[i] + share)
-                cpu -= victim.spec.cpu_millis
-                mem -= victim.spec.memory_mib
-                chosen.append(vid)
-                cost += lost
-            if fits_now(node, free, cpu, mem, req):
-                options.append((cost, len(chosen), node.name, chosen))
+        req = head.request
+        options = [option for node in candidates_or_all(cycle.inventory, flavor, req)
+                   if not node.info.unschedulable and static_ok(node, req)
+                   and (option := _make_room(node, on_node.get(node.name, []), ranking.lost, req)) is not None]
         if len(options) < req.gang:
             return None
         options.sort()
         picked = options[: req.gang]
         victims = sorted({v for *_, chosen in picked for v in chosen})
-        if not victims or len(victims) > budget:
+        if not victims or len(victims) > cycle.preempt_budget:
             return None if victims else []
         nodes = ", ".join(name for _, _, name, _ in picked)
-        out = []
-        for vid in victims:
-            victim = s.jobs[vid]
-            pc = self._class(victim)
-            lost = self.lost_work(victim, now)
-            out.append(new_event(
-                PreemptionRequested, aggregate_id=vid, producer=PRODUCER, occurred_at=now,
-                key=f"{victim.placement.attempt}/{head.job_id}", cause=head.reservation,  # type: ignore[union-attr]
-                attempt=victim.placement.attempt, for_job=head.job_id,  # type: ignore[union-attr]
-                grace_seconds=pc.preemption_grace_seconds if pc is not None else 30.0,
-                work_lost_gpu_seconds=round(lost, 3),
-                message=(f"preempted so that {head.job_id} (priority {head.priority}, {req.gpus}×{flavor}"
-                         f"{f' × {req.gang} nodes' if req.gang > 1 else ''}) fits on {nodes}; loses "
-                         f"{lost:.0f} GPU-seconds since its last {'checkpoint' if victim.checkpoint_at else 'start'}"),
-            ))
-        return out
+        return [self._preemption(self.state.jobs[vid], head, flavor, nodes, ranking.lost[vid], now) for vid in victims]
+
+    def _preemption(self, victim: SchedJob, head: SchedJob, flavor: str, nodes: str, lost: float,
+                    now: datetime) -> PreemptionRequested:
+        req = head.request
+        attempt = victim.placement.attempt  # type: ignore[union-attr]
+        return new_event(
+            PreemptionRequested, aggregate_id=victim.job_id, producer=PRODUCER, occurred_at=now,
+            key=f"{attempt}/{head.job_id}", cause=head.reservation, attempt=attempt, for_job=head.job_id,
+            grace_seconds=self.victim_policy.grace_seconds(victim), work_lost_gpu_seconds=round(lost, 3),
+            message=(f"preempted so that {head.job_id} (priority {head.priority}, {req.gpus}×{flavor}"
+                     f"{f' × {req.gang} nodes' if req.gang > 1 else ''}) fits on {nodes}; loses "
+                     f"{lost:.0f} GPU-seconds since its last {'checkpoint' if victim.checkpoint_at else 'start'}"),
+        )
 
     # -- reasons -----------------------------------------------------------------------------
-    def _explain(self, job: SchedJob, group: str, now: datetime) -> tuple:
-        """(reason, message, numbers) for a head that does not fit."""
+    def _explain(self, inv: Inventory, job: SchedJob, group: str, now: datetime) -> Explanation:
+        """Phase 5: (reason, message, numbers) for a head that does not fit the snapshot."""
         req = job.request
-        inv = self.state.inventory
         flavors = tuple(inv.flavors) if group == CPU_GROUP else (group,)
         flavor = None if group == CPU_GROUP else group
         label = flavor or "any"
@@ -627,16 +620,11 @@ class SchedulerCore:
                 return max(end, now)
         return None
 
-    def _reason(self, job: SchedJob, group: str, explained: tuple, now: datetime) -> list[Event]:
+    def _reason(self, job: SchedJob, group: str, explained: Explanation, now: datetime) -> list[Event]:
         reason, message, numbers = explained
         numbers = numbers or {}
-        last = job.waiting
-        if last is not None and last.reason == reason:
-            if last.message == message:
-                return []
-            due = last.occurred_at + timedelta(seconds=REASON_INTERVAL_S)
-            if now < due:
-                return []
+        if not throttle(job.waiting, reason, message, now).write:
+            return []
         job.reasons_given += 1
         event = new_event(
             SchedulingPendingReasonChanged, aggregate_id=job.job_id, producer=PRODUCER, occurred_at=now,
@@ -652,10 +640,11 @@ class SchedulerCore:
 
     # -- metrics -----------------------------------------------------------------------------
     def fragmentation(self) -> list[FlavorFragmentation]:
-        """The fragmentation index of every GPU flavor (docs/scheduling.md)."""
-        s = self.state
-        return [measure(f, index, s.sizes.get(f, {}))
-                for f, index in sorted(s.inventory.flavors.items(), key=lambda kv: kv[0] or "")
+        """The fragmentation index of every GPU flavor (docs/scheduling.md), counting the
+        placements decided and not yet back from the log."""
+        inventory = self._decided_inventory()
+        return [measure(f, index, self.state.sizes.get(f, {}))
+                for f, index in sorted(inventory.flavors.items(), key=lambda kv: kv[0] or "")
                 if f is not None]
 
 
@@ -665,6 +654,30 @@ def candidates_or_all(inv: Inventory, flavor: str, req: Request) -> list[Node]:
     if index is None:
         return []
     return sorted((inv.nodes[name] for names in index.shapes.values() for name in names), key=lambda n: n.name)
+
+
+def _make_room(node: Node, victims: list[SchedJob], lost: dict[str, float],
+               req: Request) -> tuple[float, int, str, list[str]] | None:
+    """(lost work, victims, node, their ids) when stopping the first of ``victims`` (in the
+    victim policy's order) until one member fits makes room on ``node``; None when all of them
+    would not."""
+    free = list(node.free)
+    cpu, mem = node.used_cpu, node.used_memory
+    chosen: list[str] = []
+    cost = 0.0
+    for victim in victims:
+        if fits_now(node, free, cpu, mem, req):
+            break
+        for a in victim.placement.placement:  # type: ignore[union-attr]
+            if a.node == node.name:
+                share = a.gpu_milli or MILLI
+                for i in a.gpu_indices:
+                    free[i] = min(MILLI, free[i] + share)
+        cpu -= victim.spec.cpu_millis
+        mem -= victim.spec.memory_mib
+        chosen.append(victim.job_id)
+        cost += lost[victim.job_id]
+    return (cost, len(chosen), node.name, chosen) if fits_now(node, free, cpu, mem, req) else None
 
 
 def fits_now(node: Node, free: list[int], cpu: int, mem: int, req: Request) -> bool:

@@ -109,16 +109,31 @@ class FlavorIndex:
     shapes: dict[Shape, SortedList] = field(default_factory=dict)
     whole_free_hist: dict[int, int] = field(default_factory=dict)  # whole free GPUs -> nodes
     capacity: int = 0  # GPUs on the schedulable nodes
+    # A copy's origin: a name list it still shares with it is copied before the copy changes it.
+    origin: dict[Shape, SortedList] | None = field(default=None, repr=False, compare=False)
+
+    def copy(self) -> FlavorIndex:
+        """A copy that can change without changing this index (the name lists are copied on
+        first change)."""
+        return FlavorIndex(dict(self.shapes), dict(self.whole_free_hist), self.capacity, self.shapes)
+
+    def _names(self, shape: Shape) -> SortedList:
+        names = self.shapes.get(shape)
+        if names is None:
+            names = self.shapes[shape] = SortedList()
+        elif self.origin is not None and self.origin.get(shape) is names:
+            names = self.shapes[shape] = names.copy()
+        return names
 
     def add(self, node: Node) -> None:
-        self.shapes.setdefault(node.shape(), SortedList()).add(node.name)
+        self._names(node.shape()).add(node.name)
         wf = node.whole_free()
         self.whole_free_hist[wf] = self.whole_free_hist.get(wf, 0) + 1
         self.capacity += node.info.gpu_count
 
     def remove(self, node: Node) -> None:
         shape = node.shape()
-        names = self.shapes[shape]
+        names = self._names(shape)
         names.remove(node.name)
         if not names:
             del self.shapes[shape]
@@ -139,29 +154,68 @@ class FlavorIndex:
 
 
 class Inventory:
-    """Nodes and their allocations. ``allocate`` / ``release`` keep the shape index in step;
+    """Nodes and their allocations. ``charge`` keeps the shape index in step;
     ``generation[flavor]`` grows whenever capacity of that flavor may have grown (a release, a
     node added, updated or uncordoned), which is what tells the cycle that a head that did not
-    fit before might fit now."""
+    fit before might fit now. A cycle decides against a :meth:`snapshot`, so the inventory folded
+    from the log changes only with the log."""
 
-    def __init__(self) -> None:
-        self.nodes: dict[str, Node] = {}
-        self.flavors: dict[str | None, FlavorIndex] = {}
-        self.generation: dict[str | None, int] = {}
+    def __init__(self, origin: Inventory | None = None) -> None:
+        """``origin``: the inventory this one is a snapshot of (see :meth:`snapshot`)."""
+        self.nodes: dict[str, Node] = origin.nodes if origin is not None else {}
+        self.flavors: dict[str | None, FlavorIndex] = origin.flavors if origin is not None else {}
+        self.generation: dict[str | None, int] = origin.generation if origin is not None else {}
+        # A snapshot's origin (None: not a snapshot), and the nodes and flavors it has copied.
+        self._origin = origin
+        self._copied: tuple[set[str], set[str | None]] | None = None
+
+    def snapshot(self) -> Inventory:
+        """A copy to charge a cycle's decisions into, leaving this inventory as it is. Taking one
+        costs nothing; its first change copies the node and flavor maps, and each node or flavor
+        index it changes is copied the first time. Valid while this inventory does not change."""
+        return Inventory(self)
+
+    def _own(self) -> tuple[set[str], set[str | None]] | None:
+        """For a snapshot: what it has copied so far, the maps copied on the first call."""
+        if self._origin is not None and self._copied is None:
+            self.nodes, self.flavors, self.generation = dict(self.nodes), dict(self.flavors), dict(self.generation)
+            self._copied = (set(), set())
+        return self._copied
+
+    def _writable(self, node: Node) -> Node:
+        """The node, copied first where a snapshot still shares it with its origin."""
+        copied = self._own()
+        if copied is None or node.name in copied[0]:
+            return node
+        copied[0].add(node.name)
+        copy = self.nodes[node.name] = Node(node.info, list(node.free), node.used_cpu, node.used_memory, node.topology)
+        return copy
+
+    def _writable_index(self, flavor: str | None) -> FlavorIndex:
+        copied = self._own()
+        index = self.flavors.get(flavor)
+        if index is None:
+            index = self.flavors[flavor] = FlavorIndex()
+        elif copied is not None and flavor not in copied[1]:
+            index = self.flavors[flavor] = index.copy()
+        if copied is not None:
+            copied[1].add(flavor)
+        return index
 
     # -- nodes -----------------------------------------------------------------------------
     def _index(self, node: Node) -> None:
         if not node.info.unschedulable:
-            self.flavors.setdefault(node.info.gpu_flavor, FlavorIndex()).add(node)
+            self._writable_index(node.info.gpu_flavor).add(node)
 
     def _unindex(self, node: Node) -> None:
         if not node.info.unschedulable:
-            self.flavors[node.info.gpu_flavor].remove(node)
+            self._writable_index(node.info.gpu_flavor).remove(node)
 
     def _grew(self, flavor: str | None) -> None:
         self.generation[flavor] = self.generation.get(flavor, 0) + 1
 
     def upsert(self, info: NodeInfo) -> None:
+        self._own()
         existing = self.nodes.get(info.name)
         if existing is None:
             node = Node(info, [MILLI] * info.gpu_count, topology=topology_of(info))
@@ -178,6 +232,7 @@ class Inventory:
             self._grew(existing.info.gpu_flavor)
 
     def lose(self, name: str) -> None:
+        self._own()
         node = self.nodes.pop(name, None)
         if node is not None:
             self._unindex(node)
@@ -189,6 +244,7 @@ class Inventory:
         node = self.nodes.get(name)
         if node is None:
             return
+        node = self._writable(node)
         self._unindex(node)
         share = milli if milli is not None else MILLI
         for i in indices:

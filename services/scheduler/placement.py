@@ -256,6 +256,17 @@ def _first_ok(inv: Inventory, names, req: Request, exclude: frozenset[str]) -> N
     return None
 
 
+def fitting_shapes(inv: Inventory, flavors: tuple[str | None, ...], req: Request):
+    """(flavor, shape, node names) for each shape of the flavors whose free GPUs fit one member."""
+    for flavor in flavors:
+        index = inv.flavors.get(flavor)
+        if index is None:
+            continue
+        for shape, names in index.shapes.items():
+            if shape_fits(shape, req):
+                yield flavor, shape, names
+
+
 def _cpu_free(node: Node) -> int | None:
     return node.info.cpu_millis - node.used_cpu if node.info.cpu_millis else None
 
@@ -265,25 +276,19 @@ def _best_node_fgd_cpu(inv, flavors, req: Request, dist: Workload, exclude) -> N
     each group that meets the constraints stands for it."""
     best: tuple | None = None
     chosen = None
-    for flavor in flavors:
-        index = inv.flavors.get(flavor)
-        if index is None:
-            continue
-        for shape, names in index.shapes.items():
-            if not shape_fits(shape, req):
+    for _, shape, names in fitting_shapes(inv, flavors, req):
+        seen: set[int | None] = set()
+        _, after = take(shape[1], req)
+        for name in names:
+            node = inv.nodes[name]
+            cpu = _cpu_free(node)
+            if cpu in seen or name in exclude or not static_ok(node, req) \
+                    or not node.cpu_memory_ok(req.cpu, req.memory):
                 continue
-            seen: set[int | None] = set()
-            _, after = take(shape[1], req)
-            for name in names:
-                node = inv.nodes[name]
-                cpu = _cpu_free(node)
-                if cpu in seen or name in exclude or not static_ok(node, req) \
-                        or not node.cpu_memory_ok(req.cpu, req.memory):
-                    continue
-                seen.add(cpu)
-                score = (round(_fgd_delta(shape[1], req, dist, cpu), 6), sum(after), name)
-                if best is None or score < best:
-                    best, chosen = score, node
+            seen.add(cpu)
+            score = (round(_fgd_delta(shape[1], req, dist, cpu), 6), sum(after), name)
+            if best is None or score < best:
+                best, chosen = score, node
     return chosen
 
 
@@ -296,17 +301,11 @@ def best_node(inv: Inventory, flavors: tuple[str | None, ...], req: Request, pol
         return _best_node_scan(inv, flavors, req, policy, dist, exclude)
     if policy == Policy.FGD and dist.cpu_aware:
         return _best_node_fgd_cpu(inv, flavors, req, dist, exclude)
-    ranked: list[tuple[tuple, str | None, Shape]] = []
-    for flavor in flavors:
-        index = inv.flavors.get(flavor)
-        if index is None:
-            continue
-        for shape, names in index.shapes.items():
-            if not shape_fits(shape, req):
-                continue
-            # Score the shape with its first name: within a shape only the name differs, and the
-            # search below walks the names in order.
-            ranked.append((_score(policy, names[0], shape[1], req, dist), flavor, shape))
+    # Each shape is scored with its first name: within a shape only the name differs, and the
+    # search below walks the names in order.
+    ranked: list[tuple[tuple, str | None, Shape]] = [
+        (_score(policy, names[0], shape[1], req, dist), flavor, shape)
+        for flavor, shape, names in fitting_shapes(inv, flavors, req)]
     ranked.sort(key=lambda r: r[0])
     if policy == Policy.FIRST_FIT:
         # First fit is by name across shapes: take, per shape, its first node that meets the
@@ -335,16 +334,11 @@ def candidates(inv: Inventory, flavors: tuple[str | None, ...], req: Request,
                exclude: frozenset[str] = frozenset()) -> list[Node]:
     """Every schedulable node of the flavors that could host one member now."""
     out = []
-    for flavor in flavors:
-        index = inv.flavors.get(flavor)
-        if index is None:
-            continue
-        for shape, names in index.shapes.items():
-            if shape_fits(shape, req):
-                for name in names:
-                    node = inv.nodes[name]
-                    if name not in exclude and static_ok(node, req) and node.cpu_memory_ok(req.cpu, req.memory):
-                        out.append(node)
+    for _, _, names in fitting_shapes(inv, flavors, req):
+        for name in names:
+            node = inv.nodes[name]
+            if name not in exclude and static_ok(node, req) and node.cpu_memory_ok(req.cpu, req.memory):
+                out.append(node)
     return out
 
 

@@ -190,12 +190,16 @@ def test_one_cycle_charges_its_own_decisions():
         for e in (submitted(jid, spec(gpus=2)), admitted(jid), reserved(jid, gpus=2)):
             core.evolve(e)
     out = core.decide(T0)
+    # charged in the cycle's snapshot, so that later heads see them ("c" does not fit) ...
     assert placements(out) == {"a": {"n1": (0, 1)}, "b": {"n1": (2, 3)}}
-    # charged tentatively so that later heads see them; undone if the log refuses them
-    assert core.state.nodes["n1"].used_gpus == {0, 1, 2, 3}
-    core.decisions_refused()
+    # ... while the state holds only what the log holds: a refusal has nothing to undo
     assert core.state.nodes["n1"].used_gpus == set()
-    assert placements(core.decide(T0)) == {"a": {"n1": (0, 1)}, "b": {"n1": (2, 3)}}
+    core.decisions_refused()
+    again = core.decide(T0)
+    assert placements(again) == {"a": {"n1": (0, 1)}, "b": {"n1": (2, 3)}}
+    for e in again:
+        core.evolve(e)
+    assert core.state.nodes["n1"].used_gpus == {0, 1, 2, 3}
 
 
 def test_cordoned_node_skipped_then_uncordoned():
