@@ -50,6 +50,11 @@ class Pool:
     _totals: tuple[int, int] | None = field(default=None, repr=False, compare=False)
     _borrowers: str | None = field(default=None, repr=False, compare=False)
 
+    def copy(self) -> Pool:
+        """A copy whose usage can change without changing this pool's (the limits are shared:
+        they never change)."""
+        return Pool(self.flavor, self.cohort, self.limits, dict(self.used), self._totals, self._borrowers)
+
     def own(self, q: str, used: int | None = None) -> int:
         u = self.used.get(q, 0) if used is None else used
         return min(u, self.limits[q].nominal)

@@ -11,9 +11,14 @@ id. A strict-FIFO queue stops at a head that does not fit; otherwise smaller job
 Across queues, heads are taken from the queue with the lowest weighted share first (usage over
 nominal, both in weighted GPU units), so competing queues borrow in fair order.
 
+A cycle (``_cycle``) runs in numbered phases over a snapshot of usage (:class:`Snapshot`):
+heads, snapshot, reserve within nominal (pass 1), borrow in fair order (pass 2), then explain
+and reclaim. Each phase returns its events; the state changes only when the log returns them.
+
 Every attempt that stays queued gets a structured reason with the numbers
-(QuotaPendingReasonChanged), emitted when the reason changes and at most every
-``REASON_INTERVAL_S`` for a changed message with the same code.
+(QuotaPendingReasonChanged), throttled by :mod:`runtime.waits`. Victims of reclaim and of
+preemption within a queue are chosen by the shared, checkpoint-aware policy of
+:mod:`runtime.victims`.
 
 Retries are decided here too: a failed attempt whose reason is in the job's ``retry_on`` and
 that has attempts left gets JobRetryScheduled and re-enters the queue after the backoff.
@@ -23,17 +28,21 @@ Preempted attempts are requeued the same way without using up an attempt.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sortedcontainers import SortedList
 
+from runtime.victims import SubmittedJob, VictimPolicy
+from runtime.waits import throttle
 from schemas import (
     CohortConfigured,
     Event,
     JobAdmitted,
     JobCancelled,
     JobCancelRequested,
+    JobCheckpointed,
     JobFailed,
     JobPreempted,
     JobRetryScheduled,
@@ -50,15 +59,15 @@ from schemas import (
     ReclaimRequested,
     new_event,
 )
-from schemas.priority import DEFAULT_PRIORITY_CLASSES
+from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass
 from services.quota.capacity import Limits, Pool
 
 PRODUCER = "quota"
-REASON_INTERVAL_S = 30.0
+NEVER_REFUSED = 1 << 62  # "no request of this size was refused yet"
 
 
 @dataclass
-class QuotaJob:
+class QuotaJob(SubmittedJob):
     spec: JobSpec
     submitted: JobSubmitted
     queue: str = ""
@@ -75,6 +84,7 @@ class QuotaJob:
     waiting: QuotaPendingReasonChanged | None = None  # the last reason given for this attempt
     preemptible: bool = True
     started_at: datetime | None = None  # of the current attempt
+    checkpoint_at: datetime | None = None  # latest checkpoint of the current attempt
     reclaim: ReclaimRequested | None = None  # asked to give the current attempt's quota back
     order_key: tuple | None = None  # its key in the queue's pending order while it waits
     flavors: tuple[QueueConfigured, tuple[str, ...]] | None = None  # usable flavors, for that queue config
@@ -82,6 +92,24 @@ class QuotaJob:
     def queue_order(self) -> tuple:
         """Order inside a queue: priority (higher first), then queued time, then job id."""
         return (-self.priority, self.queued_at, self.submitted.aggregate_id)
+
+    # The rest of what the victim policy (runtime.victims.Attempt) reads of an attempt holding quota.
+    @property
+    def stopping(self) -> bool:
+        return self.reclaim is not None or self.finished
+
+    @property
+    def held_gpus(self) -> float:
+        return self.reserved.gpus  # type: ignore[union-attr]
+
+    @property
+    def held_since(self) -> datetime:
+        return self.reserved.occurred_at  # type: ignore[union-attr]
+
+    @property
+    def preemptions(self) -> None:
+        """Quota keeps no count: reclaiming lent quota is not limited by a class's budget."""
+        return None
 
 
 @dataclass
@@ -101,11 +129,57 @@ class QuotaState:
     to_release: dict[str, None] = field(default_factory=dict)  # jobs whose attempt ended
 
 
+@dataclass
+class Snapshot:
+    """What one cycle decides against: the state's usage, copied when the cycle starts and
+    charged with each reservation the cycle makes (the state changes only when the log returns
+    them), the pools over that usage, and what the cycle learns on the way."""
+
+    used: dict[tuple[str, str], int]  # (queue, flavor) -> GPUs
+    pools: dict[tuple[str, str], Pool]  # (pool key, flavor) -> Pool over ``used``
+    # (pool key, flavor) where nobody borrows this cycle: quota is being preempted there, or a
+    # queue of it waits for its own lent-out quota (pass 1 adds those).
+    no_borrowing: set[tuple[str, str]]
+    spent: dict[str, float] = field(default_factory=dict)  # budget used this period, per queue
+    taken: set[str] = field(default_factory=set)  # jobs reserved in this cycle
+    charged_in: set[tuple[str, str]] = field(default_factory=set)  # (pool key, flavor) this cycle reserved in
+
+
+@dataclass
+class QueueTurn:
+    """A queue's place in pass 2."""
+
+    waiting: list[QuotaJob]
+    cursor: int = 0
+    ahead: int = 0  # jobs of the queue before the cursor that still wait
+    failed: dict[tuple[str, ...], int] = field(default_factory=dict)  # flavors -> smallest refused request
+
+
+@dataclass
+class ReclaimRound:
+    """Preemptions asked in one cycle. Each is decided against a trial pool that counts the
+    preemptions under way and those asked earlier in the cycle as done (their victims gone, the
+    jobs they are for holding their quota)."""
+
+    served: set[str]  # jobs whose victims are stopping
+    victims: dict[tuple[str, str], list[QuotaJob]] = field(default_factory=dict)  # per pool, best first
+    trials: dict[tuple[str, str], Pool] = field(default_factory=dict)
+    hopeless: dict[tuple[str, str, str, int], int] = field(default_factory=dict)  # smallest request that found too few
+    asked: set[str] = field(default_factory=set)  # victims asked in this cycle
+
+
+Refused = tuple[QuotaJob, str, int, tuple[str, ...]]  # (job, queue, position, flavors)
+
+
 class QuotaCore:
-    def __init__(self) -> None:
+    def __init__(self, priority_classes: Mapping[str, PriorityClass] = DEFAULT_PRIORITY_CLASSES) -> None:
         self.state = QuotaState()
+        self.victim_policy = VictimPolicy(priority_classes)
         self._dirty = True  # something changed that could let a pending job in
-        self._wake_at: datetime | None = None  # earliest retry backoff that has not passed
+        self._wake_at: datetime | None = None  # the earliest time a waiting job's answer may change
+
+    def _wake(self, at: datetime) -> None:
+        self._wake_at = at if self._wake_at is None else min(self._wake_at, at)
 
     def _enqueue(self, job_id: str, job: QuotaJob) -> None:
         if job.order_key is not None:
@@ -124,26 +198,28 @@ class QuotaCore:
 
     def evolve(self, event: Event) -> None:
         s = self.state
+        if isinstance(event, (QueueConfigured, QueueDeleted, CohortConfigured)):
+            self._configure(event)
+        elif isinstance(event, JobSubmitted):
+            s.jobs[event.aggregate_id] = QuotaJob(spec=event.spec, submitted=event)
+        elif (job := s.jobs.get(event.aggregate_id)) is not None:
+            if isinstance(event, (JobSucceeded, JobCancelled, JobFailed, JobPreempted)):
+                self._ended(event.aggregate_id, job, event)
+            else:
+                self._evolve_job(event.aggregate_id, job, event)
+
+    def _configure(self, event: QueueConfigured | QueueDeleted | CohortConfigured) -> None:
+        s = self.state
         if isinstance(event, QueueConfigured):
             s.queues[event.name] = event
-            self._dirty = True
-            return
-        if isinstance(event, QueueDeleted):
+        elif isinstance(event, QueueDeleted):
             s.queues.pop(event.name, None)
-            self._dirty = True
-            return
-        if isinstance(event, CohortConfigured):
+        else:
             s.cohorts[event.name] = event.parent
             s.cohort_config[event.name] = event
-            self._dirty = True
-            return
-        if isinstance(event, JobSubmitted):
-            s.jobs[event.aggregate_id] = QuotaJob(spec=event.spec, submitted=event)
-            return
-        job = s.jobs.get(event.aggregate_id)
-        if job is None:
-            return
-        job_id = event.aggregate_id
+        self._dirty = True
+
+    def _evolve_job(self, job_id: str, job: QuotaJob, event: Event) -> None:
         match event:
             case JobAdmitted():
                 job.admitted, job.queue, job.priority = True, event.queue, event.priority
@@ -154,69 +230,74 @@ class QuotaCore:
                 job.reserved = event
                 key = (event.queue, event.flavor)
                 self._age_history(event.queue, event.occurred_at)
-                s.used[key] = s.used.get(key, 0) + event.gpus
-                s.holders.setdefault(event.queue, set()).add(job_id)
+                self.state.used[key] = self.state.used.get(key, 0) + event.gpus
+                self.state.holders.setdefault(event.queue, set()).add(job_id)
                 self._dequeue(job_id, job)
             case QuotaReleased():
-                if job.reserved is not None and job.reserved.attempt == event.attempt:
-                    key = (event.queue, event.flavor)
-                    self._age_history(event.queue, event.occurred_at)
-                    self._charge_budget(job.reserved, event.occurred_at)
-                    s.used[key] = s.used.get(key, 0) - event.gpus
-                    s.holders.get(event.queue, set()).discard(job_id)
-                    job.reserved = None
-                    self._dirty = True
-                if job.finished:
-                    s.to_release.pop(job_id, None)
-            case JobSucceeded():
-                if event.attempt == job.attempt:
-                    job.ended, job.finished = event, True
-                    self._attempt_ended(job_id, job)
-            case JobCancelled():
-                job.ended, job.finished = event, True
-                if self._dequeue(job_id, job):
-                    self._dirty = True  # it may have been the head blocking a strict-FIFO queue
-                self._attempt_ended(job_id, job)
-            case JobFailed():
-                if event.attempt == job.attempt:
-                    job.ended = event
-                    job.failures += 1
-                    retry = (
-                        event.retryable
-                        and event.reason in job.spec.retry.retry_on
-                        and job.failures < job.spec.retry.max_attempts
-                        and not job.cancel_requested
-                    )
-                    job.finished = not retry
-                    self._attempt_ended(job_id, job)
-            case JobPreempted():
-                if event.attempt == job.attempt:
-                    job.ended = event
-                    job.finished = job.cancel_requested
-                    self._attempt_ended(job_id, job)
+                self._released(job_id, job, event)
             case JobRetryScheduled():
                 job.attempt = event.next_attempt
                 job.waiting = None
-                job.started_at = None
+                job.started_at = job.checkpoint_at = None
                 job.reclaim = None
                 job.not_before = event.not_before
                 job.queued_at = event.occurred_at
                 job.ended = None
-                s.to_release.pop(job_id, None)
+                self.state.to_release.pop(job_id, None)
                 self._enqueue(job_id, job)
-            case QuotaPendingReasonChanged():
-                if event.attempt == job.attempt:
-                    job.waiting = event
-            case JobStarted():
-                if event.attempt == job.attempt:
-                    job.started_at = event.occurred_at
-            case ReclaimRequested():
-                if event.attempt == job.attempt:
-                    job.reclaim = event
+            case QuotaPendingReasonChanged() if event.attempt == job.attempt:
+                job.waiting = event
+            case JobStarted() if event.attempt == job.attempt:
+                job.started_at = event.occurred_at
+            case JobCheckpointed() if event.attempt == job.attempt:
+                if job.checkpoint_at is None or event.checkpointed_at > job.checkpoint_at:
+                    job.checkpoint_at = event.checkpointed_at
+            case ReclaimRequested() if event.attempt == job.attempt:
+                job.reclaim = event
             case JobCancelRequested():
                 job.cancel_requested = True
                 if self._dequeue(job_id, job):
                     self._dirty = True  # it may have been the head blocking a strict-FIFO queue
+
+    def _released(self, job_id: str, job: QuotaJob, event: QuotaReleased) -> None:
+        s = self.state
+        if job.reserved is not None and job.reserved.attempt == event.attempt:
+            key = (event.queue, event.flavor)
+            self._age_history(event.queue, event.occurred_at)
+            self._charge_budget(job.reserved, event.occurred_at)
+            s.used[key] = s.used.get(key, 0) - event.gpus
+            s.holders.get(event.queue, set()).discard(job_id)
+            job.reserved = None
+            self._dirty = True
+        if job.finished:
+            s.to_release.pop(job_id, None)
+
+    def _ended(self, job_id: str, job: QuotaJob, event: Event) -> None:
+        """An attempt ended (or the job was cancelled): whether another attempt follows is
+        decided here; the release and the retry are decided in the next cycle."""
+        if isinstance(event, JobCancelled):
+            job.ended, job.finished = event, True
+            if self._dequeue(job_id, job):
+                self._dirty = True  # it may have been the head blocking a strict-FIFO queue
+            self._attempt_ended(job_id, job)
+            return
+        if event.attempt != job.attempt:  # type: ignore[attr-defined]
+            return
+        job.ended = event
+        if isinstance(event, JobSucceeded):
+            job.finished = True
+        elif isinstance(event, JobFailed):
+            job.failures += 1
+            retry = (
+                event.retryable
+                and event.reason in job.spec.retry.retry_on
+                and job.failures < job.spec.retry.max_attempts
+                and not job.cancel_requested
+            )
+            job.finished = not retry
+        else:  # preempted: requeued unless a cancel was asked
+            job.finished = job.cancel_requested
+        self._attempt_ended(job_id, job)
 
     def decisions_refused(self) -> None:
         """Some decisions were not recorded (conflict or transient error): decide again."""
@@ -235,7 +316,7 @@ class QuotaCore:
             out.extend(self._release(job_id, self.state.jobs[job_id], now))
         if self._dirty or (self._wake_at is not None and self._wake_at <= now):
             self._dirty = False
-            out.extend(self._reserve(now))
+            out.extend(self._cycle(now))
         return out
 
     def _release(self, job_id: str, job: QuotaJob, now: datetime) -> list[Event]:
@@ -349,7 +430,7 @@ class QuotaCore:
             return None
         start = self.period_start(b.period, now)
         until = self.next_period(b.period, start)
-        self._wake_at = min(self._wake_at or until, until)
+        self._wake(until)
         return (f"queue {queue.name} has used or committed {spent:.1f} of its {b.gpu_hours:g} GPU-hours this {b.period} "
                 f"(since {start.date().isoformat()}); this job plans {planned:.1f} more; the budget renews "
                 f"{until.isoformat()}")
@@ -390,231 +471,257 @@ class QuotaCore:
             return 0.0 if usage == 0 else float("inf")
         return usage / nominal
 
-    def _reserve(self, now: datetime) -> list[Event]:
-        """One quota cycle in two passes. Pass 1: every waiting job that fits in its queue's
-        unused nominal quota, queues in fair order (guaranteed quota first, so reclaimed quota
-        reaches its owner and a borrower never takes what a queue's own job could use this
-        cycle). Pass 2: the rest, borrowing allowed, one job at a time from the queue with the
-        lowest weighted share. Then every job still waiting is explained, and preemptions asked."""
-        s = self.state
-        used = dict(s.used)  # this cycle's working copy
-        pools = self.pools(used)
-        out: list[Event] = []
+    # -- the cycle ---------------------------------------------------------------------------
+    def _cycle(self, now: datetime) -> list[Event]:
+        """One quota cycle (docs/quota.md), in numbered phases:
+
+        1. heads: each queue's waiting jobs in queue order (jobs of a deleted queue are told so);
+        2. snapshot: usage copied from the state, the pools over it, the pools closed to borrowing;
+        3. reserve (pass 1): every job that fits in its queue's unused nominal, queues in fair
+           order, so reclaimed quota reaches its owner and a borrower never takes what a queue's
+           own job could use this cycle;
+        4. borrow (pass 2): the rest, borrowing allowed, one job at a time from the queue with the
+           lowest weighted share;
+        5. explain and reclaim: every job still waiting is told why, against the usage after this
+           cycle's reservations (the state the log will hold), and reclaims are asked."""
         self._wake_at = None
-        order: dict[str, list[QuotaJob]] = {}
+        heads, out = self._heads(now)
+        snap = self._snapshot()
+        out.extend(self._reserve_nominal(snap, heads, now))
+        borrowed, refused = self._borrow(snap, heads, now)
+        out.extend(borrowed)
+        out.extend(self._explain_and_reclaim(snap, refused, now))
+        return out
+
+    def _heads(self, now: datetime) -> tuple[dict[str, list[QuotaJob]], list[Event]]:
+        """Phase 1: queue -> its waiting jobs in queue order; and the reasons of the jobs whose
+        queue was deleted."""
+        s = self.state
+        heads: dict[str, list[QuotaJob]] = {}
+        out: list[Event] = []
         for queue_name, entries in s.pending.items():
             waiting = [s.jobs[j] for _, j in entries if not s.jobs[j].cancel_requested]
             if not waiting:
                 continue
-            queue = s.queues.get(queue_name)
-            if queue is None:
+            if queue_name not in s.queues:
                 for position, job in enumerate(waiting, start=1):
                     out.extend(self._reason(job, QuotaWaitReason.QUEUE_MISSING,
                                             f"queue {queue_name} no longer exists", position, None, now))
                 continue
-            order[queue_name] = waiting
-        # No new borrowing in a pool (pool key, flavor) while quota is being preempted there, or
-        # while a queue of it waits for its own lent-out quota (pass 1 adds those): that quota
-        # goes to the job it is freed for, not to the next borrower (no reclaim loops).
-        no_borrowing: set[tuple[str, str]] = {
-            (self.pool_key(j.reserved.queue), j.reserved.flavor)
-            for j in self._holding() if j.reclaim is not None and j.reserved.queue in s.queues
-        }
-        spent_now: dict[str, float] = {}  # budget used this period, per queue, for this cycle
-        taken: set[str] = set()  # reserved in this cycle
-        charged_in: set[tuple[str, str]] = set()  # (pool key, flavor) where this cycle reserved
+            heads[queue_name] = waiting
+        return heads, out
 
-        def flavors_of(job: QuotaJob, queue: QueueConfigured) -> tuple[str, ...]:
-            """The job's flavors, in its order, that the queue has quota for (kept on the job
-            until the queue is reconfigured)."""
-            if job.flavors is None or job.flavors[0] is not queue:
-                nominal = [fq.flavor for fq in queue.quotas]
-                job.flavors = (queue, tuple(f for f in (job.spec.gpu_flavors or nominal) if f in nominal))
-            return job.flavors[1]
+    def _snapshot(self) -> Snapshot:
+        """Phase 2. No new borrowing in a pool while quota is being preempted there: that quota
+        goes to the job it is freed for, not to the next borrower (no reclaim loops)."""
+        used = dict(self.state.used)
+        no_borrowing = {(self.pool_key(j.reserved.queue), j.reserved.flavor)
+                        for j in self._holding() if j.reclaim is not None and j.reserved.queue in self.state.queues}
+        return Snapshot(used, self.pools(used), no_borrowing)
 
-        def held_back(job: QuotaJob, queue: QueueConfigured, flavors: list[str]) -> tuple[QuotaWaitReason, str] | None:
-            """A retry in its backoff or a queue over its budget: the job waits whatever the quota."""
-            if job.not_before is not None and job.not_before > now:
-                self._wake_at = min(self._wake_at or job.not_before, job.not_before)
-                return (QuotaWaitReason.RETRY_BACKOFF,
-                        f"retry of attempt {job.attempt - 1} waits until {job.not_before.isoformat()}")
-            if queue.budget is not None and flavors:
-                spent = spent_now.setdefault(queue.name, self.budget_spent(queue, now))
-                if (over := self._over_budget(queue, job, self._weight(queue.name, flavors[0]), spent, now)):
-                    return QuotaWaitReason.BUDGET_EXHAUSTED, over
-            return None
-
-        def try_reserve(job: QuotaJob, queue: QueueConfigured, flavors: list[str], borrow: bool) -> bool:
-            """Reserve the first of the job's flavors that fits (without borrowing unless ``borrow``)."""
-            need = job.spec.total_gpus
-            for flavor in flavors:
-                pool = self.pool_of(pools, queue.name, flavor)
-                v = pool.check(queue.name, need)
-                if not v.fits or (v.borrowed and (not borrow or (self.pool_key(queue.name), flavor) in no_borrowing)):
-                    continue
-                pool.charge(queue.name, need)
-                used[(queue.name, flavor)] = used.get((queue.name, flavor), 0) + need
-                charged_in.add((self.pool_key(queue.name), flavor))
-                if queue.name in spent_now:  # the budget check of the next head counts this one's plan
-                    spent_now[queue.name] += need * self._weight(queue.name, flavor) * (
-                        job.spec.expected_runtime_seconds or 0) / 3600
-                taken.add(job.submitted.aggregate_id)
-                out.append(
-                    new_event(
-                        QuotaReserved, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
-                        key=f"{job.attempt}", cause=job.submitted, attempt=job.attempt, queue=queue.name,
-                        flavor=flavor, gpus=need, borrowed=v.borrowed,
-                    )
-                )
-                return True
-            return False
-
-        failed_at: dict[str, dict[tuple[str, ...], int]] = {}  # pass 2: queue -> flavors -> smallest refused
-        # Pass 1: own nominal quota. Within a queue the smallest request that did not fit is
-        # remembered per flavor list: usage only grows during a pass, so a larger one cannot fit.
-        for queue_name in sorted(order, key=lambda q: (self.share(s.queues[q], used, now), q)):
+    def _reserve_nominal(self, snap: Snapshot, heads: dict[str, list[QuotaJob]], now: datetime) -> list[Event]:
+        """Phase 3 (pass 1): own nominal quota only. Within a queue the smallest request that did
+        not fit is remembered per flavor list: usage only grows during a pass, so a larger one
+        cannot fit."""
+        s = self.state
+        out: list[Event] = []
+        for queue_name in sorted(heads, key=lambda q: (self.share(s.queues[q], snap.used, now), q)):
             queue = s.queues[queue_name]
             failed: dict[tuple[str, ...], int] = {}
-            for job in order[queue_name]:
-                flavors = flavors_of(job, queue)
-                if held_back(job, queue, flavors) is not None:
+            for job in heads[queue_name]:
+                flavors = self._flavors_of(job, queue)
+                if self._held_back(snap, job, queue, flavors, now) is not None:
                     continue
-                key = flavors
-                if job.spec.total_gpus < failed.get(key, 1 << 62):
-                    if try_reserve(job, queue, flavors, borrow=False):
+                need = job.spec.total_gpus
+                if need < failed.get(flavors, NEVER_REFUSED):
+                    if (reserved := self._try_reserve(snap, job, queue, flavors, False, now)) is not None:
+                        out.append(reserved)
                         continue
                     if queue.preemption.reclaim_within_cohort != "never":
-                        for flavor in flavors:
-                            v = self.pool_of(pools, queue_name, flavor).check(queue_name, job.spec.total_gpus)
-                            if v.reason == QuotaWaitReason.NOMINAL_LENT:
-                                # The lent quota is held for its owner: nobody borrows it this cycle.
-                                no_borrowing.add((self.pool_key(queue_name), flavor))
-                failed[key] = min(failed.get(key, 1 << 62), job.spec.total_gpus)
+                        self._hold_lent_quota(snap, queue_name, flavors, need)
+                failed[flavors] = min(failed.get(flavors, NEVER_REFUSED), need)
                 if queue.strict_fifo:
                     break
-        # Pass 2: borrowing allowed, in fair order: the queue with the lowest share takes its next
-        # job. Jobs that do not get quota change nothing, so a queue keeps its turn until one
-        # of its jobs is reserved (then its share is recomputed) or it has none left.
-        heap = [(self.share(s.queues[q], used, now), q) for q in order]
+        return out
+
+    def _hold_lent_quota(self, snap: Snapshot, queue_name: str, flavors: tuple[str, ...], need: int) -> None:
+        """The lent quota a job waits for is held for its owner: nobody borrows it this cycle."""
+        for flavor in flavors:
+            if self.pool_of(snap.pools, queue_name, flavor).check(queue_name, need).reason == QuotaWaitReason.NOMINAL_LENT:
+                snap.no_borrowing.add((self.pool_key(queue_name), flavor))
+
+    def _borrow(self, snap: Snapshot, heads: dict[str, list[QuotaJob]],
+                now: datetime) -> tuple[list[Event], list[Refused]]:
+        """Phase 4 (pass 2): borrowing allowed, in fair order: the queue with the lowest share
+        takes its next job. Jobs that do not get quota change nothing, so a queue keeps its turn
+        until one of its jobs is reserved (then its share is recomputed) or it has none left.
+        Returns the events and the jobs refused, in the order they were."""
+        queues = self.state.queues
+        heap = [(self.share(queues[q], snap.used, now), q) for q in heads]
         heapq.heapify(heap)
-        cursor = dict.fromkeys(order, 0)
-        ahead = dict.fromkeys(order, 0)  # jobs of the queue, before this one, that still wait
-        refused: list[tuple[QuotaJob, str, int, tuple[str, ...]]] = []
+        turns = {q: QueueTurn(waiting) for q, waiting in heads.items()}
+        out: list[Event] = []
+        refused: list[Refused] = []
         while heap:
             _, queue_name = heapq.heappop(heap)
-            queue, waiting = s.queues[queue_name], order[queue_name]
-            failed: dict[tuple[str, ...], int] = failed_at.setdefault(queue_name, {})
-            while cursor[queue_name] < len(waiting):
-                job = waiting[cursor[queue_name]]
-                cursor[queue_name] += 1
-                if job.submitted.aggregate_id in taken:
-                    continue
-                position = ahead[queue_name] + 1
-                flavors = flavors_of(job, queue)
-                if (held := held_back(job, queue, flavors)) is not None:
-                    ahead[queue_name] += 1
-                    out.extend(self._reason(job, *held, position, None, now))
-                    continue
-                need, key = job.spec.total_gpus, flavors
-                if need < failed.get(key, 1 << 62) and try_reserve(job, queue, flavors, borrow=True):
-                    heapq.heappush(heap, (self.share(queue, used, now), queue_name))
-                    break
-                failed[key] = min(failed.get(key, 1 << 62), need)
-                ahead[queue_name] += 1
-                refused.append((job, queue_name, position, flavors))
-                if queue.strict_fifo:
-                    head, behind = job.submitted.aggregate_id, position
-                    for other in waiting[cursor[queue_name]:]:
-                        if other.submitted.aggregate_id in taken:
-                            continue
-                        behind += 1
-                        out.extend(self._reason(other, QuotaWaitReason.BLOCKED_BY_HEAD,
-                                                f"queue {queue_name} is strict FIFO and its head {head} "
-                                                f"({need} GPUs) does not fit", behind, None, now))
-                    break
-        # Explain what still waits with the numbers as they stand after this cycle's reservations
-        # (the state the log will hold), not as they stood when the job's turn came. Then ask
-        # preemptions, each against a trial pool that already counts the preemptions under
-        # way and those asked earlier in this cycle as done (their victims gone, the jobs they
-        # are for holding their quota): several jobs may be served in one cycle, no victim is
-        # asked twice, and a job that will fit once its victims stop asks nothing more.
-        victims: dict[tuple[str, str], list[QuotaJob]] = {}  # per pool, computed once a cycle
-        verdicts: dict = {}
-        hopeless: dict[tuple[str, str, str, int], int] = {}
-        trials: dict[tuple[str, str], Pool] = {}
-        served = {j.reclaim.for_job for j in self._holding() if j.reclaim is not None}
-        asked_victims: set[str] = set()
-        for job, queue_name, position, flavors in refused:
-            events, lent_flavor = self._explain(job, queue_name, flavors, position, pools, now, verdicts)
+            events, reserved = self._borrow_turn(snap, queues[queue_name], turns[queue_name], refused, now)
             out.extend(events)
-            queue = s.queues[queue_name]
-            root = self.pool_key(queue_name)
-            policy = queue.preemption
-            if job.submitted.aggregate_id in served:
-                continue  # its victims are stopping
-            if lent_flavor is not None and policy.reclaim_within_cohort != "never":
-                flavors = (lent_flavor,)
-            elif policy.within_queue != "lower-priority":
+            if reserved:
+                heapq.heappush(heap, (self.share(queues[queue_name], snap.used, now), queue_name))
+        return out, refused
+
+    def _borrow_turn(self, snap: Snapshot, queue: QueueConfigured, turn: QueueTurn, refused: list[Refused],
+                     now: datetime) -> tuple[list[Event], bool]:
+        """A queue's turn in pass 2: its waiting jobs from the cursor until one is reserved (True)
+        or none is left, or a strict-FIFO head does not fit (False)."""
+        out: list[Event] = []
+        while turn.cursor < len(turn.waiting):
+            job = turn.waiting[turn.cursor]
+            turn.cursor += 1
+            if job.submitted.aggregate_id in snap.taken:
                 continue
-            for flavor in flavors:
-                kind = "reclaim" if flavor == lent_flavor else "priority"
-                # One that found too few victims: a request as large, of no higher priority, would too.
-                hopeless_key = (queue_name, flavor, kind, job.priority)
-                if job.spec.total_gpus >= hopeless.get(hopeless_key, 1 << 62):
-                    continue
-                pool = self.pool_of(pools, queue_name, flavor)
-                if (root, flavor) not in victims:
-                    victims[(root, flavor)] = self._victims(flavor, pool, now)
-                    trials[(root, flavor)] = self._after_preemptions(pool, flavor)
-                trial = trials[(root, flavor)]
-                if kind == "reclaim":  # other queues' borrowing attempts
-                    candidates = [v for v in victims[(root, flavor)] if v.reserved.queue != queue_name
-                                  and (policy.reclaim_within_cohort == "any" or v.priority < job.priority)]
-                else:  # the queue's own lower-priority attempts
-                    candidates = [v for v in victims[(root, flavor)]
-                                  if v.reserved.queue == queue_name and v.priority < job.priority]
-                candidates = [v for v in candidates if v.submitted.aggregate_id not in asked_victims]
-                asked = self._preempt_for(job, queue_name, flavor, pool, trial, candidates, kind, now)
-                if asked is not None:
-                    asked_victims.update(e.aggregate_id for e in asked)
-                    out.extend(asked)
-                    break
-                hopeless[hopeless_key] = min(hopeless.get(hopeless_key, 1 << 62), job.spec.total_gpus)
-                if (root, flavor) in charged_in:
-                    # Victims are attempts the log holds; this cycle's reservations are not among
-                    # them yet. Look again once they are.
-                    self._dirty = True
+            position = turn.ahead + 1
+            flavors = self._flavors_of(job, queue)
+            if (held := self._held_back(snap, job, queue, flavors, now)) is not None:
+                turn.ahead += 1
+                out.extend(self._reason(job, *held, position, None, now))
+                continue
+            need = job.spec.total_gpus
+            if need < turn.failed.get(flavors, NEVER_REFUSED) and (
+                    reserved := self._try_reserve(snap, job, queue, flavors, True, now)) is not None:
+                out.append(reserved)
+                return out, True
+            turn.failed[flavors] = min(turn.failed.get(flavors, NEVER_REFUSED), need)
+            turn.ahead += 1
+            refused.append((job, queue.name, position, flavors))
+            if queue.strict_fifo:
+                out.extend(self._blocked_behind(snap, queue.name, turn, job, position, now))
+                return out, False
+        return out, False
+
+    def _blocked_behind(self, snap: Snapshot, queue_name: str, turn: QueueTurn, head: QuotaJob, position: int,
+                        now: datetime) -> list[Event]:
+        out: list[Event] = []
+        message = (f"queue {queue_name} is strict FIFO and its head {head.submitted.aggregate_id} "
+                   f"({head.spec.total_gpus} GPUs) does not fit")
+        for other in turn.waiting[turn.cursor:]:
+            if other.submitted.aggregate_id in snap.taken:
+                continue
+            position += 1
+            out.extend(self._reason(other, QuotaWaitReason.BLOCKED_BY_HEAD, message, position, None, now))
         return out
+
+    def _flavors_of(self, job: QuotaJob, queue: QueueConfigured) -> tuple[str, ...]:
+        """The job's flavors, in its order, that the queue has quota for (kept on the job until
+        the queue is reconfigured)."""
+        if job.flavors is None or job.flavors[0] is not queue:
+            nominal = [fq.flavor for fq in queue.quotas]
+            job.flavors = (queue, tuple(f for f in (job.spec.gpu_flavors or nominal) if f in nominal))
+        return job.flavors[1]
+
+    def _held_back(self, snap: Snapshot, job: QuotaJob, queue: QueueConfigured, flavors: tuple[str, ...],
+                   now: datetime) -> tuple[QuotaWaitReason, str] | None:
+        """A retry in its backoff or a queue over its budget: the job waits whatever the quota."""
+        if job.not_before is not None and job.not_before > now:
+            self._wake(job.not_before)
+            return (QuotaWaitReason.RETRY_BACKOFF,
+                    f"retry of attempt {job.attempt - 1} waits until {job.not_before.isoformat()}")
+        if queue.budget is not None and flavors:
+            spent = snap.spent.setdefault(queue.name, self.budget_spent(queue, now))
+            if (over := self._over_budget(queue, job, self._weight(queue.name, flavors[0]), spent, now)):
+                return QuotaWaitReason.BUDGET_EXHAUSTED, over
+        return None
+
+    def _try_reserve(self, snap: Snapshot, job: QuotaJob, queue: QueueConfigured, flavors: tuple[str, ...],
+                     borrow: bool, now: datetime) -> QuotaReserved | None:
+        """The reservation of the first of the job's flavors that fits (without borrowing unless
+        ``borrow``), charged to the snapshot; None if none fits."""
+        need = job.spec.total_gpus
+        for flavor in flavors:
+            pool = self.pool_of(snap.pools, queue.name, flavor)
+            v = pool.check(queue.name, need)
+            if not v.fits or (v.borrowed and (not borrow or (self.pool_key(queue.name), flavor) in snap.no_borrowing)):
+                continue
+            pool.charge(queue.name, need)
+            snap.used[(queue.name, flavor)] = snap.used.get((queue.name, flavor), 0) + need
+            snap.charged_in.add((self.pool_key(queue.name), flavor))
+            if queue.name in snap.spent:  # the budget check of the next head counts this one's plan
+                snap.spent[queue.name] += need * self._weight(queue.name, flavor) * (
+                    job.spec.expected_runtime_seconds or 0) / 3600
+            snap.taken.add(job.submitted.aggregate_id)
+            return new_event(
+                QuotaReserved, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
+                key=f"{job.attempt}", cause=job.submitted, attempt=job.attempt, queue=queue.name,
+                flavor=flavor, gpus=need, borrowed=v.borrowed,
+            )
+        return None
+
+    def _explain_and_reclaim(self, snap: Snapshot, refused: list[Refused], now: datetime) -> list[Event]:
+        """Phase 5: each refused job's reason, then the preemptions that would let it in (none
+        for a job whose victims are already stopping)."""
+        served = {j.reclaim.for_job for j in self._holding() if j.reclaim is not None}
+        rr = ReclaimRound(served)
+        verdicts: dict = {}
+        out: list[Event] = []
+        for job, queue_name, position, flavors in refused:
+            events, lent_flavor = self._explain(job, queue_name, flavors, position, snap.pools, now, verdicts)
+            out.extend(events)
+            if job.submitted.aggregate_id not in rr.served:
+                out.extend(self._reclaim(snap, rr, job, queue_name, flavors, lent_flavor, now))
+        return out
+
+    def _reclaim(self, snap: Snapshot, rr: ReclaimRound, job: QuotaJob, queue_name: str, flavors: tuple[str, ...],
+                 lent_flavor: str | None, now: datetime) -> list[Event]:
+        """ReclaimRequested for the victims that let ``job`` in: its lent-out quota back
+        (``reclaim``), else room among its own queue's lower priorities (``priority``)."""
+        policy = self.state.queues[queue_name].preemption
+        if lent_flavor is not None and policy.reclaim_within_cohort != "never":
+            flavors = (lent_flavor,)
+        elif policy.within_queue != "lower-priority":
+            return []
+        root, need = self.pool_key(queue_name), job.spec.total_gpus
+        for flavor in flavors:
+            kind = "reclaim" if flavor == lent_flavor else "priority"
+            # One that found too few victims: a request as large, of no higher priority, would too.
+            hopeless_key = (queue_name, flavor, kind, job.priority)
+            if need >= rr.hopeless.get(hopeless_key, NEVER_REFUSED):
+                continue
+            pool = self.pool_of(snap.pools, queue_name, flavor)
+            if (root, flavor) not in rr.victims:
+                rr.victims[(root, flavor)] = self._victims(flavor, pool, now)
+                rr.trials[(root, flavor)] = self._after_preemptions(pool, flavor)
+            candidates = _candidates(rr.victims[(root, flavor)], job, queue_name, kind,
+                                     policy.reclaim_within_cohort == "any", rr.asked)
+            found = self._preempt_for(job, queue_name, flavor, pool, rr.trials[(root, flavor)], candidates, kind, now)
+            if found is not None:
+                asked, rr.trials[(root, flavor)] = found
+                rr.asked.update(e.aggregate_id for e in asked)
+                return asked
+            rr.hopeless[hopeless_key] = min(rr.hopeless.get(hopeless_key, NEVER_REFUSED), need)
+            if (root, flavor) in snap.charged_in:
+                # Victims are attempts the log holds; this cycle's reservations are not among
+                # them yet. Look again once they are.
+                self._dirty = True
+        return []
 
     def _holding(self):
         return (self.state.jobs[i] for ids in self.state.holders.values() for i in ids)
 
     def _victims(self, flavor: str, pool: Pool, now: datetime) -> list[QuotaJob]:
-        """Attempts holding quota in a pool that may be preempted now, best victim first: lowest
-        priority, then least work lost (GPUs × time running), then newest. Never non-preemptible
-        attempts, ones already asked to stop, or ones inside their protection window (the core
-        wakes when a window ends)."""
-        candidates = []
-        for q in pool.limits:
-            for j in (self.state.jobs[i] for i in self.state.holders.get(q, ())):
-                r = j.reserved
-                if r is None or r.flavor != flavor or j.reclaim is not None or not j.preemptible or j.finished:
-                    continue
-                pc = DEFAULT_PRIORITY_CLASSES.get(j.spec.priority_class)
-                running_s = (now - j.started_at).total_seconds() if j.started_at is not None else 0.0
-                if pc is not None and j.started_at is not None and running_s < pc.protection_seconds:
-                    until = j.started_at + timedelta(seconds=pc.protection_seconds)
-                    self._wake_at = min(self._wake_at or until, until)
-                    continue
-                candidates.append((j.priority, r.gpus * running_s, -r.occurred_at.timestamp(),
-                                   j.submitted.aggregate_id, j))
-        candidates.sort(key=lambda c: c[:4])
-        return [c[-1] for c in candidates]
+        """Attempts holding quota of ``flavor`` in a pool that may be preempted now, best victim
+        first, by the shared policy (:mod:`runtime.victims`; the core wakes when a protection
+        window that kept one out ends)."""
+        holders = (self.state.jobs[i] for q in pool.limits for i in self.state.holders.get(q, ()))
+        ranking = self.victim_policy.rank(
+            (j for j in holders if j.reserved is not None and j.reserved.flavor == flavor), now)
+        if ranking.wake_at is not None:
+            self._wake(ranking.wake_at)
+        return ranking.victims
 
     def _after_preemptions(self, pool: Pool, flavor: str) -> Pool:
         """A copy of ``pool`` as it will be once the preemptions under way in it are done: the
         victims' quota released and each job they are for holding its request."""
-        trial = Pool(pool.flavor, pool.cohort, dict(pool.limits), dict(pool.used))
+        trial = pool.copy()
         served: set[str] = set()
         for q in pool.limits:
             for j in (self.state.jobs[i] for i in self.state.holders.get(q, ())):
@@ -629,87 +736,81 @@ class QuotaCore:
         return trial
 
     def _preempt_for(self, waiting: QuotaJob, queue_name: str, flavor: str, pool: Pool, trial: Pool,
-                     candidates: list[QuotaJob], kind: str, now: datetime) -> list[Event] | None:
+                     candidates: list[QuotaJob], kind: str, now: datetime) -> tuple[list[Event], Pool] | None:
         """ReclaimRequested for the fewest of ``candidates`` (best victim first) whose release
-        lets ``waiting`` fit in ``trial``, which is then charged with the outcome (victims gone,
-        ``waiting`` holding its request); [] if it fits there already; None if all of them
-        together would not be enough (nothing changes)."""
-        job_id, need = waiting.submitted.aggregate_id, waiting.spec.total_gpus
-        attempt = Pool(trial.flavor, trial.cohort, trial.limits, dict(trial.used))
+        lets ``waiting`` fit in ``trial``, and ``trial`` as it will be then (victims gone,
+        ``waiting`` holding its request); no events if it fits there already; None if all of
+        them together would not be enough."""
+        need = waiting.spec.total_gpus
+        after = trial.copy()
         chosen: list[QuotaJob] = []
-        if not attempt.check(queue_name, need).fits:
+        if not after.check(queue_name, need).fits:
             for j in candidates:
-                if kind == "reclaim" and attempt.borrowed(j.reserved.queue) == 0:
+                if kind == "reclaim" and after.borrowed(j.reserved.queue) == 0:
                     continue  # its queue no longer borrows: what it holds now is its own guaranteed quota
-                attempt.charge(j.reserved.queue, -j.reserved.gpus)
+                after.charge(j.reserved.queue, -j.reserved.gpus)
                 chosen.append(j)
-                if attempt.check(queue_name, need).fits:
+                if after.check(queue_name, need).fits:
                     break
             else:
                 return None  # not enough can be preempted now; the job keeps waiting
-        attempt.charge(queue_name, need)
-        trial.used, trial._totals, trial._borrowers = attempt.used, None, None
+        after.charge(queue_name, need)
+        return [self._reclaim_event(v, waiting, queue_name, flavor, pool, kind, now) for v in chosen], after
+
+    def _reclaim_event(self, victim: QuotaJob, waiting: QuotaJob, queue_name: str, flavor: str, pool: Pool,
+                       kind: str, now: datetime) -> ReclaimRequested:
+        job_id, holder = waiting.submitted.aggregate_id, victim.reserved.queue  # type: ignore[union-attr]
         if kind == "reclaim":
-            why = f"queue {queue_name} needs its guaranteed {flavor} back for job {job_id}"
+            why = (f"queue {queue_name} needs its guaranteed {flavor} back for job {job_id}; {holder} borrowed "
+                   f"{pool.borrowed(holder)}")
         else:
             why = (f"job {job_id} (priority {waiting.priority}) of queue {queue_name} needs {flavor} quota "
-                   "held by lower-priority work of the same queue")
-        return [
-            new_event(
-                ReclaimRequested, aggregate_id=v.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
-                key=f"{v.attempt}/{job_id}", cause=waiting.waiting or waiting.submitted, attempt=v.attempt,
-                kind=kind, for_job=job_id, for_queue=queue_name, flavor=flavor,
-                message=f"{why}; {v.reserved.queue} "
-                        + (f"borrowed {pool.borrowed(v.reserved.queue)}" if kind == "reclaim"
-                           else f"holds {pool.used.get(v.reserved.queue, 0)} (priority {v.priority} here)"),
-            )
-            for v in chosen
-        ]
+                   f"held by lower-priority work of the same queue; {holder} holds {pool.used.get(holder, 0)} "
+                   f"(priority {victim.priority} here)")
+        return new_event(
+            ReclaimRequested, aggregate_id=victim.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
+            key=f"{victim.attempt}/{job_id}", cause=waiting.waiting or waiting.submitted, attempt=victim.attempt,
+            kind=kind, for_job=job_id, for_queue=queue_name, flavor=flavor, message=why,
+        )
 
     def _explain(self, job: QuotaJob, queue_name: str, flavors: tuple[str, ...], position: int,
-                 pools: dict[tuple[str, str], Pool], now: datetime, cache: dict | None = None
+                 pools: dict[tuple[str, str], Pool], now: datetime, cache: dict
                  ) -> tuple[list[Event], str | None]:
         """The job's reason event (if it changed), and the flavor whose guaranteed quota is lent
         out when that is why it waits (a reclaim candidate). ``cache`` holds the verdicts of this
         cycle's pools by (queue, flavors, request): jobs of the same shape share one."""
         shape = (queue_name, flavors, job.spec.total_gpus)
-        found = cache.get(shape) if cache is not None else None
+        found = cache.get(shape)
         if found is None:
-            found = self._verdict(queue_name, flavors, job.spec, pools)
-            if cache is not None:
-                cache[shape] = found
-        if found[0] is None:
-            return [], None
+            found = cache[shape] = self._verdict(queue_name, flavors, job.spec, pools)
         reason, message, flavor, lent = found
         return self._reason(job, reason, message, position, flavor, now), lent
 
     def _verdict(self, queue_name: str, flavors: tuple[str, ...], spec: JobSpec,
-                 pools: dict[tuple[str, str], Pool]) -> tuple[QuotaWaitReason | None, str, str | None, str | None]:
-        """(reason, message, flavor, lent flavor) for a request that did not get quota."""
-        for flavor in flavors:
-            v = self.pool_of(pools, queue_name, flavor).check(queue_name, spec.total_gpus)
-            if not v.fits:
-                return v.reason, v.message, flavor, (flavor if v.reason == QuotaWaitReason.NOMINAL_LENT else None)
-            return (QuotaWaitReason.COHORT_EXHAUSTED,
-                    f"queue {queue_name} {flavor}: quota is being reclaimed in its cohort; "
-                    "no new borrowing until it completes", flavor, None)
+                 pools: dict[tuple[str, str], Pool]) -> tuple[QuotaWaitReason, str, str | None, str | None]:
+        """(reason, message, flavor, lent flavor) for a request that did not get quota, told by
+        its first flavor."""
         if not flavors:
             return (QuotaWaitReason.NO_QUOTA_FOR_FLAVOR,
                     f"queue {queue_name} has no quota for flavors {list(spec.gpu_flavors)}", None, None)
-        return None, "", None, None
+        flavor = flavors[0]
+        v = self.pool_of(pools, queue_name, flavor).check(queue_name, spec.total_gpus)
+        if not v.fits:
+            return v.reason, v.message, flavor, (flavor if v.reason == QuotaWaitReason.NOMINAL_LENT else None)
+        # It fits the usage but was refused: borrowing is closed while quota is reclaimed there.
+        return (QuotaWaitReason.COHORT_EXHAUSTED,
+                f"queue {queue_name} {flavor}: quota is being reclaimed in its cohort; "
+                "no new borrowing until it completes", flavor, None)
 
     def _reason(self, job: QuotaJob, reason: QuotaWaitReason, message: str, position: int,
                 flavor: str | None, now: datetime) -> list[Event]:
-        """A QuotaPendingReasonChanged if the reason changed, or its message did and the last
-        one is older than REASON_INTERVAL_S."""
-        last = job.waiting
-        if last is not None and last.reason == reason:
-            if last.message == message:
-                return []
-            due = last.occurred_at + timedelta(seconds=REASON_INTERVAL_S)
-            if now < due:  # look again when the interval has passed
-                self._wake_at = min(self._wake_at or due, due)
-                return []
+        """A QuotaPendingReasonChanged when the throttle (runtime.waits) lets it out; when it
+        holds a changed message back, the core looks again once it may go."""
+        verdict = throttle(job.waiting, reason, message, now)
+        if not verdict.write:
+            if verdict.recheck_at is not None:
+                self._wake(verdict.recheck_at)
+            return []
         return [
             new_event(
                 QuotaPendingReasonChanged, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER,
@@ -717,3 +818,15 @@ class QuotaCore:
                 attempt=job.attempt, reason=reason, message=message, position=position, flavor=flavor,
             )
         ]
+
+
+def _candidates(victims: list[QuotaJob], job: QuotaJob, queue_name: str, kind: str, any_priority: bool,
+                asked: set[str]) -> list[QuotaJob]:
+    """The victims ``job`` may take, in victim order: for ``reclaim`` other queues' attempts (of
+    lower priority unless ``any_priority``), for ``priority`` its own queue's lower priorities;
+    none asked already in this cycle."""
+    if kind == "reclaim":
+        return [v for v in victims if v.reserved.queue != queue_name and v.submitted.aggregate_id not in asked
+                and (any_priority or v.priority < job.priority)]
+    return [v for v in victims if v.reserved.queue == queue_name and v.priority < job.priority
+            and v.submitted.aggregate_id not in asked]

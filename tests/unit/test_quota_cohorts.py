@@ -243,6 +243,49 @@ def test_reclaim_spares_non_preemptible_and_protected_attempts():
     assert _reclaims(log) == {"young": "small"}  # the window has passed and one GPU is enough
 
 
+@pytest.mark.parametrize("checkpoint_s, expect", [
+    (None, {"young": "mine"}),  # no checkpoint: "old" ran 1000 s, "young" 100 s
+    (990, {"old": "mine"}),  # "old" checkpointed 10 s ago: it loses the least
+])
+def test_reclaim_takes_the_borrower_that_loses_least_work_since_its_checkpoint(checkpoint_s, expect):
+    from tests.unit.builders import checkpointed, started
+    queues = [cq("owner", "c", a100=2), cq("borrower", "c", a100=0)]
+    core, log, _ = run(queues, [job("old", "borrower", 1, seq=1, priority_class="batch-low"),
+                                job("young", "borrower", 1, seq=2, priority_class="batch-low")])
+    drive(core, [started("old", when=T0), started("young", when=T0 + timedelta(seconds=900))], T0, log=log)
+    if checkpoint_s is not None:
+        drive(core, [checkpointed("old", at_=T0 + timedelta(seconds=checkpoint_s))], T0, log=log)
+    drive(core, job("mine", "owner", 1, seq=3, at_s=1000), T0 + timedelta(seconds=1000), log=log)
+    assert _reclaims(log) == expect
+
+
+def test_reclaim_loses_least_work_before_it_spares_priority():
+    """One victim order for reclaim and preemption (runtime/victims.py): least lost work first,
+    priority breaks ties. A running low-priority borrower is spared for a higher-priority one
+    that has not started (it loses nothing)."""
+    from tests.unit.builders import started
+    queues = [cq("owner", "c", a100=2), cq("borrower", "c", a100=0)]
+    core, log, _ = run(queues, [job("low", "borrower", 1, seq=1, priority=100, priority_class="batch-low"),
+                                job("queued", "borrower", 1, seq=2, priority=500, priority_class="batch-low")])
+    drive(core, [started("low", when=T0)], T0, log=log)
+    drive(core, job("mine", "owner", 1, seq=3, at_s=60), T0 + timedelta(seconds=60), log=log)
+    assert _reclaims(log) == {"queued": "mine"}
+
+
+def test_reclaim_takes_priority_classes_from_its_configuration():
+    from schemas.priority import PriorityClass
+    from tests.unit.builders import started
+    classes = {"batch-low": PriorityClass(name="batch-low", value=100, preemptible=True, protection_seconds=3600)}
+    core, log = QuotaCore(priority_classes=classes), Log()
+    drive(core, [cq("owner", "c", a100=1), cq("borrower", "c", a100=0)], T0, log=log)
+    drive(core, job("b", "borrower", 1, seq=1, priority_class="batch-low"), T0, log=log)
+    drive(core, [started("b", when=T0)], T0, log=log)
+    drive(core, job("mine", "owner", 1, seq=2, at_s=60), T0 + timedelta(seconds=60), log=log)
+    assert _reclaims(log) == {}  # protected for an hour here (the built-in batch-low has no window)
+    drive(core, [], T0 + timedelta(seconds=3600), log=log)  # the core woke itself when the window ended
+    assert _reclaims(log) == {"b": "mine"}
+
+
 def test_decayed_usage_puts_a_queue_that_used_a_lot_recently_behind_one_that_did_not():
     c = new_event(CohortConfigured, aggregate_id="c", producer="config", occurred_at=T0, key="h", name="c",
                   usage_half_life_seconds=3600, history_weight=1.0)
