@@ -52,6 +52,17 @@ class PoisonCommand(ValueError):
     subject with this message."""
 
 
+class SubmitRefused(Exception):
+    """A submission refused with a JobRejected (reason code, message, the field at fault, what
+    would be accepted, the job id it asked for)."""
+
+    def __init__(self, reason: RejectReason, message: str, field: str | None = None, *,
+                 accepted: tuple[str, ...] = (), requested: str | None = None) -> None:
+        super().__init__(message)
+        self.reason, self.message, self.field = reason, message, field
+        self.accepted, self.requested = accepted, requested
+
+
 def spec_digest(spec: JobSpec) -> str:
     return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
 
@@ -143,22 +154,35 @@ class AdmissionCore:
 
     # -- intake ------------------------------------------------------------------------------
     def handle_submit(self, raw: bytes, subject_team: str, intake_seq: int, now: datetime) -> list[Event]:
-        """A SubmitJob command from ``gpusched.intake.<subject_team>.submit``."""
-        def reject(reason: RejectReason, message: str, field_: str | None = None, accepted=(), requested=None):
+        """A SubmitJob command from ``gpusched.intake.<subject_team>.submit``: JobSubmitted, a
+        JobRejected when it is malformed or collides with an existing job, or nothing when it is
+        already recorded."""
+        try:
+            command = self._parse_submit(raw, subject_team)
+            job_id = self._new_job_id(command, intake_seq)
+        except SubmitRefused as refused:
             return [
                 new_event(
                     JobRejected, aggregate_id=rejection_id(intake_seq), producer=PRODUCER, occurred_at=now,
-                    key=str(intake_seq), reason=reason, message=message, field=field_, accepted=tuple(accepted),
-                    intake_sequence=intake_seq, requested_job_id=requested,
+                    key=str(intake_seq), reason=refused.reason, message=refused.message, field=refused.field,
+                    accepted=refused.accepted, intake_sequence=intake_seq, requested_job_id=refused.requested,
                 )
             ]
-
-        if len(raw) > MAX_COMMAND_BYTES:
-            return reject(
-                RejectReason.PAYLOAD_TOO_LARGE,
-                f"command is {len(raw)} bytes; accepted: at most {MAX_COMMAND_BYTES} bytes",
-                "(root)",
+        if job_id is None:
+            return []
+        return [
+            new_event(
+                JobSubmitted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(intake_seq),
+                spec=command.spec, submitter=command.submitter, intake_sequence=intake_seq,
             )
+        ]
+
+    @staticmethod
+    def _parse_submit(raw: bytes, subject_team: str) -> SubmitJob:
+        """The command, if it is one this team may send (PoisonCommand when it is not JSON)."""
+        if len(raw) > MAX_COMMAND_BYTES:
+            raise SubmitRefused(RejectReason.PAYLOAD_TOO_LARGE,
+                                f"command is {len(raw)} bytes; accepted: at most {MAX_COMMAND_BYTES} bytes", "(root)")
         try:
             payload = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as err:
@@ -169,30 +193,30 @@ class AdmissionCore:
             command = SubmitJob.model_validate(payload)
         except ValidationError as err:
             path, message = _validation_message(err)
-            return reject(RejectReason.SCHEMA_INVALID, message, path, requested=requested)
-        spec = command.spec
-        if spec.team != subject_team:
-            return reject(
+            raise SubmitRefused(RejectReason.SCHEMA_INVALID, message, path, requested=requested) from None
+        if command.spec.team != subject_team:
+            raise SubmitRefused(
                 RejectReason.FORBIDDEN,
-                f"spec.team {spec.team!r} does not match the intake subject's team {subject_team!r}; "
+                f"spec.team {command.spec.team!r} does not match the intake subject's team {subject_team!r}; "
                 f"a team submits on gpusched.intake.<team>.submit",
-                "spec.team", accepted=[subject_team], requested=command.job_id,
+                "spec.team", accepted=(subject_team,), requested=command.job_id,
             )
+        return command
 
-        s = self.state
+    def _new_job_id(self, command: SubmitJob, intake_seq: int) -> str | None:
+        """The id of the job the command creates; None when it creates nothing (a redelivery,
+        or an idempotent resubmission of an existing job)."""
+        s, spec = self.state, command.spec
         job_id = command.job_id
         if job_id is None:
-            job_id = (
-                job_id_for_key(spec.team, spec.idempotency_key)
-                if spec.idempotency_key else f"j-{intake_seq}"
-            )
+            job_id = job_id_for_key(spec.team, spec.idempotency_key) if spec.idempotency_key else f"j-{intake_seq}"
         if spec.idempotency_key and (owner := s.keys.get((spec.team, spec.idempotency_key))) is not None:
             original = s.jobs[owner]
             if original.intake_sequence == intake_seq:
-                return []  # redelivered command, already recorded
+                return None  # redelivered command, already recorded
             if owner == job_id and original.digest == spec_digest(spec):
-                return []  # an idempotent resubmission: the job exists, nothing new happens
-            return reject(
+                return None  # an idempotent resubmission: the job exists, nothing new happens
+            raise SubmitRefused(
                 RejectReason.DUPLICATE_IDEMPOTENCY_KEY,
                 f"spec.idempotency_key {spec.idempotency_key!r} already identifies job {owner} "
                 f"(submitted at intake sequence {original.intake_sequence}) with a different spec or job id; "
@@ -201,32 +225,32 @@ class AdmissionCore:
             )
         if (existing := s.jobs.get(job_id)) is not None:
             if existing.intake_sequence == intake_seq:
-                return []
-            return reject(
+                return None
+            raise SubmitRefused(
                 RejectReason.DUPLICATE_JOB_ID,
                 f"job_id {job_id!r} already exists (intake sequence {existing.intake_sequence}); "
                 f"job ids are never reused; omit job_id to have one assigned",
                 "job_id", requested=job_id,
             )
-        return [
-            new_event(
-                JobSubmitted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(intake_seq),
-                spec=spec, submitter=command.submitter, intake_sequence=intake_seq,
-            )
-        ]
+        return job_id
+
+    def _team_job(self, command: str, job_id: str, subject_team: str, hint: str = "") -> JobRecord:
+        """The job a command of ``subject_team`` names; PoisonCommand when there is none or it
+        belongs to another team (``hint``, with ``{team}`` for the job's team, ends that message)."""
+        job = self.state.jobs.get(job_id)
+        if job is None:
+            raise PoisonCommand(f"{command}: job_id {job_id!r} does not exist")
+        if job.team != subject_team:
+            raise PoisonCommand(f"{command}: job {job_id} belongs to team {job.team!r}, not {subject_team!r}"
+                                + hint.format(team=job.team))
+        return job
 
     def handle_cancel(self, raw: bytes, subject_team: str, now: datetime) -> list[Event]:
         try:
             command = CancelJob.model_validate_json(raw)
         except ValidationError as err:
             raise PoisonCommand(f"invalid CancelJob: {_validation_message(err)[1]}") from None
-        job = self.state.jobs.get(command.job_id)
-        if job is None:
-            raise PoisonCommand(f"CancelJob: job_id {command.job_id!r} does not exist")
-        if job.team != subject_team:
-            raise PoisonCommand(
-                f"CancelJob: job {command.job_id} belongs to team {job.team!r}, not {subject_team!r}"
-            )
+        job = self._team_job("CancelJob", command.job_id, subject_team)
         if job.finished or job.cancel_requested:
             return []  # nothing to cancel, or already asked: idempotent
         return [
@@ -244,14 +268,8 @@ class AdmissionCore:
             command = ReportCheckpoint.model_validate_json(raw)
         except ValidationError as err:
             raise PoisonCommand(f"invalid ReportCheckpoint: {_validation_message(err)[1]}") from None
-        job = self.state.jobs.get(command.job_id)
-        if job is None:
-            raise PoisonCommand(f"ReportCheckpoint: job_id {command.job_id!r} does not exist")
-        if job.team != subject_team:
-            raise PoisonCommand(
-                f"ReportCheckpoint: job {command.job_id} belongs to team {job.team!r}, not {subject_team!r}; "
-                f"publish on gpusched.intake.{job.team}.checkpoint"
-            )
+        job = self._team_job("ReportCheckpoint", command.job_id, subject_team,
+                             "; publish on gpusched.intake.{team}.checkpoint")
         running = job.running
         if running is None:
             raise PoisonCommand(
