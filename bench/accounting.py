@@ -28,7 +28,6 @@ import nats
 import psutil
 
 from gpusched import devstack
-
 from runtime import eventlog
 from schemas import (
     JobAdmitted, JobCheckpointed, JobScheduled, JobSpec, JobStarted, JobSubmitted, JobSucceeded, NodeAssignment,
@@ -145,9 +144,9 @@ async def raw_copy(dsn: str, n: int) -> float:
         await conn.close()
 
 
-async def replay_run(js, dsn: str, schema: str, batch: int) -> dict:
+async def replay_run(nc, dsn: str, schema: str, batch: int) -> dict:
     t = time.perf_counter()
-    progress = await replay.rebuild(js, dsn, schema, batch=batch)  # what `gpusched replay --into` runs
+    progress = await replay.rebuild(nc, dsn, schema, batch=batch)  # what `gpusched replay --into` runs
     wall = time.perf_counter() - t
     conn = await replay.connect(dsn, schema)
     try:
@@ -185,7 +184,7 @@ async def main(args) -> dict:
         for r in range(args.repeats):
             read = await raw_ordered_read(js, n)
             copy = await raw_copy(dsn, n)
-            rep = await replay_run(js, dsn, f"bench_{r}", args.batch)
+            rep = await replay_run(nc, dsn, f"bench_{r}", args.batch)
             if rep["position"] != n or rep["ledger_rows"] != (n - 2) // 8:
                 raise RuntimeError(f"replay incomplete: {rep}")
             runs.append({"read_msgs_per_s": read, "copy_rows_per_s": copy, **rep,

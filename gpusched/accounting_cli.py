@@ -325,14 +325,14 @@ async def _replay(into, from_seq, from_time, compare, swap, batch, err_console) 
         end = live_pos if into is not None else await eventlog.last_sequence(js)
         if into is not None:
             with _Bar(err_console, f"replay → {target}", from_seq or 1, end) as bar:
-                progress = await replay_mod.rebuild(js, dsn, into, from_seq=from_seq, from_time=from_time,
+                progress = await replay_mod.rebuild(nc, dsn, into, from_seq=from_seq, from_time=from_time,
                                                     to_seq=end, batch=batch, on_batch=bar)
         conn = await replay_mod.connect(dsn, target)
         try:
             if into is None:
                 begin = max(await sink.position(conn) + 1, from_seq or 1)
                 with _Bar(err_console, f"replay → {target}", begin, end) as bar:
-                    progress = await replay_mod.replay(js, conn, from_seq=from_seq, from_time=from_time, to_seq=end,
+                    progress = await replay_mod.replay(nc, conn, from_seq=from_seq, from_time=from_time, to_seq=end,
                                                        batch=batch, writer_process=(dsn, target), on_batch=bar)
             position = await sink.position(conn)
         finally:
@@ -363,7 +363,7 @@ async def _verify(statement_id: str, err_console) -> dict[str, Any]:
             raise UserError(f"statement {statement_id!r} is not in the log; list them with `gpusched chargeback --issued`")
         try:
             with _Bar(err_console, "verify", 1, found.last_sequence) as bar:
-                await replay_mod.rebuild(js, dsn, scratch, to_seq=found.last_sequence, on_batch=bar)
+                await replay_mod.rebuild(nc, dsn, scratch, to_seq=found.last_sequence, on_batch=bar)
             conn = await replay_mod.connect(dsn, scratch)
             try:
                 body = await queries.statement(conn, found.period, found.group_by, last_sequence=found.last_sequence)

@@ -15,7 +15,9 @@ Contracts this module keeps:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -47,8 +49,15 @@ MAX_MSG_BYTES = 1024 * 1024
 WRONG_LAST_SEQUENCE = 10071  # JetStream error code
 
 
+
+
+class ConsumerLost(nats.errors.Error):
+    """A reader's ephemeral consumer disappeared (the server restarted): read again from the
+    reader's own position."""
+
+
 TRANSIENT_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
-                    nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError)
+                    nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError, ConsumerLost)
 
 
 class ConcurrencyConflict(Exception):
@@ -221,33 +230,182 @@ async def fetch(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: f
         return []
 
 
-async def tail(js: JetStreamContext, *, from_seq: int, batch: int, idle_s: float,
-               stream: str = EVENTS_STREAM) -> AsyncIterator[list[Msg]]:
-    """Every message from ``from_seq`` on, in stream order, forever: batches as they come, an
-    empty batch when nothing came within ``idle_s``. For projections that keep their own position
-    (in the same transaction as their rows): the consumer is ephemeral and ack-less, so nothing is
-    ever redelivered out of order; after any error the caller starts again from its position."""
-    config = ConsumerConfig(
-        ack_policy=AckPolicy.NONE,
-        deliver_policy=DeliverPolicy.BY_START_SEQUENCE if from_seq > 1 else DeliverPolicy.ALL,
-        opt_start_seq=from_seq if from_seq > 1 else None,
-        inactive_threshold=30.0,
-        mem_storage=True,
-    )
-    sub = await js.pull_subscribe("", stream=stream, config=config)
-    try:
-        while True:
-            yield await fetch(sub, batch, idle_s)
-    finally:
-        try:
-            await sub.unsubscribe()
-        except Exception:  # ephemeral: the server reaps it anyway
-            pass
-
-
 async def last_sequence(js: JetStreamContext, stream: str = EVENTS_STREAM) -> int:
     info = await js.stream_info(stream)
     return info.state.last_seq
+
+
+CHECK_IDLE_S = 5.0
+"""A reader that received nothing for this long asks the server about its consumer."""
+READ_WINDOW = 20_000
+"""Most messages a reader has in flight from the server (delivered, not yet acknowledged): bounds
+its memory however long the log is."""
+
+
+def delivery_position(reply: str | bytes) -> tuple[int, int]:
+    """(stream sequence, messages pending after it for the consumer) from a JetStream delivery's
+    reply subject, without building nats-py's metadata object:
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<seq>.<cseq>.<time>.<pending>`` (9 tokens) or, with
+    domain and account hash, ``$JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<seq>...``
+    (12 or more). ValueError for anything else."""
+    tokens = reply.split(b"." if isinstance(reply, bytes) else ".")
+    if len(tokens) == 9:
+        return int(tokens[5]), int(tokens[8])
+    if len(tokens) >= 12:
+        return int(tokens[7]), int(tokens[10])
+    raise ValueError(f"not a JetStream delivery's reply subject: {reply[:200]!r}")
+
+
+def sequence(msg: Msg) -> int:
+    """A delivered message's stream sequence."""
+    return delivery_position(msg.reply)[0]
+
+
+async def read_batches(
+    js: JetStreamContext,
+    *,
+    stream: str = EVENTS_STREAM,
+    subjects: list[str] | None = None,
+    from_seq: int | None = None,
+    from_time: datetime | None = None,
+    to_seq: int | None = None,
+    follow: bool = False,
+    batch: int = 2048,
+    idle_s: float = 1.0,
+) -> AsyncIterator[list[Msg]]:
+    """The log's reader: lists of at most ``batch`` messages, in stream order, from ``from_seq``
+    or the first message stored at or after ``from_time`` (default: the first), up to ``to_seq``
+    (default: the last sequence when the read starts), or with ``follow`` forever, yielding an
+    empty list whenever nothing arrived for ``idle_s``. ``subjects`` filters (None: every message
+    of the stream; a filter costs the server a scan when the consumer is created).
+
+    Nothing is redelivered and nothing is remembered: the consumer is ephemeral, so a reader
+    that fails starts again from its own position (a projection keeps it with its rows). A
+    sequence deleted from the stream is absent. The server pushes to a callback that keeps the
+    message (no request per message); it has at most ``READ_WINDOW`` messages (a few batches
+    for a small ``batch``; one for a larger one) unacknowledged in flight, which bounds memory,
+    and a bounded read acknowledges only as far as keeps the server from sending past
+    ``to_seq``. A bounded read's lists hold ``batch`` messages but the last (or fewer, when they
+    were slower than ``idle_s`` to come); a following read hands over what has arrived."""
+    end: float = float("inf") if follow else (to_seq if to_seq is not None else await last_sequence(js, stream))
+    if end == 0 or (from_seq is not None and from_seq > end):
+        return
+    if from_time is not None:
+        policy: dict[str, Any] = {"deliver_policy": DeliverPolicy.BY_START_TIME,
+                                  "opt_start_time": from_time.isoformat()}
+    elif from_seq is not None and from_seq > 1:
+        policy = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": from_seq}
+    else:
+        policy = {"deliver_policy": DeliverPolicy.ALL}
+    window = max(batch, min(READ_WINDOW, 4 * batch))
+    if from_time is None and end != float("inf"):
+        window = max(1, min(window, int(end) - (from_seq or 1) + 1))
+    config = ConsumerConfig(
+        ack_policy=AckPolicy.ALL, max_ack_pending=window, ack_wait=300.0, inactive_threshold=30.0, mem_storage=True,
+        deliver_subject=f"_INBOX.{secrets.token_hex(11)}", filter_subjects=subjects, **policy,
+    )
+    info = await js.add_consumer(stream, config=config)
+    if not follow and info.num_pending == 0:
+        await _delete_consumer(js, stream, info.name)
+        return
+    reader = _PushReader(end, window)
+    sub = await js.subscribe_bind(stream=stream, config=info.config, consumer=info.name, cb=reader.take,
+                                  manual_ack=True, pending_msgs_limit=-1, pending_bytes_limit=-1)
+    idle = 0.0
+    try:
+        while True:
+            msgs = await reader.next(1 if follow else batch, batch, idle_s)
+            if msgs or follow:
+                yield msgs
+            await reader.acknowledge()
+            if reader.finished():
+                return
+            idle = 0.0 if msgs else idle + idle_s
+            if idle >= CHECK_IDLE_S:  # a quiet consumer: is it still there, is anything left?
+                idle = 0.0
+                try:
+                    state = await sub.consumer_info()
+                except NotFoundError:
+                    raise ConsumerLost(f"the reader's consumer on {stream} is gone (a server restart?)") from None
+                if not follow and state.num_pending == 0 and (state.delivered.stream_seq or 0) <= reader.top:
+                    return
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # the connection is gone: the server reaps the consumer anyway
+            pass
+        await _delete_consumer(js, stream, info.name)
+
+
+class _PushReader:
+    """The receiving side of :func:`read_batches`: keeps what arrives in order, says when a
+    bounded read is complete, and acknowledges (ack-all) as far as the window may move."""
+
+    def __init__(self, end: float, window: int) -> None:
+        self.end, self.window = end, window
+        self.buffer: list[Msg] = []
+        self.top = 0  # the newest sequence taken
+        self.done = False
+        self.arrived = asyncio.Event()  # set once ``want`` messages are buffered, or the read is complete
+        self.want = 1
+        self.unacked = 0
+        self.ackable: Msg | None = None  # the newest message that may be acknowledged
+        self.error: Exception | None = None
+
+    async def take(self, msg: Msg) -> None:
+        if not msg.reply:  # a status message: no deliveries in this consumer's mode
+            return
+        try:
+            seq, pending = delivery_position(msg.reply)
+        except ValueError as err:
+            self.error, self.done = err, True
+            self.arrived.set()
+            return
+        if seq <= self.top:
+            return  # redelivered after ack_wait: already taken
+        self.top = seq
+        if seq <= self.end:
+            self.buffer.append(msg)
+            self.unacked += 1
+            # Acknowledging this one lets the server send up to ``window`` sequences past it.
+            if seq + self.window <= self.end:
+                self.ackable = msg
+        if seq >= self.end or (pending == 0 and self.end != float("inf")):
+            self.done = True
+        if self.done or len(self.buffer) >= self.want:
+            self.arrived.set()
+
+    def finished(self) -> bool:
+        return self.done and not self.buffer
+
+    async def next(self, want: int, batch: int, idle_s: float) -> list[Msg]:
+        """Up to ``batch`` messages once ``want`` have arrived, the read is complete, or
+        ``idle_s`` passed."""
+        self.want = want
+        if len(self.buffer) < want and not self.done:
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), timeout=idle_s)
+            except asyncio.TimeoutError:
+                pass
+        if self.error is not None:
+            raise self.error
+        msgs, self.buffer = self.buffer[:batch], self.buffer[batch:]
+        return msgs
+
+    async def acknowledge(self) -> None:
+        """After a batch was handed over: every tenth of the window, or when nothing is left to
+        hand over (so that an idle follower's messages do not reach ack_wait)."""
+        if self.ackable is not None and (self.unacked * 10 >= self.window or not self.buffer):
+            msg, self.ackable, self.unacked = self.ackable, None, 0
+            await msg.ack()
+
+
+async def _delete_consumer(js: JetStreamContext, stream: str, name: str) -> None:
+    try:
+        await js.delete_consumer(stream, name)
+    except Exception:  # ephemeral: the server reaps it after inactive_threshold anyway
+        pass
 
 
 async def read(
@@ -260,45 +418,16 @@ async def read(
     to_seq: int | None = None,
     batch: int = 2048,
 ) -> AsyncIterator[Msg]:
-    """Replay reader: every message from a sequence or a time up to ``to_seq`` (default: the last
-    sequence when the read started), in stream order, through an ephemeral consumer."""
-    end = to_seq if to_seq is not None else await last_sequence(js, stream)
-    if end == 0 or (from_seq is not None and from_seq > end):
-        return
-    if from_time is not None:
-        policy, extra = DeliverPolicy.BY_START_TIME, {"opt_start_time": from_time.isoformat()}
-    elif from_seq is not None and from_seq > 1:
-        policy, extra = DeliverPolicy.BY_START_SEQUENCE, {"opt_start_seq": from_seq}
-    else:
-        policy, extra = DeliverPolicy.ALL, {}
-    config = ConsumerConfig(
-        ack_policy=AckPolicy.NONE,
-        deliver_policy=policy,
-        filter_subjects=subjects,
-        inactive_threshold=30.0,
-        mem_storage=True,
-        **extra,
-    )
-    sub = await js.pull_subscribe("", stream=stream, config=config)
-    try:
-        while True:
-            msgs = await fetch(sub, batch, 2.0)
-            if not msgs:
-                # Nothing more matched the filter up to the end sequence.
-                info = await sub.consumer_info()
-                if info.num_pending == 0:
-                    return
-                continue
-            for msg in msgs:
-                if msg.metadata.sequence.stream > end:
-                    return
-                yield msg
-                if msg.metadata.sequence.stream == end:
-                    return
-            if msgs[-1].metadata.num_pending == 0:
-                return
-    finally:
-        try:
-            await sub.unsubscribe()
-        except Exception:  # the consumer is ephemeral; the server reaps it anyway
-            pass
+    """:func:`read_batches` one message at a time (a bounded read)."""
+    async for msgs in read_batches(js, stream=stream, subjects=subjects, from_seq=from_seq, from_time=from_time,
+                                   to_seq=to_seq, batch=batch):
+        for msg in msgs:
+            yield msg
+
+
+async def first_sequence_at(js: JetStreamContext, when: datetime, stream: str = EVENTS_STREAM) -> int | None:
+    """The sequence of the first message stored at or after ``when`` (None: none is that recent)."""
+    async with contextlib.aclosing(read_batches(js, stream=stream, from_time=when, batch=1)) as batches:
+        async for msgs in batches:
+            return sequence(msgs[0])
+    return None

@@ -85,13 +85,14 @@ class DecisionService:
     async def rebuild(self, js) -> int:
         end = await eventlog.last_sequence(js)
         count = 0
-        async for msg in eventlog.read(js, to_seq=end):
-            try:
-                self._apply(msg)
-            except (ValueError, ValidationError):
-                # The live consumer dead-letters it; rebuilding only skips it.
-                self.applied_seq = msg.metadata.sequence.stream
-            count += 1
+        async for msgs in eventlog.read_batches(js, to_seq=end):
+            for msg in msgs:
+                try:
+                    self._apply(msg)
+                except (ValueError, ValidationError):
+                    # The live consumer dead-letters it; rebuilding only skips it.
+                    self.applied_seq = eventlog.sequence(msg)
+            count += len(msgs)
         self.applied_seq = max(self.applied_seq, end)
         log.info("rebuilt state from the log", extra={"events": count, "last_sequence": end})
         return end

@@ -1,19 +1,19 @@
-"""Accounting adapter: durable consumer -> converter -> Postgres sink (position in the same
-transaction). Single active instance: a second one would race the position row."""
+"""Accounting adapter: the log from the stored position, through the ingest pipeline
+(converter -> batch -> Postgres sink, position in the same transaction). Single active
+instance: a second one would race the position row."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 
 import asyncpg
-from pydantic import ValidationError
-
 from runtime import eventlog, observability
 from runtime.clock import ScaledClock
 from runtime.settings import Settings
-from services.accounting import metrics, projection, sink, statements
+from services.accounting import metrics, pipeline, sink, statements
 
 log = logging.getLogger("accounting")
 NAME = "accounting"
@@ -46,18 +46,15 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                  if settings.metrics_port else None)
     nc = await eventlog.connect(settings, "gpusched-accounting")
     js = nc.jetstream()
+    store = _Store(js, conn, settings, issuer)
     try:
         await eventlog.wait_for_streams(js)
         while not stop.is_set():
-            position = await sink.position(conn)
+            position = await sink.position(store.conn)
+            batches = eventlog.read_batches(js, from_seq=position + 1, follow=True, batch=settings.batch_size,
+                                            idle_s=settings.tick_s)
             try:
-                async for msgs in eventlog.tail(js, from_seq=position + 1, batch=settings.batch_size,
-                                                idle_s=settings.tick_s):
-                    if stop.is_set():
-                        break
-                    if msgs:
-                        conn = await _project(js, conn, settings, msgs, issuer)
-                        await _issue(conn, js, issuer)
+                await pipeline.run(_until(stop, batches), store, trace="accounting", observe=store.observe)
             except eventlog.TRANSIENT_ERRORS as err:
                 log.warning("NATS unavailable; resuming from the stored position", extra={"error": repr(err)})
                 await asyncio.sleep(0.5)
@@ -65,7 +62,34 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         if collector is not None:
             metrics.unregister(collector)
         await nc.close()
-        await conn.close()
+        await store.conn.close()
+
+
+async def _until(stop: asyncio.Event, batches):
+    """The reader's batches until ``stop`` is set (checked at least every idle tick)."""
+    async with contextlib.aclosing(batches):
+        async for msgs in batches:
+            if stop.is_set():
+                return
+            yield msgs
+
+
+class _Store:
+    """The live end of the pipeline: a batch's poison dead-lettered, the batch applied (retried
+    on a new connection until Postgres takes it), then the statements that fell due."""
+
+    def __init__(self, js, conn: asyncpg.Connection, settings: Settings, issuer: statements.Issuer) -> None:
+        self.js, self.conn, self.settings, self.issuer = js, conn, settings, issuer
+
+    def observe(self, event) -> None:
+        observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
+        self.issuer.observe(event.occurred_at)
+
+    async def __call__(self, converted: pipeline.Converted) -> None:
+        for msg, reason in converted.poison:
+            await eventlog.dead_letter(self.js, NAME, msg, reason)
+        self.conn = await _apply(self.conn, self.settings, converted.entries)
+        await _issue(self.conn, self.js, self.issuer)
 
 
 async def _issue(conn: asyncpg.Connection, js, issuer: statements.Issuer) -> None:
@@ -76,31 +100,12 @@ async def _issue(conn: asyncpg.Connection, js, issuer: statements.Issuer) -> Non
         log.warning("issuing statements failed; retrying later", extra={"error": repr(err)})
 
 
-async def _project(js, conn: asyncpg.Connection, settings: Settings, msgs,
-                   issuer: statements.Issuer | None = None) -> asyncpg.Connection:
-    """Convert a batch and commit it, retrying the same batch until Postgres takes it."""
-    batch: list[sink.Entry] = []
-    for msg in msgs:
-        seq = msg.metadata.sequence.stream
-        kind = (msg.headers or {}).get("Gpusched-Type", "event")
-        event_id = None
-        with observability.span_from_headers(f"accounting {kind}", msg.headers, sequence=seq):
-            try:
-                event = eventlog.parse_message(msg)
-                ops = projection.convert(event, seq)
-                event_id = event.event_id
-            except (ValueError, ValidationError, LookupError) as err:
-                await eventlog.dead_letter(js, NAME, msg, f"cannot project: {err}")
-                ops = []
-            else:
-                observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
-                if issuer is not None:
-                    issuer.observe(event.occurred_at)
-        batch.append((seq, event_id, ops))
+async def _apply(conn: asyncpg.Connection, settings: Settings, entries: list[sink.Entry]) -> asyncpg.Connection:
+    """Apply a batch, retrying the same batch until Postgres takes it."""
     while True:
         try:
             with observability.BATCH_SECONDS.labels(service=NAME).time():
-                await sink.apply_batch(conn, batch)
+                await sink.apply_batch(conn, entries)
             break
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             # Nothing of the batch is committed; try the same batch again on a new connection.
@@ -111,7 +116,7 @@ async def _project(js, conn: asyncpg.Connection, settings: Settings, msgs,
             except Exception:
                 pass
             conn = await connect_pg(settings.pg_dsn)
-    observability.APPLIED_SEQUENCE.labels(service=NAME).set(batch[-1][0])
+    observability.APPLIED_SEQUENCE.labels(service=NAME).set(entries[-1][0])
     return conn
 
 

@@ -1,13 +1,17 @@
 """The pure converter: one event (and its stream sequence) -> the operations on the read models.
 
-Operations are (statement name, arguments); :mod:`services.accounting.sink` owns the SQL. Event
-types that change no read model are listed in ``IGNORED``; an unknown type is logged, not fatal,
-so an older accounting keeps running beside a newer producer.
+Operations are (statement name, arguments); :mod:`services.accounting.sink` owns the SQL. An
+attempt's end is ``attempt_ended``: the ledger row it gives is computed by
+:mod:`services.accounting.ledger` from the facts logged before it. Event types that change no
+read model are listed in ``IGNORED``; a type with neither a conversion nor a place in that list
+is logged (once per type) and skipped, not fatal, so an older accounting keeps running beside a
+newer producer.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,6 +45,9 @@ from schemas import (
     ReclaimRequested,
     SchedulingPendingReasonChanged,
 )
+
+
+log = logging.getLogger(__name__)
 
 
 class Op(NamedTuple):
@@ -77,10 +84,12 @@ _CANCELLING = _change("cancelling")
 
 
 def _usage(event: JobSucceeded | JobFailed | JobPreempted | JobCancelled, seq: int) -> Op | None:
+    """An attempt that ran has ended: (job, attempt, started_at, ended_at, seconds, outcome, seq)."""
     if event.started_at is None or event.attempt is None:
         return None
     seconds = max(0.0, (event.occurred_at - event.started_at).total_seconds())
-    return Op("usage", (event.aggregate_id, event.attempt, event.started_at, event.occurred_at, seconds, event.type, seq))
+    return Op("attempt_ended", (event.aggregate_id, event.attempt, event.started_at, event.occurred_at, seconds,
+                                event.type, seq))
 
 
 def _job_submitted(e: JobSubmitted, j: str, t, seq: int) -> list[Op]:
@@ -179,10 +188,15 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
 }
 
 
+_warned: set[str] = set()  # unknown types already logged
+
+
 def convert(event: Event, seq: int) -> list[Op]:
     converter = _CONVERTERS.get(type(event))
     if converter is not None:
         return converter(event, event.aggregate_id, event.occurred_at, seq)
-    if isinstance(event, IGNORED):
-        return []
-    raise LookupError(f"accounting has no projection for event type {event.type}")
+    if not isinstance(event, IGNORED) and event.type not in _warned:
+        _warned.add(event.type)
+        log.warning("accounting has no projection for event type %s; skipping its events", event.type,
+                    extra={"type": event.type, "sequence": seq})
+    return []

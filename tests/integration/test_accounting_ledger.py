@@ -14,7 +14,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from conftest import eventually, service_settings
+import pytest_asyncio
+
+from conftest import connect_as, eventually, service_settings
 from gpusched import accounting_cli
 from runtime import eventlog
 from schemas import (
@@ -24,6 +26,8 @@ from schemas import (
 from schemas.node import NodeInfo
 from services.accounting import __main__ as accounting
 from services.accounting import metrics, queries, replay, sink
+from services.accounting.bulk import copy, indexes
+from services.accounting.bulk import writers as range_writers
 from tests.unit.builders import price_book, queue
 
 NOV = datetime(2026, 11, 2, 9, 0, tzinfo=UTC)
@@ -82,6 +86,15 @@ def scenario() -> list:
     return [q, book,
             *job("j1", "team-a", gpus=4, borrowed=1, start=60, preempt_at=1060, checkpoint_at=660, end=4700),
             *job("j2", "team-b", gpus=1, start=100, end=3700)]
+
+
+@pytest_asyncio.fixture
+async def admin_nc(nats_server, admin_js):
+    """The admin's NATS client (a rebuild's writers connect with its server and credentials),
+    over the streams admin_js provisioned."""
+    nc = await connect_as(nats_server, "admin")
+    yield nc
+    await nc.close()
 
 
 @pytest.fixture
@@ -252,7 +265,7 @@ async def _indexes(conn, schema: str) -> list[tuple[str, str]]:
         "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = $1 ORDER BY indexname", schema)]
 
 
-async def test_a_rebuild_skips_an_event_appended_twice_and_equals_the_inline_replay(nats_server, admin_js, pg_dsn,
+async def test_a_rebuild_skips_an_event_appended_twice_and_equals_the_inline_replay(nats_server, admin_js, admin_nc, pg_dsn,
                                                                                      monkeypatch):
     """The rebuild (writer processes, Bloom filter of applied ids, deferred indexes) and the
     inline replay give the same tables, and both skip the second copy of an event appended
@@ -277,8 +290,8 @@ async def test_a_rebuild_skips_an_event_appended_twice_and_equals_the_inline_rep
             finally:
                 await conn.close()
         else:
-            monkeypatch.setattr(replay, "WRITERS", writers)
-            progress = await replay.rebuild(admin_js, pg_dsn, schema, batch=batch)
+            monkeypatch.setattr(range_writers, "WRITERS", writers)
+            progress = await replay.rebuild(admin_nc, pg_dsn, schema, batch=batch)
             assert progress.applied == len(events) + 2 and progress.writer_cpu_s > 0
         conn = await replay.connect(pg_dsn, schema)
         try:
@@ -349,7 +362,7 @@ async def test_batched_ops_give_the_same_tables_as_one_event_at_a_time(pg_dsn, m
     sums = {}
     for schema, size, stage_min in (("one_by_one", 1, 10**9), ("batched", 10_000, 10**9), ("odd", 13, 10**9),
                                     ("staged", 10_000, 1), ("staged_odd", 29, 1)):
-        monkeypatch.setattr(sink, "STAGE_MIN", stage_min)  # COPY + set-based statements, or executemany
+        monkeypatch.setattr(copy, "STAGE_MIN", stage_min)  # COPY + set-based statements, or executemany
         await replay.reset(pg_dsn, schema)
         conn = await replay.connect(pg_dsn, schema)
         try:
@@ -460,7 +473,7 @@ async def test_a_failed_staged_batch_is_retried_on_the_same_connection(pg_dsn, m
     with the rollback, and the retry on the same connection must create them again."""
     from services.accounting import projection
 
-    monkeypatch.setattr(sink, "STAGE_MIN", 1)
+    monkeypatch.setattr(copy, "STAGE_MIN", 1)
     events = [e for i in range(5) for e in job(f"f{i}", "team-a", gpus=1)]
     entries = [(i + 1, e.event_id, projection.convert(e, i + 1)) for i, e in enumerate(events)]
     conn = await asyncpg.connect(pg_dsn)
@@ -492,7 +505,7 @@ async def test_replay_window_and_live_catch_up(nats_server, admin_js, pg_dsn, cl
     assert differs["jobs"] == (2, 1) and differs["usage_ledger"] == (3, 1)  # only j2 is inside the window
 
 
-async def test_the_writers_refuse_every_batch_after_a_failed_one(admin_js, pg_dsn):
+async def test_the_writers_refuse_every_batch_after_a_failed_one(admin_js, admin_nc, pg_dsn):
     """A batch is never applied after one that failed, whichever writer process holds it: the
     position would move past the failed batch's events and they would be lost. The second of
     three one-job batches fails in Postgres (a trigger refuses its job)."""
@@ -510,7 +523,7 @@ async def test_the_writers_refuse_every_batch_after_a_failed_one(admin_js, pg_ds
             CREATE TRIGGER refuse BEFORE INSERT ON jobs FOR EACH ROW WHEN (NEW.job_id = 'boom') EXECUTE FUNCTION refuse();
         """)
         with pytest.raises(replay.ReplayError, match=r"failed: .*refused boom"):
-            await replay.replay(admin_js, conn, from_seq=start, batch=len(batches[0]),
+            await replay.replay(admin_nc, conn, from_seq=start, batch=len(batches[0]),
                                 writer_process=(pg_dsn, "writers"))
         assert await sink.position(conn) == start + len(batches[0]) - 1
         assert [r[0] for r in await conn.fetch("SELECT job_id FROM jobs")] == ["w1"]
@@ -518,7 +531,7 @@ async def test_the_writers_refuse_every_batch_after_a_failed_one(admin_js, pg_ds
         await conn.close()
 
 
-async def test_a_rebuild_of_batches_larger_than_a_pipe_buffer_finishes(admin_js, pg_dsn):
+async def test_a_rebuild_of_batches_larger_than_a_pipe_buffer_finishes(admin_js, admin_nc, pg_dsn):
     """The turn carries a batch's event ids (here about 95 KB; a pipe holds 64 KB): the
     writer of the last batch must be able to hand it on to a writer that has no batch left."""
     log = eventlog.EventLog(admin_js)
@@ -527,7 +540,7 @@ async def test_a_rebuild_of_batches_larger_than_a_pipe_buffer_finishes(admin_js,
     for e in events:
         await log.append(e)
     progress = await asyncio.wait_for(
-        replay.rebuild(admin_js, pg_dsn, "big", from_seq=start, batch=len(events) // 2), 60)
+        replay.rebuild(admin_nc, pg_dsn, "big", from_seq=start, batch=len(events) // 2), 60)
     assert progress.applied == len(events)
     conn = await replay.connect(pg_dsn, "big")
     try:
@@ -537,7 +550,7 @@ async def test_a_rebuild_of_batches_larger_than_a_pipe_buffer_finishes(admin_js,
         await conn.close()
 
 
-async def test_writers_read_around_deleted_sequences_and_from_a_time(admin_js, pg_dsn):
+async def test_writers_read_around_deleted_sequences_and_from_a_time(admin_js, admin_nc, pg_dsn):
     """Writer processes read their ranges straight from JetStream: a sequence deleted from the
     stream (in the middle of a range, and the log's last one) is skipped as the inline replay
     skips it, and --from TIME starts at the first event stored at or after that time."""
@@ -570,13 +583,13 @@ async def test_writers_read_around_deleted_sequences_and_from_a_time(admin_js, p
         await replay.replay(admin_js, conn, from_seq=start, batch=4)
     finally:
         await conn.close()
-    progress = await asyncio.wait_for(replay.rebuild(admin_js, pg_dsn, "gaps", from_seq=start, batch=4), 60)
+    progress = await asyncio.wait_for(replay.rebuild(admin_nc, pg_dsn, "gaps", from_seq=start, batch=4), 60)
     assert progress.applied == len(early) + len(late) - 2
     sums = await tables("gaps")
     assert sums == await tables("inline_gaps")
     assert sums["checkpoints"][0] == 2 and sums["applied_events"][0] == len(early) + len(late) - 2
 
-    progress = await asyncio.wait_for(replay.rebuild(admin_js, pg_dsn, "late", from_time=between, batch=3), 60)
+    progress = await asyncio.wait_for(replay.rebuild(admin_nc, pg_dsn, "late", from_time=between, batch=3), 60)
     assert progress.applied == len(late) - 1
     conn = await replay.connect(pg_dsn, "late")
     try:
@@ -584,46 +597,11 @@ async def test_writers_read_around_deleted_sequences_and_from_a_time(admin_js, p
         assert await sink.position(conn) == end - 1
     finally:
         await conn.close()
-    future = await replay.rebuild(admin_js, pg_dsn, "none", from_time=datetime.now(UTC) + timedelta(hours=1))
+    future = await replay.rebuild(admin_nc, pg_dsn, "none", from_time=datetime.now(UTC) + timedelta(hours=1))
     assert future.applied == 0
 
 
-async def test_a_range_read_past_nats_pys_message_handling_reads_what_the_plain_client_reads(admin_js,
-                                                                                             monkeypatch):
-    """The writers' client takes JetStream's deliveries straight from nats-py's parser: the same
-    (sequence, payload) pairs as nats-py's ordinary path, around a deleted sequence, in several
-    pull requests and up to a range past the log's end (answered by a status), with none of the
-    deliveries passing through nats-py's per-message handling."""
-    log = eventlog.EventLog(admin_js)
-    start = await eventlog.last_sequence(admin_js) + 1
-    for e in job("rr0", "team-a", gpus=1) + job("rr1", "team-a", gpus=1):
-        await log.append(e)
-    end = await eventlog.last_sequence(admin_js)
-    await admin_js.delete_msg(eventlog.EVENTS_STREAM, start + 3)
-    handled: list = []  # the clients whose deliveries went through nats-py's handling
-    ordinary = replay.NatsClient._process_msg
-
-    async def counting(self, sid, subject, reply, data, headers):
-        if reply.startswith(b"$JS.ACK."):
-            handled.append(self)
-        return await ordinary(self, sid, subject, reply, data, headers)
-
-    monkeypatch.setattr(replay.NatsClient, "_process_msg", counting)
-    plain = await replay.read_range(admin_js, start, end + 5, chunk=3)
-    assert [seq for seq, _ in plain] == [q for q in range(start, end + 1) if q != start + 3]
-    assert handled.count(admin_js._nc) == len(plain)
-    nc = await replay.NatsOptions.of(admin_js).connect()
-    try:
-        assert isinstance(nc, replay.RangeClient)
-        assert await replay.read_range(nc.jetstream(), start, end + 5, chunk=3) == plain
-        assert await replay.read_range(nc.jetstream(), start + 2, end - 1) == [
-            p for p in plain if start + 2 <= p[0] < end]
-    finally:
-        await nc.close()
-    assert nc not in handled
-
-
-async def test_a_rebuild_whose_writer_is_killed_fails_and_keeps_a_consistent_position(admin_js, pg_dsn):
+async def test_a_rebuild_whose_writer_is_killed_fails_and_keeps_a_consistent_position(admin_js, admin_nc, pg_dsn):
     """A writer process killed (SIGKILL) while a rebuild runs: the rebuild stops with an error
     naming the writer instead of waiting for it, the other writer stops too, and the shadow's
     position covers exactly the jobs it holds (a resumed replay would continue from there)."""
@@ -636,7 +614,7 @@ async def test_a_rebuild_whose_writer_is_killed_fails_and_keeps_a_consistent_pos
     for i in range(400):
         for e in job(f"k{i}", "team-a", gpus=1):
             await log.append(e)
-    rebuild = asyncio.create_task(replay.rebuild(admin_js, pg_dsn, "killed", from_seq=start, batch=per_job * 5))
+    rebuild = asyncio.create_task(replay.rebuild(admin_nc, pg_dsn, "killed", from_seq=start, batch=per_job * 5))
     victim = None
     while victim is None and not rebuild.done():
         victim = next((p for p in multiprocessing.active_children() if p.name == "replay-writer-0"), None)
@@ -661,19 +639,19 @@ async def test_a_failed_index_build_resumes_with_what_is_left(pg_dsn):
     it off the list: a build that fails leaves the list with the failed one (and any not reached),
     none built twice, and the next build finishes the rest, then drops the list."""
     await replay.reset(pg_dsn, "resume")
-    deferred = await replay.defer_indexes(pg_dsn, "resume")
+    deferred = await indexes.defer_indexes(pg_dsn, "resume")
     conn = await replay.connect(pg_dsn, "resume")
     try:
         # the last of the list (built in name order, after applied_events' key)
         await conn.execute("INSERT INTO deferred_indexes VALUES ('zz_broken', 'CREATE INDEX zz ON no_such_table (x)')")
         with pytest.raises(asyncpg.UndefinedTableError):
-            await replay.build_indexes(pg_dsn, "resume")
+            await indexes.build_indexes(pg_dsn, "resume")
         left = {r[0] for r in await conn.fetch("SELECT name FROM deferred_indexes")}
         assert "zz_broken" in left
         built = {r[0] for r in await conn.fetch("SELECT indexname FROM pg_indexes WHERE schemaname = 'resume'")}
         assert built & set(deferred) and not built & left  # what was built is off the list
         await conn.execute("DELETE FROM deferred_indexes WHERE name = 'zz_broken'")
-        assert sorted(await replay.build_indexes(pg_dsn, "resume")) == sorted(left - {"zz_broken"})
+        assert sorted(await indexes.build_indexes(pg_dsn, "resume")) == sorted(left - {"zz_broken"})
         assert await conn.fetchval("SELECT to_regclass('deferred_indexes')") is None
         names = {r[0] for r in await conn.fetch("SELECT indexname FROM pg_indexes WHERE schemaname = 'resume'")}
         assert set(deferred) <= names

@@ -101,3 +101,74 @@ async def test_replay_from_sequence_and_time(admin_js):
     assert [m async for m in eventlog.read(admin_js, from_time=future)] == []
     past = datetime.now(UTC) - timedelta(hours=1)
     assert len([m async for m in eventlog.read(admin_js, from_time=past)]) == 5
+
+
+async def _append(js, n: int, prefix: str = "r") -> list[int]:
+    log = eventlog.EventLog(js)
+    return [await log.append(submitted(f"{prefix}{i}")) for i in range(n)]
+
+
+def _seqs(batches) -> list[list[int]]:
+    return [[eventlog.sequence(m) for m in b] for b in batches]
+
+
+async def test_read_batches_of_a_range_come_whole_in_order_and_stop_at_its_end(admin_js):
+    """A bounded read hands over lists of exactly ``batch`` messages (the last one less), never
+    a message past ``to_seq``, and the server is asked for no more than the range (its window
+    is the range) — with a window smaller than the range, acknowledged as it goes."""
+    await _append(admin_js, 30)
+    got = [b async for b in eventlog.read_batches(admin_js, from_seq=3, to_seq=24, batch=5)]
+    assert _seqs(got) == [list(range(k, min(k + 5, 25))) for k in range(3, 25, 5)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(eventlog, "READ_WINDOW", 4)  # the server holds back until the reader acknowledges
+        got = [b async for b in eventlog.read_batches(admin_js, from_seq=1, to_seq=30, batch=3)]
+    assert [s for b in _seqs(got) for s in b] == list(range(1, 31))
+    info = await admin_js.stream_info(eventlog.EVENTS_STREAM)
+    assert info.state.consumer_count == 0  # each read's consumer is deleted when it ends
+
+
+async def test_read_batches_skip_deleted_sequences_and_a_deleted_end(admin_js):
+    await _append(admin_js, 10)
+    for seq in (4, 10):
+        await admin_js.delete_msg(eventlog.EVENTS_STREAM, seq)
+    got = [s async for b in eventlog.read_batches(admin_js, from_seq=2, to_seq=10, batch=100) for s in _seqs([b])[0]]
+    assert got == [2, 3, 5, 6, 7, 8, 9]
+    assert [s async for b in eventlog.read_batches(admin_js, from_seq=10, to_seq=10) for s in _seqs([b])[0]] == []
+    assert [b async for b in eventlog.read_batches(admin_js, from_seq=11)] == []  # past the end
+    assert await eventlog.first_sequence_at(admin_js, datetime.now(UTC) - timedelta(hours=1)) == 1
+    assert await eventlog.first_sequence_at(admin_js, datetime.now(UTC) + timedelta(hours=1)) is None
+
+
+async def test_a_following_read_hands_over_new_messages_and_ticks_when_idle(admin_js):
+    """follow=True: what is there, then what is appended later, then an empty list per idle
+    period; it never ends by itself."""
+    await _append(admin_js, 3)
+    batches = eventlog.read_batches(admin_js, from_seq=2, follow=True, batch=10, idle_s=0.2)
+    try:
+        first = await anext(batches)
+        assert _seqs([first]) == [[2, 3]]
+        assert await anext(batches) == []  # nothing new within idle_s
+        await _append(admin_js, 2, prefix="late")
+        later: list[int] = []
+        while len(later) < 2:
+            later += _seqs([await anext(batches)])[0]
+        assert later == [4, 5]
+    finally:
+        await batches.aclose()
+
+
+async def test_a_following_read_whose_consumer_vanishes_says_so(admin_js, monkeypatch):
+    """A server restart loses the reader's (in-memory) consumer: the reader raises a transient
+    error, so that its caller starts again from its own position."""
+    monkeypatch.setattr(eventlog, "CHECK_IDLE_S", 0.3)
+    await _append(admin_js, 1)
+    batches = eventlog.read_batches(admin_js, follow=True, idle_s=0.1)
+    try:
+        assert _seqs([await anext(batches)]) == [[1]]
+        for name in [c.name for c in await admin_js.consumers_info(eventlog.EVENTS_STREAM)]:
+            await admin_js.delete_consumer(eventlog.EVENTS_STREAM, name)
+        with pytest.raises(eventlog.TRANSIENT_ERRORS):
+            for _ in range(20):
+                await anext(batches)
+    finally:
+        await batches.aclose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -17,6 +18,7 @@ from schemas import (
     RejectReason,
     new_event,
 )
+from services.accounting import projection
 from services.accounting.projection import IGNORED, Op, convert
 from tests.unit.builders import (
     T0,
@@ -80,15 +82,15 @@ CASES = [
     (started("j1", when=at(5)), [Op("set_state:started_at", ("j1", "running", SEQ, at(5)))]),
     (succeeded("j1", attempt=2, started_at=at(5), when=at(65)),
      [Op("set_state:exit_code,finished_at", ("j1", "succeeded", SEQ, 0, at(65))),
-      Op("usage", ("j1", 2, at(5), at(65), 60.0, "JobSucceeded", SEQ))]),
+      Op("attempt_ended", ("j1", 2, at(5), at(65), 60.0, "JobSucceeded", SEQ))]),
     (failed("j1", FailureReason.OOM_KILLED, exit_code=137, message="oom", started_at=at(5), when=at(15)),
      [Op("set_state:exit_code,finished_at,message,reason", ("j1", "failed", SEQ, 137, at(15), "oom", "oom-killed")),
-      Op("usage", ("j1", 1, at(5), at(15), 10.0, "JobFailed", SEQ))]),
+      Op("attempt_ended", ("j1", 1, at(5), at(15), 10.0, "JobFailed", SEQ))]),
     (failed("j1", FailureReason.IMAGE_PULL, exit_code=None, started_at=None, when=at(15)),
      [Op("set_state:exit_code,finished_at,message,reason", ("j1", "failed", SEQ, None, at(15), "", "image-pull"))]),
     (preempted("j1", started_at=at(5), when=at(35)),
      [Op("set_state:message,reason", ("j1", "preempted", SEQ, "make room", "preempted")),
-      Op("usage", ("j1", 1, at(5), at(35), 30.0, "JobPreempted", SEQ))]),
+      Op("attempt_ended", ("j1", 1, at(5), at(35), 30.0, "JobPreempted", SEQ))]),
     (preempted("j1", started_at=None, when=at(35)),
      [Op("set_state:message,reason", ("j1", "preempted", SEQ, "make room", "preempted"))]),
     (retry_scheduled("j1", 1, not_before=at(99), when=at(40)),
@@ -97,7 +99,7 @@ CASES = [
     (cancel_requested("j1"), [Op("set_state:", ("j1", "cancelling", SEQ))]),
     (cancelled("j1", attempt=1, started_at=at(5), when=at(25), reason="user"),
      [Op("set_state:finished_at,message", ("j1", "cancelled", SEQ, at(25), "user")),
-      Op("usage", ("j1", 1, at(5), at(25), 20.0, "JobCancelled", SEQ))]),
+      Op("attempt_ended", ("j1", 1, at(5), at(25), 20.0, "JobCancelled", SEQ))]),
     (cancelled("j1", when=at(25)), [Op("set_state:finished_at,message", ("j1", "cancelled", SEQ, at(25), ""))]),
     (NODE, [Op("node", ("gpu-1.rack-1", "a100", "NVIDIA-A100", 8, 81920, json.dumps({"rack": "r1"}), False, SEQ))]),
     (node_updated("n1", None, 0, gpu_memory_mib=None, unschedulable=True),
@@ -142,10 +144,25 @@ def test_usage_never_negative():
     assert usage.args[4] == 0.0
 
 
-def test_unknown_event_type_raises_lookup_error():
+def test_an_unknown_event_type_is_logged_once_and_skipped(caplog):
+    """Neither converted nor in IGNORED (a newer producer's type): warned about, once, and
+    skipped, so that the projection keeps running."""
     class JobTeleported(Event):
         pass
 
     event = JobTeleported(event_id="x", type="JobTeleported", aggregate_id="j1", occurred_at=T0, producer="x")
-    with pytest.raises(LookupError, match="accounting has no projection for event type JobTeleported"):
-        convert(event, 1)
+    with caplog.at_level(logging.WARNING, logger="services.accounting.projection"):
+        assert convert(event, 1) == [] and convert(event, 2) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "accounting has no projection for event type JobTeleported; skipping its events"]
+
+
+def test_an_ignored_event_type_is_skipped_without_a_warning(caplog, monkeypatch):
+    class JobWaved(Event):
+        pass
+
+    monkeypatch.setattr(projection, "IGNORED", (JobWaved,))
+    event = JobWaved(event_id="y", type="JobWaved", aggregate_id="j1", occurred_at=T0, producer="x")
+    with caplog.at_level(logging.WARNING, logger="services.accounting.projection"):
+        assert convert(event, 1) == []
+    assert caplog.records == []

@@ -1,6 +1,6 @@
 """The replay's batch plumbing: the ranges dealt to writer processes cover the log exactly once,
-in order, a delivery's stream sequence is read off its reply subject, and the garbage collector
-is run per batch and given back as it was."""
+in order, a delivery's stream sequence and pending count are read off its reply subject, and
+the garbage collector is run per batch and given back as it was."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from services.accounting.replay import BatchCollector, RangeClient, ranges, reply_sequence
+from runtime.eventlog import delivery_position
+from services.accounting.bulk.collector import BatchCollector
+from services.accounting.bulk.writers import ranges
 
 
 @example(1, 1, 1)
@@ -25,25 +27,19 @@ def test_ranges_cover_the_log_once_in_order(start, length, batch):
     assert all(hi - lo + 1 == batch for lo, hi in got[:-1]) and all(0 < hi - lo + 1 <= batch for lo, hi in got)
 
 
-@pytest.mark.parametrize(("reply", "seq"), [
-    (b"$JS.ACK.EVENTS.Xb2kQ.1.40007.12.1764855000000000000.3", 40007),
-    (b"$JS.ACK.hub.ACCHASH.EVENTS.Xb2kQ.1.40007.12.1764855000000000000.3.tok", 40007),  # domain, account hash
+@pytest.mark.parametrize(("reply", "position"), [
+    (b"$JS.ACK.EVENTS.Xb2kQ.1.40007.12.1764855000000000000.3", (40007, 3)),
+    (b"$JS.ACK.hub.ACCHASH.EVENTS.Xb2kQ.1.40007.12.1764855000000000000.3.tok", (40007, 3)),  # domain, account hash
 ])
-def test_the_stream_sequence_of_a_delivery(reply, seq):
-    assert reply_sequence(reply) == reply_sequence(reply.decode()) == seq
+def test_the_stream_sequence_and_pending_count_of_a_delivery(reply, position):
+    assert delivery_position(reply) == delivery_position(reply.decode()) == position
 
 
 @pytest.mark.parametrize("reply", [b"_INBOX.abc", b"", b"$JS.ACK.EVENTS.c.1.x.1.2.3",
                                    b"$JS.ACK.hub.ACCHASH.EVENTS.Xb2kQ.1.40007.12.1764855000000000000.3"])
 def test_a_reply_subject_that_is_no_delivery_is_refused(reply):
     with pytest.raises(ValueError):
-        reply_sequence(reply)
-
-
-def test_the_range_client_shortcut_matches_the_installed_nats_py():
-    """The writers' shortcut past nats-py's per-message handling is on with the nats-py installed
-    (its private entry point has the expected signature); tests/integration checks its reads."""
-    assert RangeClient.RAW_DELIVERY
+        delivery_position(reply)
 
 
 def test_ranges_of_a_log_that_does_not_start_at_one():

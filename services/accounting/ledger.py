@@ -1,0 +1,159 @@
+"""The usage ledger's rules: what an attempt that ended is charged, from the facts the log gave
+about it before it ended. Pure: no database, no clock.
+
+An attempt's row (``usage_ledger``) needs its job's submission (team, project, queue, GPUs,
+CPU and memory per replica), the reservation quota made for the attempt (queue, flavor, GPUs,
+the borrowed part), when the attempt became eligible (admission or the retry decision), its
+checkpoints, the job's flavor as last set, and the event that ended it. Each fact's first
+occurrence stands (a re-decided submission or reservation under a new event id changes
+nothing), as in the read models, and only facts logged before the end count.
+
+:class:`Book` collects these facts from one batch's operations in log order; the facts of
+earlier batches come from the read models (:class:`Prior`, read by the sink in the batch's
+transaction); :func:`usage_row` combines both and computes the row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import NamedTuple
+
+USAGE_COLUMNS = ("job_id", "attempt", "team", "project", "queue", "flavor", "gpus", "started_at", "ended_at",
+                 "gpu_seconds", "outcome", "sequence", "borrowed_gpus", "borrowed_gpu_seconds", "lost_gpu_seconds",
+                 "last_checkpoint_at", "queued_at", "wait_seconds", "cpu_core_seconds", "memory_gib_seconds")
+PREEMPTED = "JobPreempted"  # the outcome whose work since the last checkpoint is lost
+
+
+class JobFacts(NamedTuple):
+    """What a job's submission says (``cpu_millis``/``memory_mib``: the whole gang's)."""
+    team: str
+    project: str | None
+    queue: str
+    total_gpus: int
+    cpu_millis: int | None
+    memory_mib: int | None
+
+
+class Reservation(NamedTuple):
+    queue: str
+    flavor: str
+    gpus: int
+    borrowed: int
+
+
+class Ended(NamedTuple):
+    """An attempt's end, as the converter emits it (operation ``attempt_ended``)."""
+    job_id: str
+    attempt: int
+    started_at: datetime
+    ended_at: datetime
+    seconds: float  # ended_at - started_at, never negative
+    outcome: str  # the event type that ended it
+    sequence: int
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What is known about an attempt when it ends. ``flavor``: the job's flavor as last set
+    (None: never set)."""
+    job: JobFacts | None = None
+    flavor: str | None = None
+    reservation: Reservation | None = None
+    queued_at: datetime | None = None
+    checkpoints: tuple[tuple[datetime, int], ...] = ()  # (checkpointed_at, sequence)
+
+    def after(self, later: Facts, *, flavor_set: bool) -> Facts:
+        """These facts (earlier ones) followed by ``later``'s: the first of each stands, the
+        flavor is the last set, checkpoints add up."""
+        return Facts(job=self.job or later.job,
+                     flavor=later.flavor if flavor_set else self.flavor,
+                     reservation=self.reservation or later.reservation,
+                     queued_at=self.queued_at or later.queued_at,
+                     checkpoints=self.checkpoints + later.checkpoints)
+
+
+def usage_row(facts: Facts, end: Ended) -> tuple | None:
+    """The attempt's ledger row (columns :data:`USAGE_COLUMNS`), or None when it is not charged:
+    its job was never submitted, or no flavor is known (neither reserved nor set)."""
+    job, res = facts.job, facts.reservation
+    if job is None:
+        return None
+    flavor = res.flavor if res is not None else facts.flavor
+    if flavor is None:
+        return None
+    gpus = res.gpus if res is not None else job.total_gpus
+    borrowed = res.borrowed if res is not None else 0
+    seconds = end.seconds
+    checkpoint = max((at for at, seq in facts.checkpoints if seq < end.sequence and at <= end.ended_at),
+                     default=None)
+    lost = 0.0
+    if end.outcome == PREEMPTED:
+        since = end.started_at if checkpoint is None else max(end.started_at, checkpoint)
+        lost = gpus * max(0.0, (end.ended_at - since).total_seconds())
+    wait = None if facts.queued_at is None else max(0.0, (end.started_at - facts.queued_at).total_seconds())
+    return (end.job_id, end.attempt, job.team, job.project, res.queue if res is not None else job.queue, flavor,
+            gpus, end.started_at, end.ended_at, gpus * seconds, end.outcome, end.sequence, borrowed,
+            borrowed * seconds, lost, checkpoint, facts.queued_at, wait,
+            (job.cpu_millis or 0) / 1000 * seconds, (job.memory_mib or 0) / 1024 * seconds)
+
+
+@dataclass
+class Book:
+    """The ledger facts of one batch, collected from its operations in log order (:meth:`add`);
+    each ``attempt_ended`` is kept with the facts the batch had given by then (:attr:`ended`).
+    The statement names and argument layouts are the converter's (:mod:`.projection`)."""
+
+    jobs: dict[str, JobFacts] = field(default_factory=dict)
+    flavors: dict[str, str | None] = field(default_factory=dict)  # job -> flavor last set in the batch
+    reservations: dict[tuple[str, int], Reservation] = field(default_factory=dict)
+    queued: dict[tuple[str, int], datetime] = field(default_factory=dict)
+    checkpoints: dict[tuple[str, int], list[tuple[datetime, int]]] = field(default_factory=dict)
+    ended: list[tuple[Ended, Facts, bool]] = field(default_factory=list)  # (end, the batch's facts, flavor set)
+
+    def add(self, statement: str, args: tuple) -> None:
+        if statement.startswith("set_state:"):  # (job, state, seq, *values of the named columns)
+            if (at := _flavor_position(statement)) is not None:
+                self.flavors[args[0]] = args[at]
+        elif statement == "job_submitted":
+            # (job, team, project, queue, kind, class, submitter, gpus, gang, total_gpus, at, seq, cpu, mem)
+            self.jobs.setdefault(args[0], JobFacts(args[1], args[2], args[3], args[9], args[12], args[13]))
+        elif statement == "reservation":  # (job, attempt, queue, flavor, gpus, borrowed, at, seq)
+            self.reservations.setdefault((args[0], args[1]), Reservation(args[2], args[3], args[4], args[5]))
+        elif statement == "attempt_queued":  # (job, attempt, at, seq)
+            self.queued.setdefault((args[0], args[1]), args[2])
+        elif statement == "checkpoint":  # (job, attempt, at, seq)
+            self.checkpoints.setdefault((args[0], args[1]), []).append((args[2], args[3]))
+        elif statement == "attempt_ended":
+            end = Ended(*args)
+            key = (end.job_id, end.attempt)
+            self.ended.append((end, Facts(job=self.jobs.get(end.job_id), flavor=self.flavors.get(end.job_id),
+                                          reservation=self.reservations.get(key), queued_at=self.queued.get(key),
+                                          checkpoints=tuple(self.checkpoints.get(key, ()))),
+                               end.job_id in self.flavors))
+
+    def keys(self) -> list[tuple[str, int]]:
+        """The attempts that end in the batch: whose earlier facts the read models are asked for."""
+        return list(dict.fromkeys((end.job_id, end.attempt) for end, _, _ in self.ended))
+
+
+_flavor_positions: dict[str, int | None] = {}
+
+
+def _flavor_position(statement: str) -> int | None:
+    """Where a ``set_state:a,b`` operation's arguments hold the flavor (None: it sets none)."""
+    if statement not in _flavor_positions:
+        columns = statement.split(":", 1)[1].split(",")
+        _flavor_positions[statement] = 3 + columns.index("flavor") if "flavor" in columns else None
+    return _flavor_positions[statement]
+
+
+def rows(book: Book, prior: dict[tuple[str, int], Facts]) -> list[tuple]:
+    """The batch's ledger rows: each end's facts from earlier batches (``prior``, by attempt),
+    then the batch's own."""
+    out = []
+    for end, facts, flavor_set in book.ended:
+        before = prior.get((end.job_id, end.attempt), Facts())
+        if (row := usage_row(before.after(facts, flavor_set=flavor_set), end)) is not None:
+            out.append(row)
+    return out

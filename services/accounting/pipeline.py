@@ -1,0 +1,98 @@
+"""Accounting's one ingest pipeline: the log's messages → the converter → a batch → the sink.
+
+The live projection (``__main__``), a catch-up replay and every writer of a rebuild
+(:mod:`.bulk.writers`) run the same steps; they differ only in where the batches come from
+(:func:`runtime.eventlog.read_batches`, following or up to an end) and in what they do around
+them (dead letters and traces live; the turn between writers in a rebuild).
+
+* :func:`convert`: each message parsed and converted (:func:`.projection.convert`) into an entry
+  (sequence, event id, operations). A poison message (not JSON, not a valid event) becomes an
+  entry without operations, so that the position still moves past it, and is returned with its
+  reason for the caller to record.
+* :func:`.sink.prepare` plans a batch without the database; :func:`.sink.apply_batch` applies
+  it and the position in one transaction.
+* :func:`run`: the steps over a reader's batches, one batch stored while the next is read and
+  converted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
+from runtime import eventlog, observability
+from schemas import Event
+from schemas.registry import parse_event
+from services.accounting import projection, sink
+
+
+@dataclass
+class Converted:
+    """A batch of messages converted: one entry per message, and the poison among them."""
+    entries: list[sink.Entry] = field(default_factory=list)
+    poison: list[tuple[Msg, str]] = field(default_factory=list)  # (message, reason)
+
+    @property
+    def last_sequence(self) -> int:
+        return self.entries[-1][0] if self.entries else 0
+
+
+def convert(msgs: Sequence[Msg], *, trace: str | None = None,
+            observe: Callable[[Event], None] | None = None) -> Converted:
+    """The converter over a batch. ``trace``: a span per message named ``f"{trace} {type}"``,
+    continuing the producer's trace from the headers (the live service); ``observe``: called
+    with each event converted."""
+    out = Converted()
+    for msg in msgs:
+        seq = eventlog.sequence(msg)
+        span = (observability.span_from_headers(f"{trace} {(msg.headers or {}).get('Gpusched-Type', 'event')}",
+                                                msg.headers, sequence=seq)
+                if trace else contextlib.nullcontext())
+        with span:
+            try:
+                event = parse_event(msg.data)
+            except (ValueError, ValidationError) as err:
+                out.poison.append((msg, f"cannot project: {err}"))
+                out.entries.append((seq, None, []))
+                continue
+            out.entries.append((seq, event.event_id, projection.convert(event, seq)))
+        if observe is not None:
+            observe(event)
+    return out
+
+
+async def run(batches: AsyncIterator[list[Msg]], store: Callable[[Converted], Awaitable[None]], *,
+              trace: str | None = None, observe: Callable[[Event], None] | None = None,
+              after: Callable[[Converted], None] | None = None) -> None:
+    """Convert each non-empty batch from the reader (``trace``, ``observe``: see :func:`convert`)
+    and store it, in order: a batch is stored while the next one is read and converted (one
+    store at a time; a failed store ends the run). ``after``: called with each batch once
+    stored."""
+    pending: asyncio.Task | None = None
+    try:
+        async for msgs in batches:
+            if not msgs:
+                continue
+            converted = convert(msgs, trace=trace, observe=observe)
+            if pending is not None:
+                await pending
+            pending = asyncio.create_task(_stored(store, converted, after))
+        if pending is not None:
+            task, pending = pending, None
+            await task
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+
+
+async def _stored(store: Callable[[Converted], Awaitable[None]], converted: Converted,
+                  after: Callable[[Converted], None] | None) -> None:
+    await store(converted)
+    if after is not None:
+        after(converted)

@@ -1,0 +1,92 @@
+"""The read models' write statements and the column layouts the sink and the bulk loader share.
+Every statement writes values an operation carries; none reads other rows."""
+
+from __future__ import annotations
+
+from services.accounting.ledger import USAGE_COLUMNS
+
+# Columns _state operations may set (the converter's vocabulary); anything else is a bug.
+STATE_COLUMNS = frozenset(
+    {"admitted_at", "reserved_at", "scheduled_at", "started_at", "finished_at", "attempt", "flavor",
+     "nodes", "reason", "message", "exit_code"}
+)
+
+TS_COLUMNS = ("admitted_at", "reserved_at", "scheduled_at", "started_at", "finished_at")
+JOB_COLUMNS: tuple[tuple[str, str], ...] = (
+    *((c, "timestamptz") for c in TS_COLUMNS),
+    ("attempt", "integer"), ("flavor", "text"), ("nodes", "text[]"), ("reason", "text"), ("message", "text"),
+    ("exit_code", "integer"),
+)
+assert {c for c, _ in JOB_COLUMNS} == STATE_COLUMNS
+
+# One statement for every change to a job row (state transitions and wait reasons): a flag and a
+# value per column, so that all of a batch's job updates go to Postgres in one pipelined
+# executemany, in log order.
+JOB_UPDATE = "UPDATE jobs SET state = coalesce($2, state), last_sequence = $3" + "".join(
+    f", {c} = CASE WHEN ${4 + 2 * i}::boolean THEN ${5 + 2 * i}::{t} ELSE {c} END"
+    for i, (c, t) in enumerate(JOB_COLUMNS)
+) + " WHERE job_id = $1"
+
+# The columns of a new job row: the spec's (from JobSubmitted), then the state and the columns
+# job updates set, so that a job submitted and changed in one batch is written once.
+JOB_SPEC_COLUMNS = ("job_id", "team", "project", "queue", "kind", "priority_class", "submitter", "gpus_per_node",
+                     "gang_size", "total_gpus", "submitted_at", "last_sequence", "cpu_millis", "memory_mib")
+JOB_INSERT_COLUMNS = (*JOB_SPEC_COLUMNS, "state", *(c for c, _ in JOB_COLUMNS))
+JOB_DEFAULTS = tuple(1 if c == "attempt" else None for c, _ in JOB_COLUMNS)  # the table's defaults
+JOB_LAST_SEQUENCE = JOB_SPEC_COLUMNS.index("last_sequence")
+
+SQL = {
+    # A new job row, with the state its later changes in the same batch give it (see _fold).
+    "job_submitted": "INSERT INTO jobs (" + ", ".join(JOB_INSERT_COLUMNS) + ") VALUES ("
+                     + ", ".join(f"${i + 1}" for i in range(len(JOB_INSERT_COLUMNS))) + ") ON CONFLICT (job_id) DO NOTHING",
+    "job_rejected": """
+        INSERT INTO jobs (job_id, state, reason, message, finished_at, last_sequence)
+        VALUES ($1, 'rejected', $2, $3, $4, $5)
+        ON CONFLICT (job_id) DO UPDATE SET state = 'rejected', reason = $2, message = $3,
+            finished_at = $4, last_sequence = $5""",
+    "job_update": JOB_UPDATE,
+    # An attempt's ledger row, computed by services.accounting.ledger; the first row of an attempt stands.
+    "usage": "INSERT INTO usage_ledger (" + ", ".join(USAGE_COLUMNS) + ") VALUES ("
+             + ", ".join(f"${i + 1}" for i in range(len(USAGE_COLUMNS))) + ") ON CONFLICT (job_id, attempt) DO NOTHING",
+    "attempt_queued": "INSERT INTO attempts (job_id, attempt, queued_at, sequence) VALUES ($1, $2, $3, $4) "
+                      "ON CONFLICT DO NOTHING",
+    "checkpoint": "INSERT INTO checkpoints (job_id, attempt, checkpointed_at, sequence) VALUES ($1, $2, $3, $4) "
+                  "ON CONFLICT DO NOTHING",
+    "node": """
+        INSERT INTO nodes (name, gpu_flavor, gpu_product, gpu_count, gpu_memory_mib, labels, unschedulable,
+                           last_sequence, lost)
+        VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7, $8, false)
+        ON CONFLICT (name) DO UPDATE SET gpu_flavor = $2, gpu_product = $3, gpu_count = $4,
+            gpu_memory_mib = $5, labels = $6::jsonb, unschedulable = $7, last_sequence = $8, lost = false""",
+    "reservation": """
+        INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence, released_at)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (job_id, attempt) DO NOTHING""",
+    "reservation_released": """
+        UPDATE reservations SET released_at = $3, sequence = $4 WHERE job_id = $1 AND attempt = $2
+            AND released_at IS NULL""",
+    "cohort": """
+        INSERT INTO cohorts (name, parent, last_sequence) VALUES ($1, $2, $3)
+        ON CONFLICT (name) DO UPDATE SET parent = $2, last_sequence = $3""",
+    "node_lost": "UPDATE nodes SET lost = true, last_sequence = $2 WHERE name = $1",
+    # One row per (node, GPU, window); the first report of a window stands.
+    "gpu_telemetry": """
+        INSERT INTO gpu_telemetry (node, gpu, window_start, window_end, utilization, memory_used_mib,
+                                   memory_total_mib, power_w, samples, allocated_samples, allocated_utilization,
+                                   sequence)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (node, gpu, window_start) DO NOTHING""",
+    "queue": """
+        INSERT INTO queues (name, cohort, config, last_sequence, deleted) VALUES ($1, $2, $3::jsonb, $4, false)
+        ON CONFLICT (name) DO UPDATE SET cohort = $2, config = $3::jsonb, last_sequence = $4, deleted = false""",
+    "queue_deleted": "UPDATE queues SET deleted = true, last_sequence = $2 WHERE name = $1",
+    "quota_history": "INSERT INTO quota_history (queue, owner, effective_from, quotas, sequence) "
+                     "VALUES ($1, $2, $3, $4::jsonb, $5) ON CONFLICT DO NOTHING",
+    "price_book": """
+        INSERT INTO price_books (name, effective_from, currency, gpu_prices, cpu_core_hour, memory_gib_hour,
+                                 idle_quota, sequence)
+        VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8) ON CONFLICT DO NOTHING""",
+    "statement": """
+        INSERT INTO statements (statement_id, period, group_by, checksum, first_sequence, last_sequence,
+                                total_cost, body, sequence)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9) ON CONFLICT (statement_id) DO NOTHING""",
+}
+
