@@ -13,7 +13,8 @@ nominal, both in weighted GPU units), so competing queues borrow in fair order.
 
 A cycle (``_cycle``) runs in numbered phases over a snapshot of usage (:class:`Snapshot`):
 heads, snapshot, reserve within nominal (pass 1), borrow in fair order (pass 2), then explain
-and reclaim. Each phase returns its events; the state changes only when the log returns them.
+and reclaim. Each phase returns its events; the usage in the state changes only when the log
+returns them.
 
 Every attempt that stays queued gets a structured reason with the numbers
 (QuotaPendingReasonChanged), throttled by :mod:`runtime.waits`. Victims of reclaim and of

@@ -10,8 +10,8 @@ The cycle (``decide``), over the state folded from the log, in numbered phases:
    *generation*), or a wake-up time that passed;
 2. snapshot (``_snapshot``): a copy-on-write view of the inventory with the decisions still on
    their way to the log charged; each placement of the cycle is charged there too, so later
-   heads see it. The state itself changes only when the log returns the decisions, so a refused
-   decision needs no undoing;
+   heads see it. The inventory folded from the log changes only when the log returns the
+   decisions, so a refused decision needs no undoing;
 3. fit (``_fit``): each head that did not already fail at the current generation is placed by the
    policy (:mod:`services.scheduler.placement`); a request shape that failed once fails for the
    rest of the cycle without another search;
@@ -199,7 +199,7 @@ class SchedulerCore:
 
     def decisions_refused(self) -> None:
         """Some decisions were not recorded: derive them again, looking at every group. The
-        state never held them (cycles decide against a snapshot), so there is nothing to undo."""
+        inventory never held them (cycles decide against a snapshot): nothing to undo."""
         self._awaiting.clear()
         for job in self.state.jobs.values():
             job.tried_generation = -1
@@ -433,9 +433,10 @@ class SchedulerCore:
     def _place(self, cycle: Cycle, job: SchedJob, placement: tuple[NodeAssignment, ...],
                now: datetime) -> JobScheduled:
         r = job.reservation
+        assert r is not None  # a head holds quota
         event = new_event(
             JobScheduled, aggregate_id=job.job_id, producer=PRODUCER, occurred_at=now, key=str(r.attempt),
-            cause=r, attempt=r.attempt, flavor=r.flavor, placement=placement,  # type: ignore[union-attr]
+            cause=r, attempt=r.attempt, flavor=r.flavor, placement=placement,
         )
         self._awaiting[job.job_id] = event
         self._charge(cycle.inventory, job, event, +1)
