@@ -219,12 +219,12 @@ def job(job_id: str, output: Output = OutputOpt) -> None:
 @app.command()
 def events(job_id: str, output: Output = OutputOpt) -> None:
     """A job's history from the event log."""
-    history = run(with_js(lambda js: history.job_events(js, job_id)))
+    log = run(with_js(lambda js: history.job_events(js, job_id)))
     if output == Output.json:
-        emit([{"sequence": s, **e.model_dump(mode="json")} for s, e in history], output)
+        emit([{"sequence": s, **e.model_dump(mode="json")} for s, e in log], output)
         return
     rows = []
-    for seq, e in history:
+    for seq, e in log:
         detail = {k: v for k, v in e.model_dump(mode="json").items()
                   if k not in ("event_id", "type", "schema_version", "aggregate_id", "occurred_at",
                                "producer", "causation_id", "correlation_id", "spec")}
