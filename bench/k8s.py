@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from schemas import JobStarted, JobSucceeded
 from services.executor.k8s_model import L_JOB, SELECTOR, JobOptions, job_manifests
 from services.executor.kubernetes import KubernetesBackend
-from services.executor.lifecycle import BackendCore, Workload
+from services.executor.lifecycle import BackendCore, Workload, reconcile
 from services.executor.service import reconcile_once
 from schemas.job import NodeAssignment
 from tests.executor.controlplane import cluster
@@ -112,7 +112,7 @@ def main() -> None:
             core.evolve(b.submitted(j, jspec, when=now))
             core.evolve(b.scheduled(j, {f"kwok-gpu-{i % 2}": (0,)}, when=now))
         t = time.perf_counter()
-        result = backend.sync(core.plan())
+        result = reconcile(backend, core.plan(), datetime.now(UTC))
         exec_rate = result.created / (time.perf_counter() - t)
         started_at: dict[str, float] = {}
         done_at: dict[str, float] = {}

@@ -220,8 +220,7 @@ class Platform:
         raise RuntimeError(f"the cores are still deciding at {now.isoformat()} after {max_rounds} rounds")
 
     def next_end(self) -> datetime | None:
-        ends = self.executor.state.ends
-        return ends[0][0] if ends else None
+        return self.executor.next_end()
 
 
 def _spec(task: Task, runtime: float | None) -> JobSpec:

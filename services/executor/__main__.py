@@ -1,11 +1,13 @@
 """Executor adapter. ``GPUSCHED_EXECUTOR_BACKEND`` picks the backend:
 
-* ``sim``: a pure core run by the shared decision loop (virtual nodes, declared runtimes);
+* ``sim``: virtual nodes, declared runtimes;
 * ``kubernetes``: batch/v1 Jobs on a cluster (in-cluster config or KUBECONFIG);
 * ``local``: processes on this host, GPUs from NVML (CPU-only when there are none).
 
-The last two share :class:`services.executor.lifecycle.BackendCore` and
-:class:`services.executor.service.ExecutorService`; see docs/executor.md.
+All three are driven by :class:`services.executor.lifecycle.BackendCore`. The sim backend is
+pure, so the core reconciles it in-line on every decision (:class:`~services.executor.sim.SimExecutorCore`
+in the shared decision loop); the other two are reconciled beside the loop
+(:class:`services.executor.service.ExecutorService`). See docs/executor.md.
 """
 
 from __future__ import annotations

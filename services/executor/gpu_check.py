@@ -45,6 +45,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="gpusched-gpu-check-"))
     try:
         backend = LocalBackend(root, node_name="gpu-check", telemetry_s=1, nvml=nvml)
+        backend.start()
         core = BackendCore()
         script = "echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES; nvidia-smi -L || true"
         core.evolve(b.submitted("gpu-check", b.spec(gpus=1, command=("sh", "-c", script))))

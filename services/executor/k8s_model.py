@@ -1,5 +1,5 @@
-"""The Kubernetes backend's pure parts: Job manifests from a workload, an attempt's status from
-its Jobs and Pods, NodeInfo from a Node. Everything here works on plain JSON dicts (the API's
+"""The Kubernetes backend's pure parts: Job manifests from a workload, a gang member's status from
+its Job and Pods, NodeInfo from a Node. Everything here works on plain JSON dicts (the API's
 camelCase wire form), so it is tested table-driven without a cluster.
 
 Gangs run as **one Job per node slice** (``<job>-a<attempt>-m<member>``), each pinned to its
@@ -17,7 +17,8 @@ from datetime import datetime
 
 from schemas import FailureReason
 from schemas.node import NodeInfo
-from services.executor.lifecycle import Observation, Phase, Workload, workload_name
+from services.executor.gang import MemberStatus
+from services.executor.lifecycle import Phase, Workload, flavor_of, workload_name
 
 GPU_RESOURCE = "nvidia.com/gpu"
 LABEL_PREFIX = "gpusched.io/"
@@ -127,16 +128,6 @@ def job_manifests(w: Workload, opts: JobOptions) -> list[dict]:
 
 # -- status ------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class MemberStatus:
-    phase: Phase  # PENDING, RUNNING, SUCCEEDED or FAILED
-    at: datetime | None = None
-    started_at: datetime | None = None
-    reason: FailureReason | None = None
-    exit_code: int | None = None
-    message: str = ""
-
-
 def parse_time(value) -> datetime | None:
     if value is None or isinstance(value, datetime):
         return value
@@ -238,57 +229,6 @@ def member_status(job: dict, pods: list[dict]) -> MemberStatus:
     return ps
 
 
-def attempt_observation(job_id: str, attempt: int, members: list[MemberStatus | None], *, seen: list[bool],
-                        started_in_log: bool, stopping: bool, now: datetime) -> Observation | None:
-    """The attempt's status from its members' (None: that member's Job does not exist).
-
-    * every member's Job missing: GONE when this process saw one before, when it is being
-      stopped, or when the log says it started (it vanished while the executor was down);
-      otherwise None (never created yet: create it);
-    * a member seen before and now missing: FAILED (someone deleted it);
-    * any member FAILED: FAILED, with the earliest failure;
-    * every member SUCCEEDED: SUCCEEDED at the last finish;
-    * every member RUNNING or SUCCEEDED: RUNNING (the whole gang runs) at the last start;
-    * else PENDING.
-    """
-    obs = _aggregate(job_id, attempt, members, seen=seen, started_in_log=started_in_log, stopping=stopping, now=now)
-    if stopping and obs is not None and obs.phase in (Phase.SUCCEEDED, Phase.FAILED, Phase.GONE):
-        # A stopped attempt ends when the executor sees it end (not when the Job controller first
-        # called it failed, which is when the Pod's termination began).
-        obs = Observation(obs.job_id, obs.attempt, obs.phase, max(now, obs.at), started_at=obs.started_at,
-                          reason=obs.reason, exit_code=obs.exit_code, message=obs.message)
-    return obs
-
-
-def _aggregate(job_id: str, attempt: int, members: list[MemberStatus | None], *, seen: list[bool],
-               started_in_log: bool, stopping: bool, now: datetime) -> Observation | None:
-    if all(m is None for m in members):
-        if any(seen) or stopping or started_in_log:
-            return Observation(job_id, attempt, Phase.GONE, now, message="its Kubernetes Jobs are gone")
-        return None
-    for i, m in enumerate(members):
-        if m is None and seen[i]:
-            return Observation(job_id, attempt, Phase.FAILED, now, reason=FailureReason.BACKEND_ERROR,
-                               message=f"gang member Job {workload_name(job_id, attempt, i)} was deleted")
-    present = [m for m in members if m is not None]
-    starts = [m.started_at for m in present if m.started_at is not None]
-    first_start = min(starts) if starts else None
-    failed = [m for m in present if m.phase == Phase.FAILED]
-    if failed:
-        f = min(failed, key=lambda m: m.at or now)
-        return Observation(job_id, attempt, Phase.FAILED, f.at or now, started_at=first_start, reason=f.reason,
-                           exit_code=f.exit_code, message=f.message)
-    if len(present) < len(members):
-        return Observation(job_id, attempt, Phase.PENDING, now)
-    if all(m.phase == Phase.SUCCEEDED for m in present):
-        return Observation(job_id, attempt, Phase.SUCCEEDED, max(m.at or now for m in present),
-                           started_at=first_start, exit_code=0)
-    if all(m.phase in (Phase.RUNNING, Phase.SUCCEEDED) for m in present):
-        gang_start = max((m.started_at or now) for m in present)
-        return Observation(job_id, attempt, Phase.RUNNING, gang_start, started_at=gang_start)
-    return Observation(job_id, attempt, Phase.PENDING, now)
-
-
 # -- nodes -------------------------------------------------------------------------------------
 
 def _quantity_mib(q: str | None) -> int:
@@ -306,14 +246,6 @@ def _quantity_millis(q: str | None) -> int:
     if not q:
         return 0
     return int(q[:-1]) if q.endswith("m") else int(float(q) * 1000)
-
-
-def flavor_of(product: str | None) -> str | None:
-    """A flavor name from a GFD product label: NVIDIA-A100-SXM4-80GB -> a100-sxm4-80gb."""
-    if not product:
-        return None
-    name = re.sub(r"[^a-z0-9]+", "-", product.lower().removeprefix("nvidia-").removeprefix("nvidia")).strip("-")
-    return name[:63].rstrip("-") or None
 
 
 def node_info(node: dict) -> NodeInfo:

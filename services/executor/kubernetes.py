@@ -1,17 +1,17 @@
-"""The Kubernetes backend's adapter: the I/O around :mod:`services.executor.lifecycle` (what
-should exist) and :mod:`services.executor.k8s_model` (manifests and status classification).
+"""The Kubernetes backend: the :class:`~services.executor.lifecycle.Backend` port over the
+Kubernetes API, around :mod:`services.executor.k8s_model` (manifests and status classification).
 
 * Three caches (Jobs and Pods with the executor's label, all Nodes), each a list then a watch
   from the list's resourceVersion, in its own thread. A watch that ends is resumed from the last
   resourceVersion it saw; ``410 Gone`` (expired resourceVersion) relists; every ``resync_s`` the
   cache is relisted anyway, so a missed event cannot keep it wrong; API errors back off
   exponentially (0.5 s doubling to 30 s).
-* :meth:`KubernetesBackend.sync` is called by the service loop with the core's plan: it creates
-  the member Jobs that are missing (``409 AlreadyExists`` means a Job of that deterministic name
-  exists: adopt it), stops what must stop (each Pod deleted with ``gracePeriodSeconds`` = the
-  checkpoint window, so the container gets SIGTERM and that long to checkpoint; then the Job),
-  deletes orphans (managed Jobs still active whose attempt the log does not hold live), and
-  classifies every live attempt from the caches into an Observation.
+* With the core's plan, a reconcile pass creates the member Jobs that are missing
+  (``409 AlreadyExists`` means a Job of that deterministic name exists: adopt it), stops what
+  must stop (each Pod deleted with ``gracePeriodSeconds`` = the checkpoint window, so the
+  container gets SIGTERM and that long to checkpoint; then the Job), deletes orphans (managed
+  Jobs still active whose attempt the log does not hold live), and classifies every live attempt
+  from the caches into an Observation.
 """
 
 from __future__ import annotations
@@ -23,31 +23,26 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 
+from schemas import FailureReason
+from schemas.node import NodeInfo
+from services.executor.gang import MemberStatus, attempt_observation
 from services.executor.k8s_model import (
     L_ATTEMPT,
     L_JOB,
     L_MEMBER,
     SELECTOR,
     JobOptions,
-    MemberStatus,
-    attempt_observation,
     job_manifests,
     member_status,
     node_info,
 )
-from services.executor.lifecycle import Observation, Phase, Plan, workload_name
-from schemas.node import NodeInfo
+from services.executor.lifecycle import Observation, Phase, Plan, TelemetryReport, workload_name
 
 log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
 
 
 class Cache:
@@ -179,15 +174,6 @@ def _key(obj: dict) -> str:
     return f"{m.get('namespace', '')}/{m.get('name')}"
 
 
-@dataclass
-class SyncResult:
-    observations: list[Observation] = field(default_factory=list)
-    inventory: list[NodeInfo] | None = None  # None: not listed yet
-    telemetry: list = field(default_factory=list)  # TelemetryReports (local backend; none here: DCGM's job)
-    created: int = 0
-    deleted: int = 0
-
-
 class KubernetesBackend:
     """Creates, watches and stops the Jobs of the attempts the core plans."""
 
@@ -234,31 +220,46 @@ class KubernetesBackend:
     def synced(self) -> bool:
         return all(c.synced.is_set() for c in (self.jobs, self.pods, self.nodes))
 
-    # -- one reconcile pass ---------------------------------------------------------------------
-    def sync(self, plan: Plan, now: datetime | None = None) -> SyncResult:
-        now = now or _now()
-        out = SyncResult()
+    # -- the Backend port -----------------------------------------------------------------------
+    def inventory(self) -> list[NodeInfo] | None:
         if not self.synced():
-            return out
-        out.inventory = [node_info(n) for n in self.nodes.items()]
-        by_attempt, pods_by_job = self._snapshot()
-        api_ok = time.monotonic() >= self._retry_at
+            return None
+        return [node_info(n) for n in self.nodes.items()]
+
+    def create(self, plan: Plan, now: datetime) -> int:
+        if time.monotonic() < self._retry_at:
+            return 0
+        by_attempt, _ = self._snapshot()
         try:
-            if api_ok:
-                out.created += self._create_missing(plan, by_attempt, out)
-                out.deleted += self._stop_all(plan, by_attempt, pods_by_job)
-                out.deleted += self._delete_orphans(plan, by_attempt, pods_by_job)
-            self._backoff = BACKOFF_MIN_S
-        except Exception as err:  # 5xx, 429, a refused delete (RBAC), connection errors
-            # Creates the API refuses are per attempt (_create_missing); anything else: wait and
-            # retry the whole pass, still classifying what the caches show meanwhile.
+            return self._create_missing(plan, by_attempt, now)
+        except Exception as err:  # 5xx, 429, connection errors (what the API refuses is per attempt)
             self._api_backoff(err)
-        by_attempt, pods_by_job = self._snapshot()  # again: with what this pass created
+            return 0
+
+    def stop(self, plan: Plan, now: datetime) -> int:
+        if time.monotonic() < self._retry_at:
+            return 0  # create failed in this pass, or the backoff since an earlier one runs
+        by_attempt, pods_by_job = self._snapshot()
+        try:
+            deleted = self._stop_all(plan, by_attempt, pods_by_job)
+            if plan.complete:
+                deleted += self._delete_orphans(plan, by_attempt, pods_by_job)
+        except Exception as err:  # 5xx, 429, a refused delete (RBAC), connection errors
+            self._api_backoff(err)
+            return 0
+        self._backoff = BACKOFF_MIN_S  # the pass got through
+        return deleted
+
+    def observe(self, plan: Plan, now: datetime) -> tuple[list[Observation], list[TelemetryReport]]:
+        """Every attempt of the plan classified from the caches. No telemetry: GPU utilization on
+        Kubernetes is the job of NVIDIA's DCGM exporter on the nodes."""
+        by_attempt, pods_by_job = self._snapshot()
         stopping = {(s.workload.job_id, s.workload.attempt) for s in plan.stop}
-        for w in [*plan.run, *(s.workload for s in plan.stop)]:
+        observations: list[Observation] = []
+        for w in plan.workloads:
             k = (w.job_id, w.attempt)
             if k in self._failed_create:
-                out.observations.append(self._failed_create[k])
+                observations.append(self._failed_create[k])
                 continue
             members_jobs = by_attempt.get(k, {})
             members: list[MemberStatus | None] = []
@@ -268,17 +269,17 @@ class KubernetesBackend:
                 job = members_jobs.get(i)
                 seen.append(name in self._seen)
                 members.append(member_status(job, pods_by_job.get(name, [])) if job is not None else None)
-            obs = attempt_observation(w.job_id, w.attempt, members, seen=seen, started_in_log=k in plan.started,
+            obs = attempt_observation(w.job_id, w.attempt, members, seen=seen, started_in_log=w.started_at is not None,
                                       stopping=k in stopping, now=now)
             if obs is not None:
-                out.observations.append(obs)
-        self._prune(plan)
-        return out
+                observations.append(obs)
+        if plan.complete:
+            self._prune(plan)
+        return observations, []
 
     def _prune(self, plan: Plan) -> None:
         """Forget what concerns attempts the log no longer holds live (bounded memory)."""
-        live = {workload_name(w.job_id, w.attempt, i) for w in [*plan.run, *(s.workload for s in plan.stop)]
-                for i in range(len(w.placement))}
+        live = {workload_name(w.job_id, w.attempt, i) for w in plan.workloads for i in range(len(w.placement))}
         self._seen &= live
         self._failed_create = {k: v for k, v in self._failed_create.items() if k in plan.keep}
         pods = {_key(p) for p in self.pods.items()}
@@ -308,7 +309,7 @@ class KubernetesBackend:
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
 
-    def _create_missing(self, plan: Plan, by_attempt, out: SyncResult) -> int:
+    def _create_missing(self, plan: Plan, by_attempt, now: datetime) -> int:
         from kubernetes.client.exceptions import ApiException
 
         created = 0
@@ -333,10 +334,8 @@ class KubernetesBackend:
                         continue  # AlreadyExists: the watch brings it; adopt, never recreate
                     if err.status in (400, 403, 404, 422):
                         msg = _api_message(err)
-                        from schemas import FailureReason
-
                         self._failed_create[k] = Observation(
-                            w.job_id, w.attempt, Phase.FAILED, _now(), reason=FailureReason.BACKEND_ERROR,
+                            w.job_id, w.attempt, Phase.FAILED, now, reason=FailureReason.BACKEND_ERROR,
                             message=f"creating Job {ns}/{name} was refused ({err.status}): {msg}")
                         log.error("Job refused by the API", extra={"job": w.job_id, "attempt": w.attempt,
                                                                    "status": err.status, "error": msg})

@@ -1,25 +1,33 @@
-"""The pure core every real executor backend (kubernetes, local) shares.
+"""The executor's core: one lifecycle for every backend (sim, local, kubernetes), and the port
+(:class:`Backend`) those backends implement.
 
-It knows two things and does no I/O:
+The core (:class:`BackendCore`) knows two things and does no I/O:
 
 * what the log says: which attempt of which job is live, which must stop (cancel, reclaim,
   preemption, with their checkpoint windows), which outcomes are already recorded;
 * what the backend last reported: one :class:`Observation` per attempt (pending, running,
-  succeeded, failed, gone) and the node inventory, fed in by the adapter through
-  :meth:`BackendCore.observe` and :meth:`BackendCore.observe_inventory`.
+  succeeded, failed, gone), the node inventory and closed telemetry windows, folded in from a
+  :class:`SyncResult` by :meth:`BackendCore.apply`.
 
 From those it derives
 
 * the events that follow (:meth:`BackendCore.decide`): JobStarted once the whole gang runs,
   JobSucceeded, JobFailed with the classified reason and whether the job's retry policy retries
   it, JobPreempted / JobCancelled once the stopped attempt is gone, NodeRegistered / NodeUpdated /
-  NodeLost, and JobFailed(node-lost) for attempts on a lost node, and NodeTelemetryReported for
-  each telemetry window the backend closed (:meth:`BackendCore.observe_telemetry`), until it is
-  in the log;
-* the backend actions (:meth:`BackendCore.plan`): which workloads must exist (created under a
-  deterministic name, so a restarted executor adopts what it finds instead of creating it twice),
-  which must be stopped and with what grace period, and which the backend holds that the log does
-  not want (orphans).
+  NodeLost, JobFailed(node-lost) for attempts on a lost node, and NodeTelemetryReported for each
+  closed telemetry window, until it is in the log;
+* the backend actions (:meth:`BackendCore.plan`, or :meth:`BackendCore.changes` for what changed
+  since the last call): which workloads must exist (created under a deterministic name, so a
+  restarted executor adopts what it finds instead of creating it twice), which must be stopped
+  and with what grace period, and which the backend holds that the log does not want (orphans).
+
+One reconcile pass (:func:`reconcile`) hands a plan to a backend through the port (inventory,
+create, stop, observe) and returns what it saw. Backends with I/O (local, kubernetes) are
+reconciled in a worker thread every few seconds (:mod:`services.executor.service`); the sim backend
+is pure and is reconciled in-line on every decision (:mod:`services.executor.sim`).
+
+Decisions are incremental: only jobs that an event or an observation touched are looked at
+again, so a decision cycle costs what changed, not the size of the log.
 
 Event ids are derived from (job, attempt) only, and timestamps from what the backend reported
 (e.g. a Pod's start and finish times), so an executor that restarts and observes the same world
@@ -29,10 +37,12 @@ derives the same events with the same ids, and JetStream drops the repeats.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
+from typing import Protocol
 
 from schemas import (
     Event,
@@ -58,9 +68,12 @@ from schemas import (
 from schemas.job import NodeAssignment
 from schemas.node import GpuTelemetry, NodeInfo
 
+log = logging.getLogger(__name__)
+
 PRODUCER = "executor"
 NAME_MAX = 63  # a Job's name ends up in a label value on its Pods
 MAX_PENDING_REPORTS = 1000  # telemetry not yet in the log (NATS away); the oldest are dropped beyond
+NODE_GONE = "the node is gone from the cluster"
 
 
 class Phase(StrEnum):
@@ -69,6 +82,12 @@ class Phase(StrEnum):
     SUCCEEDED = "succeeded"  # every gang member exited 0
     FAILED = "failed"  # a member failed (the observation says why)
     GONE = "gone"  # the backend holds nothing for the attempt any more
+
+
+# How far along an attempt is: an observation never moves it back (a stale watch event), and the
+# first terminal one is final (what a backend reports after the end does not change the outcome).
+_RANK = {Phase.PENDING: 0, Phase.RUNNING: 1, Phase.SUCCEEDED: 2, Phase.FAILED: 2, Phase.GONE: 3}
+_TERMINAL = frozenset({Phase.SUCCEEDED, Phase.FAILED, Phase.GONE})
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,16 @@ def workload_name(job_id: str, attempt: int, member: int | None = None) -> str:
     return re.sub(r"[^a-z0-9-]", "-", f"{base}{suffix}")
 
 
+def flavor_of(product: str | None) -> str | None:
+    """The flavor a GPU product makes, the same for every backend (a GFD product label, an NVML
+    device name): NVIDIA-A100-SXM4-80GB -> a100-sxm4-80gb."""
+    if not product:
+        return None
+    name = re.sub(r"[^a-z0-9]+", "-", product.lower().removeprefix("nvidia-").removeprefix("nvidia")).strip("-")
+    return name[:63].rstrip("-") or None
+
+
+
 @dataclass(frozen=True)
 class TelemetryReport:
     """A telemetry window the backend closed: the payload of one NodeTelemetryReported."""
@@ -118,6 +147,7 @@ class Workload:
     placement: tuple[NodeAssignment, ...]
     priority: int | None = None
     resume: bool = False  # an earlier attempt ran: the job should resume from its checkpoint
+    started_at: datetime | None = None  # when the log says this attempt started; None: not yet
 
     @property
     def name(self) -> str:
@@ -137,8 +167,68 @@ class Stop:
 class Plan:
     run: tuple[Workload, ...]  # must exist (create if missing, adopt if present)
     stop: tuple[Stop, ...]  # must be stopped gracefully
-    keep: frozenset[tuple[str, int]]  # (job, attempt) the log still cares about; others are orphans
-    started: frozenset[tuple[str, int]] = frozenset()  # attempts the log says started
+    keep: frozenset[tuple[str, int]]  # (job, attempt) the log still cares about
+    # Complete: ``keep`` names every attempt the log holds live, so anything else the backend
+    # holds is an orphan. A partial plan (:meth:`BackendCore.changes`) judges no orphans.
+    complete: bool = True
+
+    @property
+    def workloads(self) -> tuple[Workload, ...]:
+        """Every attempt the plan names: those to run, then those to stop."""
+        return self.run + tuple(s.workload for s in self.stop)
+
+
+@dataclass
+class SyncResult:
+    """What one reconcile pass saw; the core folds it in with :meth:`BackendCore.apply`."""
+
+    observations: list[Observation] = field(default_factory=list)
+    inventory: list[NodeInfo] | None = None  # None: the backend has not listed its nodes yet
+    telemetry: list[TelemetryReport] = field(default_factory=list)
+    created: int = 0
+    deleted: int = 0
+
+
+class Backend(Protocol):
+    """The port every backend implements (sim, local, kubernetes). A reconcile pass calls
+    inventory, create, stop and observe in that order, with the core's plan and the time of the
+    pass; the backend acts and looks, and decides nothing."""
+
+    def start(self) -> None:
+        """Begin watching (threads, caches); called once before the first pass."""
+
+    def close(self) -> None:
+        """Stop watching. What runs keeps running: a restarted executor adopts it."""
+
+    def inventory(self) -> list[NodeInfo] | None:
+        """The nodes as the backend sees them; None until it has listed them once (a pass then
+        does nothing). While nothing changed it may return the same list object, which the core
+        then does not compare again."""
+
+    def create(self, plan: Plan, now: datetime) -> int:
+        """Make every workload of ``plan.run`` exist under its deterministic name: create what is
+        missing, adopt what exists, never create one twice. Returns how many were created."""
+
+    def stop(self, plan: Plan, now: datetime) -> int:
+        """Stop every attempt of ``plan.stop`` with its grace period (SIGTERM, ``grace_seconds``
+        to checkpoint, then kill); for a complete plan, also stop what the backend holds that
+        ``plan.keep`` does not name (orphans). Returns how many stop requests were made."""
+
+    def observe(self, plan: Plan, now: datetime) -> tuple[list[Observation], list[TelemetryReport]]:
+        """What became of the plan's attempts, one Observation each (a backend that tracks its
+        own changes may report only what changed since its last call), and the telemetry windows
+        closed since the last call."""
+
+
+def reconcile(backend: Backend, plan: Plan, now: datetime) -> SyncResult:
+    """One pass: the backend acts on ``plan`` and reports what it sees."""
+    inventory = backend.inventory()
+    if inventory is None:
+        return SyncResult()  # not listed yet: judging orphans or lost nodes would be premature
+    created = backend.create(plan, now)
+    deleted = backend.stop(plan, now)
+    observations, telemetry = backend.observe(plan, now)
+    return SyncResult(observations, inventory, telemetry, created, deleted)
 
 
 @dataclass
@@ -164,16 +254,23 @@ class _State:
     jobs: dict[str, _Job] = field(default_factory=dict)
     nodes: dict[str, NodeInfo] = field(default_factory=dict)  # as the log has them
     registrations: dict[str, int] = field(default_factory=dict)
-    observed: dict[tuple[str, int], Observation] = field(default_factory=dict)
+    observed: dict[tuple[str, int], Observation] = field(default_factory=dict)  # live attempts only
     inventory: dict[str, NodeInfo] | None = None  # as the backend reports them; None: not listed yet
     telemetry: dict[str, NodeTelemetryReported] = field(default_factory=dict)  # by event id, not yet in the log
+    live: dict[str, None] = field(default_factory=dict)  # jobs with a live attempt
+    due: dict[str, None] = field(default_factory=dict)  # jobs whose next event may have changed, in that order
+    changed: dict[str, None] = field(default_factory=dict)  # jobs whose plan entry may have changed
 
 
 class BackendCore:
-    """A :class:`runtime.loop.Core` for backends whose outcomes come from the outside world."""
+    """A :class:`runtime.loop.Core` deciding what happened from the log and a backend's
+    observations. ``node_lost_reason`` is what NodeLost says when a node leaves the inventory."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, node_lost_reason: str = NODE_GONE) -> None:
         self.state = _State()
+        self.node_lost_reason = node_lost_reason
+        self._inventory_dirty = False  # the inventory decisions must be compared again
+        self._inventory_list: list[NodeInfo] | None = None  # the list last observed, as given
 
     # -- inputs ------------------------------------------------------------------------------
     def evolve(self, event: Event) -> None:
@@ -183,66 +280,104 @@ class BackendCore:
                 s.nodes[event.node.name] = event.node
                 if isinstance(event, NodeRegistered):
                     s.registrations[event.node.name] = s.registrations.get(event.node.name, 0) + 1
+                self._inventory_dirty = True
                 return
             case NodeTelemetryReported():
                 s.telemetry.pop(event.event_id, None)
                 return
             case NodeLost():
                 s.nodes.pop(event.name, None)
-                for job in s.jobs.values():
-                    a = job.attempt
-                    if a is not None and a.failed_on_node is None and any(p.node == event.name for p in a.scheduled.placement):
+                self._inventory_dirty = True
+                for job_id in s.live:
+                    a = s.jobs[job_id].attempt
+                    if a.failed_on_node is None and any(p.node == event.name for p in a.scheduled.placement):
                         a.failed_on_node = event.name
+                        self._touch(job_id)
                 return
             case JobSubmitted():
                 s.jobs.setdefault(event.aggregate_id, _Job(spec=event.spec))
                 return
-        job = s.jobs.get(event.aggregate_id)
+        job_id = event.aggregate_id
+        job = s.jobs.get(job_id)
         if job is None:
             return
         a = job.attempt
         match event:
             case JobAdmitted():
                 job.priority = event.priority
+                return
             case JobScheduled():
                 if a is not None:
-                    self._forget(event.aggregate_id, a.scheduled.attempt)
-                job.attempt = _Attempt(event)
+                    self._end_attempt(job_id, job)
+                job.attempt = _Attempt(event, failed_on_node=self._lost_node(event.placement))
+                s.live[job_id] = None
+                self._touch(job_id)
             case JobStarted():
                 if a is not None and a.scheduled.attempt == event.attempt:
                     a.started = event
                     job.ran_before = True
+                    s.due[job_id] = None
             case JobSucceeded() | JobFailed() | JobPreempted():
                 if a is not None and a.scheduled.attempt == event.attempt:
-                    job.attempt = None
+                    self._end_attempt(job_id, job)
                 if isinstance(event, JobSucceeded):
                     job.finished = True
+                s.due[job_id] = None
             case JobCancelled():
-                job.attempt = None
+                if a is not None:
+                    self._end_attempt(job_id, job)
                 job.finished = True
+                s.due[job_id] = None
             case ReclaimRequested() | PreemptionRequested():
                 if a is not None and a.scheduled.attempt == event.attempt and a.stop is None:
                     a.stop = event
+                    self._touch(job_id)
             case JobCancelRequested():
                 if job.cancel is None:
                     job.cancel = event
+                    self._touch(job_id)
 
-    def _forget(self, job_id: str, attempt: int) -> None:
-        self.state.observed.pop((job_id, attempt), None)
+    def _touch(self, job_id: str) -> None:
+        """The job's next event and its plan entry may have changed. (Events that only end an
+        attempt or record its start change no entry a backend must act on: it saw that itself.)"""
+        self.state.due[job_id] = None
+        self.state.changed[job_id] = None
+
+    def _end_attempt(self, job_id: str, job: _Job) -> None:
+        self.state.observed.pop((job_id, job.attempt.scheduled.attempt), None)
+        self.state.live.pop(job_id, None)
+        job.attempt = None
+
+    def _lost_node(self, placement: tuple[NodeAssignment, ...]) -> str | None:
+        """A placement node the log registered and then lost (the scheduler decided before it
+        saw the NodeLost): the attempt cannot run there."""
+        s = self.state
+        return next((p.node for p in placement if p.node not in s.nodes and p.node in s.registrations), None)
 
     def observe(self, obs: Observation) -> None:
-        """The backend's latest word on one attempt (the adapter calls this from its watches)."""
-        job = self.state.jobs.get(obs.job_id)
+        """The backend's latest word on one attempt."""
+        s = self.state
+        job = s.jobs.get(obs.job_id)
         if job is None or job.attempt is None or job.attempt.scheduled.attempt != obs.attempt:
             return  # not live in the log: the plan treats it as an orphan
-        prev = self.state.observed.get((obs.job_id, obs.attempt))
-        if prev is not None and _rank(prev.phase) > _rank(obs.phase) and obs.phase != Phase.GONE:
-            return  # a stale watch event must not move an attempt backwards
-        self.state.observed[(obs.job_id, obs.attempt)] = obs
+        key = (obs.job_id, obs.attempt)
+        prev = s.observed.get(key)
+        if prev is not None and (prev == obs or prev.phase in _TERMINAL or _RANK[obs.phase] < _RANK[prev.phase]):
+            return
+        s.observed[key] = obs
+        s.due[obs.job_id] = None
+        if obs.phase == Phase.FAILED:
+            s.changed[obs.job_id] = None  # the plan stops what is left of it (the rest of a gang)
 
     def observe_inventory(self, nodes: list[NodeInfo]) -> None:
-        """The backend's full node list (after a list or any node watch event)."""
-        self.state.inventory = {n.name: n for n in nodes}
+        """The backend's full node list."""
+        if nodes is self._inventory_list:
+            return
+        self._inventory_list = nodes
+        inventory = {n.name: n for n in nodes}
+        if inventory != self.state.inventory:
+            self.state.inventory = inventory
+            self._inventory_dirty = True
 
     def observe_telemetry(self, report: TelemetryReport) -> None:
         """A closed telemetry window; decided as NodeTelemetryReported (id from node and window
@@ -256,46 +391,87 @@ class BackendCore:
         while len(pending) > MAX_PENDING_REPORTS:
             del pending[next(iter(pending))]
 
+    def apply(self, result: SyncResult) -> None:
+        """Fold in what a reconcile pass saw."""
+        if result.inventory is not None:
+            self.observe_inventory(result.inventory)
+        for obs in result.observations:
+            self.observe(obs)
+        for report in result.telemetry:
+            try:
+                self.observe_telemetry(report)
+            except ValueError as err:  # a report the contract refuses: drop it, keep running
+                log.warning("telemetry report dropped", extra={"node": report.node, "error": str(err)})
+
     def decisions_refused(self) -> None:
-        """Everything is re-derived from state on each cycle."""
+        """Whatever was decided and not recorded is derived again on the next cycle."""
+        s = self.state
+        self._inventory_dirty = True
+        for job_id, job in s.jobs.items():
+            if job.attempt is not None or (job.cancel is not None and not job.finished):
+                s.due[job_id] = None
 
     # -- outputs -----------------------------------------------------------------------------
     def decide(self, now: datetime) -> list[Event]:
-        out = self._inventory(now)
-        out.extend(self.state.telemetry.values())  # after the node's own inventory events
-        for job_id, job in self.state.jobs.items():
-            if (event := self._next(job_id, job, now)) is not None:
-                out.append(event)
+        s = self.state
+        out: list[Event] = []
+        if self._inventory_dirty:
+            out = self._inventory(now)
+            self._inventory_dirty = bool(out)  # compared again until the log agrees
+        if s.telemetry:
+            out.extend(s.telemetry.values())  # after the node's own inventory events
+        if s.due:
+            due, s.due = s.due, {}
+            for job_id in due:
+                if (event := self._next(job_id, s.jobs[job_id], now)) is not None:
+                    out.append(event)
+                    s.due[job_id] = None  # until the log has it
         return out
 
     def plan(self) -> Plan:
+        """Every live attempt's entry: a complete plan."""
+        return self._plan(self.state.live, complete=True)
+
+    def changes(self) -> Plan:
+        """The entries that changed since the last call (a new attempt to run, a stop): a partial
+        plan, for a backend that remembers what it was told and reports its own changes (the
+        sim)."""
+        s = self.state
+        if not s.changed:
+            return _NO_CHANGES
+        changed, s.changed = s.changed, {}
+        return self._plan([j for j in changed if j in s.live], complete=False)
+
+    def _plan(self, job_ids, complete: bool) -> Plan:
         run: list[Workload] = []
         stop: list[Stop] = []
         keep: set[tuple[str, int]] = set()
-        started: set[tuple[str, int]] = set()
-        for job_id, job in self.state.jobs.items():
+        for job_id in job_ids:
+            job = self.state.jobs[job_id]
             a = job.attempt
-            if a is None:
-                continue
             n = a.scheduled.attempt
             keep.add((job_id, n))
-            if a.started is not None:
-                started.add((job_id, n))
-            w = Workload(job_id=job_id, attempt=n, spec=job.spec, flavor=a.scheduled.flavor,
-                         placement=a.scheduled.placement, priority=job.priority,
-                         resume=n > 1 and job.ran_before)
             obs = self.state.observed.get((job_id, n))
             if job.cancel is not None:
-                stop.append(Stop(w, float(_grace(job.spec, None)), "cancel"))
+                why, grace = "cancel", _grace(job.spec)
             elif a.stop is not None:
-                stop.append(Stop(w, float(a.stop.grace_seconds), "preempt"))
+                why, grace = "preempt", float(a.stop.grace_seconds)
             elif a.failed_on_node is not None:
-                stop.append(Stop(w, 0.0, "node-lost"))
+                why, grace = "node-lost", 0.0
             elif obs is not None and obs.phase == Phase.FAILED:
-                stop.append(Stop(w, 0.0, "failed"))  # e.g. the rest of a gang, or an image that never pulls
+                why, grace = "failed", 0.0  # e.g. the rest of a gang, or an image that never pulls
             elif obs is None or obs.phase in (Phase.PENDING, Phase.RUNNING):
+                why = None
+            else:
+                continue  # it ended; the backend saw that
+            w = Workload(job_id=job_id, attempt=n, spec=job.spec, flavor=a.scheduled.flavor,
+                         placement=a.scheduled.placement, priority=job.priority, resume=n > 1 and job.ran_before,
+                         started_at=a.started.occurred_at if a.started is not None else None)
+            if why is None:
                 run.append(w)
-        return Plan(tuple(run), tuple(stop), frozenset(keep), frozenset(started))
+            else:
+                stop.append(Stop(w, grace, why))
+        return Plan(tuple(run), tuple(stop), frozenset(keep), complete)
 
     def _inventory(self, now: datetime) -> list[Event]:
         inv = self.state.inventory
@@ -312,18 +488,20 @@ class BackendCore:
         for name in self.state.nodes.keys() - inv.keys():
             out.append(new_event(NodeLost, aggregate_id=name, producer=PRODUCER, occurred_at=now,
                                  key=f"removed-{self.state.registrations.get(name, 0)}", name=name,
-                                 reason="the node is gone from the cluster"))
+                                 reason=self.node_lost_reason))
         return out
 
     def _next(self, job_id: str, job: _Job, now: datetime) -> Event | None:
         a = job.attempt
-        if job.cancel is not None and not job.finished:
+        if job.cancel is not None:
+            if job.finished:
+                return None  # cancelled or succeeded already: a late attempt is only stopped
             if a is None:
                 return new_event(JobCancelled, aggregate_id=job_id, producer=PRODUCER, occurred_at=now,
                                  key="cancelled", cause=job.cancel, attempt=None, reason=job.cancel.reason)
             obs = self.state.observed.get((job_id, a.scheduled.attempt))
-            if obs is None or obs.phase != Phase.GONE and obs.phase not in (Phase.SUCCEEDED, Phase.FAILED):
-                return None  # still stopping; the adapter deletes it with the grace period
+            if obs is None or obs.phase not in _TERMINAL:
+                return None  # still stopping; the backend stops it with the grace period
             return new_event(JobCancelled, aggregate_id=job_id, producer=PRODUCER, occurred_at=obs.at,
                              key="cancelled", cause=job.cancel, attempt=a.scheduled.attempt,
                              started_at=_started_at(a, obs), reason=job.cancel.reason)
@@ -331,16 +509,15 @@ class BackendCore:
             return None
         n = a.scheduled.attempt
         obs = self.state.observed.get((job_id, n))
-        if a.failed_on_node is not None:
-            if a.stop is None:
-                return new_event(JobFailed, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(n),
-                                 cause=a.started or a.scheduled, attempt=n, started_at=_started_at(a, obs),
-                                 reason=FailureReason.NODE_LOST, message=f"node {a.failed_on_node} lost",
-                                 retryable=FailureReason.NODE_LOST in job.spec.retry.retry_on)
+        if a.failed_on_node is not None and a.stop is None:
+            return new_event(JobFailed, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(n),
+                             cause=a.started or a.scheduled, attempt=n, started_at=_started_at(a, obs),
+                             reason=FailureReason.NODE_LOST, message=f"node {a.failed_on_node} lost",
+                             retryable=FailureReason.NODE_LOST in job.spec.retry.retry_on)
         if obs is None:
             return None
         if a.stop is not None:
-            if obs.phase in (Phase.GONE, Phase.SUCCEEDED, Phase.FAILED):
+            if obs.phase in _TERMINAL:
                 return new_event(JobPreempted, aggregate_id=job_id, producer=PRODUCER, occurred_at=obs.at,
                                  key=str(n), cause=a.stop, attempt=n, started_at=_started_at(a, obs),
                                  preempted_by=a.stop.for_job, reason=a.stop.message)
@@ -369,8 +546,7 @@ class BackendCore:
         return None
 
 
-def _rank(phase: Phase) -> int:
-    return {Phase.PENDING: 0, Phase.RUNNING: 1, Phase.SUCCEEDED: 2, Phase.FAILED: 2, Phase.GONE: 3}[phase]
+_NO_CHANGES = Plan((), (), frozenset(), complete=False)
 
 
 def _started_at(a: _Attempt, obs: Observation | None) -> datetime | None:
@@ -379,10 +555,10 @@ def _started_at(a: _Attempt, obs: Observation | None) -> datetime | None:
     return obs.started_at if obs is not None else None
 
 
-def _grace(spec: JobSpec, default: float | None) -> float:
-    """Checkpoint window of a cancel: the job may ask for one by annotation."""
+def _grace(spec: JobSpec) -> float:
+    """Checkpoint window of a cancel: the job may ask for one by annotation (default 30 s)."""
     raw = spec.annotations.get("gpusched.io/cancel-grace-seconds")
     try:
-        return max(0.0, float(raw)) if raw else (default if default is not None else 30.0)
+        return max(0.0, float(raw)) if raw else 30.0
     except ValueError:
-        return default if default is not None else 30.0
+        return 30.0

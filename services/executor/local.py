@@ -1,4 +1,5 @@
-"""The local backend: runs each attempt's command as processes on this host.
+"""The local backend: the :class:`~services.executor.lifecycle.Backend` port over processes on
+this host, one per gang member.
 
 * Each gang member is one process (``spec.command + spec.args``; the image is not used), started
   through :mod:`services.executor.local_shim` in its own session, with
@@ -39,8 +40,16 @@ from prometheus_client import Gauge
 
 from schemas import FailureReason
 from schemas.node import GpuTelemetry, NodeInfo
-from services.executor.k8s_model import flavor_of
-from services.executor.lifecycle import Observation, Phase, Plan, TelemetryReport, Workload, workload_name
+from services.executor.gang import MemberStatus, attempt_observation
+from services.executor.lifecycle import (
+    Observation,
+    Phase,
+    Plan,
+    TelemetryReport,
+    Workload,
+    flavor_of,
+    workload_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +225,6 @@ class LocalBackend:
     def close(self) -> None:
         pass
 
-    def synced(self) -> bool:
-        return True
-
     def _telemetry(self, now: datetime, allocated: frozenset[int] = frozenset(), force: bool = False,
                    into_window: bool = True) -> None:
         if not force and time.monotonic() - self._last_sample < self.telemetry_s:
@@ -240,7 +246,7 @@ class LocalBackend:
 
     def _allocated(self, plan: Plan) -> frozenset[int]:
         """GPU indices of this host that live attempts' placements hold (what CUDA_VISIBLE_DEVICES gets)."""
-        return frozenset(i for w in (*plan.run, *(s.workload for s in plan.stop)) for p in w.placement
+        return frozenset(i for w in plan.workloads for p in w.placement
                          if p.node == self.node_name for i in p.gpu_indices[: p.gpus])
 
     def _close_window(self, now: datetime) -> TelemetryReport | None:
@@ -268,44 +274,54 @@ class LocalBackend:
     def run_dir(self, job_id: str, attempt: int, member: int) -> Path:
         return self.runs / workload_name(job_id, attempt, member)
 
-    # -- one reconcile pass ---------------------------------------------------------------------
-    def sync(self, plan: Plan, now: datetime | None = None):
-        from services.executor.kubernetes import SyncResult
+    # -- the Backend port -----------------------------------------------------------------------
+    def inventory(self) -> list[NodeInfo]:
+        return [host_node(self.node_name, self._gpus)]
 
-        now = now or _now()
-        report = self._close_window(now)
-        self._telemetry(now, self._allocated(plan))
-        out = SyncResult(inventory=[host_node(self.node_name, self._gpus)],
-                         telemetry=[report] if report is not None else [])
+    def create(self, plan: Plan, now: datetime) -> int:
         for pid_run, proc in list(self._procs.items()):
             if proc.poll() is not None:
                 del self._procs[pid_run]
+        created = 0
         for w in plan.run:
             for i in range(len(w.placement)):
                 d = self.run_dir(w.job_id, w.attempt, i)
                 if not d.exists():
                     self._launch(w, i, d)
-                    out.created += 1
+                    created += 1
                 else:
                     self._enforce_deadline(w, d)
+        return created
+
+    def stop(self, plan: Plan, now: datetime) -> int:
+        stopped = 0
         for s in plan.stop:
             for i in range(len(s.workload.placement)):
                 d = self.run_dir(s.workload.job_id, s.workload.attempt, i)
                 if d.exists():
-                    out.deleted += self._stop(d, s.grace_seconds)
-        keep_names = {workload_name(w.job_id, w.attempt, i)
-                      for w in [*plan.run, *(s.workload for s in plan.stop)] for i in range(len(w.placement))}
+                    stopped += self._stop(d, s.grace_seconds)
+        if not plan.complete:
+            return stopped
+        keep_names = {workload_name(w.job_id, w.attempt, i) for w in plan.workloads for i in range(len(w.placement))}
         for d in self.runs.iterdir():
             if d.name not in keep_names and self._alive(d):
                 log.info("stopping orphan run", extra={"run": d.name})
-                self._stop(d, 30.0)
+                stopped += self._stop(d, 30.0)
+        return stopped
+
+    def observe(self, plan: Plan, now: datetime) -> tuple[list[Observation], list[TelemetryReport]]:
+        """Every attempt of the plan from its run directories, and the telemetry window that
+        ``now`` closes (then a new sample, into the next window)."""
+        report = self._close_window(now)
+        self._telemetry(now, self._allocated(plan))
         stopping = {(s.workload.job_id, s.workload.attempt) for s in plan.stop}
-        for w in [*plan.run, *(s.workload for s in plan.stop)]:
-            k = (w.job_id, w.attempt)
-            obs = self._observe(w, now, started_in_log=k in plan.started, stopping=k in stopping)
+        observations = []
+        for w in plan.workloads:
+            obs = self._observe(w, now, started_in_log=w.started_at is not None,
+                                stopping=(w.job_id, w.attempt) in stopping)
             if obs is not None:
-                out.observations.append(obs)
-        return out
+                observations.append(obs)
+        return observations, [report] if report is not None else []
 
     def _launch(self, w: Workload, member: int, d: Path) -> None:
         d.mkdir(parents=True)
@@ -426,14 +442,10 @@ class LocalBackend:
                 members.append(None)
                 continue
             members.append(self._member(d, now))
-        from services.executor.k8s_model import attempt_observation
-
         return attempt_observation(w.job_id, w.attempt, members, seen=[False] * len(members),
                                    started_in_log=started_in_log, stopping=stopping, now=now)
 
-    def _member(self, d: Path, now: datetime):
-        from services.executor.k8s_model import MemberStatus
-
+    def _member(self, d: Path, now: datetime) -> MemberStatus:
         started = _read_json(d / "started")
         started_at = datetime.fromisoformat(started["at"]) if started else None
         ex = _read_json(d / "exit.json")

@@ -1,9 +1,12 @@
-"""The sim backend as a pure core: virtual nodes from a cluster spec, and attempts that run for
-their declared duration on the platform clock.
+"""The sim backend: virtual nodes from a cluster spec, and attempts that run for their planned
+duration on the clock each reconcile pass is given; and :class:`SimExecutorCore`, the lifecycle
+core driving it in-line, which is what the sim executor (and the trace simulator) run.
 
-Every outcome is a function of the log and the clock, so a restarted executor re-derives exactly
-the outcomes it missed while down, with the same event ids, and stamps each with the time it
-happened (start + duration), not the time it was noticed.
+An attempt runs from its creation (one the log says started: from its JobStarted) for its planned
+duration, so every outcome is a function of the log and the clock: a restarted executor
+re-derives exactly the outcomes it missed while down, with the same event ids, and stamps each
+with the time it happened (start + duration), not the time it was noticed. A stop ends an attempt
+at once: nothing runs that could use a checkpoint window.
 
 Annotations a job can carry to rehearse failures:
 
@@ -16,62 +19,19 @@ A malformed value counts as absent.
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
+import heapq
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from schemas import (
-    Event,
-    FailureReason,
-    JobCancelled,
-    JobCancelRequested,
-    JobFailed,
-    JobPreempted,
-    JobScheduled,
-    JobSpec,
-    JobStarted,
-    JobSubmitted,
-    JobSucceeded,
-    NodeLost,
-    PreemptionRequested,
-    ReclaimRequested,
-    NodeRegistered,
-    NodeUpdated,
-    new_event,
-)
+from schemas import Event, FailureReason, JobSpec
 from schemas.node import NodeInfo
+from services.executor.lifecycle import BackendCore, Observation, Phase, Plan, TelemetryReport, reconcile
 
-PRODUCER = "executor"
 DEFAULT_RUNTIME_S = 60.0
 ANN_EXIT = "sim.gpusched.io/exit-code"
 ANN_FAIL_ATTEMPTS = "sim.gpusched.io/fail-attempts"
 ANN_REASON = "sim.gpusched.io/failure-reason"
-
-
-@dataclass
-class Attempt:
-    scheduled: JobScheduled
-    started: JobStarted | None = None
-    ends_at: datetime | None = None  # started + planned runtime
-
-
-@dataclass
-class SimJob:
-    spec: JobSpec
-    submitted: JobSubmitted
-    attempt: Attempt | None = None  # the live attempt, if any
-    finished: bool = False
-    cancel_requested: JobCancelRequested | None = None
-    reclaim: ReclaimRequested | PreemptionRequested | None = None  # for the live attempt
-
-
-@dataclass
-class SimState:
-    nodes: dict[str, NodeInfo] = field(default_factory=dict)  # as registered in the log
-    registrations: dict[str, int] = field(default_factory=dict)  # NodeRegistered count per node
-    jobs: dict[str, SimJob] = field(default_factory=dict)
-    due: dict[str, None] = field(default_factory=dict)  # jobs with something to do now
-    ends: list[tuple[datetime, str]] = field(default_factory=list)  # running attempts by planned end, sorted
+NOT_IN_SPEC = "not in the cluster spec"
 
 
 def planned_outcome(spec: JobSpec, attempt: int) -> tuple[float, FailureReason | None, int]:
@@ -99,154 +59,111 @@ def _int_annotation(ann: dict[str, str], key: str, default: int) -> int:
         return default
 
 
+@dataclass(frozen=True)
+class _Run:
+    started: datetime
+    ends: datetime
+    reason: FailureReason | None
+    exit_code: int
+
+
+class SimBackend:
+    """A :class:`~services.executor.lifecycle.Backend` with nothing behind it. It remembers what
+    it was told, so it takes partial plans, and reports only what changed since the last call."""
+
+    def __init__(self, nodes: list[NodeInfo]) -> None:
+        self.nodes = list(nodes)  # the inventory; assign a new list to change it
+        self._runs: dict[tuple[str, int], _Run] = {}  # attempts running now
+        self._ends: list[tuple[datetime, str, int]] = []  # planned ends, a heap; stopped runs' entries are stale
+        self._seen: list[Observation] = []  # what happened since the last observe()
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def inventory(self) -> list[NodeInfo]:
+        return self.nodes
+
+    def create(self, plan: Plan, now: datetime) -> int:
+        created = 0
+        for w in plan.run:
+            key = (w.job_id, w.attempt)
+            if key in self._runs:
+                continue
+            started = w.started_at or now
+            runtime, reason, exit_code = planned_outcome(w.spec, w.attempt)
+            run = _Run(started, started + timedelta(seconds=runtime), reason, exit_code)
+            self._runs[key] = run
+            heapq.heappush(self._ends, (run.ends, w.job_id, w.attempt))
+            self._seen.append(Observation(w.job_id, w.attempt, Phase.RUNNING, started, started_at=started))
+            created += 1
+        return created
+
+    def stop(self, plan: Plan, now: datetime) -> int:
+        for s in plan.stop:
+            w = s.workload
+            run = self._runs.pop((w.job_id, w.attempt), None)
+            started = run.started if run is not None else w.started_at
+            self._seen.append(Observation(w.job_id, w.attempt, Phase.GONE, now, started_at=started,
+                                          message=f"stopped ({s.why})"))
+        orphans = [k for k in self._runs if k not in plan.keep] if plan.complete else []
+        for key in orphans:
+            del self._runs[key]
+        return len(plan.stop) + len(orphans)
+
+    def observe(self, plan: Plan, now: datetime) -> tuple[list[Observation], list[TelemetryReport]]:
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            at, job_id, attempt = heapq.heappop(ends)
+            run = self._runs.get((job_id, attempt))
+            if run is None or run.ends != at:
+                continue  # stopped before its end
+            del self._runs[(job_id, attempt)]
+            self._seen.append(_outcome(job_id, attempt, run))
+        seen, self._seen = self._seen, []
+        return seen, []
+
+    def next_end(self) -> datetime | None:
+        """The earliest planned end of a running attempt."""
+        ends = self._ends
+        while ends:
+            at, job_id, attempt = ends[0]
+            run = self._runs.get((job_id, attempt))
+            if run is not None and run.ends == at:
+                return at
+            heapq.heappop(ends)
+        return None
+
+
+def _outcome(job_id: str, attempt: int, run: _Run) -> Observation:
+    if run.reason is None:
+        return Observation(job_id, attempt, Phase.SUCCEEDED, run.ends, started_at=run.started, exit_code=0)
+    message = f"exited with code {run.exit_code}" if run.reason == FailureReason.EXIT_CODE else run.reason.value
+    return Observation(job_id, attempt, Phase.FAILED, run.ends, started_at=run.started, reason=run.reason,
+                       exit_code=run.exit_code, message=message)
+
+
 class SimExecutorCore:
+    """The sim executor as a :class:`runtime.loop.Core`: each ``decide(now)`` is a reconcile pass
+    of the lifecycle core's changes against the sim backend at ``now``, then the core's
+    decisions. Pure: no I/O, no wall clock."""
+
     def __init__(self, cluster: list[NodeInfo]) -> None:
-        self.desired = {n.name: n for n in cluster}
-        self.state = SimState()
-        self._inventory_dirty = True  # only node events can change the inventory decisions
-
-    def decisions_refused(self) -> None:
-        """Outcomes are re-derived from state on every cycle; the inventory is compared again."""
-        self._inventory_dirty = True
-
-    def _end_attempt(self, job_id: str, job: SimJob) -> None:
-        job.reclaim = None
-        a = job.attempt
-        if a is not None and a.ends_at is not None:
-            i = bisect.bisect_left(self.state.ends, (a.ends_at, job_id))
-            if i < len(self.state.ends) and self.state.ends[i] == (a.ends_at, job_id):
-                del self.state.ends[i]
-        job.attempt = None
-        self.state.due.pop(job_id, None)
+        self.backend = SimBackend(cluster)
+        self.core = BackendCore(node_lost_reason=NOT_IN_SPEC)
 
     def evolve(self, event: Event) -> None:
-        s = self.state
-        match event:
-            case NodeRegistered() | NodeUpdated():
-                s.nodes[event.node.name] = event.node
-                if isinstance(event, NodeRegistered):
-                    s.registrations[event.node.name] = s.registrations.get(event.node.name, 0) + 1
-                self._inventory_dirty = True
-                return
-            case NodeLost():
-                s.nodes.pop(event.name, None)
-                self._inventory_dirty = True
-                s.due.update(dict.fromkeys(
-                    j for j, job in s.jobs.items()
-                    if job.attempt is not None and any(p.node == event.name for p in job.attempt.scheduled.placement)
-                ))
-                return
-            case JobSubmitted():
-                s.jobs[event.aggregate_id] = SimJob(spec=event.spec, submitted=event)
-                return
-        job = s.jobs.get(event.aggregate_id)
-        if job is None:
-            return
-        job_id = event.aggregate_id
-        match event:
-            case JobScheduled():
-                self._end_attempt(job_id, job)
-                job.attempt = Attempt(event)
-                s.due[job_id] = None
-            case JobStarted():
-                a = job.attempt
-                if a is not None and a.scheduled.attempt == event.attempt:
-                    a.started = event
-                    a.ends_at = event.occurred_at + timedelta(seconds=planned_outcome(job.spec, event.attempt)[0])
-                    bisect.insort(s.ends, (a.ends_at, job_id))
-                    if job.cancel_requested is None:
-                        s.due.pop(job_id, None)
-            case JobSucceeded() | JobFailed() | JobPreempted():
-                if job.attempt is not None and job.attempt.scheduled.attempt == event.attempt:
-                    self._end_attempt(job_id, job)
-                if isinstance(event, JobSucceeded):
-                    job.finished = True  # terminal: a late cancel request has nothing to stop
-            case JobCancelled():
-                self._end_attempt(job_id, job)
-                job.finished = True
-            case ReclaimRequested() | PreemptionRequested():
-                if job.attempt is not None and job.attempt.scheduled.attempt == event.attempt:
-                    job.reclaim = event
-                    s.due[job_id] = None
-            case JobCancelRequested():
-                job.cancel_requested = event
-                if not job.finished:
-                    s.due[job_id] = None
+        self.core.evolve(event)
 
     def decide(self, now: datetime) -> list[Event]:
-        """Inventory changes, then what is due now (starts, cancels, lost nodes), then the
-        running attempts whose planned end has passed, earliest first."""
-        out: list[Event] = []
-        if self._inventory_dirty:
-            out.extend(self._inventory(now))
-            self._inventory_dirty = bool(out)  # compare again until the log agrees
-        for job_id in self.state.due:
-            if (event := self._next(job_id, self.state.jobs[job_id], now)) is not None:
-                out.append(event)
-        for ends_at, job_id in self.state.ends:
-            if ends_at > now:
-                break
-            if job_id not in self.state.due and (event := self._next(job_id, self.state.jobs[job_id], now)):
-                out.append(event)
-        return out
+        self.core.apply(reconcile(self.backend, self.core.changes(), now))
+        return self.core.decide(now)
 
-    def _inventory(self, now: datetime) -> list[Event]:
-        out: list[Event] = []
-        for name, info in self.desired.items():
-            seen = self.state.nodes.get(name)
-            if seen == info:
-                continue
-            cls = NodeRegistered if seen is None else NodeUpdated
-            out.append(new_event(cls, aggregate_id=name, producer=PRODUCER, occurred_at=now,
-                                 key=info.model_dump_json(), node=info))
-        for name in self.state.nodes.keys() - self.desired.keys():
-            out.append(new_event(NodeLost, aggregate_id=name, producer=PRODUCER, occurred_at=now,
-                                 key=f"removed-{self.state.registrations.get(name, 0)}", name=name,
-                                 reason="not in the cluster spec"))
-        return out
+    def decisions_refused(self) -> None:
+        self.core.decisions_refused()
 
-    def _next(self, job_id: str, job: SimJob, now: datetime) -> Event | None:
-        a = job.attempt
-        if job.cancel_requested is not None:
-            return new_event(
-                JobCancelled, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key="cancelled",
-                cause=job.cancel_requested, attempt=a.scheduled.attempt if a else None,
-                started_at=a.started.occurred_at if a and a.started else None, reason=job.cancel_requested.reason,
-            )
-        if a is None:
-            return None
-        n = a.scheduled.attempt
-        if job.reclaim is not None and job.reclaim.attempt == n:
-            # The sim stops at once; a real backend waits out grace_seconds after SIGTERM.
-            return new_event(
-                JobPreempted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(n), cause=job.reclaim,
-                attempt=n, started_at=a.started.occurred_at if a.started else None, preempted_by=job.reclaim.for_job,
-                reason=job.reclaim.message,
-            )
-        lost = [p.node for p in a.scheduled.placement if p.node not in self.state.nodes]
-        if lost:
-            return new_event(
-                JobFailed, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(n),
-                cause=a.started or a.scheduled, attempt=n, started_at=a.started.occurred_at if a.started else None,
-                reason=FailureReason.NODE_LOST, message=f"node(s) {lost} lost", retryable=True,
-            )
-        if a.started is None:
-            return new_event(
-                JobStarted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(n), cause=a.scheduled,
-                attempt=n, nodes=tuple(p.node for p in a.scheduled.placement),
-            )
-        runtime, reason, exit_code = planned_outcome(job.spec, n)
-        end = a.started.occurred_at + timedelta(seconds=runtime)
-        if end > now:
-            return None
-        if reason is None:
-            return new_event(
-                JobSucceeded, aggregate_id=job_id, producer=PRODUCER, occurred_at=end, key=str(n), cause=a.started,
-                attempt=n, started_at=a.started.occurred_at,
-            )
-        return new_event(
-            JobFailed, aggregate_id=job_id, producer=PRODUCER, occurred_at=end, key=str(n), cause=a.started,
-            attempt=n, started_at=a.started.occurred_at, reason=reason, exit_code=exit_code,
-            message=f"exited with code {exit_code}" if reason == FailureReason.EXIT_CODE else reason.value,
-            retryable=reason in job.spec.retry.retry_on,
-        )
+    def next_end(self) -> datetime | None:
+        """When the next running attempt ends (None: none runs): the trace simulator's next step."""
+        return self.backend.next_end()

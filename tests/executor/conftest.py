@@ -62,8 +62,7 @@ def _sim_backend() -> Backend:
 
     def lose(node: str) -> None:
         for c in cores:
-            c.desired.pop(node, None)
-            c.decisions_refused()
+            c.backend.nodes = [n for n in c.backend.nodes if n.name != node]
 
     return Backend(name="sim", make_core=make_core, make_backend=lambda: None, node="sim-0", gpus=1,
                    honours_grace=False, count_runs=lambda driver, job: len(driver.events(job, JobStarted)),

@@ -22,7 +22,7 @@ from tests.unit import builders as b
 class Backend:
     name: str
     make_core: Callable[[], object]
-    make_backend: Callable[[], object | None]  # None: a pure core (sim) with nothing to reconcile
+    make_backend: Callable[[], object | None]  # None: the core reconciles its own backend in-line (sim)
     node: str
     gpus: int  # GPUs each test job asks for
     honours_grace: bool
@@ -54,7 +54,7 @@ class Driver:
         if self.backend is not None:
             self.backend.start()
             deadline = time.monotonic() + 30
-            while not self.backend.synced() and time.monotonic() < deadline:
+            while self.backend.inventory() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
 
     def stop(self) -> None:

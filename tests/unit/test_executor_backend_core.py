@@ -1,5 +1,6 @@
-"""BackendCore, the pure core of the kubernetes and local backends: the log plus the
-backend's observations -> events and a plan (what must run, stop, or is an orphan)."""
+"""BackendCore, the executor's lifecycle core for every backend: the log plus the backend's
+observations -> events and a plan (what must run, stop, or is an orphan); and the port the
+backends implement."""
 
 from __future__ import annotations
 
@@ -174,3 +175,48 @@ def test_decisions_are_deterministic():
         return [e.event_id for e in settle(c)]
 
     assert run() == run()
+
+
+def test_an_attempt_placed_on_a_node_the_log_lost_fails_at_once():
+    c = core_with(submitted("j"))
+    c.observe_inventory([node_info("n1")])
+    for e in settle(c):
+        c.evolve(e)
+    c.observe_inventory([])
+    settle(c)  # NodeLost(n1)
+    c.evolve(scheduled("j", {"n1": (0,)}))  # decided before the scheduler saw the NodeLost
+    [f] = settle(c)
+    assert isinstance(f, JobFailed) and (f.reason, f.message) == (FailureReason.NODE_LOST, "node n1 lost")
+    assert [s.why for s in c.plan().stop] == []  # the attempt ended with the JobFailed
+
+
+def test_the_first_terminal_observation_is_final():
+    c = core_with(submitted("j"), scheduled("j"), started("j"))
+    c.observe(obs(Phase.FAILED, at_=at(7), reason=FailureReason.EXIT_CODE, exit_code=2))
+    c.observe(obs(Phase.GONE, at_=at(9)))  # e.g. the Job's TTL ran out, or a stop of what already ended
+    [f] = settle(c)
+    assert (f.reason, f.exit_code, f.occurred_at) == (FailureReason.EXIT_CODE, 2, at(7))
+
+
+def test_changes_name_only_what_a_remembering_backend_must_act_on():
+    c = core_with(submitted("j"), scheduled("j"), submitted("k"), scheduled("k"))
+    assert [w.job_id for w in c.changes().run] == ["j", "k"]
+    assert c.changes() == c.changes() and not c.changes().run  # nothing since
+    c.evolve(started("j"))  # the backend saw the start itself
+    assert not c.changes().run
+    c.evolve(cancel_requested("k"))
+    part = c.changes()
+    assert ([s.why for s in part.stop], part.complete) == (["cancel"], False)
+    assert [w.job_id for w in c.plan().run] == ["j"] and c.plan().complete
+
+
+def test_every_backend_implements_the_port():
+    from services.executor.kubernetes import KubernetesBackend
+    from services.executor.lifecycle import Backend
+    from services.executor.local import LocalBackend
+    from services.executor.sim import SimBackend
+
+    port = {name for name in vars(Backend) if not name.startswith("_")}
+    assert port == {"start", "close", "inventory", "create", "stop", "observe"}
+    for cls in (SimBackend, LocalBackend, KubernetesBackend):
+        assert port <= set(dir(cls)), cls

@@ -9,17 +9,9 @@ import pytest
 
 from schemas import FailureReason
 from schemas.job import NodeAssignment
-from services.executor.k8s_model import (
-    JobOptions,
-    MemberStatus,
-    attempt_observation,
-    flavor_of,
-    job_manifests,
-    member_status,
-    node_info,
-    pod_status,
-)
-from services.executor.lifecycle import Phase, Workload, workload_name
+from services.executor.gang import MemberStatus, attempt_observation
+from services.executor.k8s_model import JobOptions, job_manifests, member_status, node_info, pod_status
+from services.executor.lifecycle import Phase, Workload, flavor_of, workload_name
 from tests.unit.builders import spec
 
 T = "2026-01-01T00:00:10Z"

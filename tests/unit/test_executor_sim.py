@@ -1,4 +1,4 @@
-"""SimExecutorCore (inventory, attempts on the platform clock) and the cluster spec loader."""
+"""The sim executor (SimExecutorCore: the lifecycle core driving the sim backend in-line):\ninventory, attempts on the platform clock; the sim backend on its own; the cluster spec loader."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ from schemas import (
     NodeUpdated,
 )
 from services.executor.cluster import ClusterSpec, ClusterSpecError, load_cluster
+from services.executor.lifecycle import BackendCore, Phase, reconcile
 from services.executor.sim import (
     ANN_EXIT,
     ANN_FAIL_ATTEMPTS,
     ANN_REASON,
     DEFAULT_RUNTIME_S,
+    SimBackend,
     SimExecutorCore,
     planned_outcome,
 )
@@ -29,12 +31,14 @@ from tests.unit.builders import (
     Log,
     at,
     cancel_requested,
+    cancelled,
     drive,
     node_info,
     preempted,
     scheduled,
     spec,
     submitted,
+    succeeded,
     types,
 )
 
@@ -283,7 +287,7 @@ def test_removed_node_fails_the_running_job_with_node_lost():
     assert (fail.aggregate_id, fail.reason, fail.retryable, fail.attempt) == ("j1", FailureReason.NODE_LOST, True, 1)
     assert fail.started_at == T0
     assert fail.occurred_at == at(50)
-    assert fail.message == "node(s) ['n2.rack-1'] lost"
+    assert fail.message == "node n2.rack-1 lost"
     # the job on the remaining node runs on
     (done,) = drive(core, (), at(100), log=log)
     assert (done.aggregate_id, done.type) == ("other", "JobSucceeded")
@@ -380,3 +384,21 @@ def test_duplicate_node_names_are_refused():
     cs = ClusterSpec.model_validate({"groups": [{"prefix": "a", "count": 2}, {"prefix": "a", "count": 1}]})
     with pytest.raises(ValueError, match="duplicate node names"):
         cs.nodes()
+
+
+def test_the_sim_backend_takes_a_complete_plan_too():
+    core, backend = BackendCore(), SimBackend(CLUSTER)
+    for e in (submitted("j1", spec(expected_runtime_seconds=10)), scheduled("j1", {"n1": (0,)}),
+              submitted("j2", spec(expected_runtime_seconds=30)), scheduled("j2", {"n1": (1,)})):
+        core.evolve(e)
+    result = reconcile(backend, core.plan(), at(0))
+    assert (result.created, result.inventory) == (2, backend.nodes)
+    assert [(o.job_id, o.phase) for o in result.observations] == [("j1", Phase.RUNNING), ("j2", Phase.RUNNING)]
+    assert backend.next_end() == at(10)
+    assert reconcile(backend, core.plan(), at(5)).observations == []  # adopted: nothing new
+    [done] = reconcile(backend, core.plan(), at(12)).observations
+    assert (done.job_id, done.phase, done.at) == ("j1", Phase.SUCCEEDED, at(10))
+    core.evolve(succeeded("j1", when=at(10)))
+    core.evolve(cancelled("j2", attempt=1, when=at(12)))  # the log holds neither live any more
+    assert reconcile(backend, core.plan(), at(13)).deleted == 1  # j2, an orphan
+    assert backend.next_end() is None

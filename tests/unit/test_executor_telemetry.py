@@ -17,7 +17,7 @@ import pytest
 from runtime.settings import ConfigError
 from schemas import NodeRegistered, NodeTelemetryReported
 from services.executor.config import ExecutorConfig
-from services.executor.lifecycle import MAX_PENDING_REPORTS, BackendCore, Plan, TelemetryReport, Workload
+from services.executor.lifecycle import MAX_PENDING_REPORTS, BackendCore, Plan, TelemetryReport, Workload, reconcile
 from services.executor.local import GpuSample, LocalBackend, Nvml, TelemetryWindow
 from tests.unit.builders import T0, at, gpu, scheduled, spec
 
@@ -86,7 +86,7 @@ class ScriptedNvml:
 
 
 def backend(tmp_path, nvml, interval=60.0) -> LocalBackend:
-    # telemetry_s=0: sample on every sync, so the test's clock alone decides the windows
+    # telemetry_s=0: sample on every pass, so the test's clock alone decides the windows
     return LocalBackend(tmp_path, node_name="gpu-host", telemetry_s=0, telemetry_interval_s=interval, nvml=nvml)
 
 
@@ -101,7 +101,7 @@ IDLE = Plan(run=(), stop=(), keep=frozenset())
 
 
 def sync_at(b: LocalBackend, seconds: float, plan: Plan = IDLE):
-    return b.sync(plan, now=at(seconds))
+    return reconcile(b, plan, at(seconds))
 
 
 def test_the_local_backend_reports_one_window_per_interval(tmp_path):
