@@ -1,4 +1,4 @@
-"""The event log on NATS JetStream: provisioning, append, durable consumption, dead letters, replay.
+"""The event log on NATS JetStream: provisioning, append, durable consumption, dead letters, reading.
 
 Contracts this module keeps:
 
@@ -10,6 +10,9 @@ Contracts this module keeps:
   effects are durable; a transient failure is nak'ed and redelivered.
 * A poison message (not JSON, not a valid event) is copied to ``gpusched.deadletter.<service>``
   with its reason and original bytes, then acked: it never blocks the stream and is never lost.
+* Reading the log in order (rebuilding state, projections that keep their own position,
+  replays) goes through one reader, :func:`read_batches` (per message: :func:`read`): nothing
+  to acknowledge, nothing remembered between reads.
 """
 
 from __future__ import annotations

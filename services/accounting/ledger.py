@@ -15,6 +15,7 @@ transaction); :func:`usage_row` combines both and computes the row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import NamedTuple
@@ -53,8 +54,7 @@ class Ended(NamedTuple):
     sequence: int
 
 
-@dataclass(frozen=True)
-class Facts:
+class Facts(NamedTuple):
     """What is known about an attempt when it ends. ``flavor``: the job's flavor as last set
     (None: never set)."""
     job: JobFacts | None = None
@@ -66,11 +66,9 @@ class Facts:
     def after(self, later: Facts, *, flavor_set: bool) -> Facts:
         """These facts (earlier ones) followed by ``later``'s: the first of each stands, the
         flavor is the last set, checkpoints add up."""
-        return Facts(job=self.job or later.job,
-                     flavor=later.flavor if flavor_set else self.flavor,
-                     reservation=self.reservation or later.reservation,
-                     queued_at=self.queued_at or later.queued_at,
-                     checkpoints=self.checkpoints + later.checkpoints)
+        return Facts(self.job or later.job, later.flavor if flavor_set else self.flavor,
+                     self.reservation or later.reservation, self.queued_at or later.queued_at,
+                     self.checkpoints + later.checkpoints)
 
 
 def usage_row(facts: Facts, end: Ended) -> tuple | None:
@@ -112,40 +110,67 @@ class Book:
     ended: list[tuple[Ended, Facts, bool]] = field(default_factory=list)  # (end, the batch's facts, flavor set)
 
     def add(self, statement: str, args: tuple) -> None:
-        if statement.startswith("set_state:"):  # (job, state, seq, *values of the named columns)
-            if (at := _flavor_position(statement)) is not None:
-                self.flavors[args[0]] = args[at]
-        elif statement == "job_submitted":
-            # (job, team, project, queue, kind, class, submitter, gpus, gang, total_gpus, at, seq, cpu, mem)
-            self.jobs.setdefault(args[0], JobFacts(args[1], args[2], args[3], args[9], args[12], args[13]))
-        elif statement == "reservation":  # (job, attempt, queue, flavor, gpus, borrowed, at, seq)
-            self.reservations.setdefault((args[0], args[1]), Reservation(args[2], args[3], args[4], args[5]))
-        elif statement == "attempt_queued":  # (job, attempt, at, seq)
-            self.queued.setdefault((args[0], args[1]), args[2])
-        elif statement == "checkpoint":  # (job, attempt, at, seq)
-            self.checkpoints.setdefault((args[0], args[1]), []).append((args[2], args[3]))
-        elif statement == "attempt_ended":
-            end = Ended(*args)
-            key = (end.job_id, end.attempt)
-            self.ended.append((end, Facts(job=self.jobs.get(end.job_id), flavor=self.flavors.get(end.job_id),
-                                          reservation=self.reservations.get(key), queued_at=self.queued.get(key),
-                                          checkpoints=tuple(self.checkpoints.get(key, ()))),
-                               end.job_id in self.flavors))
+        """Take note of one operation (run for every operation of a replay: one dictionary
+        lookup for those that carry no ledger fact)."""
+        take = _TAKE.get(statement)
+        if take is None and statement not in _TAKE:
+            take = _TAKE[statement] = _flavor_setter(statement)
+        if take is not None:
+            take(self, args)
 
     def keys(self) -> list[tuple[str, int]]:
         """The attempts that end in the batch: whose earlier facts the read models are asked for."""
         return list(dict.fromkeys((end.job_id, end.attempt) for end, _, _ in self.ended))
 
 
-_flavor_positions: dict[str, int | None] = {}
+def _submitted(book: Book, args: tuple) -> None:
+    # (job, team, project, queue, kind, class, submitter, gpus, gang, total_gpus, at, seq, cpu, mem)
+    if args[0] not in book.jobs:
+        book.jobs[args[0]] = JobFacts(args[1], args[2], args[3], args[9], args[12], args[13])
 
 
-def _flavor_position(statement: str) -> int | None:
-    """Where a ``set_state:a,b`` operation's arguments hold the flavor (None: it sets none)."""
-    if statement not in _flavor_positions:
-        columns = statement.split(":", 1)[1].split(",")
-        _flavor_positions[statement] = 3 + columns.index("flavor") if "flavor" in columns else None
-    return _flavor_positions[statement]
+def _reserved(book: Book, args: tuple) -> None:  # (job, attempt, queue, flavor, gpus, borrowed, at, seq)
+    if (key := (args[0], args[1])) not in book.reservations:
+        book.reservations[key] = Reservation(args[2], args[3], args[4], args[5])
+
+
+def _queued(book: Book, args: tuple) -> None:  # (job, attempt, at, seq)
+    book.queued.setdefault((args[0], args[1]), args[2])
+
+
+def _checkpointed(book: Book, args: tuple) -> None:  # (job, attempt, at, seq)
+    book.checkpoints.setdefault((args[0], args[1]), []).append((args[2], args[3]))
+
+
+def _ended(book: Book, args: tuple) -> None:
+    end = Ended(*args)
+    job_id, key = end.job_id, (end.job_id, end.attempt)
+    checkpoints = book.checkpoints.get(key)
+    book.ended.append((end, Facts(book.jobs.get(job_id), book.flavors.get(job_id), book.reservations.get(key),
+                                  book.queued.get(key), tuple(checkpoints) if checkpoints else ()),
+                       job_id in book.flavors))
+
+
+def _flavor_setter(statement: str) -> Callable[[Book, tuple], None] | None:
+    """For ``set_state:a,b`` (arguments: job, state, seq, then the named columns' values) that
+    names the flavor: a note of the job's flavor. None for any other statement."""
+    if not statement.startswith("set_state:"):
+        return None
+    columns = statement.split(":", 1)[1].split(",")
+    if "flavor" not in columns:
+        return None
+    at = 3 + columns.index("flavor")
+
+    def note(book: Book, args: tuple) -> None:
+        book.flavors[args[0]] = args[at]
+    return note
+
+
+# statement -> what the book notes of it (None: nothing); set_state statements are added as met
+_TAKE: dict[str, Callable[[Book, tuple], None] | None] = {
+    "job_submitted": _submitted, "reservation": _reserved, "attempt_queued": _queued,
+    "checkpoint": _checkpointed, "attempt_ended": _ended,
+}
 
 
 def rows(book: Book, prior: dict[tuple[str, int], Facts]) -> list[tuple]:

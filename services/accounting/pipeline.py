@@ -48,22 +48,34 @@ def convert(msgs: Sequence[Msg], *, trace: str | None = None,
     continuing the producer's trace from the headers (the live service); ``observe``: called
     with each event converted."""
     out = Converted()
+    entries, poison, sequence = out.entries, out.poison, eventlog.sequence  # every message of a replay passes here
     for msg in msgs:
-        seq = eventlog.sequence(msg)
-        span = (observability.span_from_headers(f"{trace} {(msg.headers or {}).get('Gpusched-Type', 'event')}",
-                                                msg.headers, sequence=seq)
-                if trace else contextlib.nullcontext())
-        with span:
-            try:
-                event = parse_event(msg.data)
-            except (ValueError, ValidationError) as err:
-                out.poison.append((msg, f"cannot project: {err}"))
-                out.entries.append((seq, None, []))
-                continue
-            out.entries.append((seq, event.event_id, projection.convert(event, seq)))
-        if observe is not None:
+        seq = sequence(msg)
+        if trace:
+            with _span(trace, msg, seq):
+                entry, event, reason = _convert_one(msg, seq)
+        else:
+            entry, event, reason = _convert_one(msg, seq)
+        entries.append(entry)
+        if reason is not None:
+            poison.append((msg, reason))
+        elif observe is not None:
             observe(event)
     return out
+
+
+def _convert_one(msg: Msg, seq: int) -> tuple[sink.Entry, Event | None, str | None]:
+    """(entry, event, None), or for a poison message (entry without operations, None, reason)."""
+    try:
+        event = parse_event(msg.data)
+    except (ValueError, ValidationError) as err:
+        return (seq, None, []), None, f"cannot project: {err}"
+    return (seq, event.event_id, projection.convert(event, seq)), event, None
+
+
+def _span(trace: str, msg: Msg, seq: int):
+    kind = (msg.headers or {}).get("Gpusched-Type", "event")
+    return observability.span_from_headers(f"{trace} {kind}", msg.headers, sequence=seq)
 
 
 async def run(batches: AsyncIterator[list[Msg]], store: Callable[[Converted], Awaitable[None]], *,

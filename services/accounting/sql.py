@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.accounting.ledger import USAGE_COLUMNS
 
-# Columns _state operations may set (the converter's vocabulary); anything else is a bug.
+# Columns set_state operations may set (the converter's vocabulary); anything else is a bug.
 STATE_COLUMNS = frozenset(
     {"admitted_at", "reserved_at", "scheduled_at", "started_at", "finished_at", "attempt", "flavor",
      "nodes", "reason", "message", "exit_code"}
@@ -36,7 +36,7 @@ JOB_DEFAULTS = tuple(1 if c == "attempt" else None for c, _ in JOB_COLUMNS)  # t
 JOB_LAST_SEQUENCE = JOB_SPEC_COLUMNS.index("last_sequence")
 
 SQL = {
-    # A new job row, with the state its later changes in the same batch give it (see _fold).
+    # A new job row, with the state its later changes in the same batch give it (the sink folds them).
     "job_submitted": "INSERT INTO jobs (" + ", ".join(JOB_INSERT_COLUMNS) + ") VALUES ("
                      + ", ".join(f"${i + 1}" for i in range(len(JOB_INSERT_COLUMNS))) + ") ON CONFLICT (job_id) DO NOTHING",
     "job_rejected": """
