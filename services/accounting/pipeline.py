@@ -18,7 +18,6 @@ them (dead letters and traces live; the turn between writers in a rebuild).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 

@@ -5,14 +5,15 @@ A rebuild cuts the log [start, end] into ranges of ``batch`` stream sequences an
 round-robin to WRITERS processes, each with its own NATS and Postgres connection: range k goes
 to writer k % WRITERS. A writer reads its range through the log's reader
 (:func:`runtime.eventlog.read_batches` from the range's first sequence to its last), converts
-and plans it (:func:`..pipeline.convert`, :func:`..sink.prepare`), then waits for the turn: a
-token the writer of the previous range sends after its transaction committed. Meanwhile, and
-while it writes, it reads its next range. So ranges commit in log order, one at a time, while
-the next ones are being read and converted; no message passes through a second process. The
-token also says whether a range failed (then every later one is refused: the position must
-never move past events that were not written) and carries the event ids of the ranges since
-this writer's last one, for its Bloom filter of applied ids. The parent only starts the writers
-and collects their results in range order.
+and plans it (:func:`services.accounting.pipeline.convert`,
+:func:`services.accounting.sink.prepare`), then waits for the turn: a token the writer of the
+previous range sends after its transaction committed. Meanwhile, and while it writes, it reads
+its next range. So ranges commit in log order, one at a time, while the next ones are being
+read and converted; no message passes through a second process. The token also says whether a
+range failed (then every later one is refused: the position must never move past events that
+were not written) and carries the event ids of the ranges since this writer's last one, for its
+Bloom filter of applied ids. The parent only starts the writers and collects their results in
+range order.
 """
 
 from __future__ import annotations
