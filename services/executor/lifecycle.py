@@ -316,18 +316,20 @@ class BackendCore:
                 if a is not None and a.scheduled.attempt == event.attempt:
                     a.started = event
                     job.ran_before = True
-                    s.due[job_id] = None
+                    obs = s.observed.get((job_id, event.attempt))
+                    if obs is not None and obs.phase in _TERMINAL:
+                        s.due[job_id] = None  # it ended before its start was in the log: the end follows
             case JobSucceeded() | JobFailed() | JobPreempted():
                 if a is not None and a.scheduled.attempt == event.attempt:
                     self._end_attempt(job_id, job)
                 if isinstance(event, JobSucceeded):
                     job.finished = True
-                s.due[job_id] = None
+                elif job.cancel is not None:
+                    s.due[job_id] = None  # the cancel is answered now that nothing runs
             case JobCancelled():
                 if a is not None:
                     self._end_attempt(job_id, job)
                 job.finished = True
-                s.due[job_id] = None
             case ReclaimRequested() | PreemptionRequested():
                 if a is not None and a.scheduled.attempt == event.attempt and a.stop is None:
                     a.stop = event
@@ -338,8 +340,8 @@ class BackendCore:
                     self._touch(job_id)
 
     def _touch(self, job_id: str) -> None:
-        """The job's next event and its plan entry may have changed. (Events that only end an
-        attempt or record its start change no entry a backend must act on: it saw that itself.)"""
+        """The job's next event and its plan entry may have changed. (An attempt's start or end
+        changes no entry a backend must act on: it saw that itself.)"""
         self.state.due[job_id] = None
         self.state.changed[job_id] = None
 
@@ -421,11 +423,12 @@ class BackendCore:
         if s.telemetry:
             out.extend(s.telemetry.values())  # after the node's own inventory events
         if s.due:
+            # A job is looked at again when an event or an observation touches it, which is also
+            # when its decision is in the log; a decision the log refused: decisions_refused.
             due, s.due = s.due, {}
             for job_id in due:
                 if (event := self._next(job_id, s.jobs[job_id], now)) is not None:
                     out.append(event)
-                    s.due[job_id] = None  # until the log has it
         return out
 
     def plan(self) -> Plan:

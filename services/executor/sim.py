@@ -72,7 +72,7 @@ class SimBackend:
     it was told, so it takes partial plans, and reports only what changed since the last call."""
 
     def __init__(self, nodes: list[NodeInfo]) -> None:
-        self.nodes = list(nodes)  # the inventory; assign a new list to change it
+        self.nodes = nodes
         self._runs: dict[tuple[str, int], _Run] = {}  # attempts running now
         self._ends: list[tuple[datetime, str, int]] = []  # planned ends, a heap; stopped runs' entries are stale
         self._seen: list[Observation] = []  # what happened since the last observe()
@@ -83,8 +83,19 @@ class SimBackend:
     def close(self) -> None:
         pass
 
+    @property
+    def nodes(self) -> list[NodeInfo]:
+        """The inventory (the cluster spec's nodes); assigning a new list changes it."""
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, nodes: list[NodeInfo]) -> None:
+        self._nodes = list(nodes)
+        self._nodes_changed = True
+
     def inventory(self) -> list[NodeInfo]:
-        return self.nodes
+        self._nodes_changed = False
+        return self._nodes  # the same list until it changes: the core does not compare it again
 
     def create(self, plan: Plan, now: datetime) -> int:
         created = 0
@@ -125,6 +136,11 @@ class SimBackend:
         seen, self._seen = self._seen, []
         return seen, []
 
+    def quiet(self, now: datetime) -> bool:
+        """Nothing to report at ``now``: the same nodes, no run created or stopped since the last
+        observe, none past its planned end."""
+        return not (self._nodes_changed or self._seen or (self._ends and self._ends[0][0] <= now))
+
     def next_end(self) -> datetime | None:
         """The earliest planned end of a running attempt."""
         ends = self._ends
@@ -147,22 +163,21 @@ def _outcome(job_id: str, attempt: int, run: _Run) -> Observation:
 
 class SimExecutorCore:
     """The sim executor as a :class:`runtime.loop.Core`: each ``decide(now)`` is a reconcile pass
-    of the lifecycle core's changes against the sim backend at ``now``, then the core's
-    decisions. Pure: no I/O, no wall clock."""
+    of the lifecycle core's changes against the sim backend at ``now`` (none when neither has
+    anything new), then the core's decisions. Pure: no I/O, no wall clock."""
 
     def __init__(self, cluster: list[NodeInfo]) -> None:
         self.backend = SimBackend(cluster)
         self.core = BackendCore(node_lost_reason=NOT_IN_SPEC)
-
-    def evolve(self, event: Event) -> None:
-        self.core.evolve(event)
+        # The core's own methods: the trace simulator calls these for every event.
+        self.evolve = self.core.evolve
+        self.decisions_refused = self.core.decisions_refused
 
     def decide(self, now: datetime) -> list[Event]:
-        self.core.apply(reconcile(self.backend, self.core.changes(), now))
+        plan = self.core.changes()
+        if plan.run or plan.stop or not self.backend.quiet(now):
+            self.core.apply(reconcile(self.backend, plan, now))
         return self.core.decide(now)
-
-    def decisions_refused(self) -> None:
-        self.core.decisions_refused()
 
     def next_end(self) -> datetime | None:
         """When the next running attempt ends (None: none runs): the trace simulator's next step."""
