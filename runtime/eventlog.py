@@ -275,6 +275,7 @@ async def read_batches(
     follow: bool = False,
     batch: int = 2048,
     idle_s: float = 1.0,
+    client: NATS | None = None,
 ) -> AsyncIterator[list[Msg]]:
     """The log's reader: lists of at most ``batch`` messages, in stream order, from ``from_seq``
     or the first message stored at or after ``from_time`` (default: the first), up to ``to_seq``
@@ -289,7 +290,11 @@ async def read_batches(
     for a small ``batch``; one for a larger one) unacknowledged in flight, which bounds memory,
     and a bounded read acknowledges only as far as keeps the server from sending past
     ``to_seq``. A bounded read's lists hold ``batch`` messages but the last (or fewer, when they
-    were slower than ``idle_s`` to come); a following read hands over what has arrived."""
+    were slower than ``idle_s`` to come); a following read hands over what has arrived.
+
+    ``client``: the NATS client ``js`` belongs to. Given, the reader subscribes to the
+    consumer's deliveries with a core subscription, without JetStream's per-message
+    subscription handling (the reads of a rebuild's writers)."""
     end: float = float("inf") if follow else (to_seq if to_seq is not None else await last_sequence(js, stream))
     if end == 0 or (from_seq is not None and from_seq > end):
         return
@@ -312,8 +317,12 @@ async def read_batches(
         await _delete_consumer(js, stream, info.name)
         return
     reader = _PushReader(end, window)
-    sub = await js.subscribe_bind(stream=stream, config=info.config, consumer=info.name, cb=reader.take,
-                                  manual_ack=True, pending_msgs_limit=-1, pending_bytes_limit=-1)
+    if client is not None:
+        sub = await client.subscribe(config.deliver_subject, cb=reader.take, pending_msgs_limit=-1,
+                                     pending_bytes_limit=-1)
+    else:
+        sub = await js.subscribe_bind(stream=stream, config=info.config, consumer=info.name, cb=reader.take,
+                                      manual_ack=True, pending_msgs_limit=-1, pending_bytes_limit=-1)
     idle = 0.0
     try:
         while True:
@@ -327,7 +336,7 @@ async def read_batches(
             if idle >= CHECK_IDLE_S:  # a quiet consumer: is it still there, is anything left?
                 idle = 0.0
                 try:
-                    state = await sub.consumer_info()
+                    state = await js.consumer_info(stream, info.name)
                 except NotFoundError:
                     raise ConsumerLost(f"the reader's consumer on {stream} is gone (a server restart?)") from None
                 if not follow and state.num_pending == 0 and (state.delivered.stream_seq or 0) <= reader.top:

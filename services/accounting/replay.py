@@ -70,12 +70,12 @@ async def replay(log, conn: asyncpg.Connection, *, from_seq: int | None = None, 
                               "JetStream context")
         await _write_ranges(writers.NatsOptions.of(client), *writer_process, start, end, batch, progress, on_batch)
         return progress
-    await _replay_inline(js, conn, start, end, batch, progress, on_batch)
+    await _replay_inline(js, client, conn, start, end, batch, progress, on_batch)
     return progress
 
 
-async def _replay_inline(js, conn: asyncpg.Connection, start: int, end: int, batch: int, progress: Progress,
-                         on_batch: Callable[[Progress], None] | None) -> None:
+async def _replay_inline(js, client: NatsClient | None, conn: asyncpg.Connection, start: int, end: int, batch: int,
+                         progress: Progress, on_batch: Callable[[Progress], None] | None) -> None:
     """Batches of exactly ``batch`` events (the last one less), each written while the next is
     read and converted."""
     with BatchCollector() as collector:
@@ -91,7 +91,8 @@ async def _replay_inline(js, conn: asyncpg.Connection, start: int, end: int, bat
             if on_batch:
                 on_batch(progress)
 
-        await pipeline.run(eventlog.read_batches(js, from_seq=start, to_seq=end, batch=batch), store, after=stored)
+        batches = eventlog.read_batches(js, from_seq=start, to_seq=end, batch=batch, client=client)
+        await pipeline.run(batches, store, after=stored)
 
 
 async def rebuild(log, dsn: str, schema: str, *, from_seq: int | None = None, from_time: datetime | None = None,

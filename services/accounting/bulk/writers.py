@@ -68,11 +68,11 @@ def ranges(start: int, end: int, batch: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + batch - 1, end)) for lo in range(start, end + 1, batch)]
 
 
-async def read_range(js, lo: int, hi: int) -> list:
+async def read_range(nc: NatsClient, lo: int, hi: int) -> list:
     """The log's messages with lo <= sequence <= hi, in order (a sequence deleted from the
     stream is absent)."""
     out: list = []
-    async for msgs in eventlog.read_batches(js, from_seq=lo, to_seq=hi, batch=hi - lo + 1):
+    async for msgs in eventlog.read_batches(nc.jetstream(), from_seq=lo, to_seq=hi, batch=hi - lo + 1, client=nc):
         out += msgs
     return out
 
@@ -90,7 +90,6 @@ def writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tup
     # them (a commit is still all or nothing), and a rerun applies those ranges again.
     loop.run_until_complete(conn.execute("SET synchronous_commit = off"))
     nc = loop.run_until_complete(nats_options.connect())
-    js = nc.jetstream()
     applied = None
     if capacity and not loop.run_until_complete(conn.fetchval("SELECT EXISTS (SELECT FROM applied_events)")):
         # A fresh target: every id applied goes into a Bloom filter, so that only the ids in it
@@ -105,7 +104,7 @@ def writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tup
 
     async def read(lo: int, hi: int) -> tuple[list, str | None]:
         try:
-            return await read_range(js, lo, hi), None
+            return await read_range(nc, lo, hi), None
         except Exception as err:  # said in turn, below: no later range may be written
             return [], f"reading the range {lo}..{hi} failed: {err!r}"
 
