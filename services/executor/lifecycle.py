@@ -274,6 +274,11 @@ class BackendCore:
 
     # -- inputs ------------------------------------------------------------------------------
     def evolve(self, event: Event) -> None:
+        if not self._evolve_inventory(event):
+            self._evolve_job(event)
+
+    def _evolve_inventory(self, event: Event) -> bool:
+        """Node events and a new job; False for anything else."""
         s = self.state
         match event:
             case NodeRegistered() | NodeUpdated():
@@ -281,10 +286,8 @@ class BackendCore:
                 if isinstance(event, NodeRegistered):
                     s.registrations[event.node.name] = s.registrations.get(event.node.name, 0) + 1
                 self._inventory_dirty = True
-                return
             case NodeTelemetryReported():
                 s.telemetry.pop(event.event_id, None)
-                return
             case NodeLost():
                 s.nodes.pop(event.name, None)
                 self._inventory_dirty = True
@@ -293,10 +296,14 @@ class BackendCore:
                     if a.failed_on_node is None and any(p.node == event.name for p in a.scheduled.placement):
                         a.failed_on_node = event.name
                         self._touch(job_id)
-                return
             case JobSubmitted():
                 s.jobs.setdefault(event.aggregate_id, _Job(spec=event.spec))
-                return
+            case _:
+                return False
+        return True
+
+    def _evolve_job(self, event: Event) -> None:
+        s = self.state
         job_id = event.aggregate_id
         job = s.jobs.get(job_id)
         if job is None:
