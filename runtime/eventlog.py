@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
@@ -294,7 +296,8 @@ async def read_batches(
 
     ``client``: the NATS client ``js`` belongs to. Given, the reader subscribes to the
     consumer's deliveries with a core subscription, without JetStream's per-message
-    subscription handling (the reads of a rebuild's writers)."""
+    subscription handling (the reads of a rebuild's writers); through a
+    :class:`RawDeliveryClient`, its messages carry no headers."""
     end: float = float("inf") if follow else (to_seq if to_seq is not None else await last_sequence(js, stream))
     if end == 0 or (from_seq is not None and from_seq > end):
         return
@@ -316,10 +319,12 @@ async def read_batches(
     if not follow and info.num_pending == 0:
         await _delete_consumer(js, stream, info.name)
         return
-    reader = _PushReader(end, window)
+    reader = _PushReader(client, end, window)
     if client is not None:
         sub = await client.subscribe(config.deliver_subject, cb=reader.take, pending_msgs_limit=-1,
                                      pending_bytes_limit=-1)
+        if isinstance(client, RawDeliveryClient):
+            client.deliver_raw(sub, reader.take_raw)
     else:
         sub = await js.subscribe_bind(stream=stream, config=info.config, consumer=info.name, cb=reader.take,
                                       manual_ack=True, pending_msgs_limit=-1, pending_bytes_limit=-1)
@@ -342,6 +347,8 @@ async def read_batches(
                 if not follow and state.num_pending == 0 and (state.delivered.stream_seq or 0) <= reader.top:
                     return
     finally:
+        if isinstance(client, RawDeliveryClient):
+            client.deliver_raw(sub, None)
         try:
             await sub.unsubscribe()
         except Exception:  # the connection is gone: the server reaps the consumer anyway
@@ -353,8 +360,8 @@ class _PushReader:
     """The receiving side of :func:`read_batches`: keeps what arrives in order, says when a
     bounded read is complete, and acknowledges (ack-all) as far as the window may move."""
 
-    def __init__(self, end: float, window: int) -> None:
-        self.end, self.window = end, window
+    def __init__(self, client: NATS | None, end: float, window: int) -> None:
+        self.client, self.end, self.window = client, end, window
         self.buffer: list[Msg] = []
         self.top = 0  # the newest sequence taken
         self.done = False
@@ -365,10 +372,16 @@ class _PushReader:
         self.error: Exception | None = None
 
     async def take(self, msg: Msg) -> None:
-        if not msg.reply:  # a status message: no deliveries in this consumer's mode
-            return
+        if msg.reply:  # else a status message: no deliveries in this consumer's mode
+            self._keep(msg, msg.reply)
+
+    def take_raw(self, subject: bytes, reply: bytes, data: bytes) -> None:
+        """A delivery straight from :class:`RawDeliveryClient` (kept as a Msg without headers)."""
+        self._keep(Msg(self.client, subject=subject.decode(), reply=reply.decode(), data=data), reply)
+
+    def _keep(self, msg: Msg, reply: str | bytes) -> None:
         try:
-            seq, pending = delivery_position(msg.reply)
+            seq, pending = delivery_position(reply)
         except ValueError as err:
             self.error, self.done = err, True
             self.arrived.set()
@@ -411,6 +424,44 @@ class _PushReader:
         if self.ackable is not None and (self.unacked * 10 >= self.window or not self.buffer):
             msg, self.ackable, self.unacked = self.ackable, None, 0
             await msg.ack()
+
+
+class RawDeliveryClient(NATS):
+    """nats-py's client with a shortcut for bulk reads: the deliveries (messages with a reply
+    subject) to a subscription registered with :meth:`deliver_raw` go from the protocol parser
+    straight to a handler as ``(subject, reply, payload)``, without nats-py's per-message
+    handling (header parsing, a ``Msg``, a hop through the subscription's queue and task).
+    Status messages (no reply subject) still reach the subscription's callback. A rebuild's
+    writers connect with it.
+
+    The one use of another package's private names in this project (allowed by name in
+    tests/unit/test_layers.py): it overrides nats-py's ``Client._process_msg(sid, subject,
+    reply, data, headers)``, the parser's entry point, and keys handlers by a subscription's
+    sid, ``Subscription._id``. Where nats-py's signature differs, ``RAW`` is False and
+    :meth:`deliver_raw` does nothing: the subscription's callback gets every message."""
+
+    RAW = list(inspect.signature(NATS._process_msg).parameters) == ["self", "sid", "subject", "reply", "data",
+                                                                      "headers"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._raw: dict[int, Callable[[bytes, bytes, bytes], None]] = {}
+
+    def deliver_raw(self, sub: Subscription, handler: Callable[[bytes, bytes, bytes], None] | None) -> None:
+        """Hand ``sub``'s deliveries to ``handler(subject, reply, payload)`` (None: no longer).
+        The handler runs inside the client's read loop: it must not raise."""
+        if not self.RAW:
+            return
+        if handler is None:
+            self._raw.pop(sub._id, None)
+        else:
+            self._raw[sub._id] = handler
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        handler = self._raw.get(sid)
+        if handler is None or not reply:
+            return await super()._process_msg(sid, subject, reply, data, headers)
+        handler(subject, reply, data)
 
 
 async def _delete_consumer(js: JetStreamContext, stream: str, name: str) -> None:

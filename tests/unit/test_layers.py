@@ -59,7 +59,14 @@ def _private_uses(path: Path) -> list[str]:
     return found
 
 
+# The one allowed exception, by file and expression: runtime/eventlog.py's RawDeliveryClient
+# overrides nats-py's Client._process_msg (a rebuild's reads skip nats-py's per-message handling),
+# checks that method's signature at import and keys its handlers by a subscription's sid.
+ALLOWED_PRIVATE_USES = {("runtime/eventlog.py", "NATS._process_msg"), ("runtime/eventlog.py", "sub._id")}
+
+
 def test_no_module_uses_another_modules_private_names():
     found = [use for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
-             for use in _private_uses(path.relative_to(ROOT))]
+             for use in _private_uses(path.relative_to(ROOT))
+             if (str(path.relative_to(ROOT)), use.rsplit(" reads ", 1)[-1]) not in ALLOWED_PRIVATE_USES]
     assert not found, "\n".join(found)
