@@ -240,6 +240,9 @@ async def last_sequence(js: JetStreamContext, stream: str = EVENTS_STREAM) -> in
     return info.state.last_seq
 
 
+Payload = tuple[int, bytes]
+"""A message as a payload read gives it: (stream sequence, payload)."""
+
 CHECK_IDLE_S = 5.0
 """A reader that received nothing for this long asks the server about its consumer."""
 READ_WINDOW = 20_000
@@ -278,7 +281,8 @@ async def read_batches(
     batch: int = 2048,
     idle_s: float = 1.0,
     client: NATS | None = None,
-) -> AsyncIterator[list[Msg]]:
+    payloads: bool = False,
+) -> AsyncIterator[list[Msg] | list[Payload]]:
     """The log's reader: lists of at most ``batch`` messages, in stream order, from ``from_seq``
     or the first message stored at or after ``from_time`` (default: the first), up to ``to_seq``
     (default: the last sequence when the read starts), or with ``follow`` forever, yielding an
@@ -296,8 +300,9 @@ async def read_batches(
 
     ``client``: the NATS client ``js`` belongs to. Given, the reader subscribes to the
     consumer's deliveries with a core subscription, without JetStream's per-message
-    subscription handling (the reads of a rebuild's writers); through a
-    :class:`RawDeliveryClient`, its messages carry no headers."""
+    subscription handling. ``payloads``: lists of (stream sequence, payload) pairs instead of
+    messages (a rebuild's writers need nothing else); through a :class:`RawDeliveryClient` they
+    skip nats-py's per-message handling."""
     end: float = float("inf") if follow else (to_seq if to_seq is not None else await last_sequence(js, stream))
     if end == 0 or (from_seq is not None and from_seq > end):
         return
@@ -319,11 +324,11 @@ async def read_batches(
     if not follow and info.num_pending == 0:
         await _delete_consumer(js, stream, info.name)
         return
-    reader = _PushReader(client, end, window)
+    reader = _PushReader(client, end, window, payloads)
     if client is not None:
         sub = await client.subscribe(config.deliver_subject, cb=reader.take, pending_msgs_limit=-1,
                                      pending_bytes_limit=-1)
-        if isinstance(client, RawDeliveryClient):
+        if payloads and isinstance(client, RawDeliveryClient):
             client.deliver_raw(sub, reader.take_raw)
     else:
         sub = await js.subscribe_bind(stream=stream, config=info.config, consumer=info.name, cb=reader.take,
@@ -360,26 +365,26 @@ class _PushReader:
     """The receiving side of :func:`read_batches`: keeps what arrives in order, says when a
     bounded read is complete, and acknowledges (ack-all) as far as the window may move."""
 
-    def __init__(self, client: NATS | None, end: float, window: int) -> None:
-        self.client, self.end, self.window = client, end, window
-        self.buffer: list[Msg] = []
+    def __init__(self, client: NATS | None, end: float, window: int, payloads: bool) -> None:
+        self.client, self.end, self.window, self.payloads = client, end, window, payloads
+        self.buffer: list[Msg] | list[Payload] = []
         self.top = 0  # the newest sequence taken
         self.done = False
         self.arrived = asyncio.Event()  # set once ``want`` messages are buffered, or the read is complete
         self.want = 1
         self.unacked = 0
-        self.ackable: Msg | None = None  # the newest message that may be acknowledged
+        self.ackable: Msg | bytes | None = None  # the newest delivery that may be acknowledged (or its reply)
         self.error: Exception | None = None
 
     async def take(self, msg: Msg) -> None:
         if msg.reply:  # else a status message: no deliveries in this consumer's mode
-            self._keep(msg, msg.reply)
+            self._keep(msg.reply, msg, msg.data)
 
-    def take_raw(self, subject: bytes, reply: bytes, data: bytes) -> None:
-        """A delivery straight from :class:`RawDeliveryClient` (kept as a Msg without headers)."""
-        self._keep(Msg(self.client, subject=subject.decode(), reply=reply.decode(), data=data), reply)
+    def take_raw(self, reply: bytes, data: bytes) -> None:
+        """A delivery straight from :class:`RawDeliveryClient` (a payload read)."""
+        self._keep(reply, None, data)
 
-    def _keep(self, msg: Msg, reply: str | bytes) -> None:
+    def _keep(self, reply: str | bytes, msg: Msg | None, data: bytes) -> None:
         try:
             seq, pending = delivery_position(reply)
         except ValueError as err:
@@ -390,11 +395,11 @@ class _PushReader:
             return  # redelivered after ack_wait: already taken
         self.top = seq
         if seq <= self.end:
-            self.buffer.append(msg)
+            self.buffer.append((seq, data) if self.payloads else msg)
             self.unacked += 1
             # Acknowledging this one lets the server send up to ``window`` sequences past it.
             if seq + self.window <= self.end:
-                self.ackable = msg
+                self.ackable = reply if msg is None else msg
         if seq >= self.end or (pending == 0 and self.end != float("inf")):
             self.done = True
         if self.done or len(self.buffer) >= self.want:
@@ -403,7 +408,7 @@ class _PushReader:
     def finished(self) -> bool:
         return self.done and not self.buffer
 
-    async def next(self, want: int, batch: int, idle_s: float) -> list[Msg]:
+    async def next(self, want: int, batch: int, idle_s: float) -> list[Msg] | list[Payload]:
         """Up to ``batch`` messages once ``want`` have arrived, the read is complete, or
         ``idle_s`` passed."""
         self.want = want
@@ -422,14 +427,17 @@ class _PushReader:
         """After a batch was handed over: every tenth of the window, or when nothing is left to
         hand over (so that an idle follower's messages do not reach ack_wait)."""
         if self.ackable is not None and (self.unacked * 10 >= self.window or not self.buffer):
-            msg, self.ackable, self.unacked = self.ackable, None, 0
-            await msg.ack()
+            delivery, self.ackable, self.unacked = self.ackable, None, 0
+            if isinstance(delivery, Msg):
+                await delivery.ack()
+            else:  # a raw delivery's reply subject (ack-all: an empty message acknowledges)
+                await self.client.publish(delivery.decode())
 
 
 class RawDeliveryClient(NATS):
     """nats-py's client with a shortcut for bulk reads: the deliveries (messages with a reply
     subject) to a subscription registered with :meth:`deliver_raw` go from the protocol parser
-    straight to a handler as ``(subject, reply, payload)``, without nats-py's per-message
+    straight to a handler as ``(reply, payload)``, without nats-py's per-message
     handling (header parsing, a ``Msg``, a hop through the subscription's queue and task).
     Status messages (no reply subject) still reach the subscription's callback. A rebuild's
     writers connect with it.
@@ -445,10 +453,10 @@ class RawDeliveryClient(NATS):
 
     def __init__(self) -> None:
         super().__init__()
-        self._raw: dict[int, Callable[[bytes, bytes, bytes], None]] = {}
+        self._raw: dict[int, Callable[[bytes, bytes], None]] = {}
 
-    def deliver_raw(self, sub: Subscription, handler: Callable[[bytes, bytes, bytes], None] | None) -> None:
-        """Hand ``sub``'s deliveries to ``handler(subject, reply, payload)`` (None: no longer).
+    def deliver_raw(self, sub: Subscription, handler: Callable[[bytes, bytes], None] | None) -> None:
+        """Hand ``sub``'s deliveries to ``handler(reply, payload)`` (None: no longer).
         The handler runs inside the client's read loop: it must not raise."""
         if not self.RAW:
             return
@@ -461,7 +469,7 @@ class RawDeliveryClient(NATS):
         handler = self._raw.get(sid)
         if handler is None or not reply:
             return await super()._process_msg(sid, subject, reply, data, headers)
-        handler(subject, reply, data)
+        handler(reply, data)
 
 
 async def _delete_consumer(js: JetStreamContext, stream: str, name: str) -> None:

@@ -52,9 +52,9 @@ def convert(msgs: Sequence[Msg], *, trace: str | None = None,
         seq = sequence(msg)
         if trace:
             with _span(trace, msg, seq):
-                entry, event, reason = _convert_one(msg, seq)
+                entry, event, reason = _convert_one(seq, msg.data)
         else:
-            entry, event, reason = _convert_one(msg, seq)
+            entry, event, reason = _convert_one(seq, msg.data)
         entries.append(entry)
         if reason is not None:
             poison.append((msg, reason))
@@ -63,10 +63,16 @@ def convert(msgs: Sequence[Msg], *, trace: str | None = None,
     return out
 
 
-def _convert_one(msg: Msg, seq: int) -> tuple[sink.Entry, Event | None, str | None]:
+def entries(payloads: Sequence[eventlog.Payload]) -> list[sink.Entry]:
+    """The converter over (stream sequence, payload) pairs (a payload read: a rebuild's
+    writers), without traces; a poison message is an entry without operations."""
+    return [_convert_one(seq, data)[0] for seq, data in payloads]
+
+
+def _convert_one(seq: int, data: bytes) -> tuple[sink.Entry, Event | None, str | None]:
     """(entry, event, None), or for a poison message (entry without operations, None, reason)."""
     try:
-        event = parse_event(msg.data)
+        event = parse_event(data)
     except (ValueError, ValidationError) as err:
         return (seq, None, []), None, f"cannot project: {err}"
     return (seq, event.event_id, projection.convert(event, seq)), event, None

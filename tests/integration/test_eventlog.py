@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 
+import nats
 import pytest
 
 from runtime import eventlog
@@ -172,3 +173,22 @@ async def test_a_following_read_whose_consumer_vanishes_says_so(admin_js, monkey
                 await anext(batches)
     finally:
         await batches.aclose()
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-delivery-client", "plain-client"])
+async def test_a_payload_read_gives_the_messages_sequences_and_payloads(admin_js, nats_server, raw, monkeypatch):
+    """payloads=True: (sequence, payload) pairs, the same as the messages' — through a
+    RawDeliveryClient (nats-py's per-message handling skipped) and a plain client alike, with a
+    window smaller than the range (acknowledged as it goes)."""
+    await _append(admin_js, 12)
+    want = [(eventlog.sequence(m), m.data) async for m in eventlog.read(admin_js, from_seq=2, to_seq=11)]
+    monkeypatch.setattr(eventlog, "READ_WINDOW", 3)
+    nc = eventlog.RawDeliveryClient() if raw else nats.NATS()
+    await nc.connect(nats_server.url(), user="admin", password=nats_server.creds.users["admin"], connect_timeout=5)
+    try:
+        got = [p async for b in eventlog.read_batches(nc.jetstream(), from_seq=2, to_seq=11, batch=2, client=nc,
+                                                      payloads=True) for p in b]
+    finally:
+        await nc.close()
+    assert got == want and len(got) == 10
+    assert not raw or eventlog.RawDeliveryClient.RAW  # the nats-py this project pins keeps the override's hook

@@ -4,9 +4,10 @@ committed in log order.
 A rebuild cuts the log [start, end] into ranges of ``batch`` stream sequences and deals them
 round-robin to WRITERS processes, each with its own NATS and Postgres connection: range k goes
 to writer k % WRITERS. A writer reads its range through the log's reader
-(:func:`runtime.eventlog.read_batches` from the range's first sequence to its last), converts
-and plans it (:func:`services.accounting.pipeline.convert`,
-:func:`services.accounting.sink.prepare`), then waits for the turn: a token the writer of the
+(:func:`runtime.eventlog.read_batches` from the range's first sequence to its last, as
+(sequence, payload) pairs through a :class:`runtime.eventlog.RawDeliveryClient`), converts and
+plans it (:func:`services.accounting.pipeline.entries`, :func:`services.accounting.sink.prepare`),
+then waits for the turn: a token the writer of the
 previous range sends after its transaction committed. Meanwhile, and while it writes, it reads
 its next range. So ranges commit in log order, one at a time, while the next ones are being
 read and converted; no message passes through a second process. The token also says whether a
@@ -69,12 +70,13 @@ def ranges(start: int, end: int, batch: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + batch - 1, end)) for lo in range(start, end + 1, batch)]
 
 
-async def read_range(nc: NatsClient, lo: int, hi: int) -> list:
-    """The log's messages with lo <= sequence <= hi, in order (a sequence deleted from the
-    stream is absent)."""
-    out: list = []
-    async for msgs in eventlog.read_batches(nc.jetstream(), from_seq=lo, to_seq=hi, batch=hi - lo + 1, client=nc):
-        out += msgs
+async def read_range(nc: NatsClient, lo: int, hi: int) -> list[eventlog.Payload]:
+    """The log's (stream sequence, payload) pairs with lo <= sequence <= hi, in order (a
+    sequence deleted from the stream is absent)."""
+    out: list[eventlog.Payload] = []
+    async for payloads in eventlog.read_batches(nc.jetstream(), from_seq=lo, to_seq=hi, batch=hi - lo + 1,
+                                                client=nc, payloads=True):
+        out += payloads
     return out
 
 
@@ -116,10 +118,10 @@ def writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tup
     try:
         for k, (lo, hi) in enumerate(mine):
             t, cpu = time.perf_counter(), time.process_time()
-            msgs, unread = loop.run_until_complete(pending)
+            payloads, unread = loop.run_until_complete(pending)
             pending = loop.create_task(read(*mine[k + 1])) if k + 1 < len(mine) else None
             read_s = time.perf_counter() - t  # what the read left to wait for
-            prepared = sink.prepare(pipeline.convert(msgs).entries)
+            prepared = sink.prepare(pipeline.entries(payloads))
             ids = list(prepared.first)
             # The filter holds the ids of every range this writer has heard of so far: what it
             # flags is found before the turn (which holds up every writer); in the turn, only
@@ -150,8 +152,8 @@ def writer_main(dsn: str, schema: str, nats_options: NatsOptions, mine: list[tup
                 for batch in recent:
                     applied.update(batch)
                 applied.update(ids)
-            n = len(msgs)
-            del prepared, ids, msgs
+            n = len(payloads)
+            del prepared, ids, payloads
             collector.after_batch()
             results.send((failed, n, read_s, waited, time.perf_counter() - t, time.process_time() - cpu))
             if failed is not None:
