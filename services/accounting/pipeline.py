@@ -66,7 +66,16 @@ def convert(msgs: Sequence[Msg], *, trace: str | None = None,
 def entries(payloads: Sequence[eventlog.Payload]) -> list[sink.Entry]:
     """The converter over (stream sequence, payload) pairs (a payload read: a rebuild's
     writers), without traces; a poison message is an entry without operations."""
-    return [_convert_one(seq, data)[0] for seq, data in payloads]
+    return [_entry(seq, data) for seq, data in payloads]
+
+
+def _entry(seq: int, data: bytes) -> sink.Entry:
+    """:func:`_convert_one`'s entry alone (every message of a rebuild passes here)."""
+    try:
+        event = parse_event(data)
+    except (ValueError, ValidationError):
+        return seq, None, []
+    return seq, event.event_id, projection.convert(event, seq)
 
 
 def _convert_one(seq: int, data: bytes) -> tuple[sink.Entry, Event | None, str | None]:
