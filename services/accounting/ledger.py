@@ -174,11 +174,13 @@ _TAKE: dict[str, Callable[[Book, tuple], None] | None] = {
 
 
 def rows(book: Book, prior: dict[tuple[str, int], Facts]) -> list[tuple]:
-    """The batch's ledger rows: each end's facts from earlier batches (``prior``, by attempt),
-    then the batch's own."""
+    """The batch's ledger rows: each end's facts from earlier batches (``prior``, by attempt;
+    absent: none), then the batch's own."""
     out = []
     for end, facts, flavor_set in book.ended:
-        before = prior.get((end.job_id, end.attempt), Facts())
-        if (row := usage_row(before.after(facts, flavor_set=flavor_set), end)) is not None:
+        before = prior.get((end.job_id, end.attempt))
+        if before is not None:
+            facts = before.after(facts, flavor_set=flavor_set)
+        if (row := usage_row(facts, end)) is not None:
             out.append(row)
     return out

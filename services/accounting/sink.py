@@ -261,11 +261,14 @@ _PRIOR = """
 
 async def prior_facts(conn: asyncpg.Connection, keys: list[tuple[str, int]]) -> dict[tuple[str, int], ledger.Facts]:
     """What the read models hold (written by earlier batches) about these attempts: their job's
-    submission and flavor, reservation, queue time and checkpoints. Keyed lookups only."""
+    submission and flavor, reservation, queue time and checkpoints; an attempt they know
+    nothing of is absent. Keyed lookups only."""
     if not keys:
         return {}
     out = {}
     for r in await conn.fetch(_PRIOR, [k[0] for k in keys], [k[1] for k in keys]):
+        if r["team"] is None and r["r_flavor"] is None and r["queued_at"] is None and not r["checkpoints"]:
+            continue  # no job row (so no flavor either), no reservation, queue time or checkpoint
         job = None if r["team"] is None else ledger.JobFacts(r["team"], r["project"], r["queue"], r["total_gpus"],
                                                              r["cpu_millis"], r["memory_mib"])
         reservation = None if r["r_flavor"] is None else ledger.Reservation(r["r_queue"], r["r_flavor"],
