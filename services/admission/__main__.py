@@ -77,7 +77,14 @@ class AdmissionService(DecisionService):
                 else:
                     events = core.handle_cancel(msg.data, team, now)
             except PoisonCommand as err:
-                await eventlog.dead_letter(js, DEAD_LETTER_NAME, msg, str(err))
+                reason = str(err)
+            except Exception as err:  # the core is pure: a command that breaks it is poison, not a blip
+                log.exception("admission failed on an intake command", extra={"sequence": seq})
+                reason = f"internal error on this command ({type(err).__name__}: {err}); reported as a bug"
+            else:
+                reason = None
+            if reason is not None:
+                await eventlog.dead_letter(js, DEAD_LETTER_NAME, msg, reason)
                 await msg.ack()
                 return None
         ctx = observability.trace_headers(msg.headers)

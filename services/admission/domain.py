@@ -37,7 +37,7 @@ from schemas import (
     SubmitJob,
     new_event,
 )
-from schemas.commands import MAX_COMMAND_BYTES, job_id_for_key
+from schemas.commands import MalformedCommand, job_id_for_key, load_command
 from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
 from schemas.node import NodeInfo
 
@@ -180,13 +180,13 @@ class AdmissionCore:
     @staticmethod
     def _parse_submit(raw: bytes, subject_team: str) -> SubmitJob:
         """The command, if it is one this team may send (PoisonCommand when it is not JSON)."""
-        if len(raw) > MAX_COMMAND_BYTES:
-            raise SubmitRefused(RejectReason.PAYLOAD_TOO_LARGE,
-                                f"command is {len(raw)} bytes; accepted: at most {MAX_COMMAND_BYTES} bytes", "(root)")
         try:
-            payload = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise PoisonCommand(f"not JSON: {err}") from None
+            payload = load_command(raw)
+        except MalformedCommand as err:
+            if err.kind == "not-json":
+                raise PoisonCommand(err.message) from None
+            reason = RejectReason.PAYLOAD_TOO_LARGE if err.kind == "too-large" else RejectReason.SCHEMA_INVALID
+            raise SubmitRefused(reason, err.message, err.field) from None
         requested = payload.get("job_id") if isinstance(payload, dict) else None
         requested = requested if isinstance(requested, str) else None
         try:
@@ -247,7 +247,9 @@ class AdmissionCore:
 
     def handle_cancel(self, raw: bytes, subject_team: str, now: datetime) -> list[Event]:
         try:
-            command = CancelJob.model_validate_json(raw)
+            command = CancelJob.model_validate(load_command(raw))
+        except MalformedCommand as err:
+            raise PoisonCommand(f"invalid CancelJob: {err.message}") from None
         except ValidationError as err:
             raise PoisonCommand(f"invalid CancelJob: {_validation_message(err)[1]}") from None
         job = self._team_job("CancelJob", command.job_id, subject_team)
@@ -265,7 +267,9 @@ class AdmissionCore:
         for the job's running attempt. A report that names no running attempt of a job of this
         team is refused with a PoisonCommand (the dead-letter subject, with this message)."""
         try:
-            command = ReportCheckpoint.model_validate_json(raw)
+            command = ReportCheckpoint.model_validate(load_command(raw))
+        except MalformedCommand as err:
+            raise PoisonCommand(f"invalid ReportCheckpoint: {err.message}") from None
         except ValidationError as err:
             raise PoisonCommand(f"invalid ReportCheckpoint: {_validation_message(err)[1]}") from None
         job = self._team_job("ReportCheckpoint", command.job_id, subject_team,

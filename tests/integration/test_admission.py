@@ -204,3 +204,44 @@ async def test_checkpoint_reports(admission):
         return [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
     [dead] = await eventually(dead_lettered)
     assert "attempt 3 of job ckpt is not running; accepted: 1" in dead.headers["Gpusched-Reason"]
+
+
+async def test_a_command_nested_thousands_deep_or_holding_nul_is_refused_and_admission_keeps_going(admission):
+    """Such a command used to crash admission (RecursionError in the JSON parser: never acked,
+    redelivered every ack wait) or pass it and stop the read models (Postgres refuses NUL)."""
+    admin_js, tenant = admission
+    deep_seq = await submit(tenant, b'{"a":' * 5000 + b"1" + b"}" * 5000)
+    nul_seq = await submit(tenant, good("nul-1", args=["ok", "bad\u0000arg"]))
+    await tenant.publish("gpusched.intake.team-a.cancel", b'{"job_id": "fine-2", "requested_by": "a\\u0000"}')
+    await submit(tenant, good("fine-2"))
+
+    assert (await outcome(admin_js, "fine-2")).type == "JobAdmitted"
+    deep = await outcome(admin_js, rejection_id(deep_seq))
+    assert (deep.reason.value, deep.field) == ("schema-invalid", "(root)") and "nested 5000 levels" in deep.message
+    nul = await outcome(admin_js, rejection_id(nul_seq))
+    assert (nul.reason.value, nul.field) == ("schema-invalid", "spec.args.1") and "NUL" in nul.message
+    dead = [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
+    assert [m.headers["Gpusched-Reason"].split(" at offset")[0] for m in dead] == [
+        "invalid CancelJob: requested_by: contains a NUL character"]
+
+
+class _BrokenOnCancel(AdmissionCore):
+    def handle_cancel(self, raw, subject_team, now):
+        raise RuntimeError("a bug in the core")
+
+
+async def test_an_exception_in_the_core_dead_letters_that_command_and_admission_keeps_going(nats_server, admin_js):
+    log = eventlog.EventLog(admin_js)
+    await log.append(new_event(QueueConfigured, aggregate_id="research", producer="config", occurred_at=NOW, key="1",
+                               name="research", allowed_teams=("team-a",),
+                               quotas=(FlavorQuota(flavor="a100", nominal=8),)))
+    service = AdmissionService("admission", _BrokenOnCancel(), service_settings(nats_server, "admission"))
+    async with running(service):
+        tenant = await connect_as(nats_server, "team-a")
+        await tenant.jetstream().publish("gpusched.intake.team-a.cancel", b'{"job_id": "x", "requested_by": "a"}')
+        await submit(tenant.jetstream(), good("after-the-bug", gpu_flavors=[]))
+        assert (await outcome(admin_js, "after-the-bug")).type in ("JobAdmitted", "JobRejected")
+        await tenant.close()
+    dead = [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
+    assert [m.headers["Gpusched-Reason"] for m in dead] == [
+        "internal error on this command (RuntimeError: a bug in the core); reported as a bug"]

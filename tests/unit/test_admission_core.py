@@ -443,3 +443,25 @@ def test_cancel_of_a_rejected_job_does_nothing():
     (rej,) = drive(core)
     assert rej.reason == RejectReason.UNKNOWN_QUEUE
     assert core.handle_cancel(cancel_raw(), "team-a", T0) == []
+
+
+@pytest.mark.parametrize(("raw", "field", "words"), [
+    (b'{"a":' * 5000 + b"1" + b"}" * 5000, "(root)", "nested 5000 levels deep; accepted: at most 32"),
+    (b'{"submitter": "al\\u0000ice", "spec": {}}', "submitter", "contains a NUL character at offset 2"),
+    (b'{"submitter": "alice", "spec": {"env": {"K": "\\udc00"}}}', "spec.env.K", "an unpaired UTF-16 surrogate"),
+])
+def test_a_command_the_read_models_could_not_hold_is_rejected_naming_the_field(raw, field, words):
+    rejected = only_rejection(AdmissionCore().handle_submit(raw, "team-a", 7, T0))
+    assert (rejected.reason.value, rejected.field) == ("schema-invalid", field)
+    assert words in rejected.message
+
+
+def test_a_byte_order_mark_is_not_json():
+    with pytest.raises(PoisonCommand, match="byte order mark"):
+        AdmissionCore().handle_submit(b'\xef\xbb\xbf{"submitter": "alice"}', "team-a", 1, T0)
+
+
+@pytest.mark.parametrize("raw", [b'{"job_id": "j", "requested_by": "a\\u0000"}', b"[" * 100 + b"]" * 100])
+def test_a_cancel_the_read_models_could_not_hold_is_poison(raw):
+    with pytest.raises(PoisonCommand, match="invalid CancelJob"):
+        AdmissionCore().handle_cancel(raw, "team-a", T0)
