@@ -299,3 +299,15 @@ def test_property_constraints_and_capacity_always_hold(cluster, policy):
     assert all(not infos[n].cpu_millis or c <= infos[n].cpu_millis for n, c in cpu.items())
     _, again = play()
     assert [e.model_dump() for e in again] == [e.model_dump() for e in out]  # deterministic
+
+
+def test_the_example_clusters_topology_labels_are_the_ones_the_scheduler_reads():
+    from pathlib import Path
+
+    from services.executor.cluster import load_cluster
+    from services.scheduler.inventory import TOPOLOGY_LABELS, topology_of
+
+    nodes = load_cluster(Path(__file__).parents[2] / "gpusched" / "examples" / "cluster.yaml").nodes()
+    used = {key for n in nodes for key in n.labels if key.startswith("topology.gpusched.io/")}
+    assert used <= set(TOPOLOGY_LABELS.values()), used - set(TOPOLOGY_LABELS.values())
+    assert {topology_of(n)[0] for n in nodes if n.gpu_flavor == "h100-80gb"} == {"h100-nvl"}
