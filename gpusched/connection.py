@@ -15,6 +15,23 @@ import nats
 from gpusched.userinput import UserError
 
 CONNECTION_FILE = Path(".data/run/connection.json")
+"""Where `make run` writes the connection, relative to the directory it runs in."""
+
+
+def user_connection_file() -> Path:
+    """The copy `make run` also writes for this user (``$XDG_STATE_HOME/gpusched``, default
+    ``~/.local/state/gpusched``), so the CLI finds a running stack from any directory."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "gpusched" / "connection.json"
+
+
+def save(connection: "Connection", path: Path) -> None:
+    """Write ``connection`` to ``path`` and to :func:`user_connection_file`, readable by this user only."""
+    for target in (path, user_connection_file()):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.touch(mode=0o600)
+        target.chmod(0o600)
+        target.write_text(json.dumps(connection.__dict__))
 
 
 @dataclass(frozen=True)
@@ -27,9 +44,13 @@ class Connection:
     @classmethod
     def resolve(cls) -> "Connection":
         """Environment first (GPUSCHED_NATS_URL, GPUSCHED_NATS_USER, GPUSCHED_NATS_PASSWORD,
-        GPUSCHED_PG_DSN); otherwise what a local `make run` wrote to .data/run/connection.json."""
+        GPUSCHED_PG_DSN); otherwise what a local `make run` wrote: the file GPUSCHED_CONNECTION_FILE
+        names, else .data/run/connection.json in this directory, else this user's copy."""
         saved: dict[str, Any] = {}
-        path = Path(os.environ.get("GPUSCHED_CONNECTION_FILE", CONNECTION_FILE))
+        if "GPUSCHED_CONNECTION_FILE" in os.environ:
+            path = Path(os.environ["GPUSCHED_CONNECTION_FILE"])
+        else:
+            path = CONNECTION_FILE if CONNECTION_FILE.exists() else user_connection_file()
         if path.exists():
             saved = json.loads(path.read_text())
         return cls(

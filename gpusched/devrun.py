@@ -139,8 +139,7 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
 
     operator = connection.Connection(admin.nats_url, "operator" if nats_server else admin.nats_user,
                                  nats_server.creds.users["operator"] if nats_server else admin.nats_password, dsn)
-    (run_dir / "connection.json").write_text(json.dumps(operator.__dict__))
-    (run_dir / "connection.json").chmod(0o600)
+    connection.save(operator, run_dir / "connection.json")
 
     nc = await admin.nats()
     js = nc.jetstream()
@@ -163,7 +162,8 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     try:
         console.print(f"NATS {admin.nats_url}   Postgres {dsn}   logs {data_dir / 'logs'}")
         console.print("metrics: " + "  ".join(f"{n} :{p}" for n, p in metrics_ports.items()))
-        console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage   (reads .data/run/connection.json)")
+        console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage   "
+                      "(reads .data/run/connection.json; from elsewhere ~/.local/state/gpusched/)")
         if demo:
             already = await history.job_events(js, "demo-0000")
             offset = 0 if not already else int(time.time()) % 100000  # a second run submits new jobs
