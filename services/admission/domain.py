@@ -363,33 +363,50 @@ class AdmissionCore:
                 "spec.gpu_flavors", queue_flavors,
             )
         if spec.gpus > 0 and (problem := self._unsatisfiable(spec, wanted)):
-            return reject(RejectReason.UNSATISFIABLE, problem, "spec.gpus")
+            field_, message = problem
+            return reject(RejectReason.UNSATISFIABLE, message, field_)
         return new_event(
             JobAdmitted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key="decision", cause=cause,
             queue=queue.name, priority=pc.value, preemptible=pc.preemptible,
         )
 
-    def _unsatisfiable(self, spec: JobSpec, flavors: tuple[str, ...]) -> str | None:
+    def _unsatisfiable(self, spec: JobSpec, flavors: tuple[str, ...]) -> tuple[str, str] | None:
         """Resource sanity against the inventory: could any known node shape ever host one gang
         member, and are there enough such nodes for the gang? Free capacity is the scheduler's
         business. A flavor with no node registered yet is given the benefit of the doubt (its
-        nodes may still be registering), so only a flavor whose nodes are all too small rejects."""
-        fitting: dict[str, int] = {}
-        largest: dict[str, int] = {}
-        for node in self.state.nodes.values():
-            if node.gpu_flavor not in flavors:
-                continue
-            largest[node.gpu_flavor] = max(largest.get(node.gpu_flavor, 0), node.gpu_count)
-            memory_ok = spec.min_gpu_memory_mib is None or (node.gpu_memory_mib or 0) >= spec.min_gpu_memory_mib
-            if node.gpu_count >= spec.gpus and memory_ok and set(spec.node_features) <= set(node.features):
-                fitting[node.gpu_flavor] = fitting.get(node.gpu_flavor, 0) + 1
-        if any(f not in largest for f in flavors):
+        nodes may still be registering), so only a flavor whose nodes are all too small rejects.
+        Returns (the field whose value rules the nodes out, the message), or None."""
+        nodes = [n for n in self.state.nodes.values() if n.gpu_flavor in flavors]
+        if {n.gpu_flavor for n in nodes} != set(flavors):
             return None
-        if any(count >= spec.gang_size for count in fitting.values()):
-            return None
-        shapes = ", ".join(f"{f}: {n} GPUs" for f, n in sorted(largest.items()))
-        return (
-            f"spec.gpus {spec.gpus} × gang_size {spec.gang_size} with min_gpu_memory_mib "
+        # Each requirement in turn narrows the nodes; the first that leaves too few is at fault.
+        requirements = (
+            ("spec.gpus", lambda n: n.gpu_count >= spec.gpus),
+            ("spec.node_features", lambda n: set(spec.node_features) <= set(n.features)),
+            ("spec.min_gpu_memory_mib",
+             lambda n: spec.min_gpu_memory_mib is None or (n.gpu_memory_mib or 0) >= spec.min_gpu_memory_mib),
+        )
+        field_ = "spec.gang_size"
+        for name, holds in requirements:
+            nodes_left = [n for n in nodes if holds(n)]
+            if not nodes_left:
+                field_ = name
+                break
+            nodes = nodes_left
+        else:
+            per_flavor = [sum(1 for n in nodes if n.gpu_flavor == f) for f in flavors]
+            if max(per_flavor) >= spec.gang_size:
+                return None
+        shapes = "; ".join(self._largest_node(f) for f in sorted(flavors))
+        return field_, (
+            f"{field_}: spec.gpus {spec.gpus} × gang_size {spec.gang_size} with min_gpu_memory_mib "
             f"{spec.min_gpu_memory_mib} and node_features {list(spec.node_features)} fits no "
             f"{spec.gang_size} node(s) of flavors {list(flavors)}; largest node per flavor: {shapes}"
         )
+
+    def _largest_node(self, flavor: str) -> str:
+        """A flavor's most GPUs, most GPU memory and features, over its known nodes."""
+        nodes = [n for n in self.state.nodes.values() if n.gpu_flavor == flavor]
+        memory = max((n.gpu_memory_mib or 0) for n in nodes)
+        features = sorted({f for n in nodes for f in n.features})
+        return f"{flavor}: {max(n.gpu_count for n in nodes)} GPUs, {memory} MiB each, features {features}"

@@ -286,35 +286,38 @@ def test_queue_without_quotas_is_unknown_flavor_for_gpu_jobs_but_fine_for_cpu_jo
 
 
 @pytest.mark.parametrize(
-    "spec_overrides, nodes, ok",
+    "spec_overrides, nodes, at_fault",
     [
-        ({"gpus": 8}, [node("n1", "a100", 8)], True),
-        ({"gpus": 9, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)], False),
+        ({"gpus": 8}, [node("n1", "a100", 8)], None),
+        ({"gpus": 9, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)], "spec.gpus"),
         # no h100 node registered yet: the benefit of the doubt
-        ({"gpus": 9}, [node("n1", "a100", 8)], True),
-        ({"gpus": 1}, [node("x1", "l4", 64)], True),
+        ({"gpus": 9}, [node("n1", "a100", 8)], None),
+        ({"gpus": 1}, [node("x1", "l4", 64)], None),
         # every allowed flavor known: one big enough suffices, all too small rejects
-        ({"gpus": 9}, [node("n1", "a100", 8), node("h1", "h100", 16)], True),
-        ({"gpus": 17}, [node("n1", "a100", 8), node("h1", "h100", 16)], False),
-        ({"gpus": 9, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8), node("h1", "h100", 16)], False),
-        ({"gpus": 4, "gang_size": 2, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)], False),  # gang of two, one node
-        ({"gpus": 4, "gang_size": 2, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8), node("n2", "a100", 4)], True),
-        ({"gpus": 1, "min_gpu_memory_mib": 100_000, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)], False),
-        ({"gpus": 1, "node_features": ["rdma"], "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)], False),
+        ({"gpus": 9}, [node("n1", "a100", 8), node("h1", "h100", 16)], None),
+        ({"gpus": 17}, [node("n1", "a100", 8), node("h1", "h100", 16)], "spec.gpus"),
+        ({"gpus": 9, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8), node("h1", "h100", 16)], "spec.gpus"),
+        # gang of two, one node
+        ({"gpus": 4, "gang_size": 2, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)], "spec.gang_size"),
+        ({"gpus": 4, "gang_size": 2, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8), node("n2", "a100", 4)], None),
+        ({"gpus": 1, "min_gpu_memory_mib": 100_000, "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)],
+         "spec.min_gpu_memory_mib"),
+        ({"gpus": 1, "node_features": ["rdma"], "gpu_flavors": ["a100"]}, [node("n1", "a100", 8)],
+         "spec.node_features"),
         ({"gpus": 1, "node_features": ["rdma"], "gpu_flavors": ["a100"]},
-         [node("n1", "a100", 8, features=("rdma", "nvlink"))], True),
-        ({"gpus": 0}, [node("n1", "a100", 1)], True),  # CPU-only work is not checked
+         [node("n1", "a100", 8, features=("rdma", "nvlink"))], None),
+        ({"gpus": 0}, [node("n1", "a100", 1)], None),  # CPU-only work is not checked
     ],
 )
-def test_unsatisfiable(spec_overrides, nodes, ok):
+def test_unsatisfiable(spec_overrides, nodes, at_fault):
     core, _ = submitted_core(*QUEUES, *nodes, payload=submit_payload(spec_dict(**spec_overrides), job_id="j1"))
     (event,) = core.decide(T0)
-    if ok:
+    if at_fault is None:
         assert isinstance(event, JobAdmitted), event
     else:
         assert isinstance(event, JobRejected)
-        assert event.reason == RejectReason.UNSATISFIABLE
-        assert event.field == "spec.gpus"
+        assert (event.reason, event.field) == (RejectReason.UNSATISFIABLE, at_fault)
+        assert event.message.startswith(f"{at_fault}: ")
 
 
 def test_unsatisfiable_message_names_the_largest_node():
@@ -323,7 +326,16 @@ def test_unsatisfiable_message_names_the_largest_node():
     (event,) = core.decide(T0)
     assert event.reason == RejectReason.UNSATISFIABLE
     assert "spec.gpus 32 × gang_size 1" in event.message
-    assert "largest node per flavor: a100: 8 GPUs, h100: 16 GPUs" in event.message
+    assert "largest node per flavor: a100: 8 GPUs, " in event.message and "; h100: 16 GPUs, " in event.message
+
+
+def test_a_memory_rejection_names_memory_not_gpu_counts():
+    core, _ = submitted_core(*QUEUES, node("n1", "a100", 8, gpu_memory_mib=40960),
+                             payload=submit_payload(spec_dict(gpus=1, gpu_flavors=["a100"], min_gpu_memory_mib=81920),
+                                                    job_id="j1"))
+    (event,) = core.decide(T0)
+    assert event.field == "spec.min_gpu_memory_mib"
+    assert "a100: 8 GPUs, 40960 MiB each" in event.message
 
 
 def test_no_inventory_means_no_unsatisfiable_check_and_lost_nodes_are_forgotten():
