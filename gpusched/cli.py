@@ -154,16 +154,22 @@ def checkpoint_cmd(
     attempt: int = typer.Option(..., min=1, help="The running attempt (as in `gpusched events JOB`)"),
     step: Optional[int] = typer.Option(None, min=0, help="Training step or other progress counter"),
     location: str = typer.Option("", help="Where the checkpoint was written"),
-    at: Optional[datetime] = typer.Option(None, "--at", help="When it was taken (ISO 8601, UTC if no zone); default now"),
+    at: Optional[datetime] = typer.Option(
+        None, "--at", help="When it was taken (ISO 8601, UTC if no zone); default: now on the platform clock"),
+    wait: bool = typer.Option(True, help="Wait for the platform to record or refuse the report"),
     output: Output = OutputOpt,
 ) -> None:
-    """Report that a running job wrote a checkpoint (preemption then loses only the work since)."""
-    from datetime import UTC
-
+    """Report that a running job wrote a checkpoint (preemption then loses only the work since).
+    Exits 2 with admission's reason when the platform refuses the report."""
     when = at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
-    seq = run(with_js(lambda js: commands.report_checkpoint(js, job_id, team, attempt, reported_by="cli",
-                                                           checkpointed_at=when, step=step, location=location)))
-    emit({"job_id": job_id, "attempt": attempt, "intake_sequence": seq}, output)
+
+    async def go(js):
+        seq = await commands.report_checkpoint(js, job_id, team, attempt, reported_by="cli", checkpointed_at=when,
+                                               step=step, location=location)
+        recorded = await commands.wait_for_checkpoint(js, job_id, seq) if wait else None
+        return {"job_id": job_id, "attempt": attempt, "intake_sequence": seq,
+                "checkpointed_at": None if recorded is None else recorded.checkpointed_at}
+    emit(run(with_js(go)), output)
 
 
 @app.command()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 from nats.js import JetStreamContext
@@ -14,11 +14,13 @@ from pydantic import BaseModel, ValidationError
 
 from gpusched.history import job_events
 from gpusched.userinput import UserError, first_error, load_yaml
-from runtime import observability
-from schemas import CancelJob, Event, ReportCheckpoint, SubmitJob
+from runtime import eventlog, observability
+from schemas import CancelJob, Event, JobCheckpointed, ReportCheckpoint, SubmitJob
 from schemas.commands import job_id_for_key
 from schemas.job import rejection_id
 from schemas.registry import SUBJECT_PREFIX
+
+INTAKE_DEAD_LETTERS = f"{SUBJECT_PREFIX}.deadletter.admission.intake"
 
 
 def submit_command_from_file(path: Path, submitter: str | None = None) -> SubmitJob:
@@ -75,10 +77,30 @@ async def report_checkpoint(js: JetStreamContext, job_id: str, team: str, attemp
                             checkpointed_at: datetime | None = None, step: int | None = None,
                             location: str = "") -> int:
     """Publish ReportCheckpoint on ``gpusched.intake.<team>.checkpoint``; admission records
-    JobCheckpointed, or dead-letters the report with the reason (see ``gpusched dlq``)."""
+    JobCheckpointed, or dead-letters the report with the reason (see ``gpusched dlq``). Without
+    ``checkpointed_at`` admission stamps the report with the platform clock."""
     try:
-        command = ReportCheckpoint(job_id=job_id, attempt=attempt, checkpointed_at=checkpointed_at or datetime.now(UTC),
+        command = ReportCheckpoint(job_id=job_id, attempt=attempt, checkpointed_at=checkpointed_at,
                                    step=step, location=location, reported_by=reported_by)
     except ValidationError as err:
         raise UserError(first_error(err, "checkpoint")) from None
     return await publish_command(js, team, "checkpoint", command)
+
+
+async def wait_for_checkpoint(js: JetStreamContext, job_id: str, intake_seq: int,
+                              timeout_s: float = 15.0) -> JobCheckpointed:
+    """The JobCheckpointed admission recorded for the report at ``intake_seq``; UserError with
+    admission's reason when it dead-lettered the report instead, or when neither came in time."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        for _, event in await job_events(js, job_id):
+            if isinstance(event, JobCheckpointed) and event.intake_sequence == intake_seq:
+                return event
+        async for msg in eventlog.read(js, stream=eventlog.DLQ_STREAM, subjects=[INTAKE_DEAD_LETTERS]):
+            headers = msg.headers or {}
+            if (headers.get("Gpusched-Original-Stream"), headers.get("Gpusched-Original-Sequence")) == (
+                    eventlog.INTAKE_STREAM, str(intake_seq)):
+                raise UserError(f"the platform refused the checkpoint report: {headers.get('Gpusched-Reason')}")
+        await asyncio.sleep(0.2)
+    raise UserError(f"no answer to the checkpoint report (intake sequence {intake_seq}) within {timeout_s:.0f} s; "
+                    f"see `gpusched events {job_id}` and `gpusched dlq`")

@@ -55,7 +55,9 @@ class ReportCheckpoint(Contract):
 
     job_id: str = Field(pattern=NAME_PATTERN)
     attempt: int = Field(ge=1)
-    checkpointed_at: AwareDatetime
+    checkpointed_at: AwareDatetime | None = Field(
+        default=None, description="When the checkpoint was taken; omitted: when admission receives the report, "
+                                  "on the platform clock (which may run faster than wall time)")
     step: int | None = Field(default=None, ge=0)
     location: str = Field(default="", max_length=1024)
     reported_by: str = Field(min_length=1, max_length=253)

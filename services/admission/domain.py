@@ -285,9 +285,10 @@ class AdmissionCore:
                 f"ReportCheckpoint: attempt {command.attempt} of job {command.job_id} is not running; "
                 f"accepted: {running.attempt}"
             )
-        if command.checkpointed_at < running.occurred_at or command.checkpointed_at > now + CHECKPOINT_CLOCK_SKEW:
+        taken = command.checkpointed_at or now
+        if taken < running.occurred_at or taken > now + CHECKPOINT_CLOCK_SKEW:
             raise PoisonCommand(
-                f"ReportCheckpoint: checkpointed_at {command.checkpointed_at.isoformat()} is outside attempt "
+                f"ReportCheckpoint: checkpointed_at {taken.isoformat()} is outside attempt "
                 f"{command.attempt}'s run; accepted: from its start {running.occurred_at.isoformat()} "
                 f"to now {now.isoformat()} (+{CHECKPOINT_CLOCK_SKEW.total_seconds():.0f} s)"
             )
@@ -295,7 +296,7 @@ class AdmissionCore:
             new_event(
                 JobCheckpointed, aggregate_id=command.job_id, producer=PRODUCER, occurred_at=now,
                 key=str(intake_seq), cause=running, attempt=command.attempt,
-                checkpointed_at=command.checkpointed_at, step=command.step, location=command.location,
+                checkpointed_at=taken, step=command.step, location=command.location,
                 intake_sequence=intake_seq,
             )
         ]

@@ -3,7 +3,11 @@ dead-letter record, and valid submissions keep flowing past them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
+import sys
 from datetime import UTC, datetime
 
 import pytest
@@ -245,3 +249,29 @@ async def test_an_exception_in_the_core_dead_letters_that_command_and_admission_
     dead = [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
     assert [m.headers["Gpusched-Reason"] for m in dead] == [
         "internal error on this command (RuntimeError: a bug in the core); reported as a bug"]
+
+
+async def test_gpusched_checkpoint_uses_the_platform_clock_and_fails_when_refused(admission, nats_server):
+    """Without --at the report carries no time and admission stamps it with the platform clock
+    (a wall-clock stamp was refused under a scaled clock, while the CLI printed success)."""
+    admin_js, tenant = admission
+    await submit(tenant, good("ckpt-cli"))
+    await outcome(admin_js, "ckpt-cli")
+    await eventlog.EventLog(admin_js).append(new_event(
+        JobStarted, aggregate_id="ckpt-cli", producer="executor", occurred_at=datetime.now(UTC), key="1", attempt=1,
+        nodes=("n1",)))
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
+        return subprocess.run([sys.executable, "-m", "gpusched.cli", "checkpoint", "ckpt-cli", "--team", "team-a",
+                               *args, "-o", "json"], env=env, capture_output=True, text=True, timeout=60)
+
+    refused = await asyncio.to_thread(cli, "--attempt", "2", "--step", "5")
+    assert refused.returncode == 2
+    assert "refused the checkpoint report" in refused.stderr and "attempt 2 of job ckpt-cli is not running" in refused.stderr
+    recorded = await asyncio.to_thread(cli, "--attempt", "1", "--step", "500")
+    assert recorded.returncode == 0, recorded.stderr
+    [msg] = [m async for m in eventlog.read(admin_js, subjects=["gpusched.job.ckpt-cli.checkpointed"])]
+    event = parse_event(msg.data)
+    assert (event.step, event.checkpointed_at) == (500, event.occurred_at)  # stamped by admission's clock
+    assert json.loads(recorded.stdout)["checkpointed_at"] == event.checkpointed_at.isoformat()
