@@ -18,6 +18,10 @@ from services.accounting import metrics, pipeline, sink, statements
 log = logging.getLogger("accounting")
 NAME = "accounting"
 
+UNSTORABLE = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+"""Postgres refusing what a batch holds: the same batch will be refused again, unlike a lost
+connection or a server restart, which :func:`_apply` rides out by retrying."""
+
 
 async def connect_pg(dsn: str) -> asyncpg.Connection:
     delay = 0.5
@@ -88,8 +92,23 @@ class _Store:
     async def __call__(self, converted: pipeline.Converted) -> None:
         for msg, reason in converted.poison:
             await eventlog.dead_letter(self.js, NAME, msg, reason)
-        self.conn = await _apply(self.conn, self.settings, converted.entries)
+        try:
+            self.conn = await _apply(self.conn, self.settings, converted.entries)
+        except UNSTORABLE:
+            self.conn = await self._apply_one_by_one(converted)
         await _issue(self.conn, self.js, self.issuer)
+
+    async def _apply_one_by_one(self, converted: pipeline.Converted) -> asyncpg.Connection:
+        """A batch Postgres refuses for its content: each event on its own, and one it refuses
+        dead-lettered with the reason and passed over (its position still recorded), so that
+        nothing after it waits for a write that can never succeed."""
+        for entry, msg in zip(converted.entries, converted.messages, strict=True):
+            try:
+                self.conn = await _apply(self.conn, self.settings, [entry])
+            except UNSTORABLE as err:
+                await eventlog.dead_letter(self.js, NAME, msg, f"Postgres cannot store this event: {err}")
+                self.conn = await _apply(self.conn, self.settings, [(entry[0], entry[1], [])])
+        return self.conn
 
 
 async def _issue(conn: asyncpg.Connection, js, issuer: statements.Issuer) -> None:
@@ -101,12 +120,15 @@ async def _issue(conn: asyncpg.Connection, js, issuer: statements.Issuer) -> Non
 
 
 async def _apply(conn: asyncpg.Connection, settings: Settings, entries: list[sink.Entry]) -> asyncpg.Connection:
-    """Apply a batch, retrying the same batch until Postgres takes it."""
+    """Apply a batch, retrying the same batch until Postgres takes it; :data:`UNSTORABLE` is
+    raised, not retried."""
     while True:
         try:
             with observability.BATCH_SECONDS.labels(service=NAME).time():
                 await sink.apply_batch(conn, entries)
             break
+        except UNSTORABLE:
+            raise
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
             # Nothing of the batch is committed; try the same batch again on a new connection.
             log.warning("postgres write failed; retrying the batch", extra={"error": repr(err)})

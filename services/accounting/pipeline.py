@@ -32,9 +32,11 @@ from services.accounting import projection, sink
 
 @dataclass
 class Converted:
-    """A batch of messages converted: one entry per message, and the poison among them."""
+    """A batch of messages converted: one entry per message (in the messages' order), and the
+    poison among them."""
     entries: list[sink.Entry] = field(default_factory=list)
     poison: list[tuple[Msg, str]] = field(default_factory=list)  # (message, reason)
+    messages: Sequence[Msg] = ()
 
     @property
     def last_sequence(self) -> int:
@@ -46,7 +48,7 @@ def convert(msgs: Sequence[Msg], *, trace: str | None = None,
     """The converter over a batch. ``trace``: a span per message named ``f"{trace} {type}"``,
     continuing the producer's trace from the headers (the live service); ``observe``: called
     with each event converted."""
-    out = Converted()
+    out = Converted(messages=msgs)
     entries, poison, sequence = out.entries, out.poison, eventlog.sequence  # every message of a replay passes here
     for msg in msgs:
         seq = sequence(msg)
