@@ -4,7 +4,6 @@ appended a second time (at new sequences) change nothing."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import asyncpg

@@ -16,7 +16,6 @@ import sys
 import time
 from datetime import UTC, datetime
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import asyncpg
 import pytest

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import connect_as, eventually, running, service_settings
 from runtime import eventlog
-from schemas import JobStarted, NodeRegistered, QueueConfigured, SubmitJob, new_event, parse_event
+from schemas import JobStarted, NodeRegistered, QueueConfigured, new_event, parse_event
 from schemas.commands import MAX_COMMAND_BYTES
 from schemas.job import rejection_id
 from schemas.node import NodeInfo

@@ -11,7 +11,6 @@ from schemas import (
     ALL_EVENT_TYPES,
     CohortConfigured,
     Event,
-    JobCheckpointed,
     FailureReason,
     JobRejected,
     QueueDeleted,
