@@ -46,8 +46,10 @@ HELP = {
     "gpusched_gpu_allocated_idle_ratio": ("Allocated-idle / allocated measured GPU-seconds, last hour", ("flavor",)),
     "gpusched_queue_wait_seconds": ("Wait from queued to started, attempts started in the last day",
                                     ("queue",)),
-    "gpusched_queue_pending_jobs": ("Jobs waiting for quota", ("queue",)),
-    "gpusched_queue_oldest_pending_age_seconds": ("Age of the longest-waiting pending job", ("queue",)),
+    "gpusched_queue_pending_jobs": ("Admitted jobs not placed yet, by what they wait for (quota or node)",
+                                    ("queue", "waiting_for")),
+    "gpusched_queue_oldest_pending_age_seconds": ("Age of the longest-waiting of them (since queued)",
+                                                  ("queue", "waiting_for")),
     "gpusched_failed_jobs": (f"Failed jobs by reason (top {TOP_FAILURES})", ("reason",)),
     "gpusched_team_gpu_seconds": ("GPU-seconds in the usage ledger", ("team", "flavor")),
     "gpusched_team_cost": ("Cost of the usage ledger under the current price book", ("team", "currency")),
@@ -121,9 +123,12 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
                  AND started_at > (SELECT max(started_at) FROM usage_ledger) - make_interval(secs => $1)
                GROUP BY queue""", WAIT_WINDOW_S)
         pending = await conn.fetch(
-            """SELECT queue, count(*) AS n, min(coalesce(a.queued_at, j.admitted_at)) AS oldest
-               FROM jobs j LEFT JOIN attempts a ON a.job_id = j.job_id AND a.attempt = j.attempt
-               WHERE j.state IN ('queued', 'retrying') GROUP BY queue""")
+            """SELECT queue, w.waiting_for, count(*) AS n, min(coalesce(a.queued_at, j.admitted_at)) AS oldest
+               FROM jobs j JOIN unnest($1::text[], $2::text[]) AS w(state, waiting_for) ON w.state = j.state
+               LEFT JOIN attempts a ON a.job_id = j.job_id AND a.attempt = j.attempt
+               GROUP BY queue, w.waiting_for""",
+            [state for states in queries.WAITING_FOR.values() for state in states],
+            [what for what, states in queries.WAITING_FOR.items() for _ in states])
         failures = await conn.fetch(
             "SELECT reason, count(*) AS n FROM jobs WHERE state = 'failed' GROUP BY reason "
             "ORDER BY n DESC, reason LIMIT $1", TOP_FAILURES)
@@ -146,10 +151,11 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
         add("gpusched_queue_wait_seconds", r["p95"], queue=r["queue"], quantile="0.95")
         add("gpusched_queue_wait_seconds_count", r["n"], queue=r["queue"])
         add("gpusched_queue_wait_seconds_sum", r["total"], queue=r["queue"])
-    for r in sorted(pending, key=lambda r: r["queue"] or ""):
-        add("gpusched_queue_pending_jobs", r["n"], queue=r["queue"] or "-")
+    for r in sorted(pending, key=lambda r: (r["queue"] or "", r["waiting_for"])):
+        labels = {"queue": r["queue"] or "-", "waiting_for": r["waiting_for"]}
+        add("gpusched_queue_pending_jobs", r["n"], **labels)
         age = max(0.0, (now - r["oldest"]).total_seconds()) if r["oldest"] else 0.0
-        add("gpusched_queue_oldest_pending_age_seconds", age, queue=r["queue"] or "-")
+        add("gpusched_queue_oldest_pending_age_seconds", age, **labels)
     for r in failures:
         add("gpusched_failed_jobs", r["n"], reason=r["reason"] or "-")
     for r in team_usage:

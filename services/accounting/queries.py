@@ -183,6 +183,13 @@ async def usage_by_team(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     return [dict(r) for r in rows]
 
 
+WAITING_FOR: dict[str, list[str]] = {
+    "quota": ["queued", "retrying", "preempted"],  # admitted, no quota held for the current attempt
+    "node": ["reserved"],  # holds quota, not placed on nodes yet
+}
+"""Job states (the ``jobs.state`` column) of a job that waits, by what it waits for."""
+
+
 async def state_counts(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     rows = await conn.fetch("SELECT coalesce(team, '-') AS team, state, count(*) AS n FROM jobs GROUP BY 1, 2")
     return [dict(r) for r in rows]
@@ -201,7 +208,7 @@ async def queue_quotas(conn: asyncpg.Connection) -> list[dict[str, Any]]:
            WHERE NOT q.deleted ORDER BY q.name, fq->>'flavor'""")]
     parents = dict(await conn.fetch("SELECT name, parent FROM cohorts"))
     pending = dict(await conn.fetch(
-        "SELECT queue, count(*) FROM jobs WHERE state IN ('queued', 'retrying') GROUP BY queue"))
+        "SELECT queue, count(*) FROM jobs WHERE state = ANY($1::text[]) GROUP BY queue", WAITING_FOR["quota"]))
     for r in rows:
         r["cohort_root"] = _cohort_root(r["cohort"], parents)
         r["pending_jobs"] = pending.get(r["queue"], 0)
