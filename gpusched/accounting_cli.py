@@ -15,12 +15,13 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import nats.errors
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gpusched import pricebook
 from gpusched.connection import Connection
-from gpusched.userinput import UserError
+from gpusched.userinput import UserError, print_error
 from runtime import eventlog
 from schemas import ChargebackStatementIssued, parse_event
 from schemas.registry import SUBJECT_PREFIX, subject_token
@@ -111,16 +112,22 @@ class _Bar:
 
 
 async def publish(js, events: list) -> None:
+    """Append configuration events in order; UserError naming the first one the broker refused
+    (the ones before it are in the log)."""
     log = eventlog.EventLog(js)
-    for e in events:
-        await log.append(e)
+    for i, e in enumerate(events):
+        try:
+            await log.append(e)
+        except nats.errors.Error as err:
+            raise UserError(f"{e.type} for {e.aggregate_id} was not published ({i} of {len(events)} events were): "
+                            f"{err!r}") from None
 
 
-async def apply_price_file(js, file: Path, dry_run: bool) -> list[dict[str, Any]]:
+async def apply_price_file(js, parsed: pricebook.PriceBooksFile, dry_run: bool) -> list[dict[str, Any]]:
     """Publish the PriceBookUpdated events that make the log's price books equal the file's
     (none with ``dry_run``); the changes, described."""
     books = await pricebook.current(js)
-    events = pricebook.plan(file, books, datetime.now(UTC))
+    events = pricebook.plan(parsed, books, datetime.now(UTC))
     if not dry_run:
         await publish(js, events)
     return [{"event": e.type, "name": e.aggregate_id, "change": pricebook.describe(e, books)} for e in events]
@@ -170,9 +177,11 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
         output: Output = output_option,
     ) -> None:
         """Publish a price book file (PriceBookUpdated), or list the price book history."""
+        parsed = pricebook.read(file) if file is not None else None  # checked whole before connecting
+
         async def go(js):
-            if file is not None:
-                return await apply_price_file(js, file, dry_run)
+            if parsed is not None:
+                return await apply_price_file(js, parsed, dry_run)
             books = await pricebook.current(js)
             return [{"name": e.name, "effective_from": e.effective_from, "currency": e.currency,
                      "gpu_prices": {p.flavor: p.gpu_hour for p in e.gpu_prices},
@@ -303,7 +312,7 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
 
 
 def UserError_exit(err_console, message: str):  # noqa: N802 - reads as a raise
-    err_console.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    print_error(err_console, message)
     return typer.Exit(2)
 
 

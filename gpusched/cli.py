@@ -5,6 +5,7 @@ changes are only ever published as commands or configuration events. Every comma
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
 from datetime import UTC, date, datetime
@@ -23,6 +24,7 @@ from gpusched.connection import Connection
 from gpusched.userinput import UserError
 from runtime import eventlog, observability
 from runtime.settings import Settings
+from schemas import JobRejected
 from services.accounting import queries
 
 app = typer.Typer(help="gpusched: GPU job scheduling on an event log.", no_args_is_help=True,
@@ -89,8 +91,30 @@ def run(coro) -> Any:
     try:
         return asyncio.run(coro)
     except UserError as err:
-        err_console.print(f"[red]error:[/red] {escape(str(err))}")
+        userinput.print_error(err_console, str(err))
         raise typer.Exit(2) from None
+
+
+def guarded(fn):
+    """A UserError raised before connecting (a bad file or argument) ends the command like one
+    raised later: one line on stderr, exit status 2."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as err:
+            userinput.print_error(err_console, str(err))
+            raise typer.Exit(2) from None
+    return wrapper
+
+
+def answered(answer: commands.Answer) -> dict[str, Any]:
+    """The answer's fields for the output: the deciding event's type (and a rejection's reason)."""
+    event = answer.event
+    out: dict[str, Any] = {"decision": event.type, "repeat": answer.repeat}
+    if isinstance(event, JobRejected):
+        out.update(reason=event.reason.value, field=event.field, message=event.message)
+    return out
 
 
 @app.command()
@@ -107,14 +131,17 @@ def init() -> None:
 
 
 @app.command()
+@guarded
 def submit(
     file: Path = typer.Option(..., "-f", "--file", help="Job YAML: a job spec, or a SubmitJob with `spec:`"),
     wait: bool = typer.Option(True, help="Wait for admission's decision"),
     output: Output = OutputOpt,
 ) -> None:
-    """Submit a job."""
+    """Submit a job. Exits 1 when admission rejects it, 2 when the file is refused, admission
+    dead-letters the command or no decision comes in time."""
+    command = commands.submit_command_from_file(file)
+
     async def go():
-        command = commands.submit_command_from_file(file)
         nc = await Connection.resolve().nats()
         observability.client_tracing()
         try:
@@ -125,29 +152,41 @@ def submit(
             result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": seq, "decision": None,
                                       "trace_id": trace_id}
             if wait:
-                decision = await commands.wait_for_decision(js, command.job_id, seq)
-                if decision is not None:
-                    result["decision"] = decision.type
-                    if decision.type == "JobRejected":
-                        result.update(reason=decision.reason.value, message=decision.message)
+                answer = await commands.wait_for_decision(js, command.job_id, seq)
+                commands.refused("submission", answer, command.job_id, seq)
+                result.update(answered(answer))
             return result
         finally:
             await nc.close()
     result = run(go())
     emit(result, output)
-    if result.get("decision") == "JobRejected":
+    if result["decision"] == "JobRejected":
+        err_console.print(Text.assemble(("rejected: ", "red"), f"{result['reason']}: {result['message']}"),
+                          soft_wrap=True)
         raise typer.Exit(1)
 
 
 @app.command("cancel")
+@guarded
 def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the job"),
-               reason: str = typer.Option("", help="Why"), output: Output = OutputOpt) -> None:
-    """Ask to cancel a job."""
-    seq = run(with_js(lambda js: commands.cancel(js, job_id, team, requested_by="cli", reason=reason)))
-    emit({"job_id": job_id, "intake_sequence": seq}, output)
+               reason: str = typer.Option("", help="Why"),
+               wait: bool = typer.Option(True, help="Wait for the platform to record or refuse the request"),
+               output: Output = OutputOpt) -> None:
+    """Ask to cancel a job. Exits 2 with admission's reason when it refuses the request (no such
+    job, another team's job); a job that had already ended is reported as such."""
+    async def go(js):
+        seq = await commands.cancel(js, job_id, team, requested_by="cli", reason=reason)
+        result: dict[str, Any] = {"job_id": job_id, "intake_sequence": seq, "decision": None}
+        if wait:
+            answer = await commands.wait_for_cancel(js, job_id, seq)
+            commands.refused("cancel request", answer, job_id, seq)
+            result.update(answered(answer))
+        return result
+    emit(run(with_js(go)), output)
 
 
 @app.command("checkpoint")
+@guarded
 def checkpoint_cmd(
     job_id: str,
     team: str = typer.Option(..., help="Team owning the job"),
@@ -173,6 +212,7 @@ def checkpoint_cmd(
 
 
 @app.command()
+@guarded
 def apply(
     file: Path = typer.Option(..., "-f", "--file", help="queues.yaml"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the changes, publish nothing"),
@@ -180,18 +220,23 @@ def apply(
     output: Output = OutputOpt,
 ) -> None:
     """Make the queue configuration (or, for a file with `price_books:`, the price book) equal to a
-    file (publishes QueueConfigured / QueueDeleted / PriceBookUpdated)."""
-    async def go(js):
-        if pricebook.is_price_file(userinput.load_yaml(file)):
-            return await accounting_cli.apply_price_file(js, file, dry_run)
-        config = await queueconfig.current_queues(js)
-        events = queueconfig.plan_queues(file, config, datetime.now(UTC), prune=prune)
-        if not dry_run:
-            await accounting_cli.publish(js, events)
-        return [{"event": e.type, "name": e.aggregate_id, "change": queueconfig.describe_change(e, config)}
-                for e in events]
+    file (publishes QueueConfigured / QueueDeleted / PriceBookUpdated). The file is checked whole
+    before anything is published."""
+    document = userinput.read_document(file)
+    if pricebook.is_price_file(document):
+        books = pricebook.parse(document, file)
+        changes = run(with_js(lambda js: accounting_cli.apply_price_file(js, books, dry_run)))
+    else:
+        queues = queueconfig.parse_queues(document, file)
 
-    changes = run(with_js(go))
+        async def go(js):
+            config = await queueconfig.current_queues(js)
+            events = queueconfig.plan(queues, config, datetime.now(UTC), prune=prune)
+            if not dry_run:
+                await accounting_cli.publish(js, events)
+            return [{"event": e.type, "name": e.aggregate_id, "change": queueconfig.describe_change(e, config)}
+                    for e in events]
+        changes = run(with_js(go))
     emit(changes, output, title="dry run: nothing published" if dry_run else None)
 
 
@@ -327,7 +372,7 @@ def sim_cmd(
         policies = [parse_policy(p) for p in policy]
         data = rp.load_trace(trace)
     except ValueError as err:
-        err_console.print(f"[red]error:[/red] {escape(str(err))}")
+        userinput.print_error(err_console, str(err))
         raise typer.Exit(2) from None
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -342,7 +387,7 @@ def sim_cmd(
                     results.append(rp.inflation(data, pol, ratio=inflation, seed=seed,
                                                 progress=lambda n, t=task: bar.advance(t, n)))
                 except ValueError as err:
-                    err_console.print(f"[red]error:[/red] {escape(str(err))}")
+                    userinput.print_error(err_console, str(err))
                     raise typer.Exit(2) from None
             else:
                 ran = sum(1 for t in data.tasks if t.runtime is not None)

@@ -4,19 +4,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import uuid
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import date, datetime
 from pathlib import Path
+from typing import Any
 
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ValidationError
 
-from gpusched.history import job_events
-from gpusched.userinput import UserError, first_error, load_yaml
+from gpusched.userinput import UserError, first_error, read_document, validate
 from runtime import eventlog, observability
-from schemas import CancelJob, Event, JobCheckpointed, ReportCheckpoint, SubmitJob
-from schemas.commands import job_id_for_key
+from schemas import (CancelJob, Event, JobAdmitted, JobCancelled, JobCancelRequested, JobCheckpointed, JobRejected,
+                     JobSubmitted, JobSucceeded, ReportCheckpoint, SubmitJob, parse_event)
+from schemas.commands import MalformedCommand, job_id_for_key, load_command
 from schemas.job import rejection_id
 from schemas.registry import SUBJECT_PREFIX
 
@@ -24,20 +28,37 @@ INTAKE_DEAD_LETTERS = f"{SUBJECT_PREFIX}.deadletter.admission.intake"
 
 
 def submit_command_from_file(path: Path, submitter: str | None = None) -> SubmitJob:
-    """A job file is either a SubmitJob (with `spec:`) or a bare job spec."""
-    raw = load_yaml(path)
+    """A job file is either a SubmitJob (with `spec:`) or a bare job spec. It is checked as
+    admission checks a command (``schemas.commands.load_command``, then the model), so a file
+    the CLI accepts is one admission can read; UserError names the file and the field."""
+    raw = read_document(path)
     if not isinstance(raw, dict):
-        raise UserError(f"{path}: expected a mapping with the job spec, got {type(raw).__name__}")
+        raise UserError(f"{path}: (root): expected a mapping with the job spec, got {type(raw).__name__}")
     if "spec" not in raw:
         raw = {"spec": raw}
     raw.setdefault("submitter", submitter or os.environ.get("USER") or "cli")
-    try:
-        command = SubmitJob.model_validate(raw)
-    except ValidationError as err:
-        raise UserError(first_error(err, str(path))) from None
+    command = validate(SubmitJob, _as_command(raw, path), path)
     if command.job_id is None:
         command = command.model_copy(update={"job_id": new_job_id(command)})
     return command
+
+
+def _as_command(document: dict, path: Path) -> Any:
+    """The document through the intake's reader: its JSON bytes, as admission will receive them."""
+    try:
+        raw = json.dumps(document, default=_json_value).encode()
+        return load_command(raw)
+    except TypeError as err:
+        raise UserError(f"{path}: {err}; accepted: strings, numbers, booleans, null, mappings and lists") from None
+    except MalformedCommand as err:
+        where = "" if err.message.startswith(err.field) else f"{err.field}: "
+        raise UserError(f"{path}: {where}{err.message}") from None
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, (datetime, date)):  # YAML reads an unquoted time as one
+        return value.isoformat()
+    raise TypeError(f"a {type(value).__name__} value (YAML tag such as !!binary or !!set) is not accepted")
 
 
 def new_job_id(command: SubmitJob) -> str:
@@ -55,22 +76,153 @@ async def publish_command(js: JetStreamContext, team: str, verb: str, command: B
     return ack.seq
 
 
-async def wait_for_decision(js: JetStreamContext, job_id: str, intake_seq: int, timeout_s: float = 15.0) -> Event | None:
-    """JobAdmitted / JobRejected for this submission (filed under the job id, or under the
-    rejection id derived from the intake sequence), or the existing job's JobSubmitted when the
-    submission was an idempotent repeat."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        for subject_id in (job_id, rejection_id(intake_seq)):
-            for _, event in await job_events(js, subject_id):
-                if event.type in ("JobAdmitted", "JobRejected"):
-                    return event
-        await asyncio.sleep(0.2)
-    return None
+WAIT_S = 15.0
+"""How long a command waits for the platform's answer by default."""
+REPEAT_SETTLE_S = 1.0
+"""A submission of an existing job id is an idempotent repeat (no event of its own) when no
+rejection of it comes this long after the job's earlier decision was read."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The platform's answer to one command: the event that decided it, or admission's reason
+    for dead-lettering it. ``repeat``: the job existed and the command changed nothing."""
+
+    event: Event | None = None
+    dead_letter: str | None = None
+    repeat: bool = False
+
+
+class SubmitAnswers:
+    """Which event answers the SubmitJob at ``intake_seq``: a JobRejected naming that intake
+    sequence (filed under the job id or the rejection id), the JobAdmitted that follows the
+    job's JobSubmitted of that sequence, or, for a job id submitted before, the earlier decision
+    once nothing else came (an idempotent repeat produces no event)."""
+
+    def __init__(self, intake_seq: int) -> None:
+        self.intake_seq = intake_seq
+        self.ours = False
+        self.earlier: tuple[Event, float] | None = None
+
+    def take(self, event: Event, now: float) -> Answer | None:
+        if isinstance(event, JobRejected) and event.intake_sequence == self.intake_seq:
+            return Answer(event)
+        if isinstance(event, JobSubmitted):
+            self.ours = event.intake_sequence == self.intake_seq
+        elif isinstance(event, (JobAdmitted, JobRejected)):
+            if self.ours:
+                return Answer(event)
+            self.earlier = (event, now)
+        return None
+
+    def quiet(self, now: float) -> Answer | None:
+        if self.earlier is not None and now - self.earlier[1] >= REPEAT_SETTLE_S:
+            return Answer(self.earlier[0], repeat=True)
+        return None
+
+
+class CancelAnswers:
+    """What answers a CancelJob: the job's JobCancelRequested (this one's or an earlier one's) or
+    JobCancelled; or the end it had already reached (admission then records nothing)."""
+
+    ENDS = (JobCancelRequested, JobCancelled, JobSucceeded, JobRejected)
+
+    def take(self, event: Event, now: float) -> Answer | None:
+        if isinstance(event, self.ENDS):
+            return Answer(event, repeat=not isinstance(event, (JobCancelRequested, JobCancelled)))
+        return None
+
+    def quiet(self, now: float) -> Answer | None:
+        return None
+
+
+class CheckpointAnswers:
+    """The JobCheckpointed admission recorded for the report at ``intake_seq``."""
+
+    def __init__(self, intake_seq: int) -> None:
+        self.intake_seq = intake_seq
+
+    def take(self, event: Event, now: float) -> Answer | None:
+        if isinstance(event, JobCheckpointed) and event.intake_sequence == self.intake_seq:
+            return Answer(event)
+        return None
+
+    def quiet(self, now: float) -> Answer | None:
+        return None
+
+
+async def wait_for_answer(js: JetStreamContext, job_ids: list[str], intake_seq: int, answers,
+                          timeout_s: float = WAIT_S) -> Answer | None:
+    """The first answer to the command at ``intake_seq``: an event on the jobs' subjects that
+    ``answers`` accepts, or the intake's dead-letter record for that sequence; None after
+    ``timeout_s``. Two following readers (the jobs' subjects, the intake's dead letters), each
+    from the first message, so an answer written before they start is found too."""
+    subjects = [f"{SUBJECT_PREFIX}.job.{j}.>" for j in job_ids]
+    readers = [asyncio.create_task(_follow_events(js, subjects, answers)),
+               asyncio.create_task(_follow_dead_letters(js, intake_seq))]
+    try:
+        done, _ = await asyncio.wait(readers, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        return done.pop().result() if done else None
+    finally:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+
+
+async def _follow_events(js: JetStreamContext, subjects: list[str], answers) -> Answer:
+    clock = asyncio.get_running_loop().time
+    batches = eventlog.read_batches(js, subjects=subjects, follow=True, batch=64, idle_s=0.25)
+    async with contextlib.aclosing(batches):
+        async for msgs in batches:
+            for msg in msgs:
+                if (answer := answers.take(parse_event(msg.data), clock())) is not None:
+                    return answer
+            if not msgs and (answer := answers.quiet(clock())) is not None:
+                return answer
+    raise RuntimeError("a following read ended")  # pragma: no cover - follow=True never ends
+
+
+async def _follow_dead_letters(js: JetStreamContext, intake_seq: int) -> Answer:
+    batches = eventlog.read_batches(js, stream=eventlog.DLQ_STREAM, subjects=[INTAKE_DEAD_LETTERS], follow=True,
+                                    batch=64, idle_s=0.25)
+    async with contextlib.aclosing(batches):
+        async for msgs in batches:
+            for msg in msgs:
+                headers = msg.headers or {}
+                if (headers.get("Gpusched-Original-Stream"), headers.get("Gpusched-Original-Sequence")) == (
+                        eventlog.INTAKE_STREAM, str(intake_seq)):
+                    return Answer(dead_letter=headers.get("Gpusched-Reason") or "(no reason recorded)")
+    raise RuntimeError("a following read ended")  # pragma: no cover - follow=True never ends
+
+
+async def wait_for_decision(js: JetStreamContext, job_id: str, intake_seq: int,
+                            timeout_s: float = WAIT_S) -> Answer | None:
+    """The answer to the SubmitJob at ``intake_seq`` (see :class:`SubmitAnswers`), or its dead letter."""
+    return await wait_for_answer(js, [job_id, rejection_id(intake_seq)], intake_seq, SubmitAnswers(intake_seq),
+                                 timeout_s)
+
+
+async def wait_for_cancel(js: JetStreamContext, job_id: str, intake_seq: int,
+                          timeout_s: float = WAIT_S) -> Answer | None:
+    """The answer to the CancelJob at ``intake_seq`` (see :class:`CancelAnswers`), or its dead letter."""
+    return await wait_for_answer(js, [job_id], intake_seq, CancelAnswers(), timeout_s)
+
+
+def refused(what: str, answer: Answer | None, job_id: str, intake_seq: int, timeout_s: float = WAIT_S) -> None:
+    """UserError when admission dead-lettered the command or did not answer in time."""
+    if answer is None:
+        raise UserError(f"no answer to the {what} (intake sequence {intake_seq}) within {timeout_s:.0f} s; "
+                        f"see `gpusched events {job_id}` and `gpusched dlq`")
+    if answer.dead_letter is not None:
+        raise UserError(f"the platform refused the {what}: {answer.dead_letter}")
 
 
 async def cancel(js: JetStreamContext, job_id: str, team: str, requested_by: str, reason: str = "") -> int:
-    return await publish_command(js, team, "cancel", CancelJob(job_id=job_id, requested_by=requested_by, reason=reason))
+    try:
+        command = CancelJob(job_id=job_id, requested_by=requested_by, reason=reason)
+    except ValidationError as err:
+        raise UserError(first_error(err, "cancel")) from None
+    return await publish_command(js, team, "cancel", command)
 
 
 async def report_checkpoint(js: JetStreamContext, job_id: str, team: str, attempt: int, *, reported_by: str,
@@ -88,19 +240,9 @@ async def report_checkpoint(js: JetStreamContext, job_id: str, team: str, attemp
 
 
 async def wait_for_checkpoint(js: JetStreamContext, job_id: str, intake_seq: int,
-                              timeout_s: float = 15.0) -> JobCheckpointed:
+                              timeout_s: float = WAIT_S) -> JobCheckpointed:
     """The JobCheckpointed admission recorded for the report at ``intake_seq``; UserError with
     admission's reason when it dead-lettered the report instead, or when neither came in time."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        for _, event in await job_events(js, job_id):
-            if isinstance(event, JobCheckpointed) and event.intake_sequence == intake_seq:
-                return event
-        async for msg in eventlog.read(js, stream=eventlog.DLQ_STREAM, subjects=[INTAKE_DEAD_LETTERS]):
-            headers = msg.headers or {}
-            if (headers.get("Gpusched-Original-Stream"), headers.get("Gpusched-Original-Sequence")) == (
-                    eventlog.INTAKE_STREAM, str(intake_seq)):
-                raise UserError(f"the platform refused the checkpoint report: {headers.get('Gpusched-Reason')}")
-        await asyncio.sleep(0.2)
-    raise UserError(f"no answer to the checkpoint report (intake sequence {intake_seq}) within {timeout_s:.0f} s; "
-                    f"see `gpusched events {job_id}` and `gpusched dlq`")
+    answer = await wait_for_answer(js, [job_id], intake_seq, CheckpointAnswers(intake_seq), timeout_s)
+    refused("checkpoint report", answer, job_id, intake_seq, timeout_s)
+    return answer.event

@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 import nats
 
-from gpusched.userinput import UserError
+from gpusched.userinput import UserError, read_document
 
 CONNECTION_FILE = Path(".data/run/connection.json")
 """Where `make run` writes the connection, relative to the directory it runs in."""
@@ -52,7 +52,10 @@ class Connection:
         else:
             path = CONNECTION_FILE if CONNECTION_FILE.exists() else user_connection_file()
         if path.exists():
-            saved = json.loads(path.read_text())
+            saved = read_document(path)
+            if not isinstance(saved, dict):
+                raise UserError(f"{path}: (root): expected a mapping of connection settings; "
+                                "remove the file, `make run` writes it again")
         return cls(
             nats_url=os.environ.get("GPUSCHED_NATS_URL") or saved.get("nats_url") or "nats://127.0.0.1:4222",
             nats_user=os.environ.get("GPUSCHED_NATS_USER") or saved.get("nats_user"),

@@ -20,17 +20,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from gpusched.userinput import CHECKED_AT, checked, read_document, validate
 from runtime import eventlog
-from gpusched.userinput import UserError, first_error, load_yaml
 from schemas import PriceBookUpdated, new_event, parse_event
 from schemas.registry import SUBJECT_PREFIX
 
 
 class PriceBookSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = "default"
+    name: str = Field(default="default", max_length=63)  # NAME_PATTERN's limit, checked first
     effective_from: datetime
     currency: str = "USD"
     gpu_prices: dict[str, float] = Field(default_factory=dict)
@@ -63,28 +63,44 @@ async def current(js) -> dict[tuple[str, datetime], PriceBookUpdated]:
     return out
 
 
-def plan(path: Path, existing: dict[tuple[str, datetime], PriceBookUpdated], now: datetime) -> list[PriceBookUpdated]:
-    raw = load_yaml(path)
-    try:
-        parsed = PriceBooksFile.model_validate(raw)
-    except ValidationError as err:
-        raise UserError(first_error(err, str(path))) from None
-    out = []
+def parse(document: Any, source: str | Path) -> PriceBooksFile:
+    """A price book file's document, checked down to the events it makes; UserError naming the
+    file and the field."""
+    parsed = validate(PriceBooksFile, document, source)
     for i, book in enumerate(parsed.price_books):
-        fields = book.model_dump()
-        fields["gpu_prices"] = tuple({"flavor": f, "gpu_hour": p} for f, p in sorted(book.gpu_prices.items()))
-        try:
-            probe = PriceBookUpdated(event_id="pending", aggregate_id=book.name, occurred_at=now, producer="config",
-                                     **fields)
-        except ValidationError as err:
-            raise UserError(first_error(err, f"{path}: price_books[{i}] ({book.name})")) from None
+        checked(lambda: _probe(book, CHECKED_AT), f"{source}: price_books[{i}] ({book.name})")
+    return parsed
+
+
+def read(path: Path) -> PriceBooksFile:
+    return parse(read_document(path), path)
+
+
+def plan(parsed: PriceBooksFile, existing: dict[tuple[str, datetime], PriceBookUpdated],
+         now: datetime) -> list[PriceBookUpdated]:
+    """The PriceBookUpdated events for the versions in ``parsed`` that the log does not have as they are."""
+    out = []
+    for book in parsed.price_books:
+        probe = _probe(book, now)
         old = existing.get((probe.name, probe.effective_from))
         if old is not None and _payload(old) == _payload(probe):
             continue
         digest = json.dumps(_payload(probe), sort_keys=True)
         out.append(new_event(PriceBookUpdated, aggregate_id=book.name, producer="config", occurred_at=now,
-                             key=f"{digest}@{now.isoformat()}", **fields))
+                             key=f"{digest}@{now.isoformat()}", **_fields(book)))
     return out
+
+
+def _fields(book: PriceBookSpec) -> dict[str, Any]:
+    fields = book.model_dump()
+    fields["gpu_prices"] = tuple({"flavor": f, "gpu_hour": p} for f, p in sorted(book.gpu_prices.items()))
+    return fields
+
+
+def _probe(book: PriceBookSpec, now: datetime) -> PriceBookUpdated:
+    """The book's PriceBookUpdated without its id (which is derived from this payload)."""
+    return PriceBookUpdated(event_id="pending", aggregate_id=book.name, occurred_at=now, producer="config",
+                            **_fields(book))
 
 
 def describe(event: PriceBookUpdated, existing: dict[tuple[str, datetime], PriceBookUpdated]) -> str:

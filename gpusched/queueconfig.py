@@ -10,19 +10,23 @@ from pathlib import Path
 from typing import Any
 
 from nats.js import JetStreamContext
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from gpusched.userinput import UserError, first_error, load_yaml
+from gpusched.userinput import CHECKED_AT, UserError, checked, read_document, validate
 from runtime import eventlog
 from schemas import CohortConfigured, Event, QueueConfigured, QueueDeleted, new_event, parse_event
 from schemas.registry import SUBJECT_PREFIX
+
+
+NAME_MAX = 63
+"""Longest queue or cohort name (schemas.envelope.NAME_PATTERN's limit), checked first."""
 
 
 class QueueSpec(BaseModel):
     """One queue in queues.yaml: the QueueConfigured fields without the envelope."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str
+    name: str = Field(max_length=NAME_MAX)
     cohort: str | None = None
     allowed_teams: list[str] = Field(default_factory=list)
     allowed_users: list[str] = Field(default_factory=list)
@@ -35,7 +39,7 @@ class QueueSpec(BaseModel):
 
 class CohortSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str
+    name: str = Field(max_length=NAME_MAX)
     parent: str | None = None
     usage_half_life_seconds: float | None = None
     history_weight: float = 0.5
@@ -110,43 +114,56 @@ def describe_change(event: Event, config: QuotaConfig) -> str:
     return "; ".join(changes)
 
 
-def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = False) -> list[Event]:
-    """The events that make the log's queue and cohort configuration equal the file's: changed
-    or new cohorts first, then queues; with ``prune``, QueueDeleted for queues the file lacks."""
-    current = config.queues
-    raw = load_yaml(path)
-    try:
-        parsed = QueuesFile.model_validate(raw)
-    except ValidationError as err:
-        raise UserError(first_error(err, str(path))) from None
-    out: list[Event] = []
-    for i, c in enumerate(parsed.cohorts):
-        existing_c = config.cohorts.get(c.name)
-        if existing_c is not None and c.same_as(existing_c):
-            continue
-        try:
-            out.append(new_event(CohortConfigured, aggregate_id=c.name, producer="config", occurred_at=now,
-                                 key=f"{c.model_dump_json()}@{now.isoformat()}", **c.model_dump()))
-        except ValidationError as err:
-            raise UserError(first_error(err, f"{path}: cohorts[{i}] ({c.name})")) from None
+def parse_queues(document: Any, source: str | Path) -> QueuesFile:
+    """A queues file's document, checked down to the events it makes; UserError naming the file
+    and the field."""
+    parsed = validate(QueuesFile, document, source)
     names = [q.name for q in parsed.queues]
     if dupes := sorted({n for n in names if names.count(n) > 1}):
-        raise UserError(f"{path}: queues: name(s) {dupes} appear more than once; each queue once")
+        raise UserError(f"{source}: queues: name(s) {dupes} appear more than once; each queue once")
+    for i, c in enumerate(parsed.cohorts):
+        checked(lambda: _cohort_event(c, CHECKED_AT), f"{source}: cohorts[{i}] ({c.name})")
     for i, q in enumerate(parsed.queues):
-        try:
-            event = QueueConfigured(
-                event_id="pending", aggregate_id=q.name, occurred_at=now, producer="config", **q.model_dump()
-            )
-        except ValidationError as err:
-            raise UserError(first_error(err, f"{path}: queues[{i}] ({q.name})")) from None
-        existing = current.get(q.name)
-        if existing is not None and _config_payload(existing) == _config_payload(event):
+        checked(lambda: _queue_probe(q, CHECKED_AT), f"{source}: queues[{i}] ({q.name})")
+    return parsed
+
+
+def read_queues(path: Path) -> QueuesFile:
+    return parse_queues(read_document(path), path)
+
+
+def plan(parsed: QueuesFile, config: QuotaConfig, now: datetime, prune: bool = False) -> list[Event]:
+    """The events that make the log's queue and cohort configuration equal ``parsed``: changed
+    or new cohorts first, then queues; with ``prune``, QueueDeleted for queues the file lacks."""
+    out: list[Event] = [_cohort_event(c, now) for c in parsed.cohorts
+                        if (old := config.cohorts.get(c.name)) is None or not c.same_as(old)]
+    for q in parsed.queues:
+        probe = _queue_probe(q, now)
+        existing = config.queues.get(q.name)
+        if existing is not None and _config_payload(existing) == _config_payload(probe):
             continue
-        digest = json.dumps(_config_payload(event), sort_keys=True)
+        digest = json.dumps(_config_payload(probe), sort_keys=True)
         out.append(new_event(QueueConfigured, aggregate_id=q.name, producer="config", occurred_at=now,
                              key=f"{digest}@{now.isoformat()}", **q.model_dump()))
     if prune:
-        for name in sorted(current.keys() - set(names)):
+        for name in sorted(config.queues.keys() - {q.name for q in parsed.queues}):
             out.append(new_event(QueueDeleted, aggregate_id=name, producer="config", occurred_at=now,
                                  key=now.isoformat(), name=name))
     return out
+
+
+def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = False) -> list[Event]:
+    """:func:`plan` for the queues file at ``path``."""
+    return plan(read_queues(path), config, now, prune)
+
+
+def _cohort_event(c: CohortSpec, now: datetime) -> CohortConfigured:
+    return new_event(CohortConfigured, aggregate_id=c.name, producer="config", occurred_at=now,
+                     key=f"{c.model_dump_json()}@{now.isoformat()}", **c.model_dump())
+
+
+def _queue_probe(q: QueueSpec, now: datetime) -> QueueConfigured:
+    """The queue's QueueConfigured without its id (which is derived from this payload)."""
+    return QueueConfigured(event_id="pending", aggregate_id=q.name, occurred_at=now, producer="config",
+                           **q.model_dump())
+

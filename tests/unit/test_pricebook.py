@@ -23,7 +23,7 @@ price_books:
 def write(tmp_path, text):
     path = tmp_path / "pricebook.yaml"
     path.write_text(text)
-    return path
+    return pricebook.read(path)
 
 
 def test_plan_publishes_new_and_changed_versions_only(tmp_path):
@@ -49,4 +49,4 @@ def test_plan_publishes_new_and_changed_versions_only(tmp_path):
 ])
 def test_bad_files_name_the_field(tmp_path, text, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
-        pricebook.plan(write(tmp_path, text), {}, NOW)
+        write(tmp_path, text)
