@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e test-k8s bench bench-k8s schemas lint clean promtool
+.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s schemas lint clean promtool
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -33,6 +33,10 @@ test-integration: setup ## Each service against real NATS and Postgres
 
 test-e2e: setup ## All services as processes, faults included
 	$(BIN)/python -m pytest -q e2e $(ARGS)
+
+# GPUSCHED_CHAOS_SEED=N repeats a run; GPUSCHED_CHAOS_JOBS, _LOAD_S, _MALFORMED, _DRAIN_S size it (docs/testing.md).
+test-chaos: setup ## Chaos run (~6 min): 3,000 jobs while every service, nats-server and Postgres are killed -9; fuzzed intake; invariants
+	GPUSCHED_CHAOS=1 $(BIN)/python -m pytest -q -s tests/chaos -m chaos $(ARGS)
 
 # `make test-k8s KUBECONFIG=path` runs against that cluster instead; a KUBECONFIG merely inherited from
 # the environment is ignored, so that no test ever lands on a cluster by accident.

@@ -1,0 +1,151 @@
+"""The chaos run's stack — nats-server with a file store, Postgres, the five services as processes —
+with the harness as its supervisor: it takes pieces down with SIGKILL on schedule, brings them back
+(nats-server on the same port and store, Postgres on the same data directory), and restarts and
+records any service that exits on its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpusched import devstack
+from tests.chaos.workload import TEAMS, TIME_SCALE
+
+
+@dataclass
+class Exit:
+    """A service that exited without being killed by the schedule."""
+
+    service: str
+    code: int | None
+    at: float  # seconds since the stack started
+    log_tail: str
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (Postgres' backends and helpers)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive:
+            return
+        time.sleep(0.05)
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    if not path.exists():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - 8192))
+        return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class Stack:
+    root: Path
+    nats: devstack.NatsServer = field(init=False)
+    pg: devstack.Postgres = field(init=False)
+    procs: devstack.ServiceProcesses | None = None
+    down: set[str] = field(default_factory=set)  # taken down on purpose, not yet back
+    kills: Counter = field(default_factory=Counter)
+    exits: list[Exit] = field(default_factory=list)
+    started_at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.nats = devstack.NatsServer(self.root / "nats", teams=TEAMS)
+        self.pg = devstack.Postgres(self.root / "postgres", fsync=False)
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def start_brokers(self) -> None:
+        self.nats.start()
+        self.pg.start()
+
+    def start_services(self, cluster: Path, epoch: float) -> None:
+        env = devstack.service_env(self.nats.env, self.pg.dsn, cluster=cluster, time_scale=TIME_SCALE, epoch=epoch,
+                                   extra={"GPUSCHED_TICK_S": "0.1"})
+        self.procs = devstack.ServiceProcesses(self.logs, env)
+        self.procs.start_all()
+
+    def take_down(self, target: str) -> None:
+        """kill -9: the service, nats-server, or Postgres with every process it started."""
+        self.down.add(target)
+        self.kills[target] += 1
+        if target == "nats":
+            self.nats.proc.kill()
+            self.nats.proc.wait()
+        elif target == "postgres":
+            self._kill_postgres()
+        else:
+            self.procs.kill(target)
+
+    def _kill_postgres(self) -> None:
+        postmaster = self.pg.proc
+        family = _children(postmaster.pid)
+        for pid in [postmaster.pid, *family]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        postmaster.wait()
+        _wait_gone(family)
+
+    def bring_up(self, target: str) -> None:
+        """Start a piece taken down again, where it was (blocks until it listens)."""
+        if target == "nats":
+            self.nats.start()
+        elif target == "postgres":
+            self.pg.start()
+        else:
+            self.procs.start(target)
+        self.down.discard(target)
+
+    def restart_exited(self) -> list[Exit]:
+        """Record and restart every service that exited although the schedule did not kill it."""
+        found = []
+        for name, proc in list(self.procs.procs.items()):
+            if name in self.down or proc.poll() is None:
+                continue
+            found.append(Exit(name, proc.returncode, round(time.monotonic() - self.started_at, 1),
+                              log_tail(self.logs / f"{name}.log")))
+            self.procs.start(name)
+        self.exits += found
+        return found
+
+    def stop(self) -> None:
+        if self.procs is not None:
+            self.procs.stop_all()
+        self.pg.stop()
+        self.nats.stop()
+
+    def tracebacks(self) -> dict[str, int]:
+        """Per service, how many tracebacks its log holds."""
+        return {name: (self.logs / f"{name}.log").read_text(errors="replace").count("Traceback")
+                for name in devstack.SERVICES if (self.logs / f"{name}.log").exists()}
