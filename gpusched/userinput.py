@@ -198,5 +198,7 @@ def _where(mark: Any) -> str:
 
 def _yaml_message(err: yaml.YAMLError, source: str) -> str:
     mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-    problem = getattr(err, "problem", None) or getattr(err, "context", None) or str(err)
+    problem = " ".join(filter(None, (getattr(err, "context", None), getattr(err, "problem", None)))) or str(err)
+    if "maximum nesting depth" in problem:  # libyaml's own limit, met while it scans ahead
+        return f"{source}: {_where(mark)}nested more than {MAX_DEPTH} levels deep; accepted: at most {MAX_DEPTH} levels"
     return one_line(f"{source}: {_where(mark)}not valid YAML: {shorten(problem, 300)}")
