@@ -21,6 +21,7 @@ import asyncpg
 import nats
 from nats.js.errors import APIError
 
+from gpusched.devstack import SERVICES
 from runtime import eventlog
 from schemas import Event, JobAdmitted, JobRejected, JobSubmitted
 from schemas.registry import SUBJECT_PREFIX, parse_event
@@ -62,10 +63,15 @@ class Config:
         )
 
 
+async def _expected(err: Exception) -> None:
+    """The harness's own clients lose the broker on purpose: no traceback for each reconnect."""
+
+
 async def connect(stack: Stack, user: str) -> nats.NATS:
     """A client that reconnects for ever, as the services do: the broker restarts mid-run."""
     return await nats.connect(stack.nats.url(), user=user, password=stack.nats.creds.users[user],
-                              max_reconnect_attempts=-1, reconnect_time_wait=0.25, connect_timeout=5)
+                              max_reconnect_attempts=-1, reconnect_time_wait=0.25, connect_timeout=5,
+                              error_cb=_expected)
 
 
 async def publish(js, subject: str, payload: bytes, msg_id: str, deadline_s: float = 120.0) -> int | None:
@@ -140,8 +146,7 @@ class Report:
 
     def summary(self) -> str:
         c, cfg = self.counts, self.config
-        services = ", ".join(f"{s} {self.kills[s]}" for s in ("admission", "quota", "scheduler", "executor",
-                                                               "accounting"))
+        services = ", ".join(f"{s} {self.kills[s]}" for s in SERVICES)
         lines = [
             f"chaos run, seed {cfg.seed} (GPUSCHED_CHAOS_SEED={cfg.seed} repeats its load, faults and fuzz)",
             f"jobs: {cfg.jobs} submitted, {c['JobAdmitted']} admitted; ended "
@@ -339,8 +344,19 @@ class ChaosRun:
         r.add("ledger equals a rebuild", self._rebuild())
         r.add("malformed commands answered", await self._malformed(logged))
         r.add("final command processed", self._final(states, histories))
+        r.add("the load took every path", self._coverage())
         r.add("no service exited on its own", [f"{x.service} exited (code {x.code}) at {x.at} s: {x.log_tail}"
                                                for x in self.stack.exits])
+
+    def _coverage(self) -> list[str]:
+        """A run that never reclaimed, preempted, retried or cancelled proves nothing about them."""
+        c, kills = self.report.counts, self.stack.kills
+        wanted = {"gang jobs": c["gangs"], "retries": c["JobRetryScheduled"], "reclaims": c["ReclaimRequested:reclaim"],
+                  "priority preemptions in a queue": c["ReclaimRequested:priority"],
+                  "cancellations": c["JobCancelled"], "nats-server restarts": kills["nats"],
+                  "postgres restarts": kills["postgres"], "malformed commands": len(self.sent_malformed)}
+        wanted |= {f"kills of {s}": kills[s] for s in SERVICES}
+        return [f"the run had no {what}" for what, n in wanted.items() if n == 0]
 
     def _all_admitted(self, histories) -> list[str]:
         """Every job of the load was valid for its queue: each must be admitted."""

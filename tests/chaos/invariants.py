@@ -15,10 +15,13 @@ from schemas import (
     JobPreempted,
     JobRetryScheduled,
     JobScheduled,
+    JobSpec,
     JobStarted,
+    JobSubmitted,
     JobSucceeded,
     NodeRegistered,
     NodeUpdated,
+    RetryPolicy,
 )
 
 Logged = tuple[int, Event]
@@ -42,17 +45,27 @@ def job_histories(logged: Iterable[Logged]) -> dict[str, list[Logged]]:
 
 def terminal_events(history: list[Logged]) -> list[tuple[str, int]]:
     """(state, sequence) of every event that ends the job: JobSucceeded, JobCancelled, and a
-    JobFailed no JobRetryScheduled follows (docs/events.md, job state machine)."""
+    JobFailed that ends it by quota's retry rule (docs/events.md, job state machine): not
+    retryable, a reason the spec does not retry, or the spec's last attempt. A JobFailed that
+    could be retried but is not (a cancel was requested first) is no end: the JobCancelled is."""
+    spec = next((e.spec for _, e in history if isinstance(e, JobSubmitted)), None)
     retried = {e.failed_attempt for _, e in history if isinstance(e, JobRetryScheduled)}
-    out = []
+    out, failures = [], 0
     for seq, e in history:
         if isinstance(e, JobSucceeded):
             out.append(("succeeded", seq))
         elif isinstance(e, JobCancelled):
             out.append(("cancelled", seq))
-        elif isinstance(e, JobFailed) and e.attempt not in retried:
-            out.append(("failed", seq))
+        elif isinstance(e, JobFailed):
+            failures += 1
+            if e.attempt not in retried and _failure_is_final(spec, e, failures):
+                out.append(("failed", seq))
     return out
+
+
+def _failure_is_final(spec: JobSpec | None, e: JobFailed, failures: int) -> bool:
+    retry = spec.retry if spec is not None else RetryPolicy()
+    return not e.retryable or e.reason not in retry.retry_on or failures >= retry.max_attempts
 
 
 def admitted(history: list[Logged]) -> bool:

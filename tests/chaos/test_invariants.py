@@ -24,6 +24,11 @@ def clean_job(job="j1", node="n1", indices=(0,)):
             b.started(job, (node,)), b.succeeded(job), b.released(job)]
 
 
+def retried_job(job="j1"):
+    """A clean job whose spec allows three attempts."""
+    return [b.submitted(job, b.spec(retry={"max_attempts": 3})), *clean_job(job)[1:]]
+
+
 def rejected(job_id: str, key: str = "decision") -> JobRejected:
     return new_event(JobRejected, aggregate_id=job_id, producer="admission", occurred_at=b.T0, key=key,
                      reason="unknown-queue", message="no such queue")
@@ -35,6 +40,13 @@ def rejected(job_id: str, key: str = "decision") -> JobRejected:
     ([*clean_job()[:5], b.failed("j1", FailureReason.NODE_LOST), b.retry_scheduled("j1"),
       b.scheduled("j1", attempt=2), b.started("j1", attempt=2), b.succeeded("j1", attempt=2)], {"j1": "succeeded"}),
     ([*clean_job()[:5], b.failed("j1")], {"j1": "failed"}),
+    # retryable, but a cancel was asked before it failed: quota does not retry, the cancel ends it
+    ([*retried_job()[:5], b.cancel_requested("j1"), b.failed("j1", FailureReason.NODE_LOST), b.cancelled("j1")],
+     {"j1": "cancelled"}),
+    # the last of its attempts failed (max_attempts 2)
+    ([b.submitted("j1", b.spec(retry={"max_attempts": 2})), b.admitted("j1"),
+      b.failed("j1", FailureReason.NODE_LOST), b.retry_scheduled("j1"),
+      b.failed("j1", FailureReason.NODE_LOST, attempt=2)], {"j1": "failed"}),
     ([b.submitted("j1"), rejected("j1")], {}),  # not admitted: nothing to end
 ])
 def test_terminal_once_finds_the_one_end(events, expected):
@@ -46,6 +58,9 @@ def test_terminal_once_finds_the_one_end(events, expected):
     (clean_job()[:5], "job j1 never ended; its last event is JobStarted (seq 5)"),
     ([*clean_job()[:5], b.failed("j1"), b.cancelled("j1")], "job j1 ended 2 times: failed (seq 6), cancelled (seq 7)"),
     ([*clean_job(), b.cancelled("j1")], "job j1 ended 2 times: succeeded (seq 6), cancelled (seq 8)"),
+    # retryable, no cancel, and quota never retried it
+    ([*retried_job()[:5], b.failed("j1", FailureReason.NODE_LOST)],
+     "job j1 never ended; its last event is JobFailed (seq 6)"),
 ])
 def test_terminal_once_reports_open_and_twice_ended_jobs(events, message):
     assert invariants.terminal_once(invariants.job_histories(logged(*events)))[1] == [message]
