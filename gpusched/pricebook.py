@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpusched.userinput import CHECKED_AT, checked, read_document, validate
+from gpusched.userinput import CHECKED_AT, checked, field_path, read_document, validate
 from runtime import eventlog
 from schemas import PriceBookUpdated, new_event, parse_event
 from schemas.registry import SUBJECT_PREFIX
@@ -68,7 +68,7 @@ def parse(document: Any, source: str | Path) -> PriceBooksFile:
     file and the field."""
     parsed = validate(PriceBooksFile, document, source)
     for i, book in enumerate(parsed.price_books):
-        checked(lambda: _probe(book, CHECKED_AT), f"{source}: price_books[{i}] ({book.name})")
+        checked(lambda: _probe(book, CHECKED_AT), f"{source}: price_books[{i}] ({field_path([book.name])})")
     return parsed
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpusched.userinput import CHECKED_AT, UserError, checked, read_document, validate
+from gpusched.userinput import CHECKED_AT, UserError, checked, field_path, read_document, validate
 from runtime import eventlog
 from schemas import CohortConfigured, Event, QueueConfigured, QueueDeleted, new_event, parse_event
 from schemas.registry import SUBJECT_PREFIX
@@ -122,9 +122,9 @@ def parse_queues(document: Any, source: str | Path) -> QueuesFile:
     if dupes := sorted({n for n in names if names.count(n) > 1}):
         raise UserError(f"{source}: queues: name(s) {dupes} appear more than once; each queue once")
     for i, c in enumerate(parsed.cohorts):
-        checked(lambda: _cohort_event(c, CHECKED_AT), f"{source}: cohorts[{i}] ({c.name})")
+        checked(lambda: _cohort_event(c, CHECKED_AT), f"{source}: cohorts[{i}] ({field_path([c.name])})")
     for i, q in enumerate(parsed.queues):
-        checked(lambda: _queue_probe(q, CHECKED_AT), f"{source}: queues[{i}] ({q.name})")
+        checked(lambda: _queue_probe(q, CHECKED_AT), f"{source}: queues[{i}] ({field_path([q.name])})")
     return parsed
 
 

@@ -50,6 +50,12 @@ def shorten(value: object, limit: int = MAX_SHOWN) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
+def field_path(parts: tuple | list) -> str:
+    """A dotted field path for an error; a key that is empty or not printable is quoted."""
+    shown = (shorten(p) if str(p).isprintable() and str(p) else shorten(repr(p)) for p in parts)
+    return ".".join(shown) or "(root)"
+
+
 def one_line(message: str) -> str:
     """An error message as one printable line of at most :data:`MAX_LINE` characters."""
     return shorten(" ".join(message.split()) if "\n" in message else message, MAX_LINE)
@@ -65,13 +71,14 @@ def first_error(err: ValidationError, source: str) -> str:
     """The first validation error as ``source: field.path: message``, with how many more there are."""
     errors = err.errors(include_url=False)
     first = errors[0]
-    where = ".".join(shorten(p) for p in first["loc"]) or "(root)"
+    where = field_path(first["loc"])
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{source}: {where}: {shorten(first['msg'], 300)}{more}"
 
 
 def validate(model: type[M], document: Any, source: str | Path) -> M:
     """``document`` as ``model``; UserError naming the file and the first field that is wrong."""
+    check_text(document, str(source))
     return checked(lambda: model.model_validate(document), source)
 
 
@@ -180,7 +187,7 @@ def check_text(value: Any, source: str, path: tuple[str, ...] = ()) -> None:
         for offset, char in enumerate(value):
             if char == "\x00" or "\ud800" <= char <= "\udfff":
                 what = "a NUL character" if char == "\x00" else "an unpaired UTF-16 surrogate"
-                field = ".".join(shorten(p) for p in path) or "(root)"
+                field = field_path(path)
                 raise UserError(f"{source}: {field}: contains {what} at offset {offset}; "
                                 "accepted: text without NUL characters or unpaired surrogates")
     elif isinstance(value, dict):
