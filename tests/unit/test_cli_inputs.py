@@ -139,3 +139,10 @@ def test_a_job_file_is_checked_as_admission_checks_a_command(tmp_path, text, mes
     result, _ = cli("submit", "--no-wait", "-f", str(write(tmp_path, text.encode())))
     assert result.exit_code == 2
     assert message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("data, message", [(b"\xff", "not UTF-8"), (b"[1]", "(root): expected a mapping"),
+                                           (b"{nats_url: [", "not valid YAML")])
+def test_a_broken_connection_file_is_one_line(tmp_path, data, message):
+    result, _ = cli("jobs", env={"GPUSCHED_CONNECTION_FILE": str(write(tmp_path, data, "connection.json"))})
+    assert result.exit_code == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1
