@@ -35,7 +35,7 @@ MAX_LINE = 2000
 CHECKED_AT = datetime(2000, 1, 1, tzinfo=UTC)
 """When a file is only checked, the time the events it would make are built at."""
 
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when the wheel has it: 50x faster
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when the wheel has it (far faster)
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
