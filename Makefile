@@ -34,8 +34,8 @@ test-integration: setup ## Each service against real NATS and Postgres
 test-e2e: setup ## All services as processes, faults included
 	$(BIN)/python -m pytest -q e2e $(ARGS)
 
-# GPUSCHED_CHAOS_SEED=N repeats a run; GPUSCHED_CHAOS_JOBS, _LOAD_S, _MALFORMED, _DRAIN_S size it (docs/testing.md).
-test-chaos: setup ## Chaos run (~6 min): 3,000 jobs while every service, nats-server and Postgres are killed -9; fuzzed intake; invariants
+# GPUSCHED_CHAOS_SEED=N (environment) repeats a run; GPUSCHED_CHAOS_JOBS, _LOAD_S, _MALFORMED, _DRAIN_S size it (docs/testing.md).
+test-chaos: setup ## Chaos run (~5 min): 3,000 jobs while every service, nats-server and Postgres are killed -9; fuzzed intake; invariants
 	GPUSCHED_CHAOS=1 $(BIN)/python -m pytest -q -s tests/chaos -m chaos $(ARGS)
 
 # `make test-k8s KUBECONFIG=path` runs against that cluster instead; a KUBECONFIG merely inherited from

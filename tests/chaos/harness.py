@@ -149,7 +149,7 @@ class Report:
         services = ", ".join(f"{s} {self.kills[s]}" for s in SERVICES)
         lines = [
             f"chaos run, seed {cfg.seed} (GPUSCHED_CHAOS_SEED={cfg.seed} repeats its load, faults and fuzz)",
-            f"jobs: {cfg.jobs} submitted, {c['JobAdmitted']} admitted; ended "
+            f"jobs: {cfg.jobs} of the load and the final one submitted, {c['JobAdmitted']} admitted; ended "
             + ", ".join(f"{s} {n}" for s, n in sorted(self.states.items())),
             f"  gangs {c['gangs']}, retries {c['JobRetryScheduled']}, preempted {c['JobPreempted']} "
             f"(reclaim {c['ReclaimRequested:reclaim']}, priority in queue {c['ReclaimRequested:priority']}, "
@@ -317,11 +317,14 @@ class ChaosRun:
 
     async def _projection_caught_up(self) -> bool:
         last = await eventlog.last_sequence(self.js)
-        conn = await asyncpg.connect(self.stack.pg.dsn)
         try:
-            position = await conn.fetchval("SELECT coalesce(max(last_sequence), 0) FROM projection_position")
-        finally:
-            await conn.close()
+            conn = await asyncpg.connect(self.stack.pg.dsn)
+            try:
+                position = await conn.fetchval("SELECT coalesce(max(last_sequence), 0) FROM projection_position")
+            finally:
+                await conn.close()
+        except (OSError, asyncpg.PostgresError):  # not migrated yet, or Postgres still recovering
+            return False
         await asyncio.sleep(2.0)  # and the log stays quiet
         return position >= last and await eventlog.last_sequence(self.js) == last
 

@@ -29,6 +29,11 @@ def retried_job(job="j1"):
     return [b.submitted(job, b.spec(retry={"max_attempts": 3})), *clean_job(job)[1:]]
 
 
+def other_id(event):
+    """The same decision derived with another id (a key that changed between two derivations)."""
+    return event.model_copy(update={"event_id": "another-id"})
+
+
 def rejected(job_id: str, key: str = "decision") -> JobRejected:
     return new_event(JobRejected, aggregate_id=job_id, producer="admission", occurred_at=b.T0, key=key,
                      reason="unknown-queue", message="no such queue")
@@ -74,8 +79,8 @@ def test_started_once():
 
 @pytest.mark.parametrize("extra, expected", [
     (b.retry_scheduled("j1"), []),
-    (b.reserved("j1", gpus=2).model_copy(update={"event_id": "another-id"}), ["decision QuotaReserved j1 1 appended twice (seq 3 and 8)"]),
-    (b.scheduled("j1", {"n2": (1,)}).model_copy(update={"event_id": "another-id"}), ["decision JobScheduled j1 1 appended twice (seq 4 and 8)"]),
+    (other_id(b.reserved("j1", gpus=2)), ["decision QuotaReserved j1 1 appended twice (seq 3 and 8)"]),
+    (other_id(b.scheduled("j1", {"n2": (1,)})), ["decision JobScheduled j1 1 appended twice (seq 4 and 8)"]),
     (rejected("j1"), ["decision JobAdmitted or JobRejected j1 appended twice (seq 2 and 8)"]),
     (b.admitted("j1"), [f"event id {b.admitted('j1').event_id} (JobAdmitted) appended twice (seq 2 and 8)",
                         "decision JobAdmitted or JobRejected j1 appended twice (seq 2 and 8)"]),
