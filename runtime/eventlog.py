@@ -7,7 +7,11 @@ Contracts this module keeps:
   the aggregate's wildcard, so a writer that has not seen the aggregate's latest event is refused
   with :class:`ConcurrencyConflict` instead of deciding on stale state.
 * Consumers are durable pull consumers with explicit ack. A message is acked only after its
-  effects are durable; a transient failure is nak'ed and redelivered.
+  effects are durable. An unacknowledged message is redelivered with growing delays
+  (:data:`REDELIVERY_BACKOFF`), at most :data:`MAX_DELIVER` times: a consumer that naks must
+  dead-letter on the last delivery (:func:`last_delivery`) instead, or the server drops it.
+* A connection rides out a broker restart: :func:`connect` retries the first connection and
+  reconnects for ever, logging one line per disconnect and reconnect (no traceback).
 * A poison message (not JSON, not a valid event) is copied to ``gpusched.deadletter.<service>``
   with its reason and original bytes, then acked: it never blocks the stream and is never lost.
 * Reading the log in order (rebuilding state, projections that keep their own position,
@@ -33,7 +37,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from runtime import observability
 from runtime.settings import Settings
@@ -52,8 +56,11 @@ DLQ_SUBJECTS = [f"{SUBJECT_PREFIX}.deadletter.>"]
 
 MAX_MSG_BYTES = 1024 * 1024
 WRONG_LAST_SEQUENCE = 10071  # JetStream error code
-
-
+MAX_DELIVER = 10
+"""Deliveries of one message to a durable consumer; the last one must settle it (ack or dead-letter)."""
+BACKOFF_STEPS = 5
+"""Redelivery delays of a durable consumer: ack_wait, then doubling (ack_wait x 2, x 4, ...), the
+last one repeated up to :data:`MAX_DELIVER`."""
 
 
 class ConsumerLost(nats.errors.Error):
@@ -62,7 +69,16 @@ class ConsumerLost(nats.errors.Error):
 
 
 TRANSIENT_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
-                    nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError, ConsumerLost)
+                    nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
+                    nats.errors.OutboundBufferLimitError, nats.errors.FlushTimeoutError,
+                    ServiceUnavailableError, asyncio.TimeoutError, ConsumerLost)
+"""What a broker restart or a slow broker raises (JetStream answers 503 until it has recovered its
+store): try again later, after :func:`retry_delay`."""
+
+
+def retry_delay(failures: int, cap_s: float = 5.0) -> float:
+    """Seconds to wait after the ``failures``-th consecutive transient failure: 0.5, 1, 2, 4, 5, 5, ..."""
+    return min(cap_s, 0.5 * 2 ** max(0, failures - 1))
 
 
 class ConcurrencyConflict(Exception):
@@ -83,18 +99,42 @@ class StreamLimits:
 
 async def connect(settings: Settings, name: str) -> NATS:
     """Connect with reconnects that never give up: a broker restart pauses a service, it does
-    not kill it."""
+    not kill it. A broker that is not up yet is waited for (a warning every try), so a service
+    started during a broker restart waits instead of exiting."""
     kwargs: dict[str, Any] = {}
     if settings.nats_user:
         kwargs.update(user=settings.nats_user, password=settings.nats_password or "")
-    return await nats.connect(
-        settings.nats_url,
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        connect_timeout=5,
-        **kwargs,
-    )
+    failures = 0
+    while True:
+        try:
+            return await nats.connect(
+                settings.nats_url,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=5,
+                error_cb=_connection_error,
+                disconnected_cb=_disconnected,
+                reconnected_cb=_reconnected,
+                **kwargs,
+            )
+        except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.TimeoutError) as err:
+            failures += 1
+            log.warning("NATS unavailable, retrying", extra={"url": settings.nats_url, "error": repr(err)})
+            await asyncio.sleep(retry_delay(failures))
+
+
+async def _connection_error(err: Exception) -> None:
+    # nats-py's default logs each failed reconnect with a traceback; one line says as much.
+    log.warning("NATS connection error", extra={"error": repr(err)})
+
+
+async def _disconnected() -> None:
+    log.warning("NATS disconnected; reconnecting")
+
+
+async def _reconnected() -> None:
+    log.info("NATS reconnected")
 
 
 async def provision(js: JetStreamContext, limits: StreamLimits = StreamLimits()) -> None:
@@ -208,24 +248,36 @@ async def durable_consumer(
     max_ack_pending: int = 4096,
 ) -> JetStreamContext.PullSubscription:
     """Bind to (creating if absent) a durable pull consumer. ``start_seq`` applies only when the
-    consumer is created: a service that just rebuilt its state to sequence N starts at N + 1."""
+    consumer is created: a service that just rebuilt its state to sequence N starts at N + 1.
+
+    Redelivery is bounded: at most :data:`MAX_DELIVER` deliveries, after ``ack_wait_s`` and then
+    doubling delays (:data:`BACKOFF_STEPS`). A consumer created before these limits existed is
+    brought up to them."""
+    limits = {"max_deliver": MAX_DELIVER, "backoff": [ack_wait_s * 2**i for i in range(BACKOFF_STEPS)]}
     try:
-        await js.consumer_info(stream, durable)
+        info = await js.consumer_info(stream, durable)
     except NotFoundError:
         config = ConsumerConfig(
             durable_name=durable,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ack_wait_s,
             max_ack_pending=max_ack_pending,
-            # Redelivery on transient failure with backoff; the last try stays (max_deliver -1):
-            # a valid event is never dropped because a dependency was down for a while.
-            max_deliver=-1,
             filter_subjects=filter_subjects,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start_seq else DeliverPolicy.ALL,
             opt_start_seq=start_seq,
+            **limits,
         )
         await js.add_consumer(stream, config)
+    else:
+        if info.config.max_deliver != MAX_DELIVER or not info.config.backoff:
+            await js.add_consumer(stream, info.config.evolve(ack_wait=ack_wait_s, **limits))
     return await js.pull_subscribe_bind(durable=durable, stream=stream)
+
+
+def last_delivery(msg: Msg) -> bool:
+    """This delivery of a durable consumer's message is its last (:data:`MAX_DELIVER`): a nak
+    would drop it, so it must be acked or dead-lettered."""
+    return msg.metadata.num_delivered >= MAX_DELIVER
 
 
 async def fetch(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: float) -> list[Msg]:

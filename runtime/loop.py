@@ -9,6 +9,23 @@
 
 A crash anywhere is safe: the next start rebuilds from the log, re-derives the same decisions with
 the same event ids, and JetStream de-duplicates or the concurrency check refuses them.
+
+Nothing a message holds stops the loop, and no failure ends the process:
+
+* poison — an event that does not parse, or that ``evolve`` raises on — is dead-lettered with
+  the reason and passed over (acked). ``evolve`` may have changed part of the state before it
+  raised (the cores fold in place); it is deterministic, so a rebuild folds the same events in
+  the same order, passes over the same event at the same point and reaches the same state:
+  live and rebuilt states agree. A rebuild only skips it; the live path already dead-lettered it.
+* ``decide`` raising is logged and counted (``gpusched_decide_failures_total``); the core is told
+  its decisions were not recorded and the next cycle decides again.
+* a broker that is away (any of :data:`eventlog.TRANSIENT_ERRORS`, or a JetStream API error)
+  stops the batch; after a growing pause the loop reads what it missed from the log from its
+  applied position (so nothing is skipped, whatever the durable consumer redelivers later),
+  binds its durable consumer again and goes on. An unacknowledged message is redelivered a
+  bounded number of times (:data:`eventlog.MAX_DELIVER`); the loop never naks, so a message
+  reaches its last delivery only if processes died holding it, and the next process's rebuild
+  has folded it (redeliveries at or below the applied position are acked unread).
 """
 
 from __future__ import annotations
@@ -16,22 +33,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Iterable
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from typing import Protocol
 
+import nats
 from nats.aio.msg import Msg
-from pydantic import ValidationError
+from nats.js.errors import APIError
+from prometheus_client import Counter
 
 from runtime import eventlog, observability
 from runtime.clock import Clock, ScaledClock
 from runtime.settings import Settings
 from schemas.envelope import Event
-from schemas.registry import parse_event
+from schemas.registry import event_subject, parse_event
 
 log = logging.getLogger(__name__)
 
 APPEND_WINDOW = 128  # appends in flight at once (different aggregates only)
+BROKER_ERRORS = (*eventlog.TRANSIENT_ERRORS, APIError, nats.errors.Error)
+"""What the broker can answer with while it restarts or misbehaves: the loop waits and goes on."""
+LOG_EVERY_S = 30.0  # a failure that repeats every cycle is logged at most this often
+
+DECIDE_FAILURES = Counter("gpusched_decide_failures_total",
+                          "Decision cycles whose decide() raised; retried on the next cycle", ["service"])
 
 
 class Core(Protocol):
@@ -51,6 +78,19 @@ def aggregate_key(event: Event) -> tuple[str, str]:
     return (type(event).aggregate, event.aggregate_id)
 
 
+def subject_scope(subject: str) -> str:
+    """The aggregate a subject belongs to (``gpusched.<aggregate>.<id>``): known for any message
+    on the log, poison or not, so the concurrency check's sequence counts every message."""
+    return subject.rsplit(".", 1)[0]
+
+
+def failure(err: BaseException) -> str:
+    """One line: the exception and where it was raised."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
+
+
 class DecisionService:
     def __init__(self, name: str, core: Core, settings: Settings, clock: Clock | None = None) -> None:
         self.name = name
@@ -59,42 +99,59 @@ class DecisionService:
         self.clock = clock or ScaledClock(settings.time_scale, settings.clock_epoch)
         self.applied_seq = 0
         self.own_high_water = 0  # highest sequence this service appended
-        self.last_seq: dict[tuple[str, str], int] = {}
+        self.last_seq: dict[str, int] = {}  # subject_scope -> newest sequence seen
         self.trace_ctx: dict[str, dict[str, str]] = {}
         self._stop = asyncio.Event()
         self._caught_up = asyncio.Event()
+        self._logged_at: dict[str, float] = {}
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _apply(self, msg: Msg) -> Event | None:
-        seq = msg.metadata.sequence.stream
+    def _fold(self, msg: Msg) -> str | None:
+        """Fold one message from the log into the state. Returns why it is poison (it was passed
+        over), or None (folded, or at or below the applied position: already in)."""
+        seq = eventlog.sequence(msg)
         if seq <= self.applied_seq:
             return None
-        event = parse_event(msg.data)
-        self.core.evolve(event)
+        try:
+            event = parse_event(msg.data)
+        except Exception as err:  # ValueError, ValidationError, or whatever odd input provokes
+            reason = f"invalid event: {err}"
+        else:
+            try:
+                self.core.evolve(event)
+                reason = None
+            except Exception as err:
+                reason = f"{self.name} cannot fold this event in (evolve raised {failure(err)})"
         self.applied_seq = seq
-        self.last_seq[aggregate_key(event)] = seq
+        self.last_seq[subject_scope(msg.subject)] = seq
+        if reason is None:
+            self._remember_trace(event, msg)
+            observability.EVENTS_CONSUMED.labels(service=self.name, type=event.type).inc()
+        return reason
+
+    def _remember_trace(self, event: Event, msg: Msg) -> None:
         if type(event).aggregate == "job":
             ctx = observability.trace_headers(msg.headers)
             if ctx:
                 self.trace_ctx[event.aggregate_id] = ctx
-        observability.EVENTS_CONSUMED.labels(service=self.name, type=event.type).inc()
-        return event
 
     async def rebuild(self, js) -> int:
+        """Fold the log from the applied position to its current end; returns the end. At start
+        this is the whole log; after a broker outage, what the live feed may have missed. Poison
+        is passed over as the live path passes it over (which dead-letters it)."""
         end = await eventlog.last_sequence(js)
         count = 0
-        async for msgs in eventlog.read_batches(js, to_seq=end):
+        async for msgs in eventlog.read_batches(js, from_seq=self.applied_seq + 1, to_seq=end):
             for msg in msgs:
-                try:
-                    self._apply(msg)
-                except (ValueError, ValidationError):
-                    # The live consumer dead-letters it; rebuilding only skips it.
-                    self.applied_seq = eventlog.sequence(msg)
+                reason = self._fold(msg)
+                if reason is not None:
+                    log.warning("passed over a poison event", extra={"sequence": eventlog.sequence(msg),
+                                                                     "reason": reason[:500]})
             count += len(msgs)
         self.applied_seq = max(self.applied_seq, end)
-        log.info("rebuilt state from the log", extra={"events": count, "last_sequence": end})
+        log.info("folded the log in", extra={"events": count, "last_sequence": end})
         return end
 
     async def wait_caught_up(self) -> None:
@@ -134,17 +191,19 @@ class DecisionService:
         # The decision is a span in the job's trace (continued from the job's latest event); the
         # append carries this span's context on to whoever consumes the event.
         parent = self.trace_ctx.get(event.aggregate_id, {}) if key[0] == "job" else {}
+        scope = subject_scope(event_subject(event))
         with observability.span_from_headers(f"{self.name} {event.type}", parent, job=event.aggregate_id):
             try:
-                seq = await log_.append(event, expected_last_seq=self.last_seq.get(key, 0))
+                seq = await log_.append(event, expected_last_seq=self.last_seq.get(scope, 0))
             except eventlog.ConcurrencyConflict as err:
                 observability.CONFLICTS.labels(service=self.name).inc()
                 log.info("decision refused, re-deciding after catch-up", extra={"reason": str(err)})
                 return False
-            except eventlog.TRANSIENT_ERRORS as err:
-                log.warning("append failed, will retry", extra={"type": event.type, "error": repr(err)})
+            except Exception as err:  # the broker away or refusing: derived again next cycle
+                self._log_throttled(f"append {event.type}", "append failed, will retry",
+                                    type=event.type, error=failure(err))
                 return False
-        self.last_seq[key] = max(self.last_seq.get(key, 0), seq)
+        self.last_seq[scope] = max(self.last_seq.get(scope, 0), seq)
         self.own_high_water = max(self.own_high_water, seq)
         observability.DECISIONS.labels(service=self.name, type=event.type).inc()
         return True
@@ -154,17 +213,15 @@ class DecisionService:
         js = nc.jetstream()
         try:
             await eventlog.wait_for_streams(js)
-            end = await self.rebuild(js)
-            sub = await eventlog.durable_consumer(
-                js, stream=eventlog.EVENTS_STREAM, durable=self.name, start_seq=end + 1
-            )
+            if not await self._retrying("rebuild", lambda: self.rebuild(js)):
+                return
             appender = eventlog.EventLog(js)
             log.info("consuming", extra={"durable": self.name})
-            main = asyncio.create_task(self._main_loop(js, sub, appender))
-            side = asyncio.create_task(self.side_loop(js, appender))
+            main = asyncio.create_task(self._main_loop(js, appender))
+            side = asyncio.create_task(self._retrying("side loop", lambda: self.side_loop(js, appender)))
             done, _ = await asyncio.wait({main, side}, return_when=asyncio.FIRST_COMPLETED)
             # Either loop ending ends the service: stop() ends the main loop; a side loop that
-            # fails takes the process down so that its supervisor restarts it.
+            # fails for anything but the broker takes the process down (its supervisor restarts it).
             for task in (main, side):
                 if task not in done:
                     task.cancel()
@@ -176,22 +233,93 @@ class DecisionService:
         finally:
             await nc.close()
 
-    async def _main_loop(self, js, sub, appender: eventlog.EventLog) -> None:
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[object]]) -> bool:
+        """Run ``attempt`` until it gets through the broker, pausing longer after each failure;
+        False when the service was stopped first."""
+        failures = 0
         while not self._stop.is_set():
-            msgs = await eventlog.fetch(sub, self.settings.batch_size, self.settings.tick_s)
-            with observability.BATCH_SECONDS.labels(service=self.name).time():
-                for msg in msgs:
-                    try:
-                        self._apply(msg)
-                    except (ValueError, ValidationError) as err:
-                        await eventlog.dead_letter(js, self.name, msg, f"invalid event: {err}")
-                observability.APPLIED_SEQUENCE.labels(service=self.name).set(self.applied_seq)
-                if self.applied_seq >= self.own_high_water:
-                    self._caught_up.set()
-                    if await self.append_all(appender, self.core.decide(self.clock.now())):
-                        self.core.decisions_refused()
-                for msg in msgs:
-                    await msg.ack()
+            try:
+                await attempt()
+                return True
+            except BROKER_ERRORS as err:
+                failures += 1
+                log.warning(f"{what}: NATS unavailable, retrying", extra={"error": repr(err), "failures": failures})
+                await self._pause(eventlog.retry_delay(failures))
+        return False
+
+    async def _pause(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _subscribe(self, js):
+        """Read what the log holds past the applied position, then bind the durable consumer
+        (created at the next sequence if it does not exist)."""
+        await self.rebuild(js)
+        return await eventlog.durable_consumer(js, stream=eventlog.EVENTS_STREAM, durable=self.name,
+                                               start_seq=self.applied_seq + 1)
+
+    async def _main_loop(self, js, appender: eventlog.EventLog) -> None:
+        sub = None
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if sub is None:
+                    sub = await self._subscribe(js)
+                msgs = await eventlog.fetch(sub, self.settings.batch_size, self.settings.tick_s)
+                await self._handle_batch(js, appender, msgs)
+                failures = 0
+            except BROKER_ERRORS as err:
+                # The batch stopped part way: its unacked rest comes again (skipped if folded),
+                # and the next _subscribe reads whatever was not folded from the log.
+                failures += 1
+                log.warning("NATS unavailable; catching up from the log when it is back",
+                            extra={"error": repr(err), "failures": failures})
+                sub = await _unsubscribe(sub)
+                await self._pause(eventlog.retry_delay(failures))
+
+    async def _handle_batch(self, js, appender: eventlog.EventLog, msgs: list[Msg]) -> None:
+        with observability.BATCH_SECONDS.labels(service=self.name).time():
+            for msg in msgs:
+                reason = self._fold(msg)
+                if reason is not None and not await self._retrying(
+                        "dead letter", lambda: eventlog.dead_letter(js, self.name, msg, reason)):
+                    return  # stopped: unacked, so the next process sees the batch again
+            observability.APPLIED_SEQUENCE.labels(service=self.name).set(self.applied_seq)
+            if self.applied_seq >= self.own_high_water:
+                self._caught_up.set()
+                if await self.append_all(appender, self._decide()):
+                    self.core.decisions_refused()
+            for msg in msgs:
+                await msg.ack()
+
+    def _decide(self) -> list[Event]:
+        """The core's decisions; none this cycle when it raises (counted, logged, tried again)."""
+        try:
+            return self.core.decide(self.clock.now())
+        except Exception as err:
+            DECIDE_FAILURES.labels(service=self.name).inc()
+            self._log_throttled("decide", "decide failed; deciding again next cycle", error=failure(err))
+            self.core.decisions_refused()
+            return []
+
+    def _log_throttled(self, key: str, message: str, **extra) -> None:
+        """Log a failure that may repeat every cycle at most every LOG_EVERY_S per key."""
+        now = time.monotonic()
+        if now - self._logged_at.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged_at[key] = now
+            log.error(message, extra=extra)
+
+
+async def _unsubscribe(sub) -> None:
+    """Drop a subscription the broker may already have forgotten; returns None (no subscription)."""
+    if sub is not None:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # the connection is away: the client forgets it anyway
+            pass
+    return None
 
 
 def run_service(name: str, build_core, service_class: type[DecisionService] = DecisionService) -> None:

@@ -1,0 +1,143 @@
+"""Nothing a message holds stops a decision loop (issue 21): a real nats-server, the real quota
+core with a fault put in on purpose. An event the core cannot fold in is dead-lettered and passed
+over, live and at rebuild alike; a decide() that raises is retried on the next cycle; the
+process goes on; durable consumers redeliver a bounded number of times."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from conftest import eventually, running, service_settings
+from runtime import eventlog, loop
+from runtime.loop import DecisionService
+from schemas import Event
+from services.quota.domain import QuotaCore
+from tests.unit.builders import admitted, queue, submitted
+
+DLQ = "gpusched.deadletter.quota"
+
+
+class FaultyCore(QuotaCore):
+    """The quota core, except that evolve raises on any event of job ``bad`` and decide raises
+    its first ``decide_failures`` times."""
+
+    def __init__(self, decide_failures: int = 0) -> None:
+        super().__init__()
+        self.decide_failures = decide_failures
+        self.folded: list[str] = []
+
+    def evolve(self, event: Event) -> None:
+        if event.aggregate_id == "bad":
+            raise KeyError("no such thing")
+        super().evolve(event)
+        self.folded.append(event.event_id)
+
+    def decide(self, now: datetime) -> list[Event]:
+        if self.decide_failures > 0:
+            self.decide_failures -= 1
+            raise ZeroDivisionError("a bug in decide")
+        return super().decide(now)
+
+
+def quota(nats_server, core: QuotaCore) -> DecisionService:
+    return DecisionService("quota", core, service_settings(nats_server, "quota"))
+
+
+async def job(log: eventlog.EventLog, job_id: str) -> None:
+    await log.append(submitted(job_id))
+    await log.append(admitted(job_id))
+
+
+async def reserved(js, job_id: str) -> bool:
+    return bool([m async for m in eventlog.read(js, subjects=[f"gpusched.job.{job_id}.quota_reserved"])])
+
+
+async def dead_letters(js) -> list:
+    return [m async for m in eventlog.read(js, stream=eventlog.DLQ_STREAM, subjects=[DLQ])]
+
+
+async def test_an_event_evolve_raises_on_is_dead_lettered_and_the_loop_goes_on(nats_server, admin_js):
+    log = eventlog.EventLog(admin_js)
+    await log.append(queue())
+    core = FaultyCore()
+    async with running(quota(nats_server, core)) as service:
+        await eventually(lambda: service.applied_seq >= 1)
+        await job(log, "bad")
+        await job(log, "good")
+        await eventually(lambda: reserved(admin_js, "good"))
+        dead = await eventually(lambda: dead_letters(admin_js))
+    assert [m.headers["Gpusched-Original-Subject"] for m in dead] == ["gpusched.job.bad.submitted",
+                                                                      "gpusched.job.bad.admitted"]
+    assert "evolve raised KeyError" in dead[0].headers["Gpusched-Reason"]
+    assert not await reserved(admin_js, "bad")
+
+    # A rebuild passes over the same events: the same state, and nothing dead-lettered again.
+    again = FaultyCore()
+    async with running(quota(nats_server, again)) as rebuilt:
+        await eventually(lambda: rebuilt.applied_seq >= service.applied_seq)
+    assert again.folded == core.folded
+    assert len(await dead_letters(admin_js)) == 2
+
+
+async def test_poison_after_a_jobs_last_event_does_not_block_its_decisions(nats_server, admin_js):
+    """A poison message on a job's subjects counts for the job's concurrency check: the next
+    decision about the job is appended against it, not refused for ever."""
+    log = eventlog.EventLog(admin_js)
+    await log.append(queue())
+    await job(log, "j1")
+    await admin_js.publish("gpusched.job.j1.admitted", b"{not json")
+    async with running(quota(nats_server, FaultyCore())):
+        await eventually(lambda: reserved(admin_js, "j1"))
+
+
+async def test_poison_live_is_dead_lettered_with_its_reason(nats_server, admin_js):
+    log = eventlog.EventLog(admin_js)
+    await log.append(queue())
+    async with running(quota(nats_server, FaultyCore())) as service:
+        await eventually(lambda: service.applied_seq >= 1)
+        await admin_js.publish("gpusched.job.j2.submitted", b"{not json")
+        await job(log, "j3")
+        await eventually(lambda: reserved(admin_js, "j3"))
+        [dead] = await eventually(lambda: dead_letters(admin_js))
+    assert dead.headers["Gpusched-Reason"].startswith("invalid event")
+    assert dead.data == b"{not json"
+
+
+async def test_decide_raising_is_retried_next_cycle_and_counted(nats_server, admin_js):
+    log = eventlog.EventLog(admin_js)
+    await log.append(queue())
+    before = loop.DECIDE_FAILURES.labels(service="quota")._value.get()
+    service = quota(nats_server, FaultyCore(decide_failures=5))
+    async with running(service):
+        await job(log, "j4")
+        await eventually(lambda: reserved(admin_js, "j4"))
+        assert not service._stop.is_set()
+    assert loop.DECIDE_FAILURES.labels(service="quota")._value.get() - before == 5
+
+
+async def test_durable_consumers_redeliver_a_bounded_number_of_times(admin_js):
+    await eventlog.durable_consumer(admin_js, stream=eventlog.EVENTS_STREAM, durable="bounded", ack_wait_s=2)
+    info = await admin_js.consumer_info(eventlog.EVENTS_STREAM, "bounded")
+    assert info.config.max_deliver == eventlog.MAX_DELIVER
+    assert info.config.backoff == [2, 4, 8, 16, 32]
+
+
+async def test_a_durable_made_without_limits_is_given_them(admin_js):
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    await admin_js.add_consumer(eventlog.EVENTS_STREAM, ConsumerConfig(
+        durable_name="old", ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=-1))
+    await eventlog.durable_consumer(admin_js, stream=eventlog.EVENTS_STREAM, durable="old")
+    info = await admin_js.consumer_info(eventlog.EVENTS_STREAM, "old")
+    assert info.config.max_deliver == eventlog.MAX_DELIVER
+    assert info.config.backoff[0] == 30
+
+
+async def test_the_last_delivery_is_known(admin_js):
+    await admin_js.publish("gpusched.job.j5.submitted", b"x")
+    sub = await eventlog.durable_consumer(admin_js, stream=eventlog.EVENTS_STREAM, durable="naks", ack_wait_s=0.5)
+    for delivery in range(1, eventlog.MAX_DELIVER + 1):
+        [msg] = await eventlog.fetch(sub, 1, 5)
+        assert eventlog.last_delivery(msg) == (delivery == eventlog.MAX_DELIVER)
+        await msg.nak()
+    assert await eventlog.fetch(sub, 1, 1) == []  # the server gave up on it
