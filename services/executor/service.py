@@ -39,15 +39,15 @@ class ExecutorService(DecisionService):
         await asyncio.to_thread(self.backend.start)
         try:
             while not self._stop.is_set():
-                plan = self.core.plan()
                 try:
+                    plan = self.core.plan()
                     result = await asyncio.to_thread(reconcile, self.backend, plan, datetime.now(UTC))
+                    self.core.apply(result)
                 except Exception as err:
                     # A refused request (bad manifest, RBAC) is reported per attempt by the backend;
-                    # anything reaching here is unexpected: log it, keep reconciling.
+                    # anything reaching here is unexpected (the backend, or the core on what it saw):
+                    # log it, keep reconciling. The process never exits for one pass.
                     log.exception("reconcile failed", extra={"error": repr(err)})
-                else:
-                    self.core.apply(result)
                 try:
                     await asyncio.wait_for(self._stop.wait(), timeout=self.sync_s)
                 except asyncio.TimeoutError:
