@@ -290,16 +290,23 @@ accounting_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_j
 
 @app.command("why")
 def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
-    """Why a job waits: its current quota reason, position in its queue, and the reason history."""
+    """Why a job waits: its current quota reason, position in its queue, the queue's usage now, and
+    the reason history."""
     data = run(with_js(lambda js: history.why(js, job_id)))
+    if data["reason"] and data["queue"]:
+        data["queue_now"] = _queue_now(data["queue"])
     if output == Output.json:
         emit(data, output)
         return
     r = data["reason"]
     console.print(f"{job_id}: {data['last_event']} since {data['since'].isoformat(timespec='seconds')}")
     if r:
-        console.print(f"waiting for quota: [bold]{r['code']}[/bold], position {r['position']} in its queue\n  "
-                      f"{escape(r['message'])}")
+        console.print(f"waiting for quota: [bold]{r['code']}[/bold], position {r['position']} in its queue "
+                      f"(recorded {r['since'].isoformat(timespec='seconds')})\n  {escape(r['message'])}")
+        if (now := data.get("queue_now")):
+            usage = "; ".join(f"{f['flavor']} nominal {f['nominal']}, used {f['used']}, borrowed {f['borrowed']}, "
+                              f"lent {f['lent']}, pending {f['pending_jobs']}" for f in now["flavors"])
+            console.print(f"queue {data['queue']} now (read models at sequence {now['position']}): {usage}")
     elif not data["waiting_for_quota"]:
         console.print("not waiting for quota")
     if (sr := data.get("scheduling_reason")):
@@ -307,6 +314,14 @@ def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
         console.print(f"holds quota, waiting for placement: [bold]{sr['code']}[/bold]{eta}\n  {escape(sr['message'])}")
     if data["history"]:
         emit(data["history"], output, title="reason history")
+
+
+def _queue_now(queue: str) -> dict[str, Any] | None:
+    """The queue's usage from the read models (what `gpusched queues` shows); None without Postgres."""
+    try:
+        return asyncio.run(with_pg(lambda conn: quota_usage.queue_now(conn, queue)))
+    except UserError:  # no Postgres configured or reachable: the log's reasons still stand
+        return None
 
 
 @app.command()

@@ -1,5 +1,9 @@
 """Reading a job's history from the log: its events in order, and where it stands and why it
-waits (the reasons quota and the scheduler recorded)."""
+waits (the reasons quota and the scheduler recorded).
+
+A reason is recorded when it changes, not every cycle, so the numbers in its message are those of
+the cycle that recorded it (its ``since``); ``gpusched why`` shows the queue's usage now beside
+it, from the same read models as ``gpusched queues``."""
 
 from __future__ import annotations
 
@@ -34,8 +38,10 @@ async def why(js: JetStreamContext, job_id: str) -> dict[str, Any]:
     current = next((r for r in reversed(reasons) if r.attempt == attempt), None) if waiting else None
     placing = [e for _, e in history if e.type == "SchedulingPendingReasonChanged"]
     sched = next((r for r in reversed(placing) if r.attempt == attempt), None) if last.type == "QuotaReserved" else None
+    admitted = next((e for e in lifecycle if e.type == "JobAdmitted"), None)
     return {
         "job_id": job_id,
+        "queue": admitted.queue if admitted is not None else None,
         "last_event": last.type,
         "since": last.occurred_at,
         "waiting_for_quota": waiting,

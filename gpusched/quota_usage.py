@@ -34,3 +34,9 @@ async def queue_usage(conn: asyncpg.Connection) -> list[dict[str, Any]]:
 def _pool_of(row: dict[str, Any]) -> tuple[str, str]:
     """A cohort tree shares one pool per flavor; a queue outside any cohort has its own."""
     return (row["cohort_root"] or f"queue {row['queue']}", row["flavor"])
+
+
+async def queue_now(conn: asyncpg.Connection, queue: str) -> dict[str, Any]:
+    """One queue's rows of :func:`queue_usage` and the log position the read models are at."""
+    return {"position": await queries.position(conn),
+            "flavors": [r for r in await queue_usage(conn) if r["queue"] == queue]}
