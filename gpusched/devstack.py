@@ -212,6 +212,13 @@ class NatsServer:
         _terminate(self.proc, 10)
         self.proc = None
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """kill -9 (a crash, for tests); :meth:`start` brings it back on the same port and store."""
+        _kill_family(self.proc)
+
 
 # -- Postgres --------------------------------------------------------------------------------
 
@@ -289,8 +296,52 @@ class Postgres:
         _terminate(self.proc, 30, sig=signal.SIGINT)
         self.proc = None
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """kill -9 of the postmaster and every process it started (a crash, for tests), once they
+        are gone; :meth:`start` brings it back on the same port and data directory."""
+        _kill_family(self.proc)
+
 
 # -- services --------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _kill_family(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> None:
+    """SIGKILL a process and its children; wait until all are gone (or ``timeout_s``)."""
+    if proc is None or proc.poll() is not None:
+        return
+    family = _children(proc.pid)
+    for pid in [proc.pid, *family]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    deadline = time.monotonic() + timeout_s
+    while not all(_gone(pid) for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _terminate(proc: subprocess.Popen | None, timeout_s: float, sig: int = signal.SIGTERM) -> None:

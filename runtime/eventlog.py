@@ -76,6 +76,11 @@ TRANSIENT_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nat
 store): try again later, after :func:`retry_delay`."""
 
 
+BROKER_ERRORS = (*TRANSIENT_ERRORS, APIError, nats.errors.Error)
+"""Anything the broker may answer with while it restarts or misbehaves: a loop that meets one
+waits (:func:`retry_delay`) and starts again from its own position; it does not exit."""
+
+
 def retry_delay(failures: int, cap_s: float = 5.0) -> float:
     """Seconds to wait after the ``failures``-th consecutive transient failure: 0.5, 1, 2, 4, 5, 5, ..."""
     return min(cap_s, 0.5 * 2 ** max(0, failures - 1))

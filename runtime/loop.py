@@ -39,9 +39,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime
 from typing import Protocol
 
-import nats
 from nats.aio.msg import Msg
-from nats.js.errors import APIError
 from prometheus_client import Counter
 
 from runtime import eventlog, observability
@@ -53,8 +51,6 @@ from schemas.registry import event_subject, parse_event
 log = logging.getLogger(__name__)
 
 APPEND_WINDOW = 128  # appends in flight at once (different aggregates only)
-BROKER_ERRORS = (*eventlog.TRANSIENT_ERRORS, APIError, nats.errors.Error)
-"""What the broker can answer with while it restarts or misbehaves: the loop waits and goes on."""
 LOG_EVERY_S = 30.0  # a failure that repeats every cycle is logged at most this often
 
 DECIDE_FAILURES = Counter("gpusched_decide_failures_total",
@@ -241,7 +237,7 @@ class DecisionService:
             try:
                 await attempt()
                 return True
-            except BROKER_ERRORS as err:
+            except eventlog.BROKER_ERRORS as err:
                 failures += 1
                 log.warning(f"{what}: NATS unavailable, retrying", extra={"error": repr(err), "failures": failures})
                 await self._pause(eventlog.retry_delay(failures))
@@ -270,7 +266,7 @@ class DecisionService:
                 msgs = await eventlog.fetch(sub, self.settings.batch_size, self.settings.tick_s)
                 await self._handle_batch(js, appender, msgs)
                 failures = 0
-            except BROKER_ERRORS as err:
+            except eventlog.BROKER_ERRORS as err:
                 # The batch stopped part way: its unacked rest comes again (skipped if folded),
                 # and the next _subscribe reads whatever was not folded from the log.
                 failures += 1

@@ -20,18 +20,31 @@ NAME = "accounting"
 
 UNSTORABLE = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
 """Postgres refusing what a batch holds: the same batch will be refused again, unlike a lost
-connection or a server restart, which :func:`_apply` rides out by retrying."""
+connection or a server restart, which :func:`run` rides out by reconnecting."""
+PG_UNAVAILABLE = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
+"""A lost connection, a server restarting or not up yet (any other Postgres error than
+:data:`UNSTORABLE`): reconnect and go on from the stored position."""
+STOP_GRACE_S = 5.0
+"""On SIGTERM a batch being written may commit for this long; then the service stops wherever it
+is (a retry, a reconnect): an uncommitted batch commits nothing, and the next start resumes from
+the stored position."""
 
 
 async def connect_pg(dsn: str) -> asyncpg.Connection:
-    delay = 0.5
+    failures = 0
     while True:
         try:
-            return await asyncpg.connect(dsn)
-        except (OSError, asyncpg.PostgresError) as err:
+            return await asyncpg.connect(dsn, timeout=10)
+        except PG_UNAVAILABLE as err:
+            failures += 1
             log.warning("postgres unavailable, retrying", extra={"error": repr(err)})
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5)
+            await asyncio.sleep(eventlog.retry_delay(failures))
+
+
+async def reconnect_pg(conn: asyncpg.Connection, dsn: str) -> asyncpg.Connection:
+    """A new connection in place of one that failed (closed without waiting for the server)."""
+    conn.terminate()
+    return await connect_pg(dsn)
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
@@ -39,8 +52,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
 
     The position lives in Postgres, written in the transaction that writes the rows, so the
     consumer need not remember anything: an ephemeral in-order reader starts at position + 1, and
-    after any failure (NATS or Postgres) the loop starts again from the stored position. A batch
-    that fails to commit is retried as it is; no later event is applied before it."""
+    after any failure (NATS or Postgres) the loop starts again from the stored position, after a
+    growing pause, reconnecting to Postgres when that was what failed: no later event is applied
+    before a batch that failed to commit."""
     if not settings.pg_dsn:
         raise SystemExit("GPUSCHED_PG_DSN is required by the accounting service")
     issuer = statements.Issuer(statements.IssuerConfig.from_env())
@@ -53,93 +67,129 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     store = _Store(js, conn, settings, issuer)
     try:
         await eventlog.wait_for_streams(js)
+        failures = 0
         while not stop.is_set():
-            position = await sink.position(store.conn)
-            batches = eventlog.read_batches(js, from_seq=position + 1, follow=True, batch=settings.batch_size,
-                                            idle_s=settings.tick_s)
             try:
-                await pipeline.run(_until(stop, batches), store, trace="accounting", observe=store.observe)
-            except eventlog.TRANSIENT_ERRORS as err:
+                await _project(js, store, settings, stop)
+            except eventlog.BROKER_ERRORS as err:
+                failures += 1
                 log.warning("NATS unavailable; resuming from the stored position", extra={"error": repr(err)})
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(eventlog.retry_delay(failures))
+            except PG_UNAVAILABLE as err:
+                failures += 1
+                log.warning("Postgres unavailable; reconnecting, then resuming from the stored position",
+                            extra={"error": repr(err)})
+                await asyncio.sleep(eventlog.retry_delay(failures))
+                store.conn = await reconnect_pg(store.conn, settings.pg_dsn)
+            else:
+                failures = 0
     finally:
         if collector is not None:
             metrics.unregister(collector)
         await nc.close()
-        await store.conn.close()
+        try:
+            await store.conn.close(timeout=2)
+        except Exception:  # Postgres is away: nothing to say goodbye to
+            store.conn.terminate()
 
 
-async def _until(stop: asyncio.Event, batches):
-    """The reader's batches until ``stop`` is set (checked at least every idle tick)."""
+async def _project(js, store: "_Store", settings: Settings, stop: asyncio.Event) -> None:
+    """From the stored position on, until ``stop`` or a failure."""
+    store.failure = None
+    position = await sink.position(store.conn)
+    batches = eventlog.read_batches(js, from_seq=position + 1, follow=True, batch=settings.batch_size,
+                                    idle_s=settings.tick_s)
+    await pipeline.run(_until(stop, batches, store), store, trace="accounting", observe=store.observe)
+
+
+async def _until(stop: asyncio.Event, batches, store: "_Store"):
+    """The reader's batches until ``stop`` is set or the store failed (both checked at least
+    every idle tick: the pipeline stores a batch while it reads the next, so a failed store
+    would otherwise surface only once another event arrived)."""
     async with contextlib.aclosing(batches):
         async for msgs in batches:
+            if store.failure is not None:
+                raise store.failure
             if stop.is_set():
                 return
             yield msgs
 
 
 class _Store:
-    """The live end of the pipeline: a batch's poison dead-lettered, the batch applied (retried
-    on a new connection until Postgres takes it), then the statements that fell due."""
+    """The live end of the pipeline: a batch's poison dead-lettered, the batch applied, then the
+    statements that fell due."""
 
     def __init__(self, js, conn: asyncpg.Connection, settings: Settings, issuer: statements.Issuer) -> None:
         self.js, self.conn, self.settings, self.issuer = js, conn, settings, issuer
+        self.failure: Exception | None = None  # the last batch's, until the run starts again
 
     def observe(self, event) -> None:
         observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
         self.issuer.observe(event.occurred_at)
 
     async def __call__(self, converted: pipeline.Converted) -> None:
+        try:
+            await self._store(converted)
+        except Exception as err:
+            self.failure = err
+            raise
+
+    async def _store(self, converted: pipeline.Converted) -> None:
         for msg, reason in converted.poison:
             await eventlog.dead_letter(self.js, NAME, msg, reason)
         try:
-            self.conn = await _apply(self.conn, self.settings, converted.entries)
+            await _apply(self.conn, converted.entries)
         except UNSTORABLE:
-            self.conn = await self._apply_one_by_one(converted)
+            await self._apply_one_by_one(converted)
         await _issue(self.conn, self.js, self.issuer)
 
-    async def _apply_one_by_one(self, converted: pipeline.Converted) -> asyncpg.Connection:
+    async def _apply_one_by_one(self, converted: pipeline.Converted) -> None:
         """A batch Postgres refuses for its content: each event on its own, and one it refuses
         dead-lettered with the reason and passed over (its position still recorded), so that
         nothing after it waits for a write that can never succeed."""
         for entry, msg in zip(converted.entries, converted.messages, strict=True):
             try:
-                self.conn = await _apply(self.conn, self.settings, [entry])
+                await _apply(self.conn, [entry])
             except UNSTORABLE as err:
                 await eventlog.dead_letter(self.js, NAME, msg, f"Postgres cannot store this event: {err}")
-                self.conn = await _apply(self.conn, self.settings, [(entry[0], entry[1], [])])
-        return self.conn
+                await _apply(self.conn, [(entry[0], entry[1], [])])
 
 
 async def _issue(conn: asyncpg.Connection, js, issuer: statements.Issuer) -> None:
     """Statements that fell due with this batch; a failure is retried after the next batch."""
     try:
         await issuer.issue_due(conn, js)
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, *eventlog.TRANSIENT_ERRORS) as err:
+    except (*PG_UNAVAILABLE, *eventlog.BROKER_ERRORS) as err:
         log.warning("issuing statements failed; retrying later", extra={"error": repr(err)})
 
 
-async def _apply(conn: asyncpg.Connection, settings: Settings, entries: list[sink.Entry]) -> asyncpg.Connection:
-    """Apply a batch, retrying the same batch until Postgres takes it; :data:`UNSTORABLE` is
-    raised, not retried."""
-    while True:
-        try:
-            with observability.BATCH_SECONDS.labels(service=NAME).time():
-                await sink.apply_batch(conn, entries)
-            break
-        except UNSTORABLE:
-            raise
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
-            # Nothing of the batch is committed; try the same batch again on a new connection.
-            log.warning("postgres write failed; retrying the batch", extra={"error": repr(err)})
-            await asyncio.sleep(1.0)
-            try:
-                await conn.close()
-            except Exception:
-                pass
-            conn = await connect_pg(settings.pg_dsn)
+async def _apply(conn: asyncpg.Connection, entries: list[sink.Entry]) -> None:
+    """Apply a batch in one transaction with its position. A failure commits nothing and is
+    raised: :data:`UNSTORABLE` to be handled event by event, anything else for :func:`run` to
+    reconnect and resume from the stored position (which, after a Postgres crash, is the one
+    Postgres kept, not the one this process last wrote)."""
+    with observability.BATCH_SECONDS.labels(service=NAME).time():
+        await sink.apply_batch(conn, entries)
     observability.APPLIED_SEQUENCE.labels(service=NAME).set(entries[-1][0])
-    return conn
+
+
+async def run_until_stopped(settings: Settings, stop: asyncio.Event, grace_s: float = STOP_GRACE_S) -> None:
+    """:func:`run` until ``stop``; then at most ``grace_s`` more, even while it retries a
+    dependency that is down (the retry is cancelled)."""
+    task = asyncio.create_task(run(settings, stop))
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            done, _ = await asyncio.wait({task}, timeout=grace_s)
+            if not done:
+                log.info("stopping while retrying; the next start resumes from the stored position")
+                task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        stopping.cancel()
+        task.cancel()
 
 
 def main() -> None:
@@ -152,7 +202,7 @@ def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run(settings, stop)
+        await run_until_stopped(settings, stop)
 
     try:
         asyncio.run(_main())
