@@ -2,7 +2,9 @@
 
 NATS and Postgres are started from their wheels unless GPUSCHED_NATS_URL / GPUSCHED_PG_DSN
 point at external ones. Data stays in ``.data/`` so a second run continues where the first
-stopped. Services that die are restarted (they rebuild from the log).
+stopped. Services that die are restarted (they rebuild from the log). The supervisor outlives its
+dependencies: while NATS or Postgres is away the summary says so and it reconnects; a nats-server
+or Postgres it started itself that died is started again, on the same port and data.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 import random
 import signal
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
@@ -73,14 +77,90 @@ async def _submit_demo(js, workload, stop: asyncio.Event) -> None:
         if stop.is_set():
             return
         await asyncio.sleep(delay)
-        await commands.publish_command(js, command.spec.team, "submit", command)
+        await _publish_until_stored(js, command, stop)
+
+
+async def _publish_until_stored(js, command: SubmitJob, stop: asyncio.Event) -> None:
+    """Publish, again while NATS is away; the message id makes a repeat of a stored one a no-op."""
+    failures = 0
+    while not stop.is_set():
+        try:
+            await commands.publish_command(js, command.spec.team, "submit", command,
+                                           headers={"Nats-Msg-Id": f"demo-submit:{command.job_id}"})
+            return
+        except eventlog.BROKER_ERRORS:
+            failures += 1
+            await asyncio.sleep(eventlog.retry_delay(failures))
+
+
+@dataclass
+class Dependencies:
+    """NATS and Postgres as the supervisor sees them: the pieces the dev stack started itself
+    (restarted when they die), a Postgres connection for the summary (reconnected when lost), and
+    what it noticed, in order (shown in the summary)."""
+
+    started: list  # devstack.NatsServer / devstack.Postgres this run started
+    pg_connect: Callable[[], Awaitable[asyncpg.Connection]]
+    conn: asyncpg.Connection | None = None
+    notes: list[str] = field(default_factory=list)
+    down: set[str] = field(default_factory=set)  # "NATS", "Postgres": unreachable right now
+
+    def note(self, text: str) -> None:
+        if not self.notes or self.notes[-1] != text:
+            self.notes.append(text)
+
+    def mark(self, name: str, up: bool) -> None:
+        if up and name in self.down:
+            self.down.discard(name)
+            self.note(f"{name} back")
+        elif not up and name not in self.down:
+            self.down.add(name)
+            self.note(f"{name} down")
+
+    async def revive(self) -> None:
+        """Start again each piece this run started that has died (same port, same data)."""
+        for piece in self.started:
+            if piece.alive():
+                continue
+            name = piece_name(piece)
+            self.mark(name, False)
+            try:
+                await asyncio.to_thread(piece.start)
+                self.note(f"{name} restarted")
+            except Exception as err:  # still shutting down, port taken, ...: try again next tick
+                self.note(f"{name} restart failed ({err}); retrying")
+
+    async def postgres(self) -> asyncpg.Connection | None:
+        """The summary's connection, made again if it was lost; None while Postgres is away."""
+        if self.conn is not None and not self.conn.is_closed():
+            return self.conn
+        try:
+            self.conn = await asyncio.wait_for(self.pg_connect(), 5)
+        except Exception:  # refused, timed out, not ready yet (the CLI's connection says UserError)
+            self.conn = None
+        return self.conn
+
+    def lost_postgres(self) -> None:
+        if self.conn is not None:
+            self.conn.terminate()
+        self.conn = None
+
+    async def close(self) -> None:
+        if self.conn is not None:
+            self.conn.terminate()
+
+
+def piece_name(piece) -> str:
+    return "NATS" if isinstance(piece, devstack.NatsServer) else "Postgres"
 
 
 def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dict[str, int],
-             last_seq: int, usage: list[dict], capacity: int, running_gpus: int) -> Table:
+             last_seq: int | None, usage: list[dict], capacity: int, running_gpus: int,
+             deps: Dependencies | None = None) -> Table:
     states = ["submitted", "queued", "reserved", "scheduled", "running", "retrying", "succeeded", "failed",
               "rejected", "cancelled"]
-    table = Table(title=f"gpusched — {last_seq} events in the log — GPUs busy {running_gpus}/{capacity}")
+    events = "? events (NATS down)" if last_seq is None else f"{last_seq} events"
+    table = Table(title=f"gpusched — {events} in the log — GPUs busy {running_gpus}/{capacity}")
     table.add_column("team")
     for s in states:
         table.add_column(s, justify="right")
@@ -96,7 +176,8 @@ def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dic
         f"{name}{'' if p.poll() is None else ' (down)'}{f' ↻{restarts[name]}' if restarts.get(name) else ''}"
         for name, p in procs.procs.items()
     )
-    table.caption = f"services: {alive}    (Ctrl-C stops everything)"
+    down = "".join(f"    {name} down, reconnecting" for name in sorted(deps.down)) if deps else ""
+    table.caption = f"services: {alive}{down}    (Ctrl-C stops everything)"
     return table
 
 
@@ -141,7 +222,8 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
                                  nats_server.creds.users["operator"] if nats_server else admin.nats_password, dsn)
     connection.save(operator, run_dir / "connection.json")
 
-    nc = await admin.nats()
+    nc = await eventlog.connect(Settings(nats_url=admin.nats_url, nats_user=admin.nats_user,
+                                         nats_password=admin.nats_password), "gpusched-dev")  # reconnects for ever
     js = nc.jetstream()
     await eventlog.provision(js, eventlog.StreamLimits.from_settings(Settings.from_env()))
     for event in queueconfig.plan_queues(example("queues.yaml"), await queueconfig.current_queues(js), datetime.now(UTC)):
@@ -171,11 +253,11 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
                         for d, c in demo_workload(demo_jobs)]
             demo_task = asyncio.create_task(_submit_demo(js, workload, stop))
         capacity = sum(n.gpu_count for n in load_cluster(cluster).nodes())
-        conn = await operator.pg()
+        deps = Dependencies(started, operator.pg)
         try:
-            await _supervise(procs, js, conn, capacity, stop, duration)
+            await _supervise(procs, js, deps, capacity, stop, duration)
         finally:
-            await conn.close()
+            await deps.close()
     finally:
         if demo_task:
             demo_task.cancel()
@@ -186,9 +268,10 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     return 0
 
 
-async def _supervise(procs: devstack.ServiceProcesses, js, conn, capacity: int, stop: asyncio.Event,
-                     duration: float) -> None:
-    """Restart services that die; show the live summary until Ctrl-C (or ``duration``)."""
+async def _supervise(procs: devstack.ServiceProcesses, js, deps: Dependencies, capacity: int,
+                     stop: asyncio.Event, duration: float) -> None:
+    """Restart services that die, and NATS or Postgres when this run started them and they died;
+    show the live summary until Ctrl-C (or ``duration``). Nothing NATS or Postgres does ends it."""
     restarts: dict[str, int] = {}
     deadline = time.monotonic() + duration if duration else None
     live = Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal else None
@@ -199,13 +282,9 @@ async def _supervise(procs: devstack.ServiceProcesses, js, conn, capacity: int, 
         while not stop.is_set():
             for name in procs.restart_dead():
                 restarts[name] = restarts.get(name, 0) + 1
-            try:
-                counts = await queries.state_counts(conn)
-                usage = await queries.usage_by_team(conn)
-                running = await conn.fetchval("SELECT coalesce(sum(total_gpus), 0) FROM jobs WHERE state = 'running'")
-            except asyncpg.UndefinedTableError:  # accounting has not applied its migrations yet
-                counts, usage, running = [], [], 0
-            table = _summary(counts, procs, restarts, await eventlog.last_sequence(js), usage, capacity, running)
+            await deps.revive()
+            counts, usage, running = await _read_models(deps)
+            table = _summary(counts, procs, restarts, await _last_sequence(js, deps), usage, capacity, running, deps)
             if live:
                 live.update(table)
             elif time.monotonic() - last_print > 5:
@@ -220,6 +299,37 @@ async def _supervise(procs: devstack.ServiceProcesses, js, conn, capacity: int, 
     finally:
         if live:
             live.stop()
+
+
+async def _read_models(deps: Dependencies) -> tuple[list[dict], list[dict], int]:
+    """(state counts, usage by team, running GPUs); empty while Postgres is away or accounting
+    has not created its tables yet."""
+    conn = await deps.postgres()
+    deps.mark("Postgres", conn is not None)
+    if conn is None:
+        return [], [], 0
+    try:
+        counts = await queries.state_counts(conn)
+        usage = await queries.usage_by_team(conn)
+        running = await conn.fetchval("SELECT coalesce(sum(total_gpus), 0) FROM jobs WHERE state = 'running'")
+        return counts, usage, running
+    except asyncpg.UndefinedTableError:  # accounting has not applied its migrations yet
+        return [], [], 0
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncio.TimeoutError):
+        deps.lost_postgres()
+        deps.mark("Postgres", False)
+        return [], [], 0
+
+
+async def _last_sequence(js, deps: Dependencies) -> int | None:
+    """The log's last sequence; None while NATS is away (the client reconnects by itself)."""
+    try:
+        seq = await eventlog.last_sequence(js)
+    except eventlog.BROKER_ERRORS:
+        deps.mark("NATS", False)
+        return None
+    deps.mark("NATS", True)
+    return seq
 
 
 def run_dev(*, data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float) -> int:
