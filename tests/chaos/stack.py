@@ -5,8 +5,6 @@ records any service that exits on its own."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,37 +22,6 @@ class Exit:
     code: int | None
     at: float  # seconds since the stack started
     log_tail: str
-
-
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (Postgres' backends and helpers)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry.name))
-    return out
-
-
-def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z":
-                alive.append(pid)
-        if not alive:
-            return
-        time.sleep(0.05)
 
 
 def log_tail(path: Path, lines: int = 5) -> str:
@@ -99,23 +66,11 @@ class Stack:
         self.down.add(target)
         self.kills[target] += 1
         if target == "nats":
-            self.nats.proc.kill()
-            self.nats.proc.wait()
+            self.nats.kill()
         elif target == "postgres":
-            self._kill_postgres()
+            self.pg.kill()
         else:
             self.procs.kill(target)
-
-    def _kill_postgres(self) -> None:
-        postmaster = self.pg.proc
-        family = _children(postmaster.pid)
-        for pid in [postmaster.pid, *family]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        postmaster.wait()
-        _wait_gone(family)
 
     def bring_up(self, target: str) -> None:
         """Start a piece taken down again, where it was (blocks until it listens)."""
