@@ -22,6 +22,10 @@ class Malformed:
     verb: str  # the last token of gpusched.intake.<team>.<verb> (not always a verb admission knows)
     payload: bytes
 
+    def describe(self, limit: int = 240) -> str:
+        """What it was, for a violation's line: the kind, the subject's verb and the payload's start."""
+        return f"{self.kind}, {len(self.payload)} bytes on .{self.verb}: {self.payload[:limit]!r}"
+
 
 def valid_submit(rng: random.Random, team: str, job_id: str) -> dict:
     """A well-formed SubmitJob document, the base every mangling starts from."""

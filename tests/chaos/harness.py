@@ -180,7 +180,7 @@ class ChaosRun:
         self.rng = random.Random(config.seed)
         self.stack = Stack(config.root)
         self.report = Report(config)
-        self.sent_malformed: dict[int, str] = {}  # intake sequence -> kind
+        self.sent_malformed: dict[int, fuzz.Malformed] = {}  # by intake sequence
         self.final_seq: int | None = None
         self.t0 = time.monotonic()
 
@@ -273,7 +273,7 @@ class ChaosRun:
         if seq is None:
             self.report.malformed["refused by the stream at publish"] += 1
         else:
-            self.sent_malformed[seq] = m.kind
+            self.sent_malformed[seq] = m
             self.report.malformed[m.kind] += 1
 
     async def run_faults(self, schedule: list[faults.Fault], start: float) -> None:
@@ -396,7 +396,8 @@ class ChaosRun:
             if headers.get("Gpusched-Original-Stream") == eventlog.INTAKE_STREAM:
                 dead.add(int(headers["Gpusched-Original-Sequence"]))
         self.report.counts["dead letters"] = len(dead)
-        return invariants.malformed_answered(self.sent_malformed, rejected, dead, submitted)
+        sent = {seq: m.describe() for seq, m in self.sent_malformed.items()}
+        return invariants.malformed_answered(sent, rejected, dead, submitted)
 
     def _final(self, states: dict[str, str], histories) -> list[str]:
         if states.get(workload.FINAL_JOB) == "succeeded":

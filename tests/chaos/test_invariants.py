@@ -152,3 +152,8 @@ def test_the_fuzzer_makes_every_kind():
     made = [fuzz.malformed(random.Random(5), i) for i in range(len(fuzz.MAKERS))]
     assert {m.kind for m in made} == set(fuzz.MAKERS)
     assert all(m.verb in ("submit", "cancel", "checkpoint", "delete", "submit.extra", "admin") for m in made)
+
+
+def test_a_malformed_command_is_described_by_its_start():
+    m = fuzz.Malformed("oversized", "team-a", "submit", b'{"x": "' + b"y" * 1000 + b'"}')
+    assert m.describe(limit=10) == "oversized, 1009 bytes on .submit: b'{\"x\": \"yyy'"
