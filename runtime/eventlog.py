@@ -251,14 +251,18 @@ async def durable_consumer(
     start_seq: int | None = None,
     ack_wait_s: float = 30.0,
     max_ack_pending: int = 4096,
+    backoff: bool = True,
 ) -> JetStreamContext.PullSubscription:
     """Bind to (creating if absent) a durable pull consumer. ``start_seq`` applies only when the
     consumer is created: a service that just rebuilt its state to sequence N starts at N + 1.
 
     Redelivery is bounded: at most :data:`MAX_DELIVER` deliveries, after ``ack_wait_s`` and then
     doubling delays (:data:`BACKOFF_STEPS`). A consumer created before these limits existed is
-    brought up to them."""
-    limits = {"max_deliver": MAX_DELIVER, "backoff": [ack_wait_s * 2**i for i in range(BACKOFF_STEPS)]}
+    brought up to them. ``backoff=False`` for a consumer that naks with its own delay: on a
+    consumer with a backoff list nats-server honours a nak's delay once, then redelivers on the
+    list (a 0.2 s re-decide would wait a minute; tests/integration/test_admission_redelivery.py)."""
+    steps = [ack_wait_s * 2**i for i in range(BACKOFF_STEPS)] if backoff else None
+    limits = {"max_deliver": MAX_DELIVER, "backoff": steps}
     try:
         info = await js.consumer_info(stream, durable)
     except NotFoundError:
@@ -274,7 +278,7 @@ async def durable_consumer(
         )
         await js.add_consumer(stream, config)
     else:
-        if info.config.max_deliver != MAX_DELIVER or not info.config.backoff:
+        if info.config.max_deliver != MAX_DELIVER or (info.config.backoff or None) != steps:
             await js.add_consumer(stream, info.config.evolve(ack_wait=ack_wait_s, **limits))
     return await js.pull_subscribe_bind(durable=durable, stream=stream)
 

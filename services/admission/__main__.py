@@ -32,7 +32,9 @@ class AdmissionService(DecisionService):
     what came before is appended and folded in first."""
 
     async def side_loop(self, js, appender: eventlog.EventLog) -> None:
-        sub = await eventlog.durable_consumer(js, stream=eventlog.INTAKE_STREAM, durable=INTAKE_DURABLE)
+        # It naks a command whose events were refused, to decide it again 0.2 s later: no backoff list.
+        sub = await eventlog.durable_consumer(js, stream=eventlog.INTAKE_STREAM, durable=INTAKE_DURABLE,
+                                              backoff=False)
         while True:
             msgs = await eventlog.fetch(sub, self.settings.batch_size, 1.0)
             await self.wait_caught_up()
@@ -98,10 +100,16 @@ class AdmissionService(DecisionService):
             return
         refused = await self.append_all(appender, [e for _, events in pending for e in events])
         for msg, events in pending:
-            if any((type(e).aggregate, e.aggregate_id) in refused for e in events):
-                await msg.nak(delay=0.2)  # decide again on redelivery, with fresher state
-            else:
+            if not any((type(e).aggregate, e.aggregate_id) in refused for e in events):
                 await msg.ack()
+            elif eventlog.last_delivery(msg):  # a nak now would drop it without a word
+                await eventlog.dead_letter(
+                    appender.js, DEAD_LETTER_NAME, msg,
+                    f"its events were not recorded after {msg.metadata.num_delivered} deliveries (a conflict "
+                    "on the job every time, or the broker refusing the appends); publish it again")
+                await msg.ack()
+            else:
+                await msg.nak(delay=0.2)  # decide again on redelivery, with fresher state
         await self.wait_caught_up()
 
 
