@@ -75,18 +75,22 @@ def _entry(seq: int, data: bytes) -> sink.Entry:
     """:func:`_convert_one`'s entry alone (every message of a rebuild passes here)."""
     try:
         event = parse_event(data)
-    except (ValueError, ValidationError):
+        return seq, event.event_id, projection.convert(event, seq)
+    except Exception:  # poison, whatever it raised: the live path dead-letters the same message
         return seq, None, []
-    return seq, event.event_id, projection.convert(event, seq)
 
 
 def _convert_one(seq: int, data: bytes) -> tuple[sink.Entry, Event | None, str | None]:
-    """(entry, event, None), or for a poison message (entry without operations, None, reason)."""
+    """(entry, event, None), or for a poison message (entry without operations, None, reason).
+    Anything parsing or converting raises makes the message poison: a message cannot stop the
+    projection, and the converter is pure, so the same message fails the same way on replay."""
     try:
         event = parse_event(data)
+        return (seq, event.event_id, projection.convert(event, seq)), event, None
     except (ValueError, ValidationError) as err:
         return (seq, None, []), None, f"cannot project: {err}"
-    return (seq, event.event_id, projection.convert(event, seq)), event, None
+    except Exception as err:
+        return (seq, None, []), None, f"cannot project (a converter bug, reported): {type(err).__name__}: {err}"
 
 
 def _span(trace: str, msg: Msg, seq: int):
