@@ -22,7 +22,7 @@ class Malformed:
     verb: str  # the last token of gpusched.intake.<team>.<verb> (not always a verb admission knows)
     payload: bytes
 
-    def describe(self, limit: int = 240) -> str:
+    def describe(self, limit: int = 400) -> str:
         """What it was, for a violation's line: the kind, the subject's verb and the payload's start."""
         return f"{self.kind}, {len(self.payload)} bytes on .{self.verb}: {self.payload[:limit]!r}"
 
