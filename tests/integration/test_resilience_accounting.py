@@ -58,7 +58,7 @@ async def test_accounting_rides_out_a_postgres_restart_and_stops_promptly_while_
 
         pg.kill()
         await log.append(submitted("during"))
-        await log.append(submitted("nul", submitter="al\x00ice"))  # one Postgres cannot store
+        nul_seq = await log.append(submitted("nul", submitter="al\x00ice"))  # one accounting cannot store
         time.sleep(2)  # accounting retries meanwhile
         assert proc.poll() is None
         pg.start()
@@ -86,4 +86,4 @@ async def test_accounting_rides_out_a_postgres_restart_and_stops_promptly_while_
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     dead = [r for r in json.loads(out.stdout) if r["subject"] == "gpusched.deadletter.accounting"]
-    assert len(dead) == 1 and "cannot store" in dead[0]["reason"]
+    assert [r["original"] for r in dead] == [f"{eventlog.EVENTS_STREAM}#{nul_seq}"] and dead[0]["reason"]
