@@ -16,11 +16,11 @@ from typing import Any
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ValidationError
 
-from gpusched.userinput import UserError, first_error, read_document, validate
+from gpusched.userinput import UserError, checked, first_error, read_document
 from runtime import eventlog, observability
 from schemas import (CancelJob, Event, JobAdmitted, JobCancelled, JobCancelRequested, JobCheckpointed, JobRejected,
                      JobSubmitted, JobSucceeded, ReportCheckpoint, SubmitJob, parse_event)
-from schemas.commands import MalformedCommand, job_id_for_key, load_command
+from schemas.commands import MalformedCommand, job_id_for_key, load_command, parse_command
 from schemas.job import rejection_id
 from schemas.registry import SUBJECT_PREFIX
 
@@ -37,17 +37,18 @@ def submit_command_from_file(path: Path, submitter: str | None = None) -> Submit
     if "spec" not in raw:
         raw = {"spec": raw}
     raw.setdefault("submitter", submitter or os.environ.get("USER") or "cli")
-    command = validate(SubmitJob, _as_command(raw, path), path)
+    command = checked(lambda: parse_command(SubmitJob, _as_command(raw, path)), path)
     if command.job_id is None:
         command = command.model_copy(update={"job_id": new_job_id(command)})
     return command
 
 
-def _as_command(document: dict, path: Path) -> Any:
-    """The document through the intake's reader: its JSON bytes, as admission will receive them."""
+def _as_command(document: dict, path: Path) -> bytes:
+    """The document as the JSON bytes admission will receive, through the intake's checks."""
     try:
         raw = json.dumps(document, default=_json_value).encode()
-        return load_command(raw)
+        load_command(raw)
+        return raw
     except TypeError as err:
         raise UserError(f"{path}: {err}; accepted: strings, numbers, booleans, null, mappings and lists") from None
     except MalformedCommand as err:

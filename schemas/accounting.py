@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import AwareDatetime, Field, model_validator
+from pydantic import Field, model_validator
 
-from schemas.envelope import NAME_PATTERN, Contract, Event
+from schemas.envelope import NAME_PATTERN, Contract, Event, Timestamp
 
 IdleQuotaPolicy = Literal["showback", "charge-owner"]
 """Guaranteed quota a queue did not use: ``showback`` reports it (cost 0 in the totals);
@@ -41,7 +41,7 @@ class PriceBookUpdated(Event):
     aggregate: ClassVar[str] = "pricebook"
     type: Literal["PriceBookUpdated"] = "PriceBookUpdated"
     name: str = Field(default="default", pattern=NAME_PATTERN, description="Price book; accounting uses 'default'")
-    effective_from: AwareDatetime = Field(description="Prices apply to usage from this instant until the next version")
+    effective_from: Timestamp = Field(description="Prices apply to usage from this instant until the next version")
     currency: str = Field(default="USD", pattern=r"^[A-Z]{3}$", description="ISO 4217 code")
     gpu_prices: tuple[FlavorPrice, ...] = Field(max_length=256, description="Per flavor; an unlisted flavor costs 0")
     cpu_core_hour: float | None = Field(default=None, ge=0, le=1e6, description="Price per CPU core-hour; None: free")

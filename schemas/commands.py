@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import AwareDatetime, Field, field_validator
+from pydantic import Field, field_validator
 
-from schemas.envelope import NAME_PATTERN, Contract
+from schemas.envelope import NAME_PATTERN, Contract, Timestamp
 from schemas.job import JobSpec
 
 MAX_COMMAND_BYTES = 64 * 1024
@@ -29,6 +29,7 @@ class SubmitJob(Contract):
         default=None,
         pattern=NAME_PATTERN,
         description="Client-chosen id; derived from the idempotency key or intake position if absent",
+        json_schema_extra={"not": {"pattern": f"^{RESERVED_JOB_ID_PREFIX}"}},
     )
     submitter: str = Field(min_length=1, max_length=253, description="User or system submitting")
     spec: JobSpec
@@ -55,7 +56,7 @@ class ReportCheckpoint(Contract):
 
     job_id: str = Field(pattern=NAME_PATTERN)
     attempt: int = Field(ge=1)
-    checkpointed_at: AwareDatetime | None = Field(
+    checkpointed_at: Timestamp | None = Field(
         default=None, description="When the checkpoint was taken; omitted: when admission receives the report, "
                                   "on the platform clock (which may run faster than wall time)")
     step: int | None = Field(default=None, ge=0)
@@ -114,6 +115,18 @@ def load_command(raw: bytes) -> Any:
         raise MalformedCommand("(root)", f"not JSON: {err}", kind="not-json") from None
     _check_text(document, ())
     return document
+
+
+C = TypeVar("C", bound=Contract)
+
+
+def parse_command(model: type[C], raw: bytes) -> C:
+    """A command from its bytes: :func:`load_command`'s checks, then ``model`` in strict mode, as
+    the exported JSON Schemas say: JSON's own types only (no ``"1"`` or ``true`` for a number, no
+    ``1`` for a string); times are RFC 3339 strings with an offset. MalformedCommand or
+    pydantic.ValidationError."""
+    load_command(raw)
+    return model.model_validate_json(raw, strict=True)
 
 
 def _check_text(value: Any, path: tuple[str, ...]) -> None:

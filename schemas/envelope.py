@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import datetime
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
 # Namespace for deterministic event ids. Changing it would change every re-derived id and
 # defeat de-duplication of re-decided events, so it is fixed forever.
@@ -18,6 +19,27 @@ Kubernetes object names alike."""
 
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$"
 """Node names follow Kubernetes (dots allowed); subjects encode '.' as '_'."""
+
+
+RFC3339 = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})$"
+"""How a time is written in the contract: RFC 3339 with an offset. The exported schemas state it
+as a pattern (``format`` alone only annotates in Draft 2020-12)."""
+_RFC3339 = re.compile(RFC3339)
+
+
+def _rfc3339_text(value: Any) -> Any:
+    """A time written as RFC 3339, parsed here (pydantic alone also reads Unix seconds in a
+    string, "1", which the contract does not). What is not a string passes on to pydantic."""
+    if not isinstance(value, str):
+        return value
+    if _RFC3339.match(value) is None:
+        raise ValueError(f"{value[:40]!r} is not a time; accepted: RFC 3339 with a timezone offset, "
+                         "e.g. 2026-11-02T09:00:00Z")
+    return datetime.fromisoformat(value)
+
+
+Timestamp = Annotated[AwareDatetime, BeforeValidator(_rfc3339_text)]
+"""Every time field of the contract: a timezone-aware datetime, written as RFC 3339."""
 
 
 class Contract(BaseModel):
@@ -36,7 +58,7 @@ class Event(Contract):
     type: str = Field(description="Event type name, past tense; the discriminator.")
     schema_version: int = Field(default=1, ge=1, description="Version of this type's payload.")
     aggregate_id: str = Field(min_length=1, max_length=253, description="Job id, queue name or node name.")
-    occurred_at: AwareDatetime = Field(description="Event time on the platform clock (UTC).")
+    occurred_at: Timestamp = Field(description="Event time on the platform clock (UTC).")
     producer: str = Field(min_length=1, max_length=64, description="Service that wrote the event.")
     causation_id: str | None = Field(default=None, max_length=64, description="Event that caused this one.")
     correlation_id: str | None = Field(

@@ -10,8 +10,30 @@ import json
 import sys
 from pathlib import Path
 
+from pydantic.json_schema import GenerateJsonSchema
+
 from schemas.commands import CancelJob, ReportCheckpoint, SubmitJob
+from schemas.envelope import RFC3339
 from schemas.registry import ALL_EVENT_TYPES
+
+NO_NUL = "^[^\\u0000]*$"
+"""Every string of the contract refuses NUL (the parsers do; JSON cannot carry an unpaired
+surrogate to them at all); the patterns of named strings already exclude it."""
+
+
+
+
+class ContractSchema(GenerateJsonSchema):
+    """Pydantic's JSON Schema, plus the string rules above: NUL refused on strings that have no
+    pattern of their own, times as RFC 3339 with an offset."""
+
+    def str_schema(self, schema):
+        out = super().str_schema(schema)
+        out.setdefault("pattern", NO_NUL)
+        return out
+
+    def datetime_schema(self, schema):
+        return {**super().datetime_schema(schema), "pattern": RFC3339}
 
 OUT = Path(__file__).parent / "json"
 
@@ -20,7 +42,7 @@ def rendered() -> dict[str, str]:
     models = [SubmitJob, CancelJob, ReportCheckpoint, *ALL_EVENT_TYPES]
     out = {}
     for model in models:
-        schema = model.model_json_schema()
+        schema = model.model_json_schema(schema_generator=ContractSchema)
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         schema["$id"] = f"https://gpusched.dev/schemas/{model.__name__}.json"
         out[f"{model.__name__}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"

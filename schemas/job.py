@@ -5,12 +5,19 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import AwareDatetime, Field, StringConstraints, model_validator
+from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
-from schemas.envelope import NAME_PATTERN, Contract, Event
+from schemas.envelope import NAME_PATTERN, Contract, Event, Timestamp
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+
+TOLERATION_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+    r"(=([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?)?(:(NoSchedule|PreferNoSchedule|NoExecute))?$"
+)
+"""A toleration: ``key``, ``key=value`` or ``key=value:Effect`` (Kubernetes label key and value;
+Effect NoSchedule, PreferNoSchedule or NoExecute)."""
 
 MAX_GPUS_PER_NODE = 64
 """No GPU node built today has more; a larger per-node request is a typo, not a job."""
@@ -115,6 +122,12 @@ class RetryPolicy(Contract):
 class JobSpec(Contract):
     """What a team asks for. Resources are per node; the gang multiplies them."""
 
+    # The cross-field rule JSON Schema can state (the models' validators below hold it too).
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"gpu_milli": {"type": "integer"}}, "required": ["gpu_milli"]},
+        "then": {"properties": {"gpus": {"const": 1}}, "required": ["gpus"]},
+    })
+
     kind: JobKind = Field(description="training, inference, evaluation or batch")
     queue: Name = Field(description="Queue to submit to")
     team: Name = Field(description="Owning team (chargeback)")
@@ -126,7 +139,7 @@ class JobSpec(Contract):
     )
     args: tuple[Annotated[str, StringConstraints(max_length=4096)], ...] = Field(default=(), max_length=256)
     env: dict[EnvName, Annotated[str, StringConstraints(max_length=8192)]] = Field(
-        default_factory=dict, max_length=128
+        default_factory=dict, max_length=128, json_schema_extra={"additionalProperties": False},
     )
     datasets: tuple[DatasetRef, ...] = Field(default=(), max_length=32)
     gpus: int = Field(ge=0, le=MAX_GPUS_PER_NODE, description="GPUs per node (per gang member)")
@@ -143,7 +156,7 @@ class JobSpec(Contract):
         default=None, ge=1, le=999,
         description="A fraction of one sharable GPU, in thousandths (needs gpus == 1); None: whole GPUs",
     )
-    tolerations: tuple[Annotated[str, StringConstraints(max_length=317)], ...] = Field(
+    tolerations: tuple[Annotated[str, StringConstraints(max_length=317, pattern=TOLERATION_PATTERN)], ...] = Field(
         default=(), max_length=16,
         description="Node taints tolerated: 'key', 'key=value' or 'key=value:Effect'",
     )
@@ -265,7 +278,7 @@ class SchedulingPendingReasonChanged(_JobEvent):
     free_nodes: int = Field(ge=0, description="Nodes of those with at least one free GPU")
     largest_free_block: int = Field(ge=0, description="Most whole free GPUs on one such node")
     largest_free_node: str | None = Field(default=None, description="A node with that block")
-    eta: AwareDatetime | None = Field(
+    eta: Timestamp | None = Field(
         default=None, description="When it would fit as running jobs end (declared runtimes); None: unknown"
     )
 
@@ -299,7 +312,7 @@ class JobRetryScheduled(_JobEvent):
     type: Literal["JobRetryScheduled"] = "JobRetryScheduled"
     failed_attempt: int = Field(ge=1)
     next_attempt: int = Field(ge=2)
-    not_before: AwareDatetime
+    not_before: Timestamp
 
 
 class JobScheduled(_JobEvent):
@@ -318,13 +331,13 @@ class JobStarted(_JobEvent):
 class JobSucceeded(_JobEvent):
     type: Literal["JobSucceeded"] = "JobSucceeded"
     attempt: int = Field(ge=1)
-    started_at: AwareDatetime
+    started_at: Timestamp
 
 
 class JobFailed(_JobEvent):
     type: Literal["JobFailed"] = "JobFailed"
     attempt: int = Field(ge=1)
-    started_at: AwareDatetime | None = Field(description="None when it never started")
+    started_at: Timestamp | None = Field(description="None when it never started")
     reason: FailureReason
     exit_code: int | None = None
     message: str = Field(default="", max_length=4096)
@@ -334,7 +347,7 @@ class JobFailed(_JobEvent):
 class JobPreempted(_JobEvent):
     type: Literal["JobPreempted"] = "JobPreempted"
     attempt: int = Field(ge=1)
-    started_at: AwareDatetime | None
+    started_at: Timestamp | None
     preempted_by: str | None = Field(default=None, description="Job id that needed the GPUs")
     reason: str = Field(default="", max_length=1024)
 
@@ -346,7 +359,7 @@ class JobCheckpointed(_JobEvent):
 
     type: Literal["JobCheckpointed"] = "JobCheckpointed"
     attempt: int = Field(ge=1)
-    checkpointed_at: AwareDatetime = Field(description="When the checkpoint was taken, as the job reports it")
+    checkpointed_at: Timestamp = Field(description="When the checkpoint was taken, as the job reports it")
     step: int | None = Field(default=None, ge=0, description="Training step or other progress counter")
     location: str = Field(default="", max_length=1024, description="Where it was written (path or URL)")
     intake_sequence: int = Field(ge=1, description="Stream sequence of the ReportCheckpoint command")
@@ -370,5 +383,5 @@ class PreemptionRequested(_JobEvent):
 class JobCancelled(_JobEvent):
     type: Literal["JobCancelled"] = "JobCancelled"
     attempt: int | None = Field(default=None, description="Attempt that was stopped, if one ran")
-    started_at: AwareDatetime | None = None
+    started_at: Timestamp | None = None
     reason: str = Field(default="", max_length=1024)

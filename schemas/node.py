@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import AwareDatetime, Field, model_validator
+from pydantic import Field, model_validator
 
-from schemas.envelope import DNS_SUBDOMAIN_PATTERN, NAME_PATTERN, Contract, Event
+from schemas.envelope import DNS_SUBDOMAIN_PATTERN, NAME_PATTERN, Contract, Event, Timestamp
 
 MAX_TELEMETRY_WINDOW_S = 86_400
 """Longest window one NodeTelemetryReported may cover."""
@@ -102,8 +102,8 @@ class NodeTelemetryReported(Event):
     aggregate: ClassVar[str] = "node"
     type: Literal["NodeTelemetryReported"] = "NodeTelemetryReported"
     node: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, description="The node's name; also the aggregate id")
-    window_start: AwareDatetime = Field(description="Start of the window (inclusive), host clock, UTC")
-    window_end: AwareDatetime = Field(description="End of the window (exclusive)")
+    window_start: Timestamp = Field(description="Start of the window (inclusive), host clock, UTC")
+    window_end: Timestamp = Field(description="End of the window (exclusive)")
     gpu_count: int = Field(ge=1, le=64, description="GPUs on the node when the window ended")
     # At least one entry: checked below rather than with min_length, which pydantic also reports (as
     # "at least 1 item") whenever an entry is invalid, burying the real error.

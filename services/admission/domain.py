@@ -37,7 +37,7 @@ from schemas import (
     SubmitJob,
     new_event,
 )
-from schemas.commands import MalformedCommand, job_id_for_key, load_command
+from schemas.commands import MalformedCommand, job_id_for_key, load_command, parse_command
 from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
 from schemas.node import NodeInfo
 
@@ -190,7 +190,7 @@ class AdmissionCore:
         requested = payload.get("job_id") if isinstance(payload, dict) else None
         requested = requested if isinstance(requested, str) else None
         try:
-            command = SubmitJob.model_validate(payload)
+            command = SubmitJob.model_validate_json(raw, strict=True)  # checked by load_command above
         except ValidationError as err:
             path, message = _validation_message(err)
             raise SubmitRefused(RejectReason.SCHEMA_INVALID, message, path, requested=requested) from None
@@ -247,7 +247,7 @@ class AdmissionCore:
 
     def handle_cancel(self, raw: bytes, subject_team: str, now: datetime) -> list[Event]:
         try:
-            command = CancelJob.model_validate(load_command(raw))
+            command = parse_command(CancelJob, raw)
         except MalformedCommand as err:
             raise PoisonCommand(f"invalid CancelJob: {err.message}") from None
         except ValidationError as err:
@@ -267,7 +267,7 @@ class AdmissionCore:
         for the job's running attempt. A report that names no running attempt of a job of this
         team is refused with a PoisonCommand (the dead-letter subject, with this message)."""
         try:
-            command = ReportCheckpoint.model_validate(load_command(raw))
+            command = parse_command(ReportCheckpoint, raw)
         except MalformedCommand as err:
             raise PoisonCommand(f"invalid ReportCheckpoint: {err.message}") from None
         except ValidationError as err:

@@ -15,7 +15,9 @@ async def test_an_event_postgres_refuses_is_dead_lettered_and_the_projection_goe
     log = eventlog.EventLog(admin_js)
     await log.append(queue("research"))
     await log.append(submitted("before"))
-    await log.append(submitted("nul-job", submitter="al\x00ice"))  # NUL: text Postgres cannot store
+    # Valid to the contract, but its total memory (16 TiB x 1,024 nodes, in MiB) overflows the
+    # read model's integer column. (A NUL, the first such case found, is now refused at parse.)
+    await log.append(submitted("huge-job", spec(memory_mib=16_777_216, gang_size=1024)))
     await log.append(submitted("after", spec(gpus=2), seq=3))
     await log.append(admitted("after"))
 
@@ -27,7 +29,7 @@ async def test_an_event_postgres_refuses_is_dead_lettered_and_the_projection_goe
             await conn.close()
     assert states == {"before": "submitted", "after": "queued"}
     dead = await eventually(lambda: _dead_letters(admin_js))
-    assert [m.headers["Gpusched-Original-Subject"] for m in dead] == ["gpusched.job.nul-job.submitted"]
+    assert [m.headers["Gpusched-Original-Subject"] for m in dead] == ["gpusched.job.huge-job.submitted"]
     assert "cannot store" in dead[0].headers["Gpusched-Reason"]
 
 

@@ -70,7 +70,7 @@ async def submit(tenant, payload) -> int:
         (good("x1", gpus=-1), "schema-invalid", "spec.gpus", "greater than or equal to 0"),
         (good("x2", gpus=100000), "schema-invalid", "spec.gpus", "less than or equal to 64"),
         (good("x3", kind="party"), "schema-invalid", "spec.kind", "'training', 'inference', 'evaluation' or 'batch'"),
-        ([1, 2, 3], "schema-invalid", "(root)", "valid dictionary"),
+        ([1, 2, 3], "schema-invalid", "(root)", "should be an object"),
         (good("x4", team="team-b"), "forbidden", "spec.team", "does not match the intake subject"),
     ],
 )

@@ -62,8 +62,8 @@ def test_non_json_is_poison(data):
 @pytest.mark.parametrize(
     "payload, field, fragment",
     [
-        ([1, 2, 3], "(root)", "(root): Input should be a valid dictionary"),
-        ("just a string", "(root)", "valid dictionary"),
+        ([1, 2, 3], "(root)", "(root): Input should be an object"),
+        ("just a string", "(root)", "should be an object"),
         (submit_payload(spec_dict(gpus=-1)), "spec.gpus", "spec.gpus: Input should be greater than or equal to 0; got -1"),
         (submit_payload(spec_dict(gpus=65)), "spec.gpus", "less than or equal to 64"),
         (submit_payload(spec_dict(queue="Bad_Queue")), "spec.queue", "spec.queue: String should match pattern"),

@@ -1,0 +1,70 @@
+"""Strict mode at every parse (issue 21, finding 3): JSON's own types only, no BOM, no NUL, times
+as RFC 3339; a JobSubmitted records the values the submitter gave."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from schemas import JobStarted, JobSubmitted, RejectReason, new_event, parse_event
+from services.admission.domain import AdmissionCore, PoisonCommand
+from tests.unit.builders import T0, node, queue, spec_dict, submit_payload
+
+
+def admission() -> AdmissionCore:
+    core = AdmissionCore()
+    for e in (queue(), node("n1")):
+        core.evolve(e)
+    return core
+
+
+def handle(payload: dict | bytes) -> list:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return admission().handle_submit(data, "team-a", 7, T0)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"gpus": True}, "spec.gpus"),
+    ({"gpus": "1"}, "spec.gpus"),
+    ({"gpus": 1.0}, "spec.gpus"),
+    ({"retry": {"max_attempts": True}}, "spec.retry.max_attempts"),
+    ({"retry": {"backoff_seconds": "30"}}, "spec.retry.backoff_seconds"),
+    ({"image": 5}, "spec.image"),
+    ({"tolerations": ["gpu=reserved:Sometimes"]}, "spec.tolerations.0"),
+])
+def test_admission_refuses_what_the_schema_refuses(change, field):
+    [event] = handle(submit_payload(spec_dict(**change), job_id="j1"))
+    assert (event.type, event.reason, event.field) == ("JobRejected", RejectReason.SCHEMA_INVALID, field)
+
+
+def test_a_byte_order_mark_is_refused():
+    with pytest.raises(PoisonCommand, match="byte order mark"):  # not JSON: dead-lettered with the reason
+        handle(b"\xef\xbb\xbf" + json.dumps(submit_payload(job_id="j1")).encode())
+
+
+def test_the_recorded_spec_holds_the_values_submitted():
+    given = spec_dict(gpus=2, expected_runtime_seconds=600, retry={"max_attempts": 3, "backoff_seconds": 5})
+    submitted, *_ = handle(submit_payload(given, job_id="j1"))
+    assert isinstance(submitted, JobSubmitted)
+    recorded = json.loads(submitted.model_dump_json())["spec"]
+    for key, value in given.items():
+        if isinstance(value, dict):
+            assert {k: recorded[key][k] for k in value} == value, key
+        else:
+            assert recorded[key] == (list(value) if isinstance(value, tuple) else value), key
+
+
+def _started(**overrides) -> bytes:
+    event = new_event(JobStarted, aggregate_id="j1", producer="executor", occurred_at=T0, key="1", attempt=1,
+                      nodes=("n1",))
+    return json.dumps({**json.loads(event.model_dump_json()), **overrides}).encode()
+
+
+@pytest.mark.parametrize("overrides", [{"attempt": "1"}, {"attempt": True}, {"occurred_at": "1"},
+                                       {"occurred_at": "2026-01-01T00:00:00"}, {"producer": "exec\u0000utor"}])
+def test_events_parse_strictly_too(overrides):
+    with pytest.raises((ValueError, ValidationError)):
+        parse_event(_started(**overrides))
+    assert parse_event(_started()).attempt == 1
