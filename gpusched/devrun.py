@@ -157,7 +157,7 @@ def piece_name(piece) -> str:
 def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dict[str, int],
              last_seq: int | None, usage: list[dict], capacity: int, running_gpus: int,
              deps: Dependencies | None = None) -> Table:
-    states = ["submitted", "queued", "reserved", "scheduled", "running", "retrying", "succeeded", "failed",
+    states = ["submitted", "queued", "reserved", "scheduled", "running", "preempted", "retrying", "succeeded", "failed",
               "rejected", "cancelled"]
     events = "? events (NATS down)" if last_seq is None else f"{last_seq} events"
     table = Table(title=f"gpusched — {events} in the log — GPUs busy {running_gpus}/{capacity}")

@@ -313,6 +313,8 @@ class JobRetryScheduled(_JobEvent):
     failed_attempt: int = Field(ge=1)
     next_attempt: int = Field(ge=2)
     not_before: Timestamp
+    after: Literal["JobFailed", "JobPreempted"] | None = Field(
+        default=None, description="How the attempt before it ended; None in events written before this field")
 
 
 class JobScheduled(_JobEvent):

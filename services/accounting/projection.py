@@ -80,6 +80,7 @@ _FAILED = _change("failed", "finished_at", "reason", "message", "exit_code")
 _PREEMPTED = _change("preempted", "reason", "message")
 _CANCELLED = _change("cancelled", "finished_at", "message")
 _RETRYING = _change("retrying", "attempt", "finished_at")
+_REQUEUED = _change("preempted", "attempt", "finished_at")  # preempted, queued again for its next attempt
 _CANCELLING = _change("cancelling")
 
 
@@ -172,8 +173,9 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     JobSucceeded: _succeeded,
     JobFailed: _failed,
     JobPreempted: _preempted,
-    JobRetryScheduled: lambda e, j, t, seq: [_RETRYING(j, seq, e.next_attempt, None),
-                                             Op("attempt_queued", (j, e.next_attempt, t, seq))],
+    JobRetryScheduled: lambda e, j, t, seq: [
+        (_REQUEUED if e.after == "JobPreempted" else _RETRYING)(j, seq, e.next_attempt, None),
+        Op("attempt_queued", (j, e.next_attempt, t, seq))],
     JobCheckpointed: lambda e, j, t, seq: [Op("checkpoint", (j, e.attempt, e.checkpointed_at, seq))],
     JobCancelRequested: lambda e, j, t, seq: [_CANCELLING(j, seq)],
     JobCancelled: _cancelled,

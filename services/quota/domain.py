@@ -338,7 +338,7 @@ class QuotaCore:
                 new_event(
                     JobRetryScheduled, aggregate_id=job_id, producer=PRODUCER, occurred_at=now,
                     key=f"{job.attempt}", cause=ended, failed_attempt=job.attempt,
-                    next_attempt=job.attempt + 1, not_before=now + timedelta(seconds=backoff),
+                    next_attempt=job.attempt + 1, not_before=now + timedelta(seconds=backoff), after=ended.type,
                 )
             )
         return out

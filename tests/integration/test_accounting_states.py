@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from schemas import JobAdmitted, JobSpec, JobSubmitted, QuotaReserved, new_event
+from schemas import (
+    JobAdmitted, JobRetryScheduled, JobScheduled, JobSpec, JobStarted, JobSubmitted, NodeAssignment, QuotaReserved,
+    new_event,
+)
+from tests.unit.builders import failed, preempted
 from services.accounting import metrics, projection, replay, sink
 
 T0 = datetime(2026, 11, 2, 9, 0, tzinfo=UTC)
@@ -51,3 +55,35 @@ async def test_pending_jobs_counts_jobs_holding_quota_but_waiting_for_a_node(pg_
               if s.name == "gpusched_queue_oldest_pending_age_seconds"}
     assert pending == {"quota": 1, "node": 2}
     assert oldest == {"quota": 100.0, "node": 90.0}  # since queued: b at 10 s
+
+
+def ran_and_ended(job_id: str, ending, after: str) -> list:
+    return [
+        reserved(job_id, 20),
+        new_event(JobScheduled, aggregate_id=job_id, producer="scheduler", occurred_at=at(21), key="1", attempt=1,
+                  flavor="a100", placement=(NodeAssignment(node="n1", gpus=2),)),
+        new_event(JobStarted, aggregate_id=job_id, producer="executor", occurred_at=at(22), key="1", attempt=1,
+                  nodes=("n1",)),
+        ending,
+        new_event(JobRetryScheduled, aggregate_id=job_id, producer="quota", occurred_at=at(60), key="1",
+                  failed_attempt=1, next_attempt=2, not_before=at(60), after=after),
+    ]
+
+
+async def test_a_preempted_job_shows_preempted_until_its_next_attempt_holds_quota(pg_dsn):
+    """Issue 21, finding 7: the retry scheduled right after a preemption overwrote the state, so
+    `gpusched jobs` never showed a job as preempted."""
+    events = [*admitted("p", 0), *ran_and_ended("p", preempted("p", started_at=at(22), when=at(50)), "JobPreempted"),
+              *admitted("f", 0), *ran_and_ended("f", failed("f", started_at=at(22), when=at(50)), "JobFailed")]
+    conn = await apply(pg_dsn, "preempted_state", events)
+    try:
+        states = dict(await conn.fetch("SELECT job_id, state FROM jobs"))
+        attempts = dict(await conn.fetch("SELECT job_id, attempt FROM jobs"))
+        await sink.apply_batch(conn, [(len(events) + 1, "r2", projection.convert(reserved("p", 70, attempt=2),
+                                                                                  len(events) + 1))])
+        after_reserve = await conn.fetchval("SELECT state FROM jobs WHERE job_id = 'p'")
+    finally:
+        await conn.close()
+    assert states == {"p": "preempted", "f": "retrying"}
+    assert attempts == {"p": 2, "f": 2}
+    assert after_reserve == "reserved"

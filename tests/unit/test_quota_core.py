@@ -225,7 +225,7 @@ def test_retryable_failure_releases_and_retries_after_backoff():
     assert (rel.attempt, rel.gpus, rel.reason) == (1, 4, "JobFailed")
     assert rel.causation_id == fail.event_id
     assert isinstance(retry, JobRetryScheduled)
-    assert (retry.failed_attempt, retry.next_attempt) == (1, 2)
+    assert (retry.failed_attempt, retry.next_attempt, retry.after) == (1, 2, "JobFailed")
     assert retry.not_before == at(11) + timedelta(seconds=30)
     assert retry.causation_id == fail.event_id
     assert h.core.state.used == {("research", "a100"): 0}
@@ -234,6 +234,14 @@ def test_retryable_failure_releases_and_retries_after_backoff():
     out = h.tick(at(41))
     assert reservations(out) == {"j1": ("a100", 4, 2)}
     assert out[0].occurred_at == at(41)
+
+
+def test_a_preempted_attempt_is_requeued_at_once_and_says_it_was_preempted():
+    h = Harness(queue("research", ("team-a",), {"a100": 8}))
+    h.feed(job("j1", 4, **retry_spec()))
+    out = h.feed(preempted("j1", started_at=at(1), when=at(10)), now=at(11))
+    assert types(out) == ["QuotaReleased", "JobRetryScheduled", "QuotaReserved"]
+    assert (out[1].after, out[1].not_before) == ("JobPreempted", at(11))
 
 
 def test_retry_waiting_in_backoff_does_not_block_others():
