@@ -83,6 +83,7 @@ class QuotaJob(SubmittedJob):
     finished: bool = False  # no more attempts will run
     cancel_requested: bool = False
     waiting: QuotaPendingReasonChanged | None = None  # the last reason given for this attempt
+    reasons_given: int = 0  # reason events of this attempt in the log (the next one's id key)
     preemptible: bool = True
     started_at: datetime | None = None  # of the current attempt
     checkpoint_at: datetime | None = None  # latest checkpoint of the current attempt
@@ -238,7 +239,7 @@ class QuotaCore:
                 self._released(job_id, job, event)
             case JobRetryScheduled():
                 job.attempt = event.next_attempt
-                job.waiting = None
+                job.waiting, job.reasons_given = None, 0
                 job.started_at = job.checkpoint_at = None
                 job.reclaim = None
                 job.not_before = event.not_before
@@ -248,6 +249,7 @@ class QuotaCore:
                 self._enqueue(job_id, job)
             case QuotaPendingReasonChanged() if event.attempt == job.attempt:
                 job.waiting = event
+                job.reasons_given += 1
             case JobStarted() if event.attempt == job.attempt:
                 job.started_at = event.occurred_at
             case JobCheckpointed() if event.attempt == job.attempt:
@@ -289,13 +291,8 @@ class QuotaCore:
             job.finished = True
         elif isinstance(event, JobFailed):
             job.failures += 1
-            retry = (
-                event.retryable
-                and event.reason in job.spec.retry.retry_on
-                and job.failures < job.spec.retry.max_attempts
-                and not job.cancel_requested
-            )
-            job.finished = not retry
+            retry = job.spec.retry.retries(event.reason, event.retryable, job.failures)
+            job.finished = not retry or job.cancel_requested
         else:  # preempted: requeued unless a cancel was asked
             job.finished = job.cancel_requested
         self._attempt_ended(job_id, job)
@@ -815,7 +812,8 @@ class QuotaCore:
         return [
             new_event(
                 QuotaPendingReasonChanged, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER,
-                occurred_at=now, key=f"{job.attempt}/{reason.value}/{message}", cause=job.submitted,
+                # One id per reason given: a message that comes back to an earlier text is a new event.
+                occurred_at=now, key=f"{job.attempt}/{job.reasons_given + 1}", cause=job.submitted,
                 attempt=job.attempt, reason=reason, message=message, position=position, flavor=flavor,
             )
         ]

@@ -105,7 +105,8 @@ class SchedJob(SubmittedJob):
     stop_requested: bool = False  # a preemption or reclaim of the placed attempt was requested
     preemptions: int = 0  # PreemptionRequested against this job, all attempts
     waiting: SchedulingPendingReasonChanged | None = None  # last reason given for this attempt
-    reasons_given: int = 0  # reason events of this attempt (their id key)
+    reasons_attempt: int = 0  # the attempt reasons_given counts for
+    reasons_given: int = 0  # reason events of that attempt in the log (the next one's id key)
     tried_generation: int = -1  # the group's generation when it last failed to fit
     victims: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) being stopped for this head
 
@@ -281,6 +282,14 @@ class SchedulerCore:
             case ReclaimRequested():
                 if job.placement is not None and job.placement.attempt == event.attempt:
                     job.stop_requested = True
+            case SchedulingPendingReasonChanged():
+                # Counted from the log per attempt, so the next reason gets a new id after a
+                # restart or a second reservation of the same attempt alike.
+                if event.attempt != job.reasons_attempt:
+                    job.reasons_attempt, job.reasons_given = event.attempt, 0
+                job.reasons_given += 1
+                if job.reservation is not None and job.reservation.attempt == event.attempt:
+                    job.waiting = event
             case JobSucceeded() | JobFailed() | JobPreempted() | JobCancelled():
                 self._end_attempt(job)
             case QuotaReleased():
@@ -298,7 +307,7 @@ class SchedulerCore:
         if job.reservation is not None:
             self._drop_head(job)
         job.reservation = event
-        job.waiting, job.reasons_given = None, 0
+        job.waiting = None
         job.victims = set()
         if job.spec.gpus > 0:
             sizes = self.state.sizes.setdefault(event.flavor, {})
@@ -626,11 +635,12 @@ class SchedulerCore:
         numbers = numbers or {}
         if not throttle(job.waiting, reason, message, now).write:
             return []
-        job.reasons_given += 1
+        attempt = job.reservation.attempt  # type: ignore[union-attr]
+        given = job.reasons_given if job.reasons_attempt == attempt else 0
         event = new_event(
             SchedulingPendingReasonChanged, aggregate_id=job.job_id, producer=PRODUCER, occurred_at=now,
-            key=f"{job.reservation.attempt}/{job.reasons_given}", cause=job.reservation,  # type: ignore[union-attr]
-            attempt=job.reservation.attempt, reason=reason, message=message[:4096],  # type: ignore[union-attr]
+            key=f"{attempt}/{given + 1}", cause=job.reservation,
+            attempt=attempt, reason=reason, message=message[:4096],
             flavor=None if group == CPU_GROUP else group, requested_gpus=job.spec.gpus,
             gang_size=job.spec.gang_size, free_gpus=numbers.get("free_gpus", 0),
             free_nodes=numbers.get("free_nodes", 0), largest_free_block=numbers.get("largest_free_block", 0),

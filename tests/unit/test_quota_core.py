@@ -463,3 +463,24 @@ def test_property_reserved_never_exceeds_nominal_and_decisions_are_deterministic
     for e in log1.events:
         fresh.evolve(e)
     assert [e for e in fresh.decide(end) if e.event_id not in log1.ids] == []
+
+
+def test_a_reason_whose_message_comes_back_is_a_new_event_also_after_a_restart():
+    """Chaos found two reasons with one id: the id was derived from the message, so a message
+    that came back to an earlier text was dropped as a duplicate (or, past the broker's window,
+    appended twice). Each reason given to an attempt is counted from the log."""
+    h = Harness(queue("research", ("team-a",), {"a100": 8}))
+    h.feed(job("j1", 4))
+    first = h.feed(job("j2", 8, seq=2), reasons=True)
+    h.feed(job("j3", 2, seq=3, when=at(40)), now=at(40))
+    h.feed(succeeded("j3", started_at=at(41), when=at(80)), now=at(80))
+    given = [e for e in h.log.events if isinstance(e, QuotaPendingReasonChanged) and e.aggregate_id == "j2"]
+    assert [e.message for e in given][0] == given[-1].message != given[1].message and len(given) == 3
+    assert len({e.event_id for e in given}) == 3 and first
+    restarted = QuotaCore()
+    for e in h.log.events:
+        restarted.evolve(e)
+    h.core = restarted
+    h.feed(job("j4", 2, seq=4, when=at(120)), now=at(120))
+    after = [e for e in h.log.events if isinstance(e, QuotaPendingReasonChanged) and e.aggregate_id == "j2"]
+    assert len(after) == 4 and len({e.event_id for e in after}) == 4
