@@ -114,6 +114,12 @@ class RetryPolicy(Contract):
     )
     max_backoff_seconds: float = Field(default=86_400, ge=0, le=86_400, description="Cap of the backoff.")
 
+    def retries(self, reason: FailureReason, retryable: bool, failures: int) -> bool:
+        """Whether a failed attempt is followed by another: the executor found it retryable, its
+        reason is in ``retry_on`` and attempts are left (``failures`` counts this one). Quota
+        decides retries by it; admission knows by it that a job has ended."""
+        return retryable and reason in self.retry_on and failures < self.max_attempts
+
     def backoff_for(self, failures: int) -> float:
         """Seconds to wait before the retry that follows the ``failures``-th failure (1-based)."""
         return min(self.max_backoff_seconds, self.backoff_seconds * self.backoff_factor ** max(0, failures - 1))

@@ -78,6 +78,7 @@ class JobRecord:
     finished: bool = False
     cancel_requested: bool = False
     running: JobStarted | None = None  # the attempt that is running now, for checkpoint reports
+    failures: int = 0  # attempts that failed (quota's retry rule counts them)
 
 
 @dataclass
@@ -140,11 +141,15 @@ class AdmissionCore:
                     job.finished = True
                     job.running = None
             case JobFailed() | JobPreempted():
-                # Whether a failure ends the job is quota's retry decision; a cancel after a
-                # final failure is harmless (the executor answers it with JobCancelled).
-                if (job := s.jobs.get(event.aggregate_id)) is not None and job.running is not None:
-                    if job.running.attempt == event.attempt:
-                        job.running = None
+                if (job := s.jobs.get(event.aggregate_id)) is None:
+                    return
+                if job.running is not None and job.running.attempt == event.attempt:
+                    job.running = None
+                if isinstance(event, JobFailed):
+                    # Ended for good when quota will not retry it (the same rule quota applies):
+                    # a later cancel then has nothing to cancel.
+                    job.failures += 1
+                    job.finished = not job.spec.retry.retries(event.reason, event.retryable, job.failures)
             case JobStarted():
                 if (job := s.jobs.get(event.aggregate_id)) is not None:
                     job.running = event

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from schemas import DEFAULT_PRIORITY_CLASSES, JobAdmitted, JobCancelRequested, JobRejected, JobSubmitted, RejectReason
+from schemas import DEFAULT_PRIORITY_CLASSES, FailureReason, JobAdmitted, JobCancelRequested, JobRejected, JobSubmitted, RejectReason
 from schemas.commands import MAX_COMMAND_BYTES, job_id_for_key
 from services.admission.domain import AdmissionCore, PoisonCommand
 from tests.unit.builders import (
@@ -17,6 +17,7 @@ from tests.unit.builders import (
     failed,
     node,
     node_lost,
+    preempted,
     queue,
     spec_dict,
     submit_payload,
@@ -439,15 +440,28 @@ def test_cancel_valid_then_idempotent():
     [
         (lambda j: succeeded(j), False),
         (lambda j: cancelled(j), False),
-        (lambda j: failed(j), True),  # quota decides whether a failure is final; cancel is harmless
+        # a failure ends the job when quota will not retry it (chaos: a cancel after a final
+        # failure ended the job a second time, as cancelled)
+        (lambda j: failed(j), False),  # exit-code: not retried by default
+        (lambda j: failed(j, FailureReason.NODE_LOST), False),  # retried, but max_attempts is 1
+        (lambda j: preempted(j), True),  # requeued
     ],
-    ids=["succeeded", "cancelled", "failed"],
+    ids=["succeeded", "cancelled", "failed", "failed-no-attempts-left", "preempted"],
 )
 def test_cancel_after_the_job_ended(ending, cancellable):
     core, job_id = submitted_core(*QUEUES)
     drive(core)
     core.evolve(ending(job_id))
     assert bool(core.handle_cancel(cancel_raw(), "team-a", T0)) is cancellable
+
+
+def test_a_cancel_while_a_failed_attempt_will_be_retried_is_taken():
+    core, job_id = submitted_core(*QUEUES, payload=submit_payload(spec_dict(retry={"max_attempts": 2}), job_id="j1"))
+    drive(core)
+    core.evolve(failed(job_id, FailureReason.NODE_LOST))
+    assert [type(e).__name__ for e in core.handle_cancel(cancel_raw(), "team-a", T0)] == ["JobCancelRequested"]
+    core.evolve(failed(job_id, FailureReason.NODE_LOST, attempt=2))
+    assert core.handle_cancel(cancel_raw(), "team-a", T0) == []
 
 
 def test_cancel_of_a_rejected_job_does_nothing():
