@@ -141,8 +141,10 @@ _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 def check_no_nul(data: bytes | str) -> None:
     """ValueError when a JSON string in ``data`` holds a NUL character (``\\u0000``: the only way
-    JSON can carry one; the parser refuses unpaired surrogates itself). A byte search first, so
+    JSON can carry one; the parser refuses unpaired surrogates itself). Byte searches first, so
     the regular expression (which tells an escaped backslash from the escape) runs only on a hit."""
+    if (b"\\" if isinstance(data, bytes) else "\\") not in data:
+        return  # no escape at all (most events): one byte search
     if (b"\\u0000" if isinstance(data, bytes) else "\\u0000") not in data:
         return
     text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
