@@ -36,15 +36,21 @@ def postgres(tmp_path_factory) -> devstack.Postgres:
     server.stop()
 
 
-async def connect_as(server: devstack.NatsServer, user: str) -> nats.NATS:
-    return await nats.connect(server.url(), user=user, password=server.creds.users[user], connect_timeout=5)
+async def connect_as(server: devstack.NatsServer, user: str, **options) -> nats.NATS:
+    """A client as ``user``, with its own inbox prefix (the only inbox its permissions allow)."""
+    return await nats.connect(server.url(), user=user, password=server.creds.users[user], connect_timeout=5,
+                              inbox_prefix=eventlog.inbox_prefix(user), **options)
 
 
-async def reset_log(js) -> None:
-    for stream in (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM):
+async def reset_log(js, *, immutable: bool = True) -> None:
+    """Empty streams, provisioned as `gpusched init` does (``immutable`` False: messages may be
+    deleted, for a test that needs a gap in the log)."""
+    streams = (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM,
+               *(eventlog.tenant_stream(team) for team in TEST_TEAMS))
+    for stream in streams:
         with contextlib.suppress(Exception):
             await js.delete_stream(stream)
-    await eventlog.provision(js)
+    await eventlog.provision(js, eventlog.StreamLimits(immutable=immutable), teams=TEST_TEAMS)
 
 
 @pytest_asyncio.fixture

@@ -70,7 +70,8 @@ async def e2e(server: devstack.NatsServer, pg: devstack.Postgres, admin_js, n_jo
                                      quotas=(FlavorQuota(flavor="a100", nominal=100_000),)))
     procs = devstack.ServiceProcesses(workdir / "logs", env)
     procs.start_all()
-    nc = await nats.connect(server.url(), user="operator", password=server.creds.users["operator"])
+    nc = await nats.connect(server.url(), user="operator", password=server.creds.users["operator"],
+                            inbox_prefix=eventlog.inbox_prefix("operator"))
     try:
         await asyncio.sleep(3)  # services rebuild and register nodes
         ojs = nc.jetstream()
@@ -105,7 +106,7 @@ async def _phase(admin_js, ojs, prefix: str, n: int, rate: float | None) -> dict
     submitted_at: dict[str, float] = {}
     t0 = time.time()
     for i in range(n):
-        job = SubmitJob(job_id=f"{prefix}-{i}", submitter="bench", spec=JobSpec(
+        job = SubmitJob(job_id=f"{prefix}-{i}", on_behalf_of="bench", spec=JobSpec(
             kind="batch", queue="bench", team="team-a", image="img", gpus=1, gpu_flavors=("a100",),
             expected_runtime_seconds=0.05))
         if rate is not None:

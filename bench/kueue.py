@@ -54,7 +54,7 @@ def workload(scale: float) -> list[tuple[float, str, SubmitJob]]:
                 for i in range(max(1, int(count * scale))):
                     spec = JobSpec(kind="batch", queue=queue, team="team-a", image="img", gpus=gpus,
                                    gpu_flavors=("gpu",), expected_runtime_seconds=runtime, priority_class=pclass)
-                    out.append((i * period, name, SubmitJob(job_id=f"{queue}-{name}-{i}", submitter="bench", spec=spec)))
+                    out.append((i * period, name, SubmitJob(job_id=f"{queue}-{name}-{i}", spec=spec)))
     out.sort(key=lambda x: x[0])
     return out
 
@@ -184,7 +184,7 @@ def run_cores(scale: float, tick_s: float = 0.02) -> dict:
             _, _, cmd = jobs[i]
             pc = DEFAULT_PRIORITY_CLASSES[cmd.spec.priority_class]
             sub = new_event(JobSubmitted, aggregate_id=cmd.job_id, producer="admission", occurred_at=now, key="1",
-                            spec=cmd.spec, submitter=cmd.submitter, intake_sequence=i + 1)
+                            spec=cmd.spec, submitter="bench", intake_sequence=i + 1)
             p.feed([sub, new_event(JobAdmitted, aggregate_id=cmd.job_id, producer="admission", occurred_at=now,
                                    key="d", cause=sub, queue=cmd.spec.queue, priority=pc.value,
                                    preemptible=pc.preemptible)])

@@ -73,7 +73,7 @@ def workload(n: int, seed: int = 1) -> list[SubmitJob]:
         spec = JobSpec(kind="training", queue=f"q-{team}" if i % 25 != 3 else "q-missing", team=team, image="img",
                        gpus=gpus, gpu_flavors=(flavor,), expected_runtime_seconds=rng.uniform(20, 90),
                        retry={"max_attempts": 2, "backoff_seconds": 5}, annotations=annotations)
-        jobs.append(SubmitJob(job_id=f"e2e-{i:04d}", submitter=f"{team}-ci", spec=spec))
+        jobs.append(SubmitJob(job_id=f"e2e-{i:04d}", on_behalf_of=f"{team}-ci", spec=spec))
     return jobs
 
 

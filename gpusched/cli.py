@@ -41,6 +41,9 @@ class Output(str, Enum):
 
 
 OutputOpt = typer.Option(Output.table, "--output", "-o", help="table or json")
+OnBehalfOpt = typer.Option(
+    None, "--on-behalf-of",
+    help="With the operator's credential: the user it acts for, recorded in the event (default: $USER)")
 
 
 def _json_default(value: Any) -> Any:
@@ -135,10 +138,12 @@ def init() -> None:
 def submit(
     file: Path = typer.Option(..., "-f", "--file", help="Job YAML: a job spec, or a SubmitJob with `spec:`"),
     wait: bool = typer.Option(True, help="Wait for admission's decision"),
+    on_behalf_of: Optional[str] = OnBehalfOpt,
     output: Output = OutputOpt,
 ) -> None:
-    """Submit a job. Exits 1 when admission rejects it, 2 when the file is refused, admission
-    dead-letters the command or no decision comes in time."""
+    """Submit a job as the connection's credential (a team's, or the operator's on behalf of a
+    user). Exits 1 when admission rejects it, 2 when the file is refused, admission dead-letters
+    the command or no decision comes in time."""
     command = commands.submit_command_from_file(file)
 
     async def go():
@@ -147,7 +152,8 @@ def submit(
         try:
             js = nc.jetstream()
             with observability.tracer().start_as_current_span("gpusched submit", attributes={"job": command.job_id}):
-                seq = await commands.publish_command(js, command.spec.team, "submit", command)
+                seq = await commands.publish_command(js, command.spec.team, "submit", command,
+                                                     on_behalf_of=on_behalf_of)
                 trace_id = observability.current_trace_id()
             result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": seq, "decision": None,
                                       "trace_id": trace_id}
@@ -171,11 +177,12 @@ def submit(
 def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the job"),
                reason: str = typer.Option("", help="Why"),
                wait: bool = typer.Option(True, help="Wait for the platform to record or refuse the request"),
+               on_behalf_of: Optional[str] = OnBehalfOpt,
                output: Output = OutputOpt) -> None:
     """Ask to cancel a job. Exits 2 with admission's reason when it refuses the request (no such
     job, another team's job); a job that had already ended is reported as such."""
     async def go(js):
-        seq = await commands.cancel(js, job_id, team, requested_by="cli", reason=reason)
+        seq = await commands.cancel(js, job_id, team, reason=reason, on_behalf_of=on_behalf_of)
         result: dict[str, Any] = {"job_id": job_id, "intake_sequence": seq, "decision": None}
         if wait:
             answer = await commands.wait_for_cancel(js, job_id, seq)
@@ -196,6 +203,7 @@ def checkpoint_cmd(
     at: Optional[datetime] = typer.Option(
         None, "--at", help="When it was taken (ISO 8601, UTC if no zone); default: now on the platform clock"),
     wait: bool = typer.Option(True, help="Wait for the platform to record or refuse the report"),
+    on_behalf_of: Optional[str] = OnBehalfOpt,
     output: Output = OutputOpt,
 ) -> None:
     """Report that a running job wrote a checkpoint (preemption then loses only the work since).
@@ -203,8 +211,8 @@ def checkpoint_cmd(
     when = at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
 
     async def go(js):
-        seq = await commands.report_checkpoint(js, job_id, team, attempt, reported_by="cli", checkpointed_at=when,
-                                               step=step, location=location)
+        seq = await commands.report_checkpoint(js, job_id, team, attempt, checkpointed_at=when, step=step,
+                                               location=location, on_behalf_of=on_behalf_of)
         recorded = await commands.wait_for_checkpoint(js, job_id, seq) if wait else None
         return {"job_id": job_id, "attempt": attempt, "intake_sequence": seq,
                 "checkpointed_at": None if recorded is None else recorded.checkpointed_at}

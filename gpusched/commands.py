@@ -1,5 +1,6 @@
-"""Changing the platform: commands published on a team's intake subjects
-(``gpusched.intake.<team>.<verb>``), which admission validates and turns into events."""
+"""Changing the platform: commands published on a team's intake subjects, which admission
+validates and turns into events. The subject says who sends (schemas.commands.Principal): the
+credential the CLI connects with decides it (:func:`sender`)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ from gpusched.userinput import UserError, checked, first_error, read_document
 from runtime import eventlog, observability
 from schemas import (CancelJob, Event, JobAdmitted, JobCancelled, JobCancelRequested, JobCheckpointed, JobRejected,
                      JobSubmitted, JobSucceeded, ReportCheckpoint, SubmitJob, parse_event)
-from schemas.commands import MalformedCommand, job_id_for_key, load_command, parse_command
+from schemas.commands import OPERATOR, MalformedCommand, Principal, job_id_for_key, load_command, parse_command
 from schemas.job import rejection_id
 from schemas.registry import SUBJECT_PREFIX
 
 INTAKE_DEAD_LETTERS = f"{SUBJECT_PREFIX}.deadletter.admission.intake"
 
 
-def submit_command_from_file(path: Path, submitter: str | None = None) -> SubmitJob:
+def submit_command_from_file(path: Path) -> SubmitJob:
     """A job file is either a SubmitJob (with `spec:`) or a bare job spec. It is checked as
     admission checks a command (``schemas.commands.load_command``, then the model), so a file
     the CLI accepts is one admission can read; UserError names the file and the field."""
@@ -36,7 +37,6 @@ def submit_command_from_file(path: Path, submitter: str | None = None) -> Submit
         raise UserError(f"{path}: (root): expected a mapping with the job spec, got {type(raw).__name__}")
     if "spec" not in raw:
         raw = {"spec": raw}
-    raw.setdefault("submitter", submitter or os.environ.get("USER") or "cli")
     command = checked(lambda: parse_command(SubmitJob, _as_command(raw, path)), path)
     if command.job_id is None:
         command = command.model_copy(update={"job_id": new_job_id(command)})
@@ -68,11 +68,37 @@ def new_job_id(command: SubmitJob) -> str:
     return "j-" + uuid.uuid4().hex[:16]
 
 
-async def publish_command(js: JetStreamContext, team: str, verb: str, command: BaseModel,
-                          headers: dict[str, str] | None = None) -> int:
+def sender(user: str | None, team: str, verb: str) -> Principal:
+    """Who a command of ``team`` is sent as, by the credential's name: the team's own credential,
+    one of its users' (``<team>.<user>``), or the operator (the admin acts as the operator).
+    UserError for a tenant credential of another team."""
+    if user in (None, OPERATOR, "admin"):
+        return Principal(team=team, user=OPERATOR, verb=verb, operator=True)
+    if user == team:
+        return Principal(team=team, user=team, verb=verb)
+    own_team, _, member = user.partition(".")
+    if own_team == team and member:
+        return Principal(team=team, user=member, verb=verb)
+    raise UserError(f"the credential {user!r} acts only for team {own_team!r}, not {team!r}; "
+                    "use that team's credential or the operator's")
+
+
+def default_on_behalf_of() -> str:
+    """Whom the operator acts for when ``--on-behalf-of`` is not given: this OS user."""
+    return os.environ.get("USER") or "cli"
+
+
+async def publish_command(js: JetStreamContext, team: str, verb: str, command: SubmitJob | CancelJob | ReportCheckpoint,
+                          headers: dict[str, str] | None = None, on_behalf_of: str | None = None) -> int:
+    """Publish ``command`` on the intake subject of the connection's credential (:func:`sender`).
+    As the operator it names the user it acts for: ``on_behalf_of``, the command's own, or
+    :func:`default_on_behalf_of`."""
+    who = sender(eventlog.credential_of(js), team, verb)
+    if who.operator and command.on_behalf_of is None:
+        command = command.model_copy(update={"on_behalf_of": on_behalf_of or default_on_behalf_of()})
     hdrs = dict(headers or {})
     observability.inject_trace(hdrs)
-    ack = await js.publish(f"{SUBJECT_PREFIX}.intake.{team}.{verb}", command.model_dump_json().encode(),
+    ack = await js.publish(who.subject(SUBJECT_PREFIX), command.model_dump_json().encode(),
                            headers=hdrs or None, timeout=10)
     return ack.seq
 
@@ -218,26 +244,27 @@ def refused(what: str, answer: Answer | None, job_id: str, intake_seq: int, time
         raise UserError(f"the platform refused the {what}: {answer.dead_letter}")
 
 
-async def cancel(js: JetStreamContext, job_id: str, team: str, requested_by: str, reason: str = "") -> int:
+async def cancel(js: JetStreamContext, job_id: str, team: str, reason: str = "",
+                 on_behalf_of: str | None = None) -> int:
     try:
-        command = CancelJob(job_id=job_id, requested_by=requested_by, reason=reason)
+        command = CancelJob(job_id=job_id, reason=reason)
     except ValidationError as err:
         raise UserError(first_error(err, "cancel")) from None
-    return await publish_command(js, team, "cancel", command)
+    return await publish_command(js, team, "cancel", command, on_behalf_of=on_behalf_of)
 
 
-async def report_checkpoint(js: JetStreamContext, job_id: str, team: str, attempt: int, *, reported_by: str,
+async def report_checkpoint(js: JetStreamContext, job_id: str, team: str, attempt: int, *,
                             checkpointed_at: datetime | None = None, step: int | None = None,
-                            location: str = "") -> int:
-    """Publish ReportCheckpoint on ``gpusched.intake.<team>.checkpoint``; admission records
+                            location: str = "", on_behalf_of: str | None = None) -> int:
+    """Publish ReportCheckpoint on a ``checkpoint`` intake subject of ``team``; admission records
     JobCheckpointed, or dead-letters the report with the reason (see ``gpusched dlq``). Without
     ``checkpointed_at`` admission stamps the report with the platform clock."""
     try:
         command = ReportCheckpoint(job_id=job_id, attempt=attempt, checkpointed_at=checkpointed_at,
-                                   step=step, location=location, reported_by=reported_by)
+                                   step=step, location=location)
     except ValidationError as err:
         raise UserError(first_error(err, "checkpoint")) from None
-    return await publish_command(js, team, "checkpoint", command)
+    return await publish_command(js, team, "checkpoint", command, on_behalf_of=on_behalf_of)
 
 
 async def wait_for_checkpoint(js: JetStreamContext, job_id: str, intake_seq: int,

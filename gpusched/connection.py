@@ -13,6 +13,7 @@ import asyncpg
 import nats
 
 from gpusched.userinput import UserError, read_document
+from runtime import eventlog
 
 CONNECTION_FILE = Path(".data/run/connection.json")
 """Where `make run` writes the connection, relative to the directory it runs in."""
@@ -66,7 +67,8 @@ class Connection:
     async def nats(self) -> nats.NATS:
         kwargs: dict[str, Any] = {}
         if self.nats_user:
-            kwargs = {"user": self.nats_user, "password": self.nats_password or ""}
+            kwargs = {"user": self.nats_user, "password": self.nats_password or "",
+                      "inbox_prefix": eventlog.inbox_prefix(self.nats_user)}
         try:
             return await nats.connect(self.nats_url, connect_timeout=3, max_reconnect_attempts=2,
                                       allow_reconnect=False, name="gpusched-cli", **kwargs)

@@ -68,7 +68,7 @@ def demo_workload(n: int, seed: int = 7) -> list[tuple[float, SubmitJob]]:
             gpus=gpus, gpu_flavors=(flavor,), expected_runtime_seconds=rng.choice([600, 1200, 1800, 3600]),
             retry={"max_attempts": 3, "backoff_seconds": 60}, annotations=annotations,
         )
-        out.append((rng.uniform(0.05, 0.6), SubmitJob(job_id=f"demo-{i:04d}", submitter=f"{team}-bot", spec=spec)))
+        out.append((rng.uniform(0.05, 0.6), SubmitJob(job_id=f"demo-{i:04d}", on_behalf_of=f"{team}-bot", spec=spec)))
     return out
 
 
@@ -225,7 +225,7 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     nc = await eventlog.connect(Settings(nats_url=admin.nats_url, nats_user=admin.nats_user,
                                          nats_password=admin.nats_password), "gpusched-dev")  # reconnects for ever
     js = nc.jetstream()
-    await eventlog.provision(js, eventlog.StreamLimits.from_settings(Settings.from_env()))
+    await eventlog.provision(js, eventlog.StreamLimits.from_settings(Settings.from_env()), teams=TEAMS)
     for event in queueconfig.plan_queues(example("queues.yaml"), await queueconfig.current_queues(js), datetime.now(UTC)):
         await eventlog.EventLog(js).append(event)
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
-import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -36,7 +36,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from runtime import observability
@@ -50,9 +50,51 @@ EVENTS_STREAM = "GPUSCHED_EVENTS"
 INTAKE_STREAM = "GPUSCHED_INTAKE"
 DLQ_STREAM = "GPUSCHED_DLQ"
 
-EVENT_SUBJECTS = [f"{SUBJECT_PREFIX}.{family}.>" for family in ("job", "queue", "cohort", "node", "pricebook", "statement")]
+EVENT_SUBJECTS = [f"{SUBJECT_PREFIX}.{family}.>"
+                  for family in ("job", "queue", "cohort", "node", "pricebook", "statement", "team")]
 INTAKE_SUBJECTS = [f"{SUBJECT_PREFIX}.intake.>"]
 DLQ_SUBJECTS = [f"{SUBJECT_PREFIX}.deadletter.>"]
+TENANT_STREAM_PREFIX = "GPUSCHED_TENANT_"
+
+
+def tenant_stream(team: str) -> str:
+    """The stream of one team's view of the platform (written by the notifier; docs/events.md)."""
+    return TENANT_STREAM_PREFIX + team
+
+
+def tenant_subjects(team: str) -> str:
+    return f"{SUBJECT_PREFIX}.tenant.{team}.>"
+
+
+def user_token(user: str) -> str:
+    """A credential's name as one subject token or consumer name: ``.`` (``<team>.<user>``) as
+    ``_``, which no team or user name holds."""
+    return user.replace(".", "_")
+
+
+def inbox_prefix(user: str) -> str:
+    """Each credential receives replies and deliveries under its own inbox, ``_INBOX.<user>``, and
+    may subscribe only there: no credential can read another's replies (``_INBOX.>``)."""
+    return f"_INBOX.{user_token(user)}"
+
+
+READER_SLOTS = 8
+"""Consumer names a credential's readers (:func:`read_batches`) take turns on, per stream: the
+permissions name them, so a credential can only touch consumers that are its own."""
+
+
+def client_of(js: JetStreamContext) -> NATS:
+    """The NATS client a JetStream context sends through (nats-py keeps it as a private field)."""
+    return js._nc
+
+
+def credential_of(js: JetStreamContext) -> str | None:
+    """The user name ``js``'s client connected as (None: no credential)."""
+    return client_of(js).options.get("user")
+
+
+def reader_names(user: str) -> list[str]:
+    return [f"{user_token(user)}-r{slot}" for slot in range(READER_SLOTS)]
 
 MAX_MSG_BYTES = 1024 * 1024
 WRONG_LAST_SEQUENCE = 10071  # JetStream error code
@@ -96,6 +138,9 @@ class StreamLimits:
     duplicate_window_s: float = 120.0
     max_age_s: float = 0  # 0: keep forever (the log is the source of truth)
     max_bytes: int = -1
+    immutable: bool = True
+    """deny_delete and deny_purge: no message is ever deleted, nor the stream purged, by anyone
+    (the server refuses; the flags cannot be cleared later). Only tests that need a gap turn it off."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "StreamLimits":
@@ -108,7 +153,8 @@ async def connect(settings: Settings, name: str) -> NATS:
     started during a broker restart waits instead of exiting."""
     kwargs: dict[str, Any] = {}
     if settings.nats_user:
-        kwargs.update(user=settings.nats_user, password=settings.nats_password or "")
+        kwargs.update(user=settings.nats_user, password=settings.nats_password or "",
+                      inbox_prefix=inbox_prefix(settings.nats_user))
     failures = 0
     while True:
         try:
@@ -142,8 +188,9 @@ async def _reconnected() -> None:
     log.info("NATS reconnected")
 
 
-async def provision(js: JetStreamContext, limits: StreamLimits = StreamLimits()) -> None:
-    """Create or update the three streams. Idempotent; run by the operator or the dev stack."""
+async def provision(js: JetStreamContext, limits: StreamLimits = StreamLimits(), teams: tuple[str, ...] = ()) -> None:
+    """Create or update the three streams and each team's tenant stream. Idempotent; run by the
+    admin (`gpusched init`) or the dev stack."""
     common = dict(
         storage=StorageType.FILE,
         num_replicas=limits.replicas,
@@ -152,11 +199,14 @@ async def provision(js: JetStreamContext, limits: StreamLimits = StreamLimits())
         discard=DiscardPolicy.NEW,  # a full log refuses writes; it never drops history
         max_bytes=limits.max_bytes,
         allow_direct=True,
+        max_age=limits.max_age_s,
+        **({"deny_delete": True, "deny_purge": True} if limits.immutable else {}),
     )
     configs = [
-        StreamConfig(name=EVENTS_STREAM, subjects=EVENT_SUBJECTS, max_age=limits.max_age_s, **common),
-        StreamConfig(name=INTAKE_STREAM, subjects=INTAKE_SUBJECTS, max_age=limits.max_age_s, **common),
-        StreamConfig(name=DLQ_STREAM, subjects=DLQ_SUBJECTS, max_age=limits.max_age_s, **common),
+        StreamConfig(name=EVENTS_STREAM, subjects=EVENT_SUBJECTS, **common),
+        StreamConfig(name=INTAKE_STREAM, subjects=INTAKE_SUBJECTS, **common),
+        StreamConfig(name=DLQ_STREAM, subjects=DLQ_SUBJECTS, **common),
+        *(StreamConfig(name=tenant_stream(team), subjects=[tenant_subjects(team)], **common) for team in teams),
     ]
     for config in configs:
         try:
@@ -267,6 +317,7 @@ async def durable_consumer(
         info = await js.consumer_info(stream, durable)
     except NotFoundError:
         config = ConsumerConfig(
+            name=durable,  # created on $JS.API.CONSUMER.CREATE.<stream>.<durable>: what permissions allow
             durable_name=durable,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ack_wait_s,
@@ -379,9 +430,9 @@ async def read_batches(
         window = max(1, min(window, int(end) - (from_seq or 1) + 1))
     config = ConsumerConfig(
         ack_policy=AckPolicy.ALL, max_ack_pending=window, ack_wait=300.0, inactive_threshold=30.0, mem_storage=True,
-        deliver_subject=f"_INBOX.{secrets.token_hex(11)}", filter_subjects=subjects, **policy,
+        deliver_subject=client_of(js).new_inbox(), filter_subjects=subjects, **policy,
     )
-    info = await js.add_consumer(stream, config=config)
+    info = await _add_reader(js, stream, config)
     if not follow and info.num_pending == 0:
         await _delete_consumer(js, stream, info.name)
         return
@@ -531,6 +582,28 @@ class RawDeliveryClient(NATS):
         if handler is None or not reply:
             return await super()._process_msg(sid, subject, reply, data, headers)
         handler(reply, data)
+
+
+CONSUMER_EXISTS = 10148  # JetStream error code: "consumer already exists" (a create that must not update)
+
+
+async def _add_reader(js: JetStreamContext, stream: str, config: ConsumerConfig) -> ConsumerInfo:
+    """The reader's consumer, created (never updated: action ``create``, which nats-py does not
+    send) on the first of its credential's :func:`reader_names` that is free; one left by a reader
+    that died is reaped after its inactive_threshold."""
+    nc = client_of(js)
+    user = credential_of(js) or "anonymous"
+    for name in reader_names(user):
+        request = {"stream_name": stream, "config": config.evolve(name=name).as_dict(), "action": "create"}
+        reply = await nc.request(f"$JS.API.CONSUMER.CREATE.{stream}.{name}", json.dumps(request).encode(), timeout=5)
+        response = json.loads(reply.data)
+        if response.get("error", {}).get("err_code") == CONSUMER_EXISTS:
+            continue
+        if "error" in response:
+            APIError.from_error(response["error"])  # raises the matching nats-py error
+        return ConsumerInfo.from_response(response)
+    raise nats.errors.Error(f"all {READER_SLOTS} reader consumers of {user!r} on {stream} are in use; "
+                            "wait for a read to end")
 
 
 async def _delete_consumer(js: JetStreamContext, stream: str, name: str) -> None:

@@ -93,6 +93,7 @@ from schemas.job import (
     SchedulingWaitReason,
 )
 from schemas.node import GpuTelemetry, NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
+from schemas.notify import NotificationKind, NotifySpec, TeamConfigured, Webhook
 from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass
 from schemas.queue import CohortConfigured, FlavorQuota, QueueConfigured, QueueDeleted
 from schemas.registry import (

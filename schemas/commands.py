@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import Field, field_validator
@@ -22,8 +23,69 @@ RESERVED_JOB_ID_PREFIX = "rejected-"
 """Aggregate ids of rejections filed by intake sequence (schemas.job.rejection_id)."""
 
 
-class SubmitJob(Contract):
-    """Published to ``gpusched.intake.<team>.submit``; ``spec.team`` must match the subject."""
+INTAKE_VERBS = ("submit", "cancel", "checkpoint")
+OPERATOR = "operator"
+"""The user name of the operator credential, recorded as the submitter of what it sends."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a command, as its intake subject says; NATS permissions let each credential
+    publish only on its own subjects, so the subject is the authenticated identity:
+
+    ``gpusched.intake.<team>.<verb>``              the team's credential; the user is the team
+    ``gpusched.intake.<team>.user.<user>.<verb>``  a user of the team (its credential, or the API)
+    ``gpusched.intake.<team>.operator.<verb>``     the operator, for a user named in ``on_behalf_of``
+    """
+
+    team: str
+    user: str
+    verb: str
+    operator: bool = False
+
+    def subject(self, prefix: str = "gpusched") -> str:
+        if self.operator:
+            return f"{prefix}.intake.{self.team}.{OPERATOR}.{self.verb}"
+        if self.user != self.team:
+            return f"{prefix}.intake.{self.team}.user.{self.user}.{self.verb}"
+        return f"{prefix}.intake.{self.team}.{self.verb}"
+
+
+_NAME = re.compile(NAME_PATTERN)
+
+
+def intake_principal(subject: str) -> Principal:
+    """The :class:`Principal` of an intake subject; ValueError naming the accepted forms."""
+    parts = subject.split(".")
+    principal = None
+    if len(parts) == 4:
+        principal = Principal(team=parts[2], user=parts[2], verb=parts[3])
+    elif len(parts) == 5 and parts[3] == OPERATOR:
+        principal = Principal(team=parts[2], user=OPERATOR, verb=parts[4], operator=True)
+    elif len(parts) == 6 and parts[3] == "user":
+        principal = Principal(team=parts[2], user=parts[4], verb=parts[5])
+    if (principal is None or principal.verb not in INTAKE_VERBS or not _NAME.match(principal.team)
+            or not _NAME.match(principal.user)):
+        raise ValueError(
+            f"unknown intake subject {subject!r}; accepted: gpusched.intake.<team>.<verb>, "
+            f"gpusched.intake.<team>.user.<user>.<verb>, gpusched.intake.<team>.operator.<verb> "
+            f"with <verb> one of {', '.join(INTAKE_VERBS)}"
+        )
+    return principal
+
+
+class _Identified(Contract):
+    """What every command may say about who sends it. The sender is the authenticated
+    :class:`Principal`; a document that names someone else is refused."""
+
+    on_behalf_of: str | None = Field(
+        default=None, min_length=1, max_length=253,
+        description="Operator commands only (and required there): the user the operator acts for; recorded",
+    )
+
+
+class SubmitJob(_Identified):
+    """Published to an intake subject of the team (:class:`Principal`); ``spec.team`` must match it."""
 
     job_id: str | None = Field(
         default=None,
@@ -31,7 +93,10 @@ class SubmitJob(Contract):
         description="Client-chosen id; derived from the idempotency key or intake position if absent",
         json_schema_extra={"not": {"pattern": f"^{RESERVED_JOB_ID_PREFIX}"}},
     )
-    submitter: str = Field(min_length=1, max_length=253, description="User or system submitting")
+    submitter: str | None = Field(
+        default=None, min_length=1, max_length=253,
+        description="Optional: must name the authenticated user (the intake subject's) when given",
+    )
     spec: JobSpec
 
     @field_validator("job_id")
@@ -42,17 +107,20 @@ class SubmitJob(Contract):
         return value
 
 
-class CancelJob(Contract):
-    """Published to ``gpusched.intake.<team>.cancel``."""
+class CancelJob(_Identified):
+    """Published to a ``cancel`` intake subject of the job's team."""
 
     job_id: str = Field(pattern=NAME_PATTERN)
-    requested_by: str = Field(min_length=1, max_length=253)
+    requested_by: str | None = Field(
+        default=None, min_length=1, max_length=253,
+        description="Optional: must name the authenticated user (the intake subject's) when given",
+    )
     reason: str = Field(default="", max_length=1024)
 
 
-class ReportCheckpoint(Contract):
-    """Published to ``gpusched.intake.<team>.checkpoint`` by a running job (or on its behalf):
-    admission checks the job and attempt and records JobCheckpointed."""
+class ReportCheckpoint(_Identified):
+    """Published to a ``checkpoint`` intake subject of the job's team by a running job (or on its
+    behalf): admission checks the job and attempt and records JobCheckpointed."""
 
     job_id: str = Field(pattern=NAME_PATTERN)
     attempt: int = Field(ge=1)
@@ -61,7 +129,28 @@ class ReportCheckpoint(Contract):
                                   "on the platform clock (which may run faster than wall time)")
     step: int | None = Field(default=None, ge=0)
     location: str = Field(default="", max_length=1024)
-    reported_by: str = Field(min_length=1, max_length=253)
+    reported_by: str | None = Field(
+        default=None, min_length=1, max_length=253,
+        description="Optional: must name the authenticated user (the intake subject's) when given",
+    )
+
+
+def identity_problem(command: SubmitJob | CancelJob | ReportCheckpoint, principal: Principal) -> tuple[str, str] | None:
+    """(field, message) when the document contradicts who sent it: it names another user than
+    the authenticated one, or an operator command lacks ``on_behalf_of``, or another sender gives one."""
+    claimed_field = {SubmitJob: "submitter", CancelJob: "requested_by", ReportCheckpoint: "reported_by"}[type(command)]
+    claimed = getattr(command, claimed_field)
+    if claimed is not None and claimed != principal.user:
+        return claimed_field, (
+            f"{claimed_field} {claimed!r} is not the sender: this intake subject authenticates {principal.user!r}; "
+            f"accepted: {principal.user!r} or no {claimed_field} (identity comes from the credential)")
+    if principal.operator and command.on_behalf_of is None:
+        return "on_behalf_of", ("the operator acts for a team only on behalf of a user: on_behalf_of is required "
+                                "on gpusched.intake.<team>.operator.<verb>")
+    if not principal.operator and command.on_behalf_of is not None:
+        return "on_behalf_of", (f"on_behalf_of is for the operator's commands; {principal.user!r} acts only for "
+                                "itself: leave it out")
+    return None
 
 
 def job_id_for_key(team: str, idempotency_key: str) -> str:

@@ -8,6 +8,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
 from schemas.envelope import NAME_PATTERN, Contract, Event, Timestamp
+from schemas.notify import NotifySpec
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
@@ -176,6 +177,10 @@ class JobSpec(Contract):
     annotations: dict[Annotated[str, StringConstraints(max_length=253)], Annotated[str, StringConstraints(max_length=4096)]] = Field(
         default_factory=dict, max_length=64, description="Free-form; e.g. sim.gpusched.io/exit-code"
     )
+    notify: NotifySpec = Field(
+        default_factory=NotifySpec,
+        description="Webhooks told about this job, beside the team's own (TeamConfigured) and its NATS subjects",
+    )
 
     @model_validator(mode="after")
     def _runtime_within_max(self) -> "JobSpec":
@@ -219,7 +224,12 @@ class _JobEvent(Event):
 class JobSubmitted(_JobEvent):
     type: Literal["JobSubmitted"] = "JobSubmitted"
     spec: JobSpec
-    submitter: str = Field(min_length=1, max_length=253, description="User or system that submitted")
+    submitter: str = Field(min_length=1, max_length=253,
+                           description="Who submitted: the authenticated user of the intake subject (docs/events.md)")
+    on_behalf_of: str | None = Field(
+        default=None, min_length=1, max_length=253,
+        description="The user an operator submitted for (operator intake subject only); null otherwise",
+    )
     intake_sequence: int = Field(ge=1, description="Stream sequence of the SubmitJob command")
 
 
@@ -240,11 +250,15 @@ class JobRejected(_JobEvent):
     requested_job_id: str | None = Field(
         default=None, max_length=256, description="Job id the command asked for, when it is not this aggregate"
     )
+    team: str | None = Field(default=None, pattern=NAME_PATTERN,
+                             description="The team whose intake subject the command came on")
 
 
 class JobCancelRequested(_JobEvent):
     type: Literal["JobCancelRequested"] = "JobCancelRequested"
-    requested_by: str = Field(min_length=1, max_length=253)
+    requested_by: str = Field(min_length=1, max_length=253, description="The authenticated user of the intake subject")
+    on_behalf_of: str | None = Field(default=None, min_length=1, max_length=253,
+                                     description="The user an operator cancelled for (operator intake subject only)")
     reason: str = Field(default="", max_length=1024)
 
 

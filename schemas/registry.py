@@ -31,6 +31,7 @@ from schemas.job import (
     SchedulingPendingReasonChanged,
 )
 from schemas.node import NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
+from schemas.notify import TeamConfigured
 from schemas.queue import CohortConfigured, QueueConfigured, QueueDeleted
 
 SUBJECT_PREFIX = "gpusched"
@@ -65,6 +66,7 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     QueueDeleted: ("config", "deleted"),
     CohortConfigured: ("config", "configured"),
     PriceBookUpdated: ("config", "updated"),
+    TeamConfigured: ("config", "configured"),
     ChargebackStatementIssued: ("accounting", "issued"),
 }
 

@@ -44,6 +44,7 @@ from schemas import (
     PriceBookUpdated,
     ReclaimRequested,
     SchedulingPendingReasonChanged,
+    TeamConfigured,
 )
 
 
@@ -145,6 +146,10 @@ def _price_book(e: PriceBookUpdated, j: str, t, seq: int) -> list[Op]:
                               e.idle_quota, seq))]
 
 
+def _team(e: TeamConfigured, j: str, t, seq: int) -> list[Op]:
+    return [Op("team", (e.name, e.notify.model_dump_json(), t, seq))]
+
+
 def _statement(e: ChargebackStatementIssued, j: str, t, seq: int) -> list[Op]:
     body = e.model_dump_json(include={"period", "group_by", "currency", "idle_quota", "lines", "total_gpu_seconds",
                                       "total_cost"})
@@ -187,6 +192,7 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     QueueDeleted: lambda e, j, t, seq: [Op("queue_deleted", (e.name, seq)), Op("quota_history", (e.name, None, t, "{}", seq))],
     PriceBookUpdated: _price_book,
     ChargebackStatementIssued: _statement,
+    TeamConfigured: _team,
 }
 
 

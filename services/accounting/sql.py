@@ -84,6 +84,10 @@ SQL = {
         INSERT INTO price_books (name, effective_from, currency, gpu_prices, cpu_core_hour, memory_gib_hour,
                                  idle_quota, sequence)
         VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8) ON CONFLICT DO NOTHING""",
+    "team": """
+        INSERT INTO teams (name, notify, configured_at, last_sequence) VALUES ($1, $2::jsonb, $3, $4)
+        ON CONFLICT (name) DO UPDATE SET notify = $2::jsonb, configured_at = $3, last_sequence = $4
+        WHERE teams.last_sequence < $4""",
     "statement": """
         INSERT INTO statements (statement_id, period, group_by, checksum, first_sequence, last_sequence,
                                 total_cost, body, sequence)

@@ -9,6 +9,7 @@ from nats.aio.msg import Msg
 from runtime import eventlog, observability
 from runtime.loop import DecisionService, run_service
 from schemas import Event, JobSubmitted
+from schemas.commands import intake_principal
 from services.admission.domain import AdmissionCore, PoisonCommand
 
 log = logging.getLogger("admission")
@@ -60,24 +61,21 @@ class AdmissionService(DecisionService):
     async def _handle(self, js, msg: Msg) -> list[Event] | None:
         """The events a command leads to; None when it was dead-lettered."""
         core: AdmissionCore = self.core  # type: ignore[assignment]
-        parts = msg.subject.split(".")  # gpusched.intake.<team>.<verb>
         seq = msg.metadata.sequence.stream
-        with observability.span_from_headers(f"admission intake {parts[-1]}", msg.headers, sequence=seq):
+        verb = msg.subject.rsplit(".", 1)[-1]
+        with observability.span_from_headers(f"admission intake {verb}", msg.headers, sequence=seq):
             try:
-                if len(parts) != 4 or parts[3] not in ("submit", "cancel", "checkpoint"):
-                    raise PoisonCommand(
-                        f"unknown intake subject {msg.subject!r}; accepted: "
-                        "gpusched.intake.<team>.submit, gpusched.intake.<team>.cancel, "
-                        "gpusched.intake.<team>.checkpoint"
-                    )
-                team, verb = parts[2], parts[3]
+                try:
+                    sender = intake_principal(msg.subject)
+                except ValueError as err:
+                    raise PoisonCommand(str(err)) from None
                 now = self.clock.now()
-                if verb == "submit":
-                    events = core.handle_submit(msg.data, team, seq, now)
-                elif verb == "checkpoint":
-                    events = core.handle_checkpoint(msg.data, team, seq, now)
+                if sender.verb == "submit":
+                    events = core.handle_submit(msg.data, sender, seq, now)
+                elif sender.verb == "checkpoint":
+                    events = core.handle_checkpoint(msg.data, sender, seq, now)
                 else:
-                    events = core.handle_cancel(msg.data, team, now)
+                    events = core.handle_cancel(msg.data, sender, now)
             except PoisonCommand as err:
                 reason = str(err)
             except Exception as err:  # the core is pure: a command that breaks it is poison, not a blip

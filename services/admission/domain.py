@@ -37,7 +37,14 @@ from schemas import (
     SubmitJob,
     new_event,
 )
-from schemas.commands import MalformedCommand, job_id_for_key, load_command, parse_command
+from schemas.commands import (
+    MalformedCommand,
+    Principal,
+    identity_problem,
+    job_id_for_key,
+    load_command,
+    parse_command,
+)
 from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
 from schemas.node import NodeInfo
 
@@ -158,12 +165,12 @@ class AdmissionCore:
                     job.cancel_requested = True
 
     # -- intake ------------------------------------------------------------------------------
-    def handle_submit(self, raw: bytes, subject_team: str, intake_seq: int, now: datetime) -> list[Event]:
-        """A SubmitJob command from ``gpusched.intake.<subject_team>.submit``: JobSubmitted, a
-        JobRejected when it is malformed or collides with an existing job, or nothing when it is
-        already recorded."""
+    def handle_submit(self, raw: bytes, sender: Principal, intake_seq: int, now: datetime) -> list[Event]:
+        """A SubmitJob command that ``sender`` published: JobSubmitted (its submitter is the
+        sender's user), a JobRejected when it is malformed, contradicts the sender or collides
+        with an existing job, or nothing when it is already recorded."""
         try:
-            command = self._parse_submit(raw, subject_team)
+            command = self._parse_submit(raw, sender)
             job_id = self._new_job_id(command, intake_seq)
         except SubmitRefused as refused:
             return [
@@ -171,6 +178,7 @@ class AdmissionCore:
                     JobRejected, aggregate_id=rejection_id(intake_seq), producer=PRODUCER, occurred_at=now,
                     key=str(intake_seq), reason=refused.reason, message=refused.message, field=refused.field,
                     accepted=refused.accepted, intake_sequence=intake_seq, requested_job_id=refused.requested,
+                    team=sender.team,
                 )
             ]
         if job_id is None:
@@ -178,12 +186,13 @@ class AdmissionCore:
         return [
             new_event(
                 JobSubmitted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(intake_seq),
-                spec=command.spec, submitter=command.submitter, intake_sequence=intake_seq,
+                spec=command.spec, submitter=sender.user, on_behalf_of=command.on_behalf_of,
+                intake_sequence=intake_seq,
             )
         ]
 
     @staticmethod
-    def _parse_submit(raw: bytes, subject_team: str) -> SubmitJob:
+    def _parse_submit(raw: bytes, sender: Principal) -> SubmitJob:
         """The command, if it is one this team may send (PoisonCommand when it is not JSON)."""
         try:
             payload = load_command(raw)
@@ -199,13 +208,15 @@ class AdmissionCore:
         except ValidationError as err:
             path, message = _validation_message(err)
             raise SubmitRefused(RejectReason.SCHEMA_INVALID, message, path, requested=requested) from None
-        if command.spec.team != subject_team:
+        if command.spec.team != sender.team:
             raise SubmitRefused(
                 RejectReason.FORBIDDEN,
-                f"spec.team {command.spec.team!r} does not match the intake subject's team {subject_team!r}; "
+                f"spec.team {command.spec.team!r} does not match the intake subject's team {sender.team!r}; "
                 f"a team submits on gpusched.intake.<team>.submit",
-                "spec.team", accepted=(subject_team,), requested=command.job_id,
+                "spec.team", accepted=(sender.team,), requested=command.job_id,
             )
+        if (problem := identity_problem(command, sender)) is not None:
+            raise SubmitRefused(RejectReason.FORBIDDEN, problem[1], problem[0], requested=command.job_id)
         return command
 
     def _new_job_id(self, command: SubmitJob, intake_seq: int) -> str | None:
@@ -250,25 +261,28 @@ class AdmissionCore:
                                 + hint.format(team=job.team))
         return job
 
-    def handle_cancel(self, raw: bytes, subject_team: str, now: datetime) -> list[Event]:
+    def handle_cancel(self, raw: bytes, sender: Principal, now: datetime) -> list[Event]:
         try:
             command = parse_command(CancelJob, raw)
         except MalformedCommand as err:
             raise PoisonCommand(f"invalid CancelJob: {err.message}") from None
         except ValidationError as err:
             raise PoisonCommand(f"invalid CancelJob: {_validation_message(err)[1]}") from None
-        job = self._team_job("CancelJob", command.job_id, subject_team)
+        if (problem := identity_problem(command, sender)) is not None:
+            raise PoisonCommand(f"CancelJob: {problem[1]}")
+        job = self._team_job("CancelJob", command.job_id, sender.team)
         if job.finished or job.cancel_requested:
             return []  # nothing to cancel, or already asked: idempotent
         return [
             new_event(
                 JobCancelRequested, aggregate_id=command.job_id, producer=PRODUCER, occurred_at=now,
-                key="cancel", cause=job.submitted, requested_by=command.requested_by, reason=command.reason,
+                key="cancel", cause=job.submitted, requested_by=sender.user,
+                on_behalf_of=command.on_behalf_of, reason=command.reason,
             )
         ]
 
-    def handle_checkpoint(self, raw: bytes, subject_team: str, intake_seq: int, now: datetime) -> list[Event]:
-        """A ReportCheckpoint from ``gpusched.intake.<subject_team>.checkpoint``: JobCheckpointed
+    def handle_checkpoint(self, raw: bytes, sender: Principal, intake_seq: int, now: datetime) -> list[Event]:
+        """A ReportCheckpoint that ``sender`` published: JobCheckpointed
         for the job's running attempt. A report that names no running attempt of a job of this
         team is refused with a PoisonCommand (the dead-letter subject, with this message)."""
         try:
@@ -277,7 +291,9 @@ class AdmissionCore:
             raise PoisonCommand(f"invalid ReportCheckpoint: {err.message}") from None
         except ValidationError as err:
             raise PoisonCommand(f"invalid ReportCheckpoint: {_validation_message(err)[1]}") from None
-        job = self._team_job("ReportCheckpoint", command.job_id, subject_team,
+        if (problem := identity_problem(command, sender)) is not None:
+            raise PoisonCommand(f"ReportCheckpoint: {problem[1]}")
+        job = self._team_job("ReportCheckpoint", command.job_id, sender.team,
                              "; publish on gpusched.intake.{team}.checkpoint")
         running = job.running
         if running is None:
@@ -343,11 +359,13 @@ class AdmissionCore:
                 f"{', '.join(queue.allowed_teams) or '(none)'}",
                 "spec.team", queue.allowed_teams,
             )
-        if queue.allowed_users and job.submitted.submitter not in queue.allowed_users:
+        user = job.submitted.on_behalf_of or job.submitted.submitter  # the operator acts for on_behalf_of
+        if queue.allowed_users and user not in queue.allowed_users:
             return reject(
                 RejectReason.FORBIDDEN,
-                f"submitter {job.submitted.submitter!r} may not submit to queue {queue.name!r}",
-                "submitter", queue.allowed_users,
+                f"user {user!r} may not submit to queue {queue.name!r}; accepted users: "
+                f"{', '.join(queue.allowed_users)}",
+                "on_behalf_of" if job.submitted.on_behalf_of else "submitter", queue.allowed_users,
             )
         pc = self.priority_classes.get(spec.priority_class)
         allowed_classes = queue.allowed_priority_classes or tuple(self.priority_classes)

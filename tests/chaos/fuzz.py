@@ -29,7 +29,7 @@ class Malformed:
 
 def valid_submit(rng: random.Random, team: str, job_id: str) -> dict:
     """A well-formed SubmitJob document, the base every mangling starts from."""
-    return {"job_id": job_id, "submitter": f"{team}-fuzz",
+    return {"job_id": job_id,
             "spec": {"kind": "training", "queue": QUEUE_OF[team], "team": team, "image": "img", "gpus": 1,
                      "gpu_flavors": ["l4" if team == "team-c" else "a100"],
                      "expected_runtime_seconds": rng.uniform(10, 60)}}

@@ -70,7 +70,7 @@ async def _expected(err: Exception) -> None:
 async def connect(stack: Stack, user: str) -> nats.NATS:
     """A client that reconnects for ever, as the services do: the broker restarts mid-run."""
     return await nats.connect(stack.nats.url(), user=user, password=stack.nats.creds.users[user],
-                              max_reconnect_attempts=-1, reconnect_time_wait=0.25, connect_timeout=5,
+                              inbox_prefix=eventlog.inbox_prefix(user), max_reconnect_attempts=-1, reconnect_time_wait=0.25, connect_timeout=5,
                               error_cb=_expected)
 
 

@@ -106,7 +106,7 @@ def job(rng: random.Random, i: int, half: int) -> SubmitJob:
                    expected_runtime_seconds=None if deadline else _runtime(rng, priority_class),
                    max_runtime_seconds=deadline, retry={"max_attempts": 3, "backoff_seconds": 5},
                    annotations=annotations)
-    return SubmitJob(job_id=f"cj-{i:05d}", submitter=f"{team}-ci", spec=spec)
+    return SubmitJob(job_id=f"cj-{i:05d}", spec=spec)
 
 
 def plan(rng: random.Random, jobs: int, load_s: float, cancel_share: float = 0.06) -> list[Action]:
@@ -122,7 +122,7 @@ def plan(rng: random.Random, jobs: int, load_s: float, cancel_share: float = 0.0
         command = job(rng, i, half)
         out.append(Action(at, command.spec.team, "submit", command))
         if rng.random() < cancel_share:
-            cancel = CancelJob(job_id=command.job_id, requested_by=command.submitter, reason="chaos: cancelled")
+            cancel = CancelJob(job_id=command.job_id, reason="chaos: cancelled")
             out.append(Action(at + rng.uniform(0.1, 3.0), command.spec.team, "cancel", cancel))
     return sorted(out, key=lambda a: a.at)
 
@@ -131,4 +131,4 @@ def final_command() -> SubmitJob:
     """The valid command submitted after every fault: it must be admitted and succeed."""
     spec = JobSpec(kind="training", queue="q-a", team="team-a", image="registry.example/chaos:1", gpus=1,
                    gpu_flavors=("a100",), expected_runtime_seconds=30)
-    return SubmitJob(job_id=FINAL_JOB, submitter="team-a-ci", spec=spec)
+    return SubmitJob(job_id=FINAL_JOB, spec=spec)

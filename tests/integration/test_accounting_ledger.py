@@ -16,7 +16,7 @@ import pytest
 
 import pytest_asyncio
 
-from conftest import connect_as, eventually, service_settings
+from conftest import connect_as, eventually, reset_log, service_settings
 from gpusched import accounting_cli
 from runtime import eventlog
 from schemas import (
@@ -554,6 +554,7 @@ async def test_writers_read_around_deleted_sequences_and_from_a_time(admin_js, a
     """Writer processes read their ranges straight from JetStream: a sequence deleted from the
     stream (in the middle of a range, and the log's last one) is skipped as the inline replay
     skips it, and --from TIME starts at the first event stored at or after that time."""
+    await reset_log(admin_js, immutable=False)  # the platform's streams refuse message deletes
     log = eventlog.EventLog(admin_js)
     start = await eventlog.last_sequence(admin_js) + 1
     early = [e for i in range(3) for e in job(f"t{i}", "team-a", gpus=1, checkpoint_at=600)]

@@ -38,7 +38,7 @@ async def test_a_command_refused_on_every_delivery_is_dead_lettered_on_the_last(
         async with running(service):
             spec = {"kind": "training", "queue": "research", "team": "team-a", "image": "img", "gpus": 1}
             ack = await tenant.jetstream().publish("gpusched.intake.team-a.submit",
-                                                   json.dumps({"job_id": "unlucky", "submitter": "alice", "spec": spec}).encode())
+                                                   json.dumps({"job_id": "unlucky", "spec": spec}).encode())
 
             async def dead_letter():
                 async for msg in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM):

@@ -46,6 +46,7 @@ from schemas import (
     SchedulingWaitReason,
     new_event,
 )
+from schemas.commands import Principal
 from schemas.node import GpuTelemetry, NodeInfo
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -77,12 +78,20 @@ def spec_dict(**overrides: Any) -> dict[str, Any]:
 
 
 def submit_payload(spec_: dict[str, Any] | None = None, *, job_id: str | None = None,
-                   submitter: str = "alice", **extra: Any) -> dict[str, Any]:
-    payload: dict[str, Any] = {"submitter": submitter, "spec": spec_ if spec_ is not None else spec_dict()}
+                   **extra: Any) -> dict[str, Any]:
+    payload: dict[str, Any] = {"spec": spec_ if spec_ is not None else spec_dict()}
     if job_id is not None:
         payload["job_id"] = job_id
     payload.update(extra)
     return payload
+
+
+def sender(team: str = "team-a", user: str | None = None, *, operator: bool = False,
+           verb: str = "submit") -> Principal:
+    """Who publishes a command: the team's credential, one of its users, or the operator."""
+    if operator:
+        return Principal(team=team, user="operator", verb=verb, operator=True)
+    return Principal(team=team, user=user or team, verb=verb)
 
 
 # -- configuration and inventory ---------------------------------------------------------------
@@ -310,6 +319,14 @@ def types(events: Iterable[Event]) -> list[str]:
 
 
 # -- price books and statements ----------------------------------------------------------------
+
+
+def team_configured(name: str = "team-a", urls: tuple[str, ...] = ("https://hooks.example/a",), *,
+                    when: datetime = T0, key: str = "1"):
+    from schemas import NotifySpec, TeamConfigured, Webhook
+
+    return new_event(TeamConfigured, aggregate_id=name, producer="config", occurred_at=when, key=key, name=name,
+                     notify=NotifySpec(webhooks=tuple(Webhook(url=u) for u in urls)))
 
 
 def price_book(prices: dict[str, float] | None = None, *, effective_from: datetime = T0, when: datetime = T0,

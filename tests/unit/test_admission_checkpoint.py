@@ -9,7 +9,7 @@ import pytest
 
 from schemas import JobCheckpointed
 from services.admission.domain import AdmissionCore, PoisonCommand
-from tests.unit.builders import T0, at, preempted, spec, started, submitted
+from tests.unit.builders import sender, T0, at, preempted, spec, started, submitted
 
 
 def core_running(attempt: int = 1) -> AdmissionCore:
@@ -20,19 +20,18 @@ def core_running(attempt: int = 1) -> AdmissionCore:
 
 
 def report(**fields) -> bytes:
-    payload = {"job_id": "j1", "attempt": 1, "checkpointed_at": at(50).isoformat(), "reported_by": "trainer",
-               "step": 1200, "location": "s3://ckpt/j1/1200"}
+    payload = {"job_id": "j1", "attempt": 1, "checkpointed_at": at(50).isoformat(), "step": 1200, "location": "s3://ckpt/j1/1200"}
     payload.update(fields)
     return json.dumps(payload).encode()
 
 
 def test_checkpoint_of_the_running_attempt():
-    (event,) = core_running().handle_checkpoint(report(), "team-a", 77, at(60))
+    (event,) = core_running().handle_checkpoint(report(), sender("team-a"), 77, at(60))
     assert isinstance(event, JobCheckpointed)
     assert (event.aggregate_id, event.attempt, event.checkpointed_at, event.step, event.location,
             event.intake_sequence, event.occurred_at) == ("j1", 1, at(50), 1200, "s3://ckpt/j1/1200", 77, at(60))
     # a redelivered command re-derives the same event id
-    (again,) = core_running().handle_checkpoint(report(), "team-a", 77, at(61))
+    (again,) = core_running().handle_checkpoint(report(), sender("team-a"), 77, at(61))
     assert again.event_id == event.event_id
 
 
@@ -47,12 +46,12 @@ def test_checkpoint_of_the_running_attempt():
 ])
 def test_refusals_are_clear(data, team, fragment):
     with pytest.raises(PoisonCommand, match=fragment.replace("(", r"\(").replace(")", r"\)")):
-        core_running().handle_checkpoint(data, team, 5, at(60))
+        core_running().handle_checkpoint(data, sender(team), 5, at(60))
 
 
 def test_no_running_attempt_after_it_ends():
     core = core_running()
     core.evolve(preempted("j1", started_at=at(10), when=at(40)))
     with pytest.raises(PoisonCommand, match="has no running attempt"):
-        core.handle_checkpoint(report(checkpointed_at=at(30).isoformat()), "team-a", 5, at(60))
+        core.handle_checkpoint(report(checkpointed_at=at(30).isoformat()), sender("team-a"), 5, at(60))
     assert T0 < at(1)

@@ -10,6 +10,7 @@ from schemas import DEFAULT_PRIORITY_CLASSES, FailureReason, JobAdmitted, JobCan
 from schemas.commands import MAX_COMMAND_BYTES, job_id_for_key
 from services.admission.domain import AdmissionCore, PoisonCommand
 from tests.unit.builders import (
+    sender,
     T0,
     at,
     cancelled,
@@ -36,8 +37,9 @@ def core_with(*events) -> AdmissionCore:
     return core
 
 
-def submit(core: AdmissionCore, payload, *, team: str = "team-a", seq: int = 1, evolve: bool = True):
-    out = core.handle_submit(payload if isinstance(payload, bytes) else raw(payload), team, seq, T0)
+def submit(core: AdmissionCore, payload, *, team: str = "team-a", user: str | None = None, seq: int = 1,
+           evolve: bool = True):
+    out = core.handle_submit(payload if isinstance(payload, bytes) else raw(payload), sender(team, user), seq, T0)
     if evolve:
         for e in out:
             core.evolve(e)
@@ -57,7 +59,7 @@ def only_rejection(out) -> JobRejected:
 @pytest.mark.parametrize("data", [b"not json", b"{", b"\xff\xfe\x00", b""])
 def test_non_json_is_poison(data):
     with pytest.raises(PoisonCommand, match="not JSON"):
-        AdmissionCore().handle_submit(data, "team-a", 1, T0)
+        AdmissionCore().handle_submit(data, sender("team-a"), 1, T0)
 
 
 @pytest.mark.parametrize(
@@ -69,7 +71,7 @@ def test_non_json_is_poison(data):
         (submit_payload(spec_dict(gpus=65)), "spec.gpus", "less than or equal to 64"),
         (submit_payload(spec_dict(queue="Bad_Queue")), "spec.queue", "spec.queue: String should match pattern"),
         (submit_payload(spec_dict(gpus="eight")), "spec.gpus", "valid integer"),
-        ({"spec": spec_dict()}, "submitter", "submitter: Field required"),
+        ({"spec": spec_dict(), "submitter": 7}, "submitter", "submitter: Input should be a valid string"),
         (submit_payload(spec_dict(), job_id="Has.Dots"), "job_id", "job_id: String should match pattern"),
         (submit_payload(spec_dict(retry={"max_attempts": 99})), "spec.retry.max_attempts", "less than or equal to 20"),
         (submit_payload(spec_dict(max_runtime_seconds=10, expected_runtime_seconds=20)), "spec",
@@ -78,7 +80,7 @@ def test_non_json_is_poison(data):
     ],
 )
 def test_schema_invalid(payload, field, fragment):
-    event = only_rejection(AdmissionCore().handle_submit(raw(payload), "team-a", 12, T0))
+    event = only_rejection(AdmissionCore().handle_submit(raw(payload), sender("team-a"), 12, T0))
     assert event.reason == RejectReason.SCHEMA_INVALID
     assert event.field == field
     assert fragment in event.message
@@ -89,7 +91,7 @@ def test_schema_invalid(payload, field, fragment):
 
 def test_schema_invalid_keeps_the_requested_job_id_and_counts_more_errors():
     payload = submit_payload(spec_dict(gpus=-1, gang_size=0), job_id="my-job")
-    event = only_rejection(AdmissionCore().handle_submit(raw(payload), "team-a", 3, T0))
+    event = only_rejection(AdmissionCore().handle_submit(raw(payload), sender("team-a"), 3, T0))
     assert event.requested_job_id == "my-job"
     assert event.message.endswith("(and 1 more error(s))")
 
@@ -98,20 +100,20 @@ def test_oversize_payload():
     payload = submit_payload(spec_dict(annotations={"pad": "x" * 4000, **{f"k{i}": "y" * 4000 for i in range(20)}}))
     data = raw(payload)
     assert len(data) > MAX_COMMAND_BYTES
-    event = only_rejection(AdmissionCore().handle_submit(data, "team-a", 5, T0))
+    event = only_rejection(AdmissionCore().handle_submit(data, sender("team-a"), 5, T0))
     assert event.reason == RejectReason.PAYLOAD_TOO_LARGE
     assert event.field == "(root)"
     assert f"command is {len(data)} bytes; accepted: at most {MAX_COMMAND_BYTES} bytes" == event.message
     # checked before parsing: even non-JSON of that size is a rejection, not poison
     junk = b"x" * (MAX_COMMAND_BYTES + 1)
-    assert only_rejection(AdmissionCore().handle_submit(junk, "team-a", 6, T0)).reason == RejectReason.PAYLOAD_TOO_LARGE
+    assert only_rejection(AdmissionCore().handle_submit(junk, sender("team-a"), 6, T0)).reason == RejectReason.PAYLOAD_TOO_LARGE
     # exactly at the limit is parsed
     exact = b" " * (MAX_COMMAND_BYTES - 2) + b"[]"
-    assert only_rejection(AdmissionCore().handle_submit(exact, "team-a", 7, T0)).reason == RejectReason.SCHEMA_INVALID
+    assert only_rejection(AdmissionCore().handle_submit(exact, sender("team-a"), 7, T0)).reason == RejectReason.SCHEMA_INVALID
 
 
 def test_team_must_match_subject():
-    event = only_rejection(AdmissionCore().handle_submit(raw(submit_payload(job_id="j1")), "team-b", 2, T0))
+    event = only_rejection(AdmissionCore().handle_submit(raw(submit_payload(job_id="j1")), sender("team-b"), 2, T0))
     assert event.reason == RejectReason.FORBIDDEN
     assert event.field == "spec.team"
     assert event.accepted == ("team-b",)
@@ -121,7 +123,7 @@ def test_team_must_match_subject():
 
 def test_valid_submit_becomes_job_submitted():
     core = AdmissionCore()
-    (event,) = core.handle_submit(raw(submit_payload(job_id="j1", submitter="bob")), "team-a", 9, T0)
+    (event,) = core.handle_submit(raw(submit_payload(job_id="j1", submitter="bob")), sender("team-a", "bob"), 9, T0)
     assert isinstance(event, JobSubmitted)
     assert event.aggregate_id == "j1"
     assert event.submitter == "bob"
@@ -141,7 +143,7 @@ def test_valid_submit_becomes_job_submitted():
 )
 def test_job_id_assignment(job_id, key, seq, expected):
     s = spec_dict(idempotency_key=key) if key else spec_dict()
-    (event,) = AdmissionCore().handle_submit(raw(submit_payload(s, job_id=job_id)), "team-a", seq, T0)
+    (event,) = AdmissionCore().handle_submit(raw(submit_payload(s, job_id=job_id)), sender("team-a"), seq, T0)
     assert event.aggregate_id == expected
     assert job_id_for_key("team-a", "run-1").startswith("j-") and len(job_id_for_key("team-a", "run-1")) == 22
 
@@ -211,17 +213,17 @@ def test_redelivery_of_the_same_intake_sequence_decides_nothing(payload):
 
 
 def test_redelivered_malformed_command_gets_the_same_rejection_id():
-    a = AdmissionCore().handle_submit(b"[]", "team-a", 3, T0)
-    b = AdmissionCore().handle_submit(b"[]", "team-a", 3, at(99))
+    a = AdmissionCore().handle_submit(b"[]", sender("team-a"), 3, T0)
+    b = AdmissionCore().handle_submit(b"[]", sender("team-a"), 3, at(99))
     assert a[0].event_id == b[0].event_id
 
 
 # -- decide ------------------------------------------------------------------------------------
 
 
-def submitted_core(*config, payload=None, seq: int = 1) -> tuple[AdmissionCore, str]:
+def submitted_core(*config, payload=None, seq: int = 1, user: str = "alice") -> tuple[AdmissionCore, str]:
     core = core_with(*config)
-    (event,) = submit(core, payload or submit_payload(job_id="j1"), seq=seq)
+    (event,) = submit(core, payload or submit_payload(job_id="j1"), user=user, seq=seq)
     return core, event.aggregate_id
 
 
@@ -240,7 +242,7 @@ QUEUES = (
         ({"queue": "product"}, RejectReason.FORBIDDEN, "spec.team", ("team-p",),
          "team 'team-a' may not submit to queue 'product'; accepted teams: team-p"),
         ({"queue": "vip"}, RejectReason.FORBIDDEN, "submitter", ("carol",),
-         "submitter 'alice' may not submit to queue 'vip'"),
+         "user 'alice' may not submit to queue 'vip'; accepted users: carol"),
         ({"priority_class": "nonexistent"}, RejectReason.SCHEMA_INVALID, "spec.priority_class",
          tuple(sorted(DEFAULT_PRIORITY_CLASSES)), "spec.priority_class 'nonexistent' is not accepted"),
         ({"gpu_flavors": ["a100", "tpu-v5"]}, RejectReason.UNKNOWN_FLAVOR, "spec.gpu_flavors", ("a100", "h100"),
@@ -400,39 +402,39 @@ def test_queue_deleted_after_submission_rejects():
 # -- cancel ------------------------------------------------------------------------------------
 
 
-def cancel_raw(job_id: str = "j1", by: str = "alice", reason: str = "") -> bytes:
-    return raw({"job_id": job_id, "requested_by": by, "reason": reason})
+def cancel_raw(job_id: str = "j1", by: str | None = None, reason: str = "") -> bytes:
+    return raw({"job_id": job_id, "reason": reason} | ({"requested_by": by} if by else {}))
 
 
 def test_cancel_unknown_job_is_poison():
     with pytest.raises(PoisonCommand, match="job_id 'ghost' does not exist"):
-        AdmissionCore().handle_cancel(cancel_raw("ghost"), "team-a", T0)
+        AdmissionCore().handle_cancel(cancel_raw("ghost"), sender("team-a"), T0)
 
 
 @pytest.mark.parametrize("data", [b"nope", b"{}", raw({"job_id": "Bad.Id", "requested_by": "x"})])
 def test_malformed_cancel_is_poison(data):
     with pytest.raises(PoisonCommand, match="invalid CancelJob"):
-        AdmissionCore().handle_cancel(data, "team-a", T0)
+        AdmissionCore().handle_cancel(data, sender("team-a"), T0)
 
 
 def test_cancel_of_other_teams_job_is_poison():
     core, _ = submitted_core(*QUEUES)
     with pytest.raises(PoisonCommand, match="belongs to team 'team-a', not 'team-b'"):
-        core.handle_cancel(cancel_raw(), "team-b", T0)
+        core.handle_cancel(cancel_raw(), sender("team-b"), T0)
 
 
 def test_cancel_valid_then_idempotent():
     core, job_id = submitted_core(*QUEUES)
     drive(core)
-    (event,) = core.handle_cancel(cancel_raw(by="bob", reason="wrong lr"), "team-a", at(3))
+    (event,) = core.handle_cancel(cancel_raw(by="bob", reason="wrong lr"), sender("team-a", "bob"), at(3))
     assert isinstance(event, JobCancelRequested)
     assert (event.aggregate_id, event.requested_by, event.reason) == (job_id, "bob", "wrong lr")
     assert event.occurred_at == at(3)
     assert event.causation_id == core.state.jobs[job_id].submitted.event_id
     # until it is in the log a redelivered cancel gets the same id
-    assert core.handle_cancel(cancel_raw(by="bob"), "team-a", at(4))[0].event_id == event.event_id
+    assert core.handle_cancel(cancel_raw(by="bob"), sender("team-a", "bob"), at(4))[0].event_id == event.event_id
     core.evolve(event)
-    assert core.handle_cancel(cancel_raw(), "team-a", at(5)) == []
+    assert core.handle_cancel(cancel_raw(), sender("team-a"), at(5)) == []
 
 
 @pytest.mark.parametrize(
@@ -452,23 +454,23 @@ def test_cancel_after_the_job_ended(ending, cancellable):
     core, job_id = submitted_core(*QUEUES)
     drive(core)
     core.evolve(ending(job_id))
-    assert bool(core.handle_cancel(cancel_raw(), "team-a", T0)) is cancellable
+    assert bool(core.handle_cancel(cancel_raw(), sender("team-a"), T0)) is cancellable
 
 
 def test_a_cancel_while_a_failed_attempt_will_be_retried_is_taken():
     core, job_id = submitted_core(*QUEUES, payload=submit_payload(spec_dict(retry={"max_attempts": 2}), job_id="j1"))
     drive(core)
     core.evolve(failed(job_id, FailureReason.NODE_LOST))
-    assert [type(e).__name__ for e in core.handle_cancel(cancel_raw(), "team-a", T0)] == ["JobCancelRequested"]
+    assert [type(e).__name__ for e in core.handle_cancel(cancel_raw(), sender("team-a"), T0)] == ["JobCancelRequested"]
     core.evolve(failed(job_id, FailureReason.NODE_LOST, attempt=2))
-    assert core.handle_cancel(cancel_raw(), "team-a", T0) == []
+    assert core.handle_cancel(cancel_raw(), sender("team-a"), T0) == []
 
 
 def test_cancel_of_a_rejected_job_does_nothing():
     core, job_id = submitted_core(payload=submit_payload(spec_dict(queue="nope"), job_id="j1"))
     (rej,) = drive(core)
     assert rej.reason == RejectReason.UNKNOWN_QUEUE
-    assert core.handle_cancel(cancel_raw(), "team-a", T0) == []
+    assert core.handle_cancel(cancel_raw(), sender("team-a"), T0) == []
 
 
 @pytest.mark.parametrize(("raw", "field", "words"), [
@@ -477,17 +479,69 @@ def test_cancel_of_a_rejected_job_does_nothing():
     (b'{"submitter": "alice", "spec": {"env": {"K": "\\udc00"}}}', "spec.env.K", "an unpaired UTF-16 surrogate"),
 ])
 def test_a_command_the_read_models_could_not_hold_is_rejected_naming_the_field(raw, field, words):
-    rejected = only_rejection(AdmissionCore().handle_submit(raw, "team-a", 7, T0))
+    rejected = only_rejection(AdmissionCore().handle_submit(raw, sender("team-a"), 7, T0))
     assert (rejected.reason.value, rejected.field) == ("schema-invalid", field)
     assert words in rejected.message
 
 
 def test_a_byte_order_mark_is_not_json():
     with pytest.raises(PoisonCommand, match="byte order mark"):
-        AdmissionCore().handle_submit(b'\xef\xbb\xbf{"submitter": "alice"}', "team-a", 1, T0)
+        AdmissionCore().handle_submit(b'\xef\xbb\xbf{"submitter": "alice"}', sender("team-a"), 1, T0)
 
 
 @pytest.mark.parametrize("raw", [b'{"job_id": "j", "requested_by": "a\\u0000"}', b"[" * 100 + b"]" * 100])
 def test_a_cancel_the_read_models_could_not_hold_is_poison(raw):
     with pytest.raises(PoisonCommand, match="invalid CancelJob"):
-        AdmissionCore().handle_cancel(raw, "team-a", T0)
+        AdmissionCore().handle_cancel(raw, sender("team-a"), T0)
+
+
+# -- identity ----------------------------------------------------------------------------------
+
+
+def test_the_submitter_is_the_authenticated_user_not_the_document():
+    core = core_with(*QUEUES)
+    (event,) = submit(core, submit_payload(job_id="j1"), user="bob")
+    assert (event.submitter, event.on_behalf_of) == ("bob", None)
+    (team_event,) = submit(core, submit_payload(job_id="j2"), seq=2)
+    assert team_event.submitter == "team-a"  # the team's own credential
+
+
+@pytest.mark.parametrize("who, payload, field, fragment", [
+    (sender("team-a"), submit_payload(submitter="carol"), "submitter",
+     "submitter 'carol' is not the sender: this intake subject authenticates 'team-a'"),
+    (sender("team-a", "bob"), submit_payload(submitter="carol"), "submitter", "authenticates 'bob'"),
+    (sender("team-a", operator=True), submit_payload(), "on_behalf_of", "on_behalf_of is required"),
+    (sender("team-a", "bob"), submit_payload(on_behalf_of="carol"), "on_behalf_of",
+     "on_behalf_of is for the operator's commands"),
+])
+def test_a_document_that_contradicts_its_sender_is_rejected(who, payload, field, fragment):
+    event = only_rejection(AdmissionCore().handle_submit(raw(payload), who, 4, T0))
+    assert (event.reason, event.field, event.team) == (RejectReason.FORBIDDEN, field, "team-a")
+    assert fragment in event.message
+
+
+def test_the_operator_acts_for_a_user_and_that_user_is_checked():
+    core = core_with(*QUEUES, node("n1"))
+    operator = sender("team-a", operator=True)
+    (event,) = core.handle_submit(raw(submit_payload(spec_dict(queue="vip"), job_id="j1", on_behalf_of="carol")),
+                                  operator, 1, T0)
+    core.evolve(event)
+    assert (event.submitter, event.on_behalf_of) == ("operator", "carol")
+    (decision,) = core.decide(at(1))
+    assert isinstance(decision, JobAdmitted)
+    core.evolve(decision)
+    (other,) = core.handle_submit(raw(submit_payload(spec_dict(queue="vip"), job_id="j2", on_behalf_of="dave")),
+                                  operator, 2, T0)
+    core.evolve(other)
+    (refused,) = core.decide(at(2))
+    assert (refused.reason, refused.field) == (RejectReason.FORBIDDEN, "on_behalf_of")
+    assert "user 'dave' may not submit to queue 'vip'" in refused.message
+
+
+def test_a_cancel_records_who_sent_it():
+    core, job_id = submitted_core(*QUEUES)
+    (event,) = core.handle_cancel(raw({"job_id": job_id, "on_behalf_of": "alice"}), sender("team-a", operator=True),
+                                  at(2))
+    assert (event.requested_by, event.on_behalf_of) == ("operator", "alice")
+    with pytest.raises(PoisonCommand, match="requested_by 'mallory' is not the sender"):
+        core.handle_cancel(cancel_raw(job_id, by="mallory"), sender("team-a", "bob"), at(2))

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from schemas import JobStarted, JobSubmitted, RejectReason, new_event, parse_event
 from services.admission.domain import AdmissionCore, PoisonCommand
-from tests.unit.builders import T0, node, queue, spec_dict, submit_payload
+from tests.unit.builders import sender, T0, node, queue, spec_dict, submit_payload
 
 
 def admission() -> AdmissionCore:
@@ -22,7 +22,7 @@ def admission() -> AdmissionCore:
 
 def handle(payload: dict | bytes) -> list:
     data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    return admission().handle_submit(data, "team-a", 7, T0)
+    return admission().handle_submit(data, sender("team-a"), 7, T0)
 
 
 @pytest.mark.parametrize("change, field", [

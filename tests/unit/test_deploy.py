@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from gpusched import devstack
+from gpusched import devstack, permissions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def test_committed_nats_config_matches_the_generator():
 def test_nats_server_accepts_the_config_and_names_a_missing_password(tmp_path):
     conf = ROOT / "deploy" / "nats-server.conf"
     binary = devstack._bin("nats-server")
-    users = ["admin", "operator", *devstack.SERVICES, "team-research", "team-product", "team-platform"]
+    users = ["admin", "operator", *permissions.SERVICES, "team-research", "team-product", "team-platform"]
     env = {**os.environ, **{devstack.password_variable(u): f"pw-{u}" for u in users}}
     ok = subprocess.run([binary, "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr + ok.stdout

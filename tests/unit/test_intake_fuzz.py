@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 
 from schemas import JobRejected
 from services.admission.domain import AdmissionCore, PoisonCommand
-from tests.unit.builders import T0, node, queue, spec_dict, submit_payload
+from tests.unit.builders import sender, T0, node, queue, spec_dict, submit_payload
 
 EXAMPLES = 1000
 RUN = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 VALID = {
     "submit": submit_payload(spec_dict(gpus=1), job_id="j1"),
-    "cancel": {"job_id": "j0", "requested_by": "alice"},
-    "checkpoint": {"job_id": "j0", "attempt": 1, "reported_by": "alice", "step": 5},
+    "cancel": {"job_id": "j0", "requested_by": "team-a"},
+    "checkpoint": {"job_id": "j0", "attempt": 1, "reported_by": "team-a", "step": 5},
 }
 ODD = st.sampled_from([True, None, -1, 0, 1.5, 10**30, "", "1", "\u0000", "x" * 70_000, [], {},
                        {"a": {"a": {"a": {}}}}])
@@ -78,11 +78,11 @@ def _check(verb: str, data: bytes, outcomes: Counter) -> None:
     core = _core()
     try:
         if verb == "submit":
-            out = core.handle_submit(data, "team-a", 9, T0)
+            out = core.handle_submit(data, sender("team-a"), 9, T0)
         elif verb == "cancel":
-            out = core.handle_cancel(data, "team-a", T0)
+            out = core.handle_cancel(data, sender("team-a"), T0)
         else:
-            out = core.handle_checkpoint(data, "team-a", 9, T0)
+            out = core.handle_checkpoint(data, sender("team-a"), 9, T0)
     except PoisonCommand as err:
         assert str(err).strip(), "a refusal says what was wrong"
         outcomes["dead-lettered"] += 1

@@ -49,6 +49,7 @@ from tests.unit.builders import (
     queue,
     pending_reason,
     price_book,
+    team_configured,
     statement,
     reclaim_requested,
     sched_pending_reason,
@@ -85,7 +86,7 @@ def sample_events():
     rejected = new_event(
         JobRejected, aggregate_id="rejected-7", producer="admission", occurred_at=T0, key="7",
         reason=RejectReason.UNKNOWN_QUEUE, message="no such queue", field="spec.queue",
-        accepted=("a", "b"), intake_sequence=7, requested_job_id="j7",
+        accepted=("a", "b"), intake_sequence=7, requested_job_id="j7", team="team-a",
     )
     sub = submitted("j1", _full_spec(), seq=3, submitter="bob")
     return [
@@ -117,6 +118,7 @@ def sample_events():
         new_event(QueueDeleted, aggregate_id="old", producer="config", occurred_at=T0, key="x", name="old"),
         new_event(CohortConfigured, aggregate_id="shared", producer="config", occurred_at=T0, key="x",
                   name="shared", parent="org"),
+        team_configured("team-a", ("https://hooks.example/a", "http://10.0.0.1:8080/x?y=1")),
         price_book({"a100": 2.5, "h100-80gb": 6.0}, effective_from=at(-3600), cpu_core_hour=0.04,
                    memory_gib_hour=0.005, idle_quota="charge-owner", currency="EUR"),
         statement("2026-11", "project", lines=[{
@@ -127,7 +129,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 27
+    assert len(ALL_EVENT_TYPES) == 28
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -218,7 +220,7 @@ EXPECTED_PRODUCERS = {
     "JobCancelled": "executor", "NodeRegistered": "executor", "NodeUpdated": "executor", "NodeLost": "executor",
     "NodeTelemetryReported": "executor",
     "QueueConfigured": "config", "QueueDeleted": "config", "CohortConfigured": "config",
-    "PriceBookUpdated": "config", "ChargebackStatementIssued": "accounting",
+    "PriceBookUpdated": "config", "TeamConfigured": "config", "ChargebackStatementIssued": "accounting",
 }
 
 
@@ -244,7 +246,7 @@ def test_producer_subjects():
     ]
     assert producer_subjects("config") == [
         "gpusched.cohort.*.configured", "gpusched.pricebook.*.updated", "gpusched.queue.*.configured",
-        "gpusched.queue.*.deleted",
+        "gpusched.queue.*.deleted", "gpusched.team.*.configured",
     ]
     assert producer_subjects("executor") == [
         "gpusched.job.*.cancelled", "gpusched.job.*.failed", "gpusched.job.*.preempted", "gpusched.job.*.started",

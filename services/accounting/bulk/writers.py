@@ -60,6 +60,8 @@ class NatsOptions:
     async def connect(self) -> NatsClient:
         auth = {k: v for k, v in (("user", self.user), ("password", self.password), ("token", self.token)) if v}
         nc = eventlog.RawDeliveryClient()  # the ranges' reads skip nats-py's per-message handling
+        if self.user:
+            auth["inbox_prefix"] = eventlog.inbox_prefix(self.user)
         await nc.connect(list(self.servers), name="gpusched-replay-writer", allow_reconnect=False, connect_timeout=5,
                          **auth)
         return nc

@@ -1,0 +1,147 @@
+"""Who may do what on NATS: the permissions of every credential, least privilege first.
+
+Roles (docs/events.md, "Credentials and permissions"):
+
+- **admin**: everything; provisions, deletes and repairs streams (`gpusched init`). Nothing runs as admin.
+- **operator** (the CLI): configuration events, commands on behalf of a user of any team (the
+  operator intake subject, with ``on_behalf_of``), and reading every stream through its own readers.
+- **service** (admission, quota, scheduler, executor, accounting, notifier): publishes only the
+  event types it produces and its own dead letters; creates, reads and deletes only its own durables
+  and readers.
+- **tenant** (one credential per team, named after it; or ``<team>.<user>`` for a user of a team):
+  its own intake subjects, and its team's tenant stream, where it may create consumers.
+
+Every credential receives replies only under its own inbox prefix (``_INBOX.<user>``), so none can
+read another's JetStream replies or deliveries. Stream create, update, delete and purge, and message
+delete, are the admin's alone (and the streams refuse purge and message delete even to it).
+"""
+
+from __future__ import annotations
+
+from runtime.eventlog import (
+    EVENTS_STREAM,
+    INTAKE_STREAM,
+    inbox_prefix,
+    reader_names,
+    tenant_stream,
+    tenant_subjects,
+)
+from schemas.commands import INTAKE_VERBS, OPERATOR
+from schemas.registry import SUBJECT_PREFIX, producer_subjects
+
+P = SUBJECT_PREFIX
+API = "$JS.API"
+
+SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifier")
+"""Every service credential; gpusched.devstack starts the ones deploy/Procfile lists."""
+
+DURABLES: dict[str, dict[str, list[str]]] = {
+    "admission": {EVENTS_STREAM: ["admission"], INTAKE_STREAM: ["admission-intake"]},
+    "quota": {EVENTS_STREAM: ["quota"]},
+    "scheduler": {EVENTS_STREAM: ["scheduler"]},
+    "executor": {EVENTS_STREAM: ["executor"]},
+    "accounting": {},
+    "notifier": {EVENTS_STREAM: ["notifier"]},
+}
+"""Service -> stream -> the durable consumers it owns there."""
+
+READS: dict[str, list[str]] = {
+    "admission": [EVENTS_STREAM], "quota": [EVENTS_STREAM], "scheduler": [EVENTS_STREAM],
+    "executor": [EVENTS_STREAM], "accounting": [EVENTS_STREAM], "notifier": [EVENTS_STREAM],
+}
+"""Service -> the streams it reads with ephemeral readers (runtime.eventlog.read_batches)."""
+
+NOTIFIER_TENANT_DURABLE = "notifier"
+"""The notifier's durable on each tenant stream (webhook delivery), the one consumer there that is not the team's."""
+
+
+def consumer_api(stream: str, name: str, *, pull: bool = True) -> list[str]:
+    """Create (with or without a filter in the subject), info, delete, ack and (``pull``) fetch
+    on one named consumer of one stream; ``*`` as the stream: that name on any stream."""
+    return [
+        f"{API}.CONSUMER.*.{stream}.{name}",  # CREATE, INFO, DELETE, PAUSE, UNPIN
+        f"{API}.CONSUMER.CREATE.{stream}.{name}.>",
+        *([f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}"] if pull else []),
+        f"$JS.ACK.{stream}.{name}.>",
+    ]
+
+
+def stream_read_api(stream: str) -> list[str]:
+    """Stream info and reading a message by sequence or subject (direct get)."""
+    return [f"{API}.STREAM.INFO.{stream}", f"{API}.STREAM.MSG.GET.{stream}", f"{API}.DIRECT.GET.{stream}",
+            f"{API}.DIRECT.GET.{stream}.>"]
+
+
+def _readers(user: str, streams: list[str]) -> list[str]:
+    out: list[str] = []
+    for stream in streams:
+        out += stream_read_api(stream)
+        for name in reader_names(user):
+            out += consumer_api(stream, name, pull=False)  # readers are push consumers
+    return out
+
+
+def _perms(user: str, publish: list[str], subscribe: tuple[str, ...] = ()) -> dict:
+    return {"publish": {"allow": [f"{API}.INFO", *publish]},
+            "subscribe": {"allow": [f"{inbox_prefix(user)}.>", *subscribe]}}
+
+
+def service_permissions(service: str) -> dict:
+    """The event types it produces, its dead letters, its durables and readers."""
+    publish = producer_subjects(service) + [f"{P}.deadletter.{service}", f"{P}.deadletter.{service}.>"]
+    for stream, durables in DURABLES[service].items():
+        publish += [f"{API}.STREAM.INFO.{stream}"]
+        for durable in durables:
+            publish += consumer_api(stream, durable)
+    publish += _readers(service, READS[service])
+    if service == "notifier":  # writes every team's tenant stream; delivers webhooks from each
+        publish += [f"{P}.tenant.>", f"{API}.STREAM.NAMES", f"{API}.STREAM.INFO.*",
+                    *consumer_api("*", NOTIFIER_TENANT_DURABLE)]
+    return _perms(service, sorted(set(publish)))
+
+
+def tenant_permissions(team: str, user: str | None = None) -> dict:
+    """A team's credential (``user`` None) or one of its users': its own intake subjects, and
+    consumers of any name on its team's tenant stream (but the notifier's)."""
+    who = user or team
+    intake = (f"{P}.intake.{team}.{{verb}}" if user is None else f"{P}.intake.{team}.user.{user}.{{verb}}")
+    stream = tenant_stream(team)
+    publish = [intake.format(verb=verb) for verb in INTAKE_VERBS]
+    publish += stream_read_api(stream) + [
+        f"{API}.CONSUMER.*.{stream}",  # LIST, NAMES, and CREATE without a name (an ephemeral)
+        f"{API}.CONSUMER.*.{stream}.*",
+        f"{API}.CONSUMER.CREATE.{stream}.*.>",
+        f"{API}.CONSUMER.DURABLE.CREATE.{stream}.*",
+        f"{API}.CONSUMER.MSG.NEXT.{stream}.*",
+        f"$JS.ACK.{stream}.>",
+    ]
+    perms = _perms(who, publish, subscribe=(tenant_subjects(team),))
+    # The notifier's durable on the team's stream is the platform's: the team may not touch it.
+    perms["publish"]["deny"] = [*consumer_api(stream, NOTIFIER_TENANT_DURABLE)]
+    return perms
+
+
+def operator_permissions() -> dict:
+    """Configuration events, commands on behalf of users of any team, reading every stream."""
+    publish = producer_subjects("config") + [f"{P}.intake.*.{OPERATOR}.{verb}" for verb in INTAKE_VERBS]
+    publish += [f"{API}.STREAM.NAMES", f"{API}.STREAM.LIST", *stream_read_api("*")]
+    for name in reader_names(OPERATOR):
+        publish += consumer_api("*", name, pull=False)
+    return _perms(OPERATOR, publish)
+
+
+def admin_permissions() -> dict:
+    return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+
+
+def permissions(user: str) -> dict:
+    """The permissions of a credential by its name: ``admin``, ``operator``, a service, or a
+    tenant (``<team>`` or ``<team>.<user>``)."""
+    if user == "admin":
+        return admin_permissions()
+    if user == OPERATOR:
+        return operator_permissions()
+    if user in SERVICES:
+        return service_permissions(user)
+    team, _, member = user.partition(".")
+    return tenant_permissions(team, member or None)
