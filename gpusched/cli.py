@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import sys
 from datetime import UTC, date, datetime
 from enum import Enum
@@ -25,6 +26,7 @@ from gpusched.userinput import UserError
 from runtime import eventlog, observability
 from runtime.settings import Settings
 from schemas import JobRejected
+from schemas.envelope import NAME_PATTERN
 from services.accounting import queries
 
 app = typer.Typer(help="gpusched: GPU job scheduling on an event log.", no_args_is_help=True,
@@ -121,16 +123,23 @@ def answered(answer: commands.Answer) -> dict[str, Any]:
 
 
 @app.command()
-def init() -> None:
-    """Create or update the JetStream streams (needs the admin user)."""
+@guarded
+def init(team: list[str] = typer.Option([], "--team", help="Also provision this team's tenant stream (repeat)")) -> None:
+    """Create or update the JetStream streams, and each named team's tenant stream (needs the
+    admin user). Streams deny message delete and purge; that cannot be undone."""
+    bad = [t for t in team if not re.fullmatch(NAME_PATTERN, t)]
+    if bad:
+        raise UserError(f"--team {bad[0]!r} is not a team name; accepted: a DNS label ({NAME_PATTERN})")
+
     async def go():
         nc = await Connection.resolve().nats()
         try:
-            await eventlog.provision(nc.jetstream(), eventlog.StreamLimits.from_settings(Settings.from_env()))
+            await eventlog.provision(nc.jetstream(), eventlog.StreamLimits.from_settings(Settings.from_env()),
+                                     teams=tuple(team))
         finally:
             await nc.close()
     run(go())
-    console.print("streams provisioned")
+    console.print("streams provisioned" + (f" (tenant streams: {', '.join(team)})" if team else ""))
 
 
 @app.command()
