@@ -325,7 +325,7 @@ def run_service(name: str, build_core, service_class: type[DecisionService] = De
         name,
         level=settings.log_level,
         fmt=settings.log_format,
-        metrics_port=settings.metrics_port,
+        metrics_port=settings.metrics_port, metrics_addr=settings.metrics_addr,
         otel_exporter=settings.otel_exporter,
         trace_dir=settings.trace_dir,
     )

@@ -37,7 +37,7 @@ BATCH_SECONDS = Histogram(
 _tracer_name = "gpusched"
 
 
-def setup(service: str, *, level: str = "INFO", fmt: str = "json", metrics_port: int = 0,
+def setup(service: str, *, level: str = "INFO", fmt: str = "json", metrics_port: int = 0, metrics_addr: str = "127.0.0.1",
           otel_exporter: str = "none", trace_dir: Path | None = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
@@ -56,7 +56,7 @@ def setup(service: str, *, level: str = "INFO", fmt: str = "json", metrics_port:
     logging.getLogger("nats").setLevel("WARNING")
 
     if metrics_port:
-        start_http_server(metrics_port)
+        start_http_server(metrics_port, addr=metrics_addr)
 
     provider = TracerProvider(resource=Resource.create({"service.name": f"gpusched-{service}"}))
     if otel_exporter == "console":

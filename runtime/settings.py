@@ -5,6 +5,7 @@ A bad value fails at start with the variable's name, the value and what is accep
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,18 @@ def env_choice(name: str, default: str, accepted: tuple[str, ...]) -> str:
     return value
 
 
+def env_address(name: str, default: str) -> str:
+    """An IP address to bind to (``0.0.0.0``: every interface)."""
+    value = env_value(name, default)
+    assert value is not None
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an IP address; accepted: e.g. 127.0.0.1 (loopback, the "
+                          "default), 0.0.0.0 (every interface), ::1") from None
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     nats_url: str = "nats://127.0.0.1:4222"
@@ -53,6 +66,7 @@ class Settings:
     time_scale: float = 1.0
     clock_epoch: float = field(default_factory=time.time)
     metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_addr: str = "127.0.0.1"  # loopback unless a deployment names another address
     log_level: str = "INFO"
     log_format: str = "json"
     otel_exporter: str = "none"
@@ -76,6 +90,7 @@ class Settings:
             time_scale=env_number("GPUSCHED_TIME_SCALE", 1.0, minimum=0.001, maximum=1_000_000),
             clock_epoch=env_number("GPUSCHED_CLOCK_EPOCH", time.time(), minimum=0, maximum=4e9),
             metrics_port=int(env_number("GPUSCHED_METRICS_PORT", 0, minimum=0, maximum=65535, integer=True)),
+            metrics_addr=env_address("GPUSCHED_METRICS_ADDR", "127.0.0.1"),
             log_level=env_choice("GPUSCHED_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
             log_format=env_choice("GPUSCHED_LOG_FORMAT", "json", ("json", "text")),
             otel_exporter=env_choice("GPUSCHED_OTEL_EXPORTER", "none", ("none", "console", "file")),

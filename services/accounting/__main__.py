@@ -195,6 +195,7 @@ async def run_until_stopped(settings: Settings, stop: asyncio.Event, grace_s: fl
 def main() -> None:
     settings = Settings.from_env()
     observability.setup(NAME, level=settings.log_level, fmt=settings.log_format, metrics_port=settings.metrics_port,
+                        metrics_addr=settings.metrics_addr,
                         otel_exporter=settings.otel_exporter, trace_dir=settings.trace_dir)
 
     async def _main() -> None:

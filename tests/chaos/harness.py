@@ -208,7 +208,7 @@ class ChaosRun:
         await asyncio.to_thread(self.stack.start_brokers)
         self.admin = await connect(self.stack, "admin")
         self.js = self.admin.jetstream()
-        await eventlog.provision(self.js)
+        await eventlog.provision(self.js, teams=workload.TEAMS)
         for event in workload.queue_events(datetime.now(UTC)):
             await eventlog.EventLog(self.js).append(event)
         cluster = self.config.root / "cluster.yaml"
@@ -268,8 +268,10 @@ class ChaosRun:
                 await self.publish_malformed(i, item)
 
     async def publish_malformed(self, i: int, m: fuzz.Malformed) -> None:
-        seq = await publish(self.tenants[m.team], f"{SUBJECT_PREFIX}.intake.{m.team}.{m.verb}", m.payload,
-                            f"fuzz-{i}")
+        # A tenant may publish only its three intake subjects: an unknown one comes from a credential
+        # that may (the admin's), as from a misconfigured producer.
+        js = self.js if m.kind == "unknown-subject" else self.tenants[m.team]
+        seq = await publish(js, f"{SUBJECT_PREFIX}.intake.{m.team}.{m.verb}", m.payload, f"fuzz-{i}")
         if seq is None:
             self.report.malformed["refused by the stream at publish"] += 1
         else:

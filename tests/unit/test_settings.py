@@ -23,6 +23,7 @@ def test_defaults(monkeypatch):
     assert s == Settings(clock_epoch=1000.0)
     assert (s.nats_url, s.stream_replicas, s.duplicate_window_s, s.time_scale) == ("nats://127.0.0.1:4222", 1, 120.0, 1.0)
     assert (s.metrics_port, s.log_level, s.log_format, s.otel_exporter) == (0, "INFO", "json", "none")
+    assert s.metrics_addr == "127.0.0.1"  # no unauthenticated endpoint on other interfaces by default
     assert (s.executor_backend, s.batch_size, s.tick_s) == ("sim", 256, 0.5)
     assert s.trace_dir is None and s.sim_cluster is None and s.pg_dsn is None
 
@@ -79,6 +80,8 @@ def test_empty_value_means_default(monkeypatch):
         ("GPUSCHED_CLOCK_EPOCH", "-1", "GPUSCHED_CLOCK_EPOCH='-1' is out of range; accepted: 0..4000000000.0"),
         ("GPUSCHED_METRICS_PORT", "65536", "GPUSCHED_METRICS_PORT='65536' is out of range; accepted: 0..65535"),
         ("GPUSCHED_METRICS_PORT", "http", "GPUSCHED_METRICS_PORT='http' is not an integer; accepted: 0..65535"),
+        ("GPUSCHED_METRICS_ADDR", "localhost", "GPUSCHED_METRICS_ADDR='localhost' is not an IP address; accepted: e.g. "
+         "127.0.0.1 (loopback, the default), 0.0.0.0 (every interface), ::1"),
         ("GPUSCHED_BATCH_SIZE", "0", "GPUSCHED_BATCH_SIZE='0' is out of range; accepted: 1..10000"),
         ("GPUSCHED_TICK_S", "61", "GPUSCHED_TICK_S='61' is out of range; accepted: 0.01..60"),
         ("GPUSCHED_LOG_LEVEL", "debug", "GPUSCHED_LOG_LEVEL='debug' is not accepted; accepted: DEBUG, INFO, WARNING, ERROR"),
