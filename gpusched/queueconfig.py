@@ -1,10 +1,10 @@
-"""Queue and cohort configuration as a file (queues.yaml): what the log has now, what a file
-changes, and the events that make the log equal the file (``gpusched apply``)."""
+"""Queue, cohort and team configuration as a file (queues.yaml): what the log has now, what a
+file changes, and the events that make the log equal the file (``gpusched apply``)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusched.userinput import CHECKED_AT, UserError, checked, field_path, read_document, validate
 from runtime import eventlog
-from schemas import CohortConfigured, Event, QueueConfigured, QueueDeleted, new_event, parse_event
+from schemas import CohortConfigured, Event, QueueConfigured, QueueDeleted, TeamConfigured, new_event, parse_event
 from schemas.registry import SUBJECT_PREFIX
 
 
@@ -49,10 +49,19 @@ class CohortSpec(BaseModel):
             event.parent, event.usage_half_life_seconds, event.history_weight)
 
 
+class TeamSpec(BaseModel):
+    """A team's settings: where its jobs' notifications go (schemas.notify.NotifySpec)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=NAME_MAX)
+    notify: dict[str, Any] = Field(default_factory=dict)
+
+
 class QueuesFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     cohorts: list[CohortSpec] = Field(default_factory=list)
     queues: list[QueueSpec]
+    teams: list[TeamSpec] = Field(default_factory=list)
 
 
 def _config_payload(event: QueueConfigured) -> dict[str, Any]:
@@ -66,13 +75,17 @@ class QuotaConfig:
 
     queues: dict[str, QueueConfigured]
     cohorts: dict[str, CohortConfigured]
+    teams: dict[str, TeamConfigured] = field(default_factory=dict)
 
 
 async def current_queues(js: JetStreamContext) -> QuotaConfig:
     config = QuotaConfig({}, {})
-    async for msg in eventlog.read(js, subjects=[f"{SUBJECT_PREFIX}.queue.>", f"{SUBJECT_PREFIX}.cohort.>"]):
+    subjects = [f"{SUBJECT_PREFIX}.queue.>", f"{SUBJECT_PREFIX}.cohort.>", f"{SUBJECT_PREFIX}.team.>"]
+    async for msg in eventlog.read(js, subjects=subjects):
         event = parse_event(msg.data)
-        if isinstance(event, QueueConfigured):
+        if isinstance(event, TeamConfigured):
+            config.teams[event.name] = event
+        elif isinstance(event, QueueConfigured):
             config.queues[event.name] = event
         elif isinstance(event, QueueDeleted):
             config.queues.pop(event.name, None)
@@ -85,6 +98,9 @@ def describe_change(event: Event, config: QuotaConfig) -> str:
     """What an apply event changes, field by field (quotas matched by flavor)."""
     if isinstance(event, QueueDeleted):
         return "deleted"
+    if isinstance(event, TeamConfigured):
+        old = config.teams.get(event.name)
+        return "new" if old is None else f"notify: {old.notify.model_dump(mode='json')} → {event.notify.model_dump(mode='json')}"
     if isinstance(event, CohortConfigured):
         old = config.cohorts.get(event.name)
         if old is None:
@@ -125,6 +141,11 @@ def parse_queues(document: Any, source: str | Path) -> QueuesFile:
         checked(lambda: _cohort_event(c, CHECKED_AT), f"{source}: cohorts[{i}] ({field_path([c.name])})")
     for i, q in enumerate(parsed.queues):
         checked(lambda: _queue_probe(q, CHECKED_AT), f"{source}: queues[{i}] ({field_path([q.name])})")
+    teams = [t.name for t in parsed.teams]
+    if dupes := sorted({n for n in teams if teams.count(n) > 1}):
+        raise UserError(f"{source}: teams: name(s) {dupes} appear more than once; each team once")
+    for i, t in enumerate(parsed.teams):
+        checked(lambda: _team_event(t, CHECKED_AT), f"{source}: teams[{i}] ({field_path([t.name])})")
     return parsed
 
 
@@ -145,6 +166,10 @@ def plan(parsed: QueuesFile, config: QuotaConfig, now: datetime, prune: bool = F
         digest = json.dumps(_config_payload(probe), sort_keys=True)
         out.append(new_event(QueueConfigured, aggregate_id=q.name, producer="config", occurred_at=now,
                              key=f"{digest}@{now.isoformat()}", **q.model_dump()))
+    for t in parsed.teams:
+        event = _team_event(t, now)
+        if (old := config.teams.get(t.name)) is None or old.notify != event.notify:
+            out.append(event)
     if prune:
         for name in sorted(config.queues.keys() - {q.name for q in parsed.queues}):
             out.append(new_event(QueueDeleted, aggregate_id=name, producer="config", occurred_at=now,
@@ -160,6 +185,11 @@ def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = Fa
 def _cohort_event(c: CohortSpec, now: datetime) -> CohortConfigured:
     return new_event(CohortConfigured, aggregate_id=c.name, producer="config", occurred_at=now,
                      key=f"{c.model_dump_json()}@{now.isoformat()}", **c.model_dump())
+
+
+def _team_event(t: TeamSpec, now: datetime) -> TeamConfigured:
+    return new_event(TeamConfigured, aggregate_id=t.name, producer="config", occurred_at=now,
+                     key=f"{t.model_dump_json()}@{now.isoformat()}", name=t.name, notify=t.notify)
 
 
 def _queue_probe(q: QueueSpec, now: datetime) -> QueueConfigured:

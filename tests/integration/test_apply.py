@@ -69,6 +69,11 @@ async def test_apply_diff_dry_run_and_prune(nats_server, admin_js, tmp_path):
     ("queues: [{name: a, colour: red}]", "colour: Extra inputs are not permitted"),
     ("queues: [{name: a, preemption: {within_queue: always}}]",
      "preemption.within_queue: Input should be 'never' or 'lower-priority'"),
+    ("queues: []\nteams: [{name: team-a, notify: {webhooks: [{url: 'ftp://x.example/'}]}}]",
+     "teams[0] (team-a): notify.webhooks.0.url: String should match pattern"),
+    ("queues: []\nteams: [{name: team-a, notify: {webhooks: [{url: 'https://x.example/', kinds: [finished]}]}}]",
+     "notify.webhooks.0.kinds.0: Input should be 'submitted', 'admitted'"),
+    ("queues: []\nteams: [{name: team-a}, {name: team-a}]", "teams: name(s) ['team-a'] appear more than once"),
 ])
 async def test_invalid_config_names_the_field(nats_server, admin_js, tmp_path, text, message):
     bad = tmp_path / "bad.yaml"
@@ -77,3 +82,18 @@ async def test_invalid_config_names_the_field(nats_server, admin_js, tmp_path, t
     assert rc == 2
     assert message in err
     assert await config_events(admin_js) == []
+
+
+async def test_apply_configures_a_teams_webhooks(nats_server, admin_js, tmp_path):
+    path = tmp_path / "teams.yaml"
+    path.write_text("queues: []\nteams:\n  - name: team-a\n    notify: {webhooks: [{url: 'https://hooks.example/a'}]}\n")
+    rc, changes = apply(nats_server, path)
+    assert (rc, [(c["event"], c["name"], c["change"]) for c in changes]) == (0, [("TeamConfigured", "team-a", "new")])
+    assert apply(nats_server, path) == (0, [])  # unchanged: nothing published
+    path.write_text("queues: []\nteams:\n  - name: team-a\n    notify: {webhooks: [{url: 'https://hooks.example/b', "
+                    "kinds: [preemption-notice, failed]}]}\n")
+    rc, changes = apply(nats_server, path)
+    assert rc == 0 and "https://hooks.example/b" in changes[0]["change"]
+    events = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=["gpusched.team.>"])]
+    assert [e.notify.webhooks[0].url for e in events] == ["https://hooks.example/a", "https://hooks.example/b"]
+    assert events[1].notify.webhooks[0].kinds == ("preemption-notice", "failed")
