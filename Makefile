@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s schemas lint clean promtool
+.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s schemas lint clean promtool natscli
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 run: setup ## Run NATS, Postgres and the five services with the demo workload (Ctrl-C stops)
 	$(BIN)/gpusched dev up $(ARGS)
 
-test: setup ## Unit, integration and end-to-end tests (real nats-server and Postgres)
+test: setup natscli ## Unit, integration and end-to-end tests (real nats-server and Postgres)
 	$(BIN)/python -m pytest -q tests e2e $(ARGS)
 
 test-unit: setup ## Pure cores only (fast)
@@ -57,6 +57,9 @@ bench: setup ## Benchmarks (~16 min): e2e beside the raw JetStream ceiling, the 
 
 promtool: ## Install Debian's promtool into .cache/promtool (apt-get download + dpkg -x; for the metrics lint test)
 	@sh scripts/promtool.sh
+
+natscli: ## Build the plain `nats` CLI (natscli v0.5.0, Go module proxy) into ~/.cache/gpusched, for the tenant tests
+	@if [ "$$GPUSCHED_NO_NATSCLI" = 1 ]; then echo 'natscli: skipped (GPUSCHED_NO_NATSCLI=1)'; else bash scripts/natscli.sh >/dev/null; fi
 
 bench-k8s: setup ## Kubernetes backend on the test control plane: Jobs created/s beside the raw API create rate, watch-to-event latency
 	tests/executor/controlplane/build.sh >/dev/null
