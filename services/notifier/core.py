@@ -1,0 +1,150 @@
+"""The notifier's pure core: which notification an event makes, where it goes, how it is signed
+and how long a failed delivery waits. No I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from datetime import timedelta
+
+from schemas import (
+    Event,
+    JobAdmitted,
+    JobCancelled,
+    JobCancelRequested,
+    JobCheckpointed,
+    JobFailed,
+    JobPreempted,
+    JobRejected,
+    JobRetryScheduled,
+    JobScheduled,
+    JobStarted,
+    JobSubmitted,
+    JobSucceeded,
+    NotificationKind,
+    NotifySpec,
+    PreemptionRequested,
+    QuotaPendingReasonChanged,
+    ReclaimRequested,
+    SchedulingPendingReasonChanged,
+)
+from schemas.envelope import derive_event_id
+from schemas.registry import SUBJECT_PREFIX, subject_suffix
+from schemas.tenant import JobNotification
+
+K = NotificationKind
+KINDS: dict[type[Event], NotificationKind] = {
+    JobSubmitted: K.SUBMITTED, JobAdmitted: K.ADMITTED, JobRejected: K.REJECTED,
+    QuotaPendingReasonChanged: K.WAITING, SchedulingPendingReasonChanged: K.WAITING,
+    JobScheduled: K.SCHEDULED, JobStarted: K.STARTED, JobCheckpointed: K.CHECKPOINTED,
+    PreemptionRequested: K.PREEMPTION_NOTICE, ReclaimRequested: K.PREEMPTION_NOTICE,
+    JobPreempted: K.PREEMPTED, JobRetryScheduled: K.RETRY_SCHEDULED, JobSucceeded: K.SUCCEEDED,
+    JobFailed: K.FAILED, JobCancelRequested: K.CANCEL_REQUESTED, JobCancelled: K.CANCELLED,
+}
+"""The job events a team is told about; the others (quota held and released) are only copied."""
+
+
+def team_of(event: Event) -> str | None:
+    """The team an event itself names (a submission, or a rejection of a command); None: look
+    the job's JobSubmitted up."""
+    if isinstance(event, JobSubmitted):
+        return event.spec.team
+    if isinstance(event, JobRejected):
+        return event.team
+    return None
+
+
+def copy_subject(team: str, event: Event) -> str:
+    return f"{SUBJECT_PREFIX}.tenant.{team}.job.{event.aggregate_id}.{subject_suffix(event.type)}"
+
+
+def notify_subject(n: JobNotification) -> str:
+    return f"{SUBJECT_PREFIX}.tenant.{n.team}.notify.{n.job_id}.{n.kind.value}"
+
+
+def delivery_subject(team: str, job_id: str) -> str:
+    return f"{SUBJECT_PREFIX}.tenant.{team}.delivery.{job_id}"
+
+
+def notification(event: Event, team: str) -> JobNotification | None:
+    """The notification ``event`` makes for its job's ``team``, or None."""
+    kind = KINDS.get(type(event))
+    if kind is None:
+        return None
+    details = _details(event)
+    return JobNotification(
+        notification_id=derive_event_id("JobNotification", event.event_id, kind.value), kind=kind, team=team,
+        job_id=event.aggregate_id, attempt=getattr(event, "attempt", None), occurred_at=event.occurred_at,
+        event_id=event.event_id, event_type=event.type, **details,
+    )
+
+
+def _details(e: Event) -> dict:
+    """The summary line and the fields of the kind."""
+    match e:
+        case JobSubmitted():
+            return {"summary": f"submitted by {e.submitter}" + (f" for {e.on_behalf_of}" if e.on_behalf_of else "")
+                    + f" to queue {e.spec.queue}: {e.spec.gpus} GPU(s) × {e.spec.gang_size}"}
+        case JobAdmitted():
+            return {"summary": f"admitted to queue {e.queue} at priority {e.priority}"
+                    + ("" if e.preemptible else " (not preemptible)")}
+        case JobRejected():
+            return {"summary": f"rejected ({e.reason.value}): {e.message}", "reason": e.reason.value, "field": e.field}
+        case QuotaPendingReasonChanged() | SchedulingPendingReasonChanged():
+            return {"summary": f"waiting ({e.reason.value}): {e.message}", "reason": e.reason.value}
+        case JobScheduled():
+            nodes = ", ".join(p.node for p in e.placement)
+            return {"summary": f"attempt {e.attempt} placed on {nodes} ({e.flavor})"}
+        case JobStarted():
+            return {"summary": f"attempt {e.attempt} started on {', '.join(e.nodes)}"}
+        case JobCheckpointed():
+            return {"summary": f"attempt {e.attempt} checkpointed at {e.checkpointed_at.isoformat()}"
+                    + (f", step {e.step}" if e.step is not None else "")}
+        case PreemptionRequested() | ReclaimRequested():
+            deadline = e.occurred_at + timedelta(seconds=e.grace_seconds)
+            why = ("a higher-priority job needs its GPUs" if isinstance(e, PreemptionRequested)
+                   else f"its queue's quota is reclaimed ({e.kind})")
+            return {"summary": f"attempt {e.attempt} will be preempted for {e.for_job}: {why}; checkpoint before "
+                               f"{deadline.isoformat()} ({e.grace_seconds:g} s); it is requeued after. {e.message}",
+                    "deadline": deadline, "grace_seconds": e.grace_seconds, "by_job": e.for_job}
+        case JobPreempted():
+            return {"summary": f"attempt {e.attempt} was preempted by {e.preempted_by}: {e.reason}",
+                    "reason": "preempted", "by_job": e.preempted_by}
+        case JobRetryScheduled():
+            return {"summary": f"attempt {e.failed_attempt} ended; attempt {e.next_attempt} queued, not before "
+                               f"{e.not_before.isoformat()}", "next_attempt": e.next_attempt, "not_before": e.not_before}
+        case JobSucceeded():
+            return {"summary": f"attempt {e.attempt} succeeded after {(e.occurred_at - e.started_at).total_seconds():.0f} s"}
+        case JobFailed():
+            return {"summary": f"attempt {e.attempt} failed ({e.reason.value}, exit code {e.exit_code}): {e.message}"
+                               + ("; retryable" if e.retryable else ""),
+                    "reason": e.reason.value, "exit_code": e.exit_code, "retryable": e.retryable}
+        case JobCancelRequested():
+            who = e.requested_by + (f" for {e.on_behalf_of}" if e.on_behalf_of else "")
+            return {"summary": f"cancel requested by {who}" + (f": {e.reason}" if e.reason else "")}
+        case JobCancelled():
+            return {"summary": "cancelled" + (f": {e.reason}" if e.reason else ""), "reason": "cancelled"}
+    raise AssertionError(f"no details for {e.type}")
+
+
+def webhooks_for(kind: NotificationKind, *specs: NotifySpec | None) -> list[str]:
+    """The URLs a notification of ``kind`` goes to: every webhook of the given specs (the team's,
+    the job's) that wants it, each URL once, in order."""
+    urls: list[str] = []
+    for spec in specs:
+        for hook in spec.webhooks if spec is not None else ():
+            if hook.wants(kind) and hook.url not in urls:
+                urls.append(hook.url)
+    return urls
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """The ``Gpusched-Signature`` header: ``t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>." + body)>``.
+    A receiver recomputes it and compares in constant time; the timestamp bounds replays."""
+    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={timestamp},v1={mac}"
+
+
+def backoff_s(failures: int, first_s: float = 0.5, cap_s: float = 30.0) -> float:
+    """Seconds before the next try after ``failures`` failed ones: 0.5, 1, 2, 4, ... at most 30."""
+    return min(cap_s, first_s * 2 ** max(0, failures - 1))

@@ -1,0 +1,187 @@
+"""The notifier against a real nats-server and real HTTP receivers (started here): a team reads
+its own jobs' events and notifications with its own credential, and nothing of another team's;
+webhooks are signed, retried with backoff, dead-lettered after the last try, logged, and in order
+per job; the preemption notice arrives before its grace deadline; a restart duplicates nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import nats
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from conftest import connect_as, eventually, running, service_settings
+from runtime import eventlog
+from schemas import NotifySpec, TeamConfigured, Webhook, new_event
+from schemas.tenant import JobNotification, NotificationDelivery
+from services.notifier.__main__ import Notifier, NotifierSettings
+from tests.unit.builders import admitted, preemption_requested, spec, started, submitted, succeeded
+
+SECRET = "a-secret-of-some-length"
+
+
+class Receiver:
+    """A real HTTP server: answers each POST with the next status of ``statuses`` (then 204) and
+    keeps (wall time, headers, body)."""
+
+    def __init__(self, statuses: list[int] | None = None) -> None:
+        self.statuses, self.got = list(statuses or []), []
+        receiver = self
+
+        class Hook(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.got.append((time.time(), dict(self.headers), body))
+                self.send_response(receiver.statuses.pop(0) if receiver.statuses else 204)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+
+    def bodies(self) -> list[dict]:
+        return [json.loads(body) for _, _, body in self.got]
+
+
+@pytest.fixture
+def receivers():
+    made: list[Receiver] = []
+    yield lambda statuses=None: made.append(Receiver(statuses)) or made[-1]
+    for r in made:
+        r.server.shutdown()
+
+
+def notifier(nats_server, **options) -> Notifier:
+    return Notifier(service_settings(nats_server, "notifier"),
+                    NotifierSettings(secrets={"team-a": SECRET}, backoff_cap_s=0.2, **options))
+
+
+async def read_tenant(nats_server, team: str, subjects: str) -> list:
+    """Everything on ``subjects`` of ``team``'s tenant stream, read with the team's own credential."""
+    nc = await connect_as(nats_server, team)
+    js = nc.jetstream()
+    stream = eventlog.tenant_stream(team)
+    info = await js.stream_info(stream)
+    if info.state.messages == 0:
+        await nc.close()
+        return []
+    sub = await js.pull_subscribe(subjects, stream=stream, config=ConsumerConfig(
+        deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, inactive_threshold=5))
+    out = []
+    try:
+        while True:
+            out += await sub.fetch(100, timeout=0.5)
+    except nats.errors.TimeoutError:
+        pass
+    await nc.close()
+    return out
+
+
+async def test_a_team_reads_its_jobs_and_nothing_of_another_teams(nats_server, admin_js):
+    log = eventlog.EventLog(admin_js)
+    for job_id, team in (("a1", "team-a"), ("b1", "team-b")):  # as services append: with expected sequences
+        seq = await log.append(submitted(job_id, spec(team=team)), expected_last_seq=0)
+        seq = await log.append(admitted(job_id), expected_last_seq=seq)
+        await log.append(started(job_id), expected_last_seq=seq)
+    async with running(notifier(nats_server)):
+        def copies(team):
+            return read_tenant(nats_server, team, f"gpusched.tenant.{team}.job.>")
+        a = await eventually(lambda: _at_least(copies("team-a"), 3))
+        b = await eventually(lambda: _at_least(copies("team-b"), 3))
+    assert [m.subject for m in a] == ["gpusched.tenant.team-a.job.a1.submitted", "gpusched.tenant.team-a.job.a1.admitted",
+                                      "gpusched.tenant.team-a.job.a1.started"]
+    assert all(b"b1" not in m.data for m in a) and all(b"a1" not in m.data for m in b)
+    notes = [JobNotification.model_validate_json(m.data)
+             for m in await read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.notify.>")]
+    assert [(n.job_id, n.kind.value) for n in notes] == [("a1", "submitted"), ("a1", "admitted"), ("a1", "started")]
+    # team-b's credential may not look at team-a's stream at all
+    other = await connect_as(nats_server, "team-b", error_cb=_quiet)
+    with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+        await other.jetstream(timeout=1).stream_info(eventlog.tenant_stream("team-a"))
+    await other.close()
+
+
+async def _at_least(read, n: int):
+    got = await read
+    return got if len(got) >= n else None
+
+
+async def _quiet(err: Exception) -> None:
+    """Permission violations this test provokes."""
+
+
+async def test_webhooks_are_signed_retried_logged_and_in_order(nats_server, admin_js, receivers):
+    flaky, dead = receivers([500, 503]), receivers([500] * 10)
+    log = eventlog.EventLog(admin_js)
+    await log.append(new_event(TeamConfigured, aggregate_id="team-a", producer="config", occurred_at=datetime.now(UTC),
+                               key="1", name="team-a", notify=NotifySpec(webhooks=(Webhook(url=flaky.url),))))
+    job_hooks = NotifySpec(webhooks=(Webhook(url=dead.url, kinds=("succeeded",)),))
+    await log.append(submitted("w1", spec(team="team-a", notify=job_hooks)))
+    await log.append(admitted("w1"))
+    await log.append(started("w1"))
+    await log.append(succeeded("w1"))
+    async with running(notifier(nats_server, max_attempts=3)):
+        await eventually(lambda: len(flaky.got) >= 6 and len(dead.got) >= 3, timeout_s=30)
+        deliveries = await eventually(lambda: _at_least(
+            read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.delivery.>"), 9), timeout_s=15)
+    # in order per job, each once delivered; the first one after two failures
+    assert [b["kind"] for b in flaky.bodies()] == ["submitted"] * 3 + ["admitted", "started", "succeeded"]
+    for _, headers, body in flaky.got:
+        stamp, signature = (part.split("=", 1)[1] for part in headers["Gpusched-Signature"].split(","))
+        assert hmac.compare_digest(signature, hmac.new(SECRET.encode(), f"{stamp}.".encode() + body,
+                                                       hashlib.sha256).hexdigest())
+        assert abs(int(stamp) - time.time()) < 60
+    records = [NotificationDelivery.model_validate_json(m.data) for m in deliveries]
+    by_url = {url: [(r.kind.value, r.outcome, r.attempt, r.status_code) for r in records if r.url == url]
+              for url in (flaky.url, dead.url)}
+    assert by_url[flaky.url][:3] == [("submitted", "failed-attempt", 1, 500), ("submitted", "failed-attempt", 2, 503),
+                                     ("submitted", "delivered", 3, 204)]
+    assert by_url[dead.url] == [("succeeded", "failed-attempt", 1, 500), ("succeeded", "failed-attempt", 2, 500),
+                                ("succeeded", "dead-lettered", 3, 500)]
+    dlq = [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
+    assert [m.subject for m in dlq] == ["gpusched.deadletter.notifier.webhook"]
+    assert "HTTP 500 after 3 tries" in dlq[0].headers["Gpusched-Reason"]
+
+
+async def test_the_preemption_notice_reaches_the_webhook_before_the_grace_deadline(nats_server, admin_js, receivers):
+    hook = receivers()
+    log = eventlog.EventLog(admin_js)
+    now = datetime.now(UTC)
+    await log.append(new_event(TeamConfigured, aggregate_id="team-a", producer="config", occurred_at=now, key="1",
+                               name="team-a", notify=NotifySpec(webhooks=(Webhook(url=hook.url,
+                                                                                  kinds=("preemption-notice",)),))))
+    async with running(notifier(nats_server)):
+        await log.append(submitted("p1", spec(team="team-a"), when=now))
+        await log.append(preemption_requested("p1", "urgent", grace_seconds=30, when=datetime.now(UTC)))
+        await eventually(lambda: hook.got, timeout_s=15)
+    at, _, body = hook.got[0]
+    notice = json.loads(body)
+    assert (notice["kind"], notice["by_job"], notice["grace_seconds"]) == ("preemption-notice", "urgent", 30.0)
+    deadline = datetime.fromisoformat(notice["deadline"])
+    assert deadline - datetime.fromisoformat(notice["occurred_at"]) == timedelta(seconds=30)
+    assert at < deadline.timestamp()
+
+
+async def test_a_restart_copies_nothing_twice_and_loses_nothing(nats_server, admin_js):
+    log = eventlog.EventLog(admin_js)
+    await log.append(submitted("r1", spec(team="team-a")))
+    async with running(notifier(nats_server)):
+        await eventually(lambda: _at_least(read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.job.>"), 1))
+    await log.append(admitted("r1"))  # while it is down
+    async with running(notifier(nats_server)):
+        await log.append(started("r1"))
+        copies = await eventually(lambda: _at_least(
+            read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.job.>"), 3))
+        await asyncio.sleep(1)
+    assert [m.subject.rsplit(".", 1)[1] for m in copies] == ["submitted", "admitted", "started"]
+    assert len(await read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.>")) == 6  # 3 copies, 3 notifications

@@ -1,0 +1,85 @@
+"""The notifier's pure core: which notification each event makes, where it goes, the signature."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from datetime import timedelta
+
+import pytest
+
+from schemas import ALL_EVENT_TYPES, FailureReason, JobRejected, NotificationKind, NotifySpec, RejectReason, Webhook
+from schemas.envelope import new_event
+from services.notifier import core
+from tests.unit.builders import (T0, admitted, cancel_requested, checkpointed, failed, node, preempted,
+                                 preemption_requested, reclaim_requested, retry_scheduled, scheduled, spec, started,
+                                 submitted, succeeded)
+
+K = NotificationKind
+
+
+@pytest.mark.parametrize("event, kind, fields", [
+    (submitted("j1", spec(team="team-a")), K.SUBMITTED, {}),
+    (admitted("j1"), K.ADMITTED, {}),
+    (scheduled("j1"), K.SCHEDULED, {"attempt": 1}),
+    (started("j1", ("n1", "n2")), K.STARTED, {"attempt": 1}),
+    (checkpointed("j1", at_=T0, step=7), K.CHECKPOINTED, {"attempt": 1}),
+    (preemption_requested("j1", "urgent", grace_seconds=30), K.PREEMPTION_NOTICE,
+     {"by_job": "urgent", "grace_seconds": 30.0, "deadline": T0 + timedelta(seconds=30)}),
+    (reclaim_requested("j1", "owner"), K.PREEMPTION_NOTICE, {"by_job": "owner"}),
+    (preempted("j1", by="urgent"), K.PREEMPTED, {"by_job": "urgent", "reason": "preempted"}),
+    (retry_scheduled("j1", 1, not_before=T0), K.RETRY_SCHEDULED, {"next_attempt": 2, "not_before": T0}),
+    (succeeded("j1"), K.SUCCEEDED, {}),
+    (failed("j1", FailureReason.OOM_KILLED, exit_code=137), K.FAILED,
+     {"reason": "oom-killed", "exit_code": 137, "retryable": False}),
+    (cancel_requested("j1", by="team-a"), K.CANCEL_REQUESTED, {}),
+])
+def test_each_job_event_a_team_cares_about_makes_one_notification(event, kind, fields):
+    n = core.notification(event, "team-a")
+    assert (n.kind, n.team, n.job_id, n.event_id, n.event_type) == (kind, "team-a", "j1", event.event_id, event.type)
+    assert {k: getattr(n, k) for k in fields} == fields
+    assert n.summary
+    assert core.notify_subject(n) == f"gpusched.tenant.team-a.notify.j1.{kind.value}"
+    assert core.notification(event, "team-a").notification_id == n.notification_id  # deterministic
+
+
+def test_the_preemption_notice_names_the_deadline_to_checkpoint_before():
+    n = core.notification(preemption_requested("j1", "urgent", grace_seconds=120), "team-a")
+    assert "checkpoint before 2026" in n.summary and "(120 s)" in n.summary
+
+
+def test_every_job_event_type_is_copied_and_the_ones_without_a_notification_are_known():
+    job_types = {t for t in ALL_EVENT_TYPES if t.aggregate == "job"}
+    assert set(core.KINDS) <= job_types
+    assert {t.__name__ for t in job_types - set(core.KINDS)} == {"QuotaReserved", "QuotaReleased"}
+    assert core.notification(node("n1"), "team-a") is None
+
+
+def test_a_rejection_names_its_team_and_field():
+    rejected = new_event(JobRejected, aggregate_id="rejected-9", producer="admission", occurred_at=T0, key="9",
+                         reason=RejectReason.SCHEMA_INVALID, message="spec.gpus: bad", field="spec.gpus",
+                         intake_sequence=9, team="team-b")
+    assert core.team_of(rejected) == "team-b"
+    n = core.notification(rejected, "team-b")
+    assert (n.kind, n.reason, n.field) == (K.REJECTED, "schema-invalid", "spec.gpus")
+    assert core.copy_subject("team-b", rejected) == "gpusched.tenant.team-b.job.rejected-9.rejected"
+
+
+def test_webhooks_are_the_teams_and_the_jobs_that_want_the_kind_each_once():
+    team = NotifySpec(webhooks=(Webhook(url="https://a.example/"),
+                                Webhook(url="https://b.example/", kinds=(K.FAILED,))))
+    job = NotifySpec(webhooks=(Webhook(url="https://a.example/"), Webhook(url="https://c.example/x")))
+    assert core.webhooks_for(K.STARTED, team, job) == ["https://a.example/", "https://c.example/x"]
+    assert core.webhooks_for(K.FAILED, team, None) == ["https://a.example/", "https://b.example/"]
+    assert core.webhooks_for(K.FAILED, None, None) == []
+
+
+def test_signature_is_hmac_sha256_of_timestamp_dot_body():
+    body = b'{"kind":"failed"}'
+    expected = hmac.new(b"s3cret-s3cret-s3cret", b"1700000000." + body, hashlib.sha256).hexdigest()
+    assert core.sign("s3cret-s3cret-s3cret", 1700000000, body) == f"t=1700000000,v1={expected}"
+
+
+def test_backoff_doubles_up_to_the_cap():
+    assert [core.backoff_s(n) for n in range(1, 9)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
+    assert core.backoff_s(3, cap_s=1.5) == 1.5
