@@ -306,7 +306,7 @@ def test_committed_json_schemas_match_the_models():
     assert sorted(files) == sorted(committed)
     for name, text in files.items():
         assert committed[name] == text, f"schemas/json/{name} is stale; run `make schemas`"
-    assert len(files) == len(ALL_EVENT_TYPES) + 3  # + SubmitJob, CancelJob, ReportCheckpoint
+    assert len(files) == len(ALL_EVENT_TYPES) + 5  # + SubmitJob, CancelJob, ReportCheckpoint; JobNotification, NotificationDelivery
 
 
 def test_export_check_exits_zero():
