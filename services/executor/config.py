@@ -27,7 +27,7 @@ class ExecutorConfig:
 
     @classmethod
     def from_env(cls) -> "ExecutorConfig":
-        ns = env_value("GPUSCHED_K8S_NAMESPACE", "gpusched") or "gpusched"
+        ns = env_value("GPUSCHED_K8S_NAMESPACE", "gpusched-workloads") or "gpusched-workloads"
         if not _NS.match(ns.replace("{team}", "team")):
             raise ConfigError(f"GPUSCHED_K8S_NAMESPACE={ns!r} is not a namespace name; accepted: a DNS label "
                               "(lower-case letters, digits, '-'), optionally with {team}, e.g. 'gpu-{team}'")

@@ -47,7 +47,7 @@ _ANNOTATION_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0
 class JobOptions:
     """Cluster-specific choices (from the environment, see services.executor.config)."""
 
-    namespace: str = "gpusched"  # may hold "{team}": a namespace per team
+    namespace: str = "gpusched-workloads"  # not the platform's own (its Secrets); may hold "{team}"
     checkpoint_root: str = "/checkpoints"
     ttl_after_finished_s: int = 3600  # finished Jobs (and their logs) are kept this long
     default_grace_s: int = 30

@@ -15,7 +15,7 @@ from schemas.node import NodeInfo
 from tests.executor.harness import Backend
 
 K8S = os.environ.get("GPUSCHED_K8S_TESTS") == "1"
-from tests.executor.controlplane.cluster import EXECUTOR_SA, NAMESPACE
+from tests.executor.controlplane.cluster import EXECUTOR_SA, NAMESPACE, PLATFORM_NAMESPACE
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +38,7 @@ def executor_token(control_plane) -> str:
 
     core = client.CoreV1Api(control_plane.api_client())
     tr = core.create_namespaced_service_account_token(
-        EXECUTOR_SA, NAMESPACE, {"spec": {"audiences": [], "expirationSeconds": 7200}})
+        EXECUTOR_SA, PLATFORM_NAMESPACE, {"spec": {"audiences": [], "expirationSeconds": 7200}})
     return tr.status.token
 
 

@@ -12,7 +12,7 @@ def test_defaults(monkeypatch):
     for k in ("GPUSCHED_K8S_NAMESPACE", "GPUSCHED_EXECUTOR_SYNC_S", "GPUSCHED_LOCAL_NODE"):
         monkeypatch.delenv(k, raising=False)
     c = ExecutorConfig.from_env()
-    assert (c.sync_s, c.k8s.namespace, c.k8s.ttl_after_finished_s, c.k8s_resync_s) == (1.0, "gpusched", 3600, 300.0)
+    assert (c.sync_s, c.k8s.namespace, c.k8s.ttl_after_finished_s, c.k8s_resync_s) == (1.0, "gpusched-workloads", 3600, 300.0)
 
 
 def test_namespace_per_team(monkeypatch):

@@ -25,9 +25,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE_DIR = REPO_ROOT / "k8s" / "base"
 KUBECTL = Path(sys.executable).parent / "kubectl"
 NAMESPACE = "gpusched"
+WORKLOADS = "gpusched-workloads"
+"""The teams' Jobs run here, away from the platform's Secrets (in NAMESPACE)."""
 
-SERVICES = ("admission", "quota", "scheduler", "executor", "accounting")
-SINGLE_ACTIVE = {"quota", "scheduler", "executor", "accounting"}
+SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifier")
+SINGLE_ACTIVE = {"quota", "scheduler", "executor", "accounting", "notifier"}
+IN_WORKLOADS = {("ServiceAccount", "default"), ("Role", "gpusched-executor"), ("RoleBinding", "gpusched-executor")}
 
 # (apiGroup, resource, verb) triples the executor may use, and nothing more.
 EXECUTOR_ROLE_GRANTS = {
@@ -109,11 +112,25 @@ def test_everything_is_labelled_and_namespaced(docs: list[dict]) -> None:
         meta = doc["metadata"]
         assert meta["labels"]["app.kubernetes.io/part-of"] == "gpusched", meta["name"]
         if doc["kind"] not in cluster_scoped:
-            assert meta.get("namespace") == NAMESPACE, f"{doc['kind']}/{meta['name']}"
-    assert set(_by_kind(docs, "Namespace")) == {NAMESPACE}
+            expected = WORKLOADS if (doc["kind"], meta["name"]) in IN_WORKLOADS else NAMESPACE
+            assert meta.get("namespace") == expected, f"{doc['kind']}/{meta['name']}"
+    assert set(_by_kind(docs, "Namespace")) == {NAMESPACE, WORKLOADS}
 
 
-def test_five_deployments_running_their_service(docs: list[dict]) -> None:
+def test_the_teams_jobs_run_where_no_platform_secret_is(docs: list[dict]) -> None:
+    """The executor creates Jobs in the workloads namespace; nothing there may mount a token, and
+    no binding gives anything in it a right (tests/executor/test_rbac.py proves it on an apiserver)."""
+    executor = _by_kind(docs, "Deployment")["gpusched-executor"]
+    (container,) = executor["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["GPUSCHED_K8S_NAMESPACE"] == WORKLOADS
+    default = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "default"]
+    assert [d["automountServiceAccountToken"] for d in default] == [False]
+    for binding in _by_kind(docs, "RoleBinding").values():
+        assert all(s["namespace"] == NAMESPACE for s in binding["subjects"])
+
+
+def test_a_deployment_per_service_running_it(docs: list[dict]) -> None:
     deployments = _by_kind(docs, "Deployment")
     assert set(deployments) == {f"gpusched-{s}" for s in SERVICES}
     for svc in SERVICES:
@@ -177,7 +194,7 @@ def test_containers_are_locked_down(docs: list[dict]) -> None:
 
 def test_only_executor_gets_a_token(docs: list[dict]) -> None:
     accounts = _by_kind(docs, "ServiceAccount")
-    assert set(accounts) == {f"gpusched-{s}" for s in SERVICES}
+    assert set(accounts) == {f"gpusched-{s}" for s in SERVICES} | {"default"}
     for name, sa in accounts.items():
         expected = name == "gpusched-executor"
         assert sa.get("automountServiceAccountToken") is expected, name
@@ -196,7 +213,7 @@ def test_executor_rbac_is_minimal(docs: list[dict]) -> None:
     assert set(cluster_roles) == {"gpusched-executor-nodes"}
 
     role = roles["gpusched-executor"]
-    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["metadata"]["namespace"] == WORKLOADS
     assert _grants(role["rules"]) == EXECUTOR_ROLE_GRANTS
 
     cluster_role = cluster_roles["gpusched-executor-nodes"]

@@ -22,7 +22,10 @@ from pathlib import Path
 HERE = Path(__file__).parent
 STAGES = HERE.parent / "kwok-pod-stages.yaml"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
-NAMESPACE = "gpusched"
+PLATFORM_NAMESPACE = "gpusched"
+"""The services' namespace: the executor's ServiceAccount and the platform's Secrets."""
+NAMESPACE = "gpusched-workloads"
+"""Where the executor creates the teams' Jobs (k8s/base/namespace.yaml)."""
 EXECUTOR_SA = "gpusched-executor"
 REPO = HERE.parents[2]
 
@@ -271,32 +274,32 @@ def gpu_node(name: str, *, gpus: int = 8, product: str = "NVIDIA-A100-SXM4-80GB"
 
 
 def prepare(plane) -> None:
-    """The gpusched namespace, the executor's ServiceAccount and RBAC exactly as in k8s/base, two
-    fake GPU nodes."""
+    """The two namespaces, the executor's ServiceAccount and RBAC exactly as in k8s/base (each
+    object in the namespace its file names), a Secret in each namespace for the RBAC tests to
+    try, and two fake GPU nodes."""
     import yaml
     from kubernetes import client, utils
 
     api = plane.api_client()
     core = client.CoreV1Api(api)
-    try:
-        core.create_namespace({"metadata": {"name": NAMESPACE}})
-    except client.exceptions.ApiException as err:
-        if err.status != 409:
-            raise
-    for name in ("serviceaccounts.yaml", "executor-rbac.yaml"):
+    for name in ("namespace.yaml", "serviceaccounts.yaml", "executor-rbac.yaml"):
         for doc in yaml.safe_load_all((REPO / "k8s/base" / name).read_text()):
             if not doc:
                 continue
-            if doc["kind"] == "ServiceAccount" and doc["metadata"]["name"] != EXECUTOR_SA:
+            if doc["kind"] == "ServiceAccount" and doc["metadata"]["name"] not in (EXECUTOR_SA, "default"):
                 continue
-            doc.setdefault("metadata", {})
-            if doc["kind"] in ("ServiceAccount", "Role", "RoleBinding"):
-                doc["metadata"]["namespace"] = NAMESPACE
             try:
                 utils.create_from_dict(api, doc)
             except utils.FailToCreateError as err:
                 if not all(getattr(e, "status", None) == 409 for e in err.api_exceptions):
                     raise
+    for namespace in (PLATFORM_NAMESPACE, NAMESPACE):
+        try:
+            core.create_namespaced_secret(namespace, {"metadata": {"name": "gpusched-nats-executor"},
+                                                      "stringData": {"GPUSCHED_NATS_PASSWORD": "not-for-jobs"}})
+        except client.exceptions.ApiException as err:
+            if err.status != 409:
+                raise
     ensure_nodes(plane)
 
 
