@@ -486,7 +486,7 @@ def dev_up(
     demo_jobs: int = typer.Option(60, help="Jobs in the demo workload"),
     duration: float = typer.Option(0, help="Stop after this many seconds (0: run until Ctrl-C)"),
 ) -> None:
-    """Run NATS, Postgres and the five services locally, with an optional demo workload."""
+    """Run NATS, Postgres and the services locally, with an optional demo workload."""
     from gpusched.devrun import run_dev
 
     sys.exit(run_dev(data_dir=data_dir, time_scale=time_scale, demo=demo, demo_jobs=demo_jobs, duration=duration))
