@@ -86,7 +86,7 @@ def _nul(rng, doc, team):
 
 
 def _surrogate(rng, doc, team):
-    return "submit", _dumps(doc).replace(b'-fuzz"', b'-fuzz\\ud800"')
+    return "submit", _dumps(doc).replace(b'"img"', b'"img\\ud800"')
 
 
 def _bom(rng, doc, team):

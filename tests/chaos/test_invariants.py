@@ -157,3 +157,29 @@ def test_the_fuzzer_makes_every_kind():
 def test_a_malformed_command_is_described_by_its_start():
     m = fuzz.Malformed("oversized", "team-a", "submit", b'{"x": "' + b"y" * 1000 + b'"}')
     assert m.describe(limit=10) == "oversized, 1009 bytes on .submit: b'{\"x\": \"yyy'"
+
+
+def test_every_malformed_command_is_refused_by_admissions_core():
+    """What the chaos run's fuzzer sends must be refused (a rejection or a dead letter), or its
+    check ("malformed commands answered") fails minutes into the run; found here in milliseconds."""
+    from datetime import UTC, datetime
+
+    from schemas import JobRejected
+    from schemas.commands import intake_principal
+    from services.admission.domain import AdmissionCore, PoisonCommand
+
+    rng = random.Random(11)
+    for i in range(len(fuzz.MAKERS) * 20):
+        m = fuzz.malformed(rng, i)
+        if m.kind == "oversized":
+            continue  # the stream refuses some at publish; the rest are checked by size in the core
+        try:
+            sender = intake_principal(f"gpusched.intake.{m.team}.{m.verb}")
+            handle = {"submit": AdmissionCore().handle_submit, "cancel": AdmissionCore().handle_cancel,
+                      "checkpoint": AdmissionCore().handle_checkpoint}[sender.verb]
+            args = (m.payload, sender, 1, datetime.now(UTC)) if sender.verb != "cancel" else \
+                (m.payload, sender, datetime.now(UTC))
+            out = handle(*args)
+        except (PoisonCommand, ValueError):
+            continue
+        assert out and all(isinstance(e, JobRejected) for e in out), m.describe()
