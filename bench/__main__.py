@@ -28,6 +28,8 @@ from schemas.queue import FlavorQuota, QueueConfigured
 
 PAYLOAD = b"x" * 700  # about the size of a lifecycle event
 CLUSTER = "groups:\n  - {prefix: n, count: 64, gpu_flavor: a100, gpu_count: 8, gpu_memory_mib: 40960}\n"
+TEAMS = ("team-a",)
+"""The benchmark's one team; its tenant stream is provisioned, so the notifier does its full work."""
 
 
 def pct(values: list[float], p: float) -> float:
@@ -137,12 +139,12 @@ async def _phase(admin_js, ojs, prefix: str, n: int, rate: float | None) -> dict
 
 async def main(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="gpusched-bench-"))
-    server = devstack.NatsServer(work / "nats", teams=("team-a",)).start()
+    server = devstack.NatsServer(work / "nats", teams=TEAMS).start()
     pg = devstack.Postgres(work / "pg").start()
     try:
         nc = await nats.connect(server.url(), user="admin", password=server.creds.users["admin"])
         js = nc.jetstream()
-        await eventlog.provision(js)
+        await eventlog.provision(js, teams=TEAMS)
         # the raw ceiling, in the same run, on the same server: a scratch stream
         from nats.js.api import StorageType, StreamConfig
         await js.add_stream(StreamConfig(name="RAW", subjects=["raw.>"], storage=StorageType.FILE, duplicate_window=120))
@@ -152,9 +154,10 @@ async def main(args) -> dict:
             # Each run on new streams (their consumers and duplicate windows go with them). Never
             # purge a live log: the services' deterministic ids would be de-duplicated against
             # events that are no longer there.
-            for stream in (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM):
+            for stream in (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM,
+                           *map(eventlog.tenant_stream, TEAMS)):
                 await js.delete_stream(stream)
-            await eventlog.provision(js)
+            await eventlog.provision(js, teams=TEAMS)  # the notifier copies the team's events: its real work
             runs.append(await e2e(server, pg, js, args.jobs, work / f"run{r}"))
         consume = [await raw_consume(js, 0) for _ in range(args.repeats)]
         await nc.close()
