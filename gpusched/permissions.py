@@ -117,7 +117,8 @@ def tenant_permissions(team: str, user: str | None = None) -> dict:
     ]
     perms = _perms(who, publish, subscribe=(tenant_subjects(team),))
     # The notifier's durable on the team's stream is the platform's: the team may not touch it.
-    perms["publish"]["deny"] = [*consumer_api(stream, NOTIFIER_TENANT_DURABLE)]
+    perms["publish"]["deny"] = [*consumer_api(stream, NOTIFIER_TENANT_DURABLE),
+                                f"{API}.CONSUMER.DURABLE.CREATE.{stream}.{NOTIFIER_TENANT_DURABLE}"]
     return perms
 
 

@@ -73,6 +73,7 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                 f"$JS.API.CONSUMER.CREATE.{theirs}", f"$JS.API.CONSUMER.CREATE.{theirs}.spy",
                 f"$JS.API.CONSUMER.LIST.{theirs}", f"$JS.API.CONSUMER.CREATE.{EV}.spy",
                 f"$JS.API.CONSUMER.MSG.NEXT.{mine}.notifier", f"$JS.ACK.{mine}.notifier.1.2.3.4.0",
+                f"$JS.API.CONSUMER.DURABLE.CREATE.{mine}.notifier", f"$JS.API.CONSUMER.CREATE.{mine}.notifier.x",
             ) + sub(f"gpusched.tenant.{other}.>", "gpusched.job.>", f"_INBOX.{team}x.>"),
         ),
         "quota": (
