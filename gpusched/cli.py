@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.text import Text
 from rich.table import Table
 
-from gpusched import accounting_cli, commands, history, pricebook, queueconfig, quota_usage, userinput
+from gpusched import accounting_cli, commands, history, permissions, pricebook, queueconfig, quota_usage, userinput
 from gpusched.connection import Connection
 from gpusched.userinput import UserError
 from runtime import eventlog, observability
@@ -127,9 +127,10 @@ def answered(answer: commands.Answer) -> dict[str, Any]:
 def init(team: list[str] = typer.Option([], "--team", help="Also provision this team's tenant stream (repeat)")) -> None:
     """Create or update the JetStream streams, and each named team's tenant stream (needs the
     admin user). Streams deny message delete and purge; that cannot be undone."""
-    bad = [t for t in team if not re.fullmatch(NAME_PATTERN, t)]
+    bad = [t for t in team if not re.fullmatch(NAME_PATTERN, t) or t in permissions.RESERVED]
     if bad:
-        raise UserError(f"--team {bad[0]!r} is not a team name; accepted: a DNS label ({NAME_PATTERN})")
+        raise UserError(f"--team {bad[0]!r} is not a team name; accepted: a DNS label ({NAME_PATTERN}) other than "
+                        f"{', '.join(sorted(permissions.RESERVED))}")
 
     async def go():
         nc = await Connection.resolve().nats()

@@ -100,10 +100,18 @@ def service_permissions(service: str) -> dict:
     return _perms(service, sorted(set(publish)))
 
 
+RESERVED = frozenset({"admin", OPERATOR, *SERVICES})
+"""Credential names that are not teams: a team may not be called so (it would share the inbox and
+the permissions of that credential)."""
+
+
 def tenant_permissions(team: str, user: str | None = None) -> dict:
-    """A team's credential (``user`` None) or one of its users': its own intake subjects, and
-    consumers of any name on its team's tenant stream (but the notifier's)."""
-    who = user or team
+    """A team's credential (``user`` None) or one of its users' (``<team>.<user>``): its own
+    intake subjects, and consumers of any name on its team's tenant stream (but the notifier's).
+    ValueError for a reserved team name."""
+    if team in RESERVED:
+        raise ValueError(f"{team!r} is not a team name: {', '.join(sorted(RESERVED))} are the platform's credentials")
+    who = f"{team}.{user}" if user else team  # the credential's name: its inbox is _INBOX.<team>_<user>
     intake = (f"{P}.intake.{team}.{{verb}}" if user is None else f"{P}.intake.{team}.user.{user}.{{verb}}")
     stream = tenant_stream(team)
     publish = [intake.format(verb=verb) for verb in INTAKE_VERBS]
