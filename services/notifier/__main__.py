@@ -28,9 +28,7 @@ import logging
 import signal
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 import httpx
 import nats
@@ -39,11 +37,12 @@ from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
 
 from runtime import eventlog, observability
-from runtime.settings import ConfigError, Settings, env_number, env_value
+from runtime.settings import Settings
 from schemas import Event, JobSubmitted, TeamConfigured, parse_event
 from schemas.registry import SUBJECT_PREFIX
 from schemas.tenant import JobNotification, NotificationDelivery
 from services.notifier import core
+from services.notifier.settings import NotifierSettings
 
 NAME = "notifier"
 DURABLE = "notifier"
@@ -56,41 +55,6 @@ UNPROVISIONED = Counter("gpusched_notifier_unprovisioned_total",
                         "Job events of a team that has no tenant stream (gpusched init --team)", ["team"])
 DELIVERIES = Counter("gpusched_notifier_webhook_deliveries_total", "Webhook delivery tries by outcome", ["outcome"])
 DELIVERY_SECONDS = Histogram("gpusched_notifier_webhook_seconds", "Duration of one webhook POST")
-
-
-@dataclass(frozen=True)
-class NotifierSettings:
-    """The notifier's own settings (docs/notifications.md)."""
-
-    max_attempts: int = 6
-    timeout_s: float = 5.0
-    backoff_cap_s: float = 30.0
-    secrets: dict[str, str] = field(default_factory=dict)  # team -> webhook signing secret
-
-    @classmethod
-    def from_env(cls) -> "NotifierSettings":
-        return cls(
-            max_attempts=int(env_number("GPUSCHED_WEBHOOK_MAX_ATTEMPTS", 6, minimum=1, maximum=20, integer=True)),
-            timeout_s=env_number("GPUSCHED_WEBHOOK_TIMEOUT_S", 5.0, minimum=0.1, maximum=60),
-            backoff_cap_s=env_number("GPUSCHED_WEBHOOK_BACKOFF_CAP_S", 30.0, minimum=0.1, maximum=3600),
-            secrets=_read_secrets(env_value("GPUSCHED_WEBHOOK_SECRETS_FILE")),
-        )
-
-
-def _read_secrets(path: str | None) -> dict[str, str]:
-    """Team -> signing secret, from a JSON object file; no file: no team gets webhooks."""
-    if path is None:
-        return {}
-    try:
-        secrets = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"GPUSCHED_WEBHOOK_SECRETS_FILE={path!r} cannot be read ({err}); accepted: a JSON "
-                          "object of team name to secret") from None
-    if not isinstance(secrets, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) >= 16
-                                                for k, v in secrets.items()):
-        raise ConfigError(f"GPUSCHED_WEBHOOK_SECRETS_FILE={path!r}: accepted: a JSON object of team name to a secret "
-                          "of at least 16 characters")
-    return secrets
 
 
 class Notifier:
@@ -297,6 +261,7 @@ class Notifier:
                 await eventlog.dead_letter(self.js, f"{NAME}.webhook", msg,
                                            f"{url}: {error} after {attempt} tries")
                 return
+            await msg.in_progress()  # many slow tries may outlast the ack wait; the message stays ours
             await asyncio.sleep(core.backoff_s(attempt, cap_s=self.options.backoff_cap_s))
 
     async def _log_delivery(self, team: str, record: NotificationDelivery) -> None:

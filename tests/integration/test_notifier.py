@@ -9,6 +9,9 @@ import asyncio
 import hashlib
 import hmac
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -22,7 +25,9 @@ from conftest import connect_as, eventually, running, service_settings
 from runtime import eventlog
 from schemas import NotifySpec, TeamConfigured, Webhook, new_event
 from schemas.tenant import JobNotification, NotificationDelivery
-from services.notifier.__main__ import Notifier, NotifierSettings
+from services.notifier.__main__ import Notifier
+from services.notifier.settings import NotifierSettings
+from tests.integration.test_telemetry import REPO
 from tests.unit.builders import admitted, preemption_requested, spec, started, submitted, succeeded
 
 SECRET = "a-secret-of-some-length"
@@ -78,11 +83,8 @@ async def read_tenant(nats_server, team: str, subjects: str) -> list:
     sub = await js.pull_subscribe(subjects, stream=stream, config=ConsumerConfig(
         deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, inactive_threshold=5))
     out = []
-    try:
-        while True:
-            out += await sub.fetch(100, timeout=0.5)
-    except nats.errors.TimeoutError:
-        pass
+    while batch := await eventlog.fetch(sub, 100, 0.5):  # nats-py may time out with either TimeoutError
+        out += batch
     await nc.close()
     return out
 
@@ -104,20 +106,33 @@ async def test_a_team_reads_its_jobs_and_nothing_of_another_teams(nats_server, a
     notes = [JobNotification.model_validate_json(m.data)
              for m in await read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.notify.>")]
     assert [(n.job_id, n.kind.value) for n in notes] == [("a1", "submitted"), ("a1", "admitted"), ("a1", "started")]
-    # team-b's credential may not look at team-a's stream at all
-    other = await connect_as(nats_server, "team-b", error_cb=_quiet)
+    # team-b's credential may not look at team-a's stream at all: no info, no consumer, no subscription
+    violations: list[str] = []
+
+    async def denied(err: Exception) -> None:
+        violations.append(str(err).lower())
+    other = await connect_as(nats_server, "team-b", error_cb=denied)
+    other_js = other.jetstream(timeout=1)
     with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
-        await other.jetstream(timeout=1).stream_info(eventlog.tenant_stream("team-a"))
+        await other_js.stream_info(eventlog.tenant_stream("team-a"))
+    with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+        await other_js.add_consumer(eventlog.tenant_stream("team-a"), ConsumerConfig(
+            name="peek", filter_subject="gpusched.tenant.team-a.>", ack_policy=AckPolicy.NONE))
+    seen = []
+
+    async def got(msg) -> None:
+        seen.append(msg)
+    await other.subscribe("gpusched.tenant.team-a.>", cb=got)
+    await other.flush()
+    await eventually(lambda: any('subscription to "gpusched.tenant.team-a.>"' in v for v in violations))
     await other.close()
+    assert any('publish to "$js.api.consumer.create.gpusched_tenant_team-a.peek' in v for v in violations), violations
+    assert seen == []
 
 
 async def _at_least(read, n: int):
     got = await read
     return got if len(got) >= n else None
-
-
-async def _quiet(err: Exception) -> None:
-    """Permission violations this test provokes."""
 
 
 async def test_webhooks_are_signed_retried_logged_and_in_order(nats_server, admin_js, receivers):
@@ -185,3 +200,26 @@ async def test_a_restart_copies_nothing_twice_and_loses_nothing(nats_server, adm
         await asyncio.sleep(1)
     assert [m.subject.rsplit(".", 1)[1] for m in copies] == ["submitted", "admitted", "started"]
     assert len(await read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.>")) == 6  # 3 copies, 3 notifications
+
+
+async def test_sigterm_stops_the_process_within_5_s_even_while_it_retries(nats_server, admin_js, receivers,
+                                                                           tmp_path):
+    dead = receivers([500] * 100)
+    secrets = tmp_path / "secrets.json"
+    secrets.write_text(json.dumps({"team-a": SECRET}))
+    log = eventlog.EventLog(admin_js)
+    await log.append(new_event(TeamConfigured, aggregate_id="team-a", producer="config", occurred_at=datetime.now(UTC),
+                               key="1", name="team-a", notify=NotifySpec(webhooks=(Webhook(url=dead.url),))))
+    await log.append(submitted("s1", spec(team="team-a")))
+    env = {**os.environ, **nats_server.env("notifier"), "GPUSCHED_WEBHOOK_SECRETS_FILE": str(secrets)}
+    with open(tmp_path / "notifier.log", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "services.notifier"], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        await eventually(lambda: len(dead.got) >= 2, timeout_s=30)  # retrying, in its backoff
+        start = time.monotonic()
+        proc.terminate()
+        assert proc.wait(10) == 0, (tmp_path / "notifier.log").read_text()
+        assert time.monotonic() - start < 5
+    finally:
+        proc.kill()

@@ -10,7 +10,9 @@ import pytest
 
 from schemas import ALL_EVENT_TYPES, FailureReason, JobRejected, NotificationKind, NotifySpec, RejectReason, Webhook
 from schemas.envelope import new_event
+from runtime.settings import ConfigError
 from services.notifier import core
+from services.notifier.settings import NotifierSettings
 from tests.unit.builders import (T0, admitted, cancel_requested, checkpointed, failed, node, preempted,
                                  preemption_requested, reclaim_requested, retry_scheduled, scheduled, spec, started,
                                  submitted, succeeded)
@@ -78,8 +80,28 @@ def test_signature_is_hmac_sha256_of_timestamp_dot_body():
     body = b'{"kind":"failed"}'
     expected = hmac.new(b"s3cret-s3cret-s3cret", b"1700000000." + body, hashlib.sha256).hexdigest()
     assert core.sign("s3cret-s3cret-s3cret", 1700000000, body) == f"t=1700000000,v1={expected}"
+    # a known answer, so a change to the recipe shows here and not only at a receiver
+    assert expected == "c6bc6acc19b65a976947bd64779535411b25d6eb8eb30c0c8a01745cbc8916cf"
 
 
 def test_backoff_doubles_up_to_the_cap():
     assert [core.backoff_s(n) for n in range(1, 9)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
     assert core.backoff_s(3, cap_s=1.5) == 1.5
+
+
+def test_settings_read_the_secrets_file_and_refuse_a_bad_one(tmp_path, monkeypatch):
+    good = tmp_path / "secrets.json"
+    good.write_text('{"team-a": "0123456789abcdef"}')
+    monkeypatch.setenv("GPUSCHED_WEBHOOK_SECRETS_FILE", str(good))
+    monkeypatch.setenv("GPUSCHED_WEBHOOK_MAX_ATTEMPTS", "3")
+    options = NotifierSettings.from_env()
+    assert (options.secrets, options.max_attempts, options.timeout_s) == ({"team-a": "0123456789abcdef"}, 3, 5.0)
+    for text in ('{"team-a": "short"}', '["team-a"]', "not json"):
+        good.write_text(text)
+        with pytest.raises(ConfigError, match="GPUSCHED_WEBHOOK_SECRETS_FILE"):
+            NotifierSettings.from_env()
+    monkeypatch.setenv("GPUSCHED_WEBHOOK_SECRETS_FILE", str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="cannot be read"):
+        NotifierSettings.from_env()
+    monkeypatch.delenv("GPUSCHED_WEBHOOK_SECRETS_FILE")
+    assert NotifierSettings.from_env().secrets == {}
