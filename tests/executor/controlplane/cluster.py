@@ -275,24 +275,24 @@ def gpu_node(name: str, *, gpus: int = 8, product: str = "NVIDIA-A100-SXM4-80GB"
 
 def prepare(plane) -> None:
     """The two namespaces, the executor's ServiceAccount and RBAC exactly as in k8s/base (each
-    object in the namespace its file names), a Secret in each namespace for the RBAC tests to
-    try, and two fake GPU nodes."""
+    object in the namespace its file names; applied server-side, so the ``default``
+    ServiceAccount the controller-manager creates takes the manifest's settings), a Secret in each
+    namespace for the RBAC tests to try, and two fake GPU nodes."""
     import yaml
-    from kubernetes import client, utils
+    from kubernetes import client, dynamic
 
     api = plane.api_client()
     core = client.CoreV1Api(api)
+    resources = dynamic.DynamicClient(api).resources
     for name in ("namespace.yaml", "serviceaccounts.yaml", "executor-rbac.yaml"):
         for doc in yaml.safe_load_all((REPO / "k8s/base" / name).read_text()):
             if not doc:
                 continue
             if doc["kind"] == "ServiceAccount" and doc["metadata"]["name"] not in (EXECUTOR_SA, "default"):
                 continue
-            try:
-                utils.create_from_dict(api, doc)
-            except utils.FailToCreateError as err:
-                if not all(getattr(e, "status", None) == 409 for e in err.api_exceptions):
-                    raise
+            kind = resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+            kind.server_side_apply(body=doc, name=doc["metadata"]["name"], namespace=doc["metadata"].get("namespace"),
+                                   field_manager="gpusched-tests", force_conflicts=True)
     for namespace in (PLATFORM_NAMESPACE, NAMESPACE):
         try:
             core.create_namespaced_secret(namespace, {"metadata": {"name": "gpusched-nats-executor"},
