@@ -100,6 +100,7 @@ def job_manifests(w: Workload, opts: JobOptions) -> list[dict]:
             container["args"] = list(spec.args)
         pod_spec = {
             "restartPolicy": "Never",
+            "automountServiceAccountToken": False,  # a team's code gets no Kubernetes API token
             "terminationGracePeriodSeconds": opts.default_grace_s,
             "containers": [container],
             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [

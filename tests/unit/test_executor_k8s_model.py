@@ -134,6 +134,7 @@ def test_manifests_one_job_per_node_slice():
     values = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
     assert values == ["n2"]
+    assert pod_spec["automountServiceAccountToken"] is False  # whatever ServiceAccount the Pod runs as
     c = pod_spec["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
     env = {e["name"]: e["value"] for e in c["env"]}
