@@ -20,7 +20,8 @@ from rich.markup import escape
 from rich.text import Text
 from rich.table import Table
 
-from gpusched import accounting_cli, commands, history, permissions, pricebook, queueconfig, quota_usage, userinput
+from gpusched import (accounting_cli, commands, history, permissions, pricebook, queueconfig, quota_usage, token_cli,
+                      userinput)
 from gpusched.connection import Connection
 from gpusched.userinput import UserError
 from runtime import eventlog, observability
@@ -304,6 +305,8 @@ def events(job_id: str, output: Output = OutputOpt) -> None:
 
 accounting_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, output_option=OutputOpt,
                         output_enum=Output, console=console, err_console=err_console)
+token_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, guarded=guarded,
+                   output_option=OutputOpt, output_enum=Output)
 
 
 @app.command("why")
@@ -373,13 +376,7 @@ def dlq(limit: int = 20, output: Output = OutputOpt) -> None:
     async def go():
         nc = await Connection.resolve().nats()
         try:
-            rows = []
-            async for msg in eventlog.read(nc.jetstream(), stream=eventlog.DLQ_STREAM):
-                h = msg.headers or {}
-                rows.append({"seq": msg.metadata.sequence.stream, "subject": msg.subject,
-                             "original": f"{h.get('Gpusched-Original-Stream')}#{h.get('Gpusched-Original-Sequence')}",
-                             "reason": h.get("Gpusched-Reason", ""), "bytes": len(msg.data)})
-            return rows[-limit:]
+            return await history.dead_letters(nc.jetstream(), limit)
         finally:
             await nc.close()
     emit(run(go()), output)

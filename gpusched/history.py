@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from gpusched.userinput import UserError
 from runtime import eventlog
@@ -17,11 +18,43 @@ from schemas import Event, parse_event
 from schemas.registry import SUBJECT_PREFIX
 
 
-async def job_events(js: JetStreamContext, job_id: str) -> list[tuple[int, Event]]:
-    out = []
-    async for msg in eventlog.read(js, subjects=[f"{SUBJECT_PREFIX}.job.{job_id}.>"]):
-        out.append((msg.metadata.sequence.stream, parse_event(msg.data)))
+MAX_EVENTS = 10_000
+"""The most events of one job read back (a job has tens; the bound keeps a request bounded)."""
+
+
+async def job_events(js: JetStreamContext, job_id: str, after: int = 0) -> list[tuple[int, Event]]:
+    """The job's events after stream sequence ``after``, in order, by direct gets of the next
+    message on the job's subjects: no consumer is created, so any number of readers may run."""
+    out: list[tuple[int, Event]] = []
+    subject = f"{SUBJECT_PREFIX}.job.{job_id}.>"
+    seq = after + 1
+    while len(out) < MAX_EVENTS:
+        try:
+            raw = await js.get_msg(eventlog.EVENTS_STREAM, seq=seq, subject=subject, direct=True, next=True)
+        except NotFoundError:
+            break
+        out.append((raw.seq, parse_event(raw.data)))
+        seq = raw.seq + 1
     return out
+
+
+async def dead_letters(js: JetStreamContext, limit: int) -> list[dict[str, Any]]:
+    """The last ``limit`` dead letters, newest last, with their reasons (direct gets, no consumer)."""
+    last = (await js.stream_info(eventlog.DLQ_STREAM)).state.last_seq
+    rows: list[dict[str, Any]] = []
+    seq = last
+    while seq >= 1 and len(rows) < limit:
+        try:
+            raw = await js.get_msg(eventlog.DLQ_STREAM, seq=seq, direct=True)
+        except NotFoundError:
+            seq -= 1
+            continue
+        h = raw.headers or {}
+        rows.append({"seq": raw.seq, "subject": raw.subject,
+                     "original": f"{h.get('Gpusched-Original-Stream')}#{h.get('Gpusched-Original-Sequence')}",
+                     "reason": h.get("Gpusched-Reason", ""), "bytes": len(raw.data or b"")})
+        seq -= 1
+    return rows[::-1]
 
 
 async def why(js: JetStreamContext, job_id: str) -> dict[str, Any]:
@@ -29,6 +62,11 @@ async def why(js: JetStreamContext, job_id: str) -> dict[str, Any]:
     history = await job_events(js, job_id)
     if not history:
         raise UserError(f"job {job_id!r} has no events in the log")
+    return explain(job_id, history)
+
+
+def explain(job_id: str, history: list[tuple[int, Event]]) -> dict[str, Any]:
+    """:func:`why` of a job's (non-empty) history."""
     lifecycle = [e for _, e in history if e.type not in ("QuotaPendingReasonChanged", "SchedulingPendingReasonChanged")]
     last = lifecycle[-1] if lifecycle else history[-1][1]
     reasons = [e for _, e in history if e.type == "QuotaPendingReasonChanged"]

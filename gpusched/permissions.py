@@ -8,6 +8,9 @@ Roles (docs/events.md, "Credentials and permissions"):
 - **service** (admission, quota, scheduler, executor, accounting, notifier): publishes only the
   event types it produces and its own dead letters; creates, reads and deletes only its own durables
   and readers.
+- **api** (the HTTP API, gpusched.api): commands of any team's users and the operator's, each
+  sent as the API's caller; core subscriptions to admission's answers, the intake's dead letters
+  and the teams' event copies; direct gets on the event log and the dead letters. No consumer.
 - **tenant** (one credential per team, named after it; or ``<team>.<user>`` for a user of a team):
   its own intake subjects, and its team's tenant stream, where it may create consumers.
 
@@ -19,6 +22,7 @@ delete, are the admin's alone (and the streams refuse purge and message delete e
 from __future__ import annotations
 
 from runtime.eventlog import (
+    DLQ_STREAM,
     EVENTS_STREAM,
     INTAKE_STREAM,
     inbox_prefix,
@@ -27,7 +31,7 @@ from runtime.eventlog import (
     tenant_subjects,
 )
 from schemas.commands import INTAKE_VERBS, OPERATOR
-from schemas.registry import SUBJECT_PREFIX, producer_subjects
+from schemas.registry import SUBJECT_PREFIX, producer_subjects, subject_suffix
 
 P = SUBJECT_PREFIX
 API = "$JS.API"
@@ -100,7 +104,26 @@ def service_permissions(service: str) -> dict:
     return _perms(service, sorted(set(publish)))
 
 
-RESERVED = frozenset({"admin", OPERATOR, *SERVICES})
+API_USER = "api"
+"""The HTTP API's credential."""
+
+
+def api_permissions() -> dict:
+    """Commands on the user and operator intake subjects of every team (the API authenticates its
+    caller and sends as that caller), reading the log by direct get, and the core subscriptions
+    of gpusched.api.bus. It creates no consumer."""
+    publish = [f"{P}.intake.*.user.*.{verb}" for verb in INTAKE_VERBS]
+    publish += [f"{P}.intake.*.{OPERATOR}.{verb}" for verb in INTAKE_VERBS]
+    publish += stream_read_api(EVENTS_STREAM) + stream_read_api(DLQ_STREAM)
+    answers = [f"{P}.job.*.{subject_suffix(t)}" for t in API_ANSWER_TYPES]
+    return _perms(API_USER, publish, subscribe=(*answers, f"{P}.deadletter.admission.intake", f"{P}.tenant.*.job.>"))
+
+
+API_ANSWER_TYPES = ("JobSubmitted", "JobAdmitted", "JobRejected", "JobCancelRequested", "JobCancelled", "JobSucceeded",
+                    "JobCheckpointed")
+"""The events that answer a command (gpusched.api.bus listens to these)."""
+
+RESERVED = frozenset({"admin", OPERATOR, API_USER, *SERVICES})
 """Credential names that are not teams: a team may not be called so (it would share the inbox and
 the permissions of that credential)."""
 
@@ -152,5 +175,7 @@ def permissions(user: str) -> dict:
         return operator_permissions()
     if user in SERVICES:
         return service_permissions(user)
+    if user == API_USER:
+        return api_permissions()
     team, _, member = user.partition(".")
     return tenant_permissions(team, member or None)

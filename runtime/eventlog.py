@@ -51,7 +51,7 @@ INTAKE_STREAM = "GPUSCHED_INTAKE"
 DLQ_STREAM = "GPUSCHED_DLQ"
 
 EVENT_SUBJECTS = [f"{SUBJECT_PREFIX}.{family}.>"
-                  for family in ("job", "queue", "cohort", "node", "pricebook", "statement", "team")]
+                  for family in ("job", "queue", "cohort", "node", "pricebook", "statement", "team", "token")]
 INTAKE_SUBJECTS = [f"{SUBJECT_PREFIX}.intake.>"]
 DLQ_SUBJECTS = [f"{SUBJECT_PREFIX}.deadletter.>"]
 TENANT_STREAM_PREFIX = "GPUSCHED_TENANT_"

@@ -49,6 +49,7 @@ QueueConfigured/Deleted     config       queue definitions (``gpusched apply``)
 CohortConfigured            config       cohort definitions
 PriceBookUpdated            config       prices per GPU-hour per flavor from a time on (``gpusched prices``)
 ChargebackStatementIssued   accounting   a period's chargeback totals, log range and checksum
+ApiTokenIssued/Revoked      admin        an HTTP API token (its hash, role, team) issued or revoked
 ==========================  ===========  ====================================================
 
 Evolution: a change that an old reader cannot parse is a new ``schema_version`` with an upcaster
@@ -61,6 +62,7 @@ from schemas.accounting import (
     PriceBookUpdated,
     StatementLine,
 )
+from schemas.auth import ApiTokenIssued, ApiTokenRevoked, Role
 from schemas.commands import CancelJob, ReportCheckpoint, SubmitJob
 from schemas.envelope import Event, new_event
 from schemas.job import (

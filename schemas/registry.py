@@ -9,6 +9,7 @@ from typing import Annotated, Any, Callable, Union
 from pydantic import Field, TypeAdapter, ValidationError
 
 from schemas.accounting import ChargebackStatementIssued, PriceBookUpdated
+from schemas.auth import ApiTokenIssued, ApiTokenRevoked
 from schemas.envelope import Event
 from schemas.job import (
     JobAdmitted,
@@ -68,6 +69,8 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     PriceBookUpdated: ("config", "updated"),
     TeamConfigured: ("config", "configured"),
     ChargebackStatementIssued: ("accounting", "issued"),
+    ApiTokenIssued: ("admin", "issued"),
+    ApiTokenRevoked: ("admin", "revoked"),
 }
 
 ALL_EVENT_TYPES: tuple[type[Event], ...] = tuple(_TABLE)

@@ -45,6 +45,8 @@ from schemas import (
     ReclaimRequested,
     SchedulingPendingReasonChanged,
     TeamConfigured,
+    ApiTokenIssued,
+    ApiTokenRevoked,
 )
 
 
@@ -150,6 +152,10 @@ def _team(e: TeamConfigured, j: str, t, seq: int) -> list[Op]:
     return [Op("team", (e.name, e.notify.model_dump_json(), t, seq))]
 
 
+def _token(e: ApiTokenIssued, j: str, t, seq: int) -> list[Op]:
+    return [Op("api_token", (e.token_id, e.name, e.role.value, e.team, e.token_hash, e.issued_by, t, e.expires_at, seq))]
+
+
 def _statement(e: ChargebackStatementIssued, j: str, t, seq: int) -> list[Op]:
     body = e.model_dump_json(include={"period", "group_by", "currency", "idle_quota", "lines", "total_gpu_seconds",
                                       "total_cost"})
@@ -193,6 +199,8 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     PriceBookUpdated: _price_book,
     ChargebackStatementIssued: _statement,
     TeamConfigured: _team,
+    ApiTokenIssued: _token,
+    ApiTokenRevoked: lambda e, j, t, seq: [Op("api_token_revoked", (e.token_id, t, e.revoked_by, seq))],
 }
 
 

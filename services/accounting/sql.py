@@ -88,6 +88,12 @@ SQL = {
         INSERT INTO teams (name, notify, configured_at, last_sequence) VALUES ($1, $2::jsonb, $3, $4)
         ON CONFLICT (name) DO UPDATE SET notify = $2::jsonb, configured_at = $3, last_sequence = $4
         WHERE teams.last_sequence < $4""",
+    # A token's row: issued once (a re-delivered issue changes nothing), revoked at most once.
+    "api_token": """
+        INSERT INTO api_tokens (token_id, name, role, team, token_hash, issued_by, issued_at, expires_at, sequence)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (token_id) DO NOTHING""",
+    "api_token_revoked": """
+        UPDATE api_tokens SET revoked_at = $2, revoked_by = $3 WHERE token_id = $1 AND revoked_at IS NULL""",
     "statement": """
         INSERT INTO statements (statement_id, period, group_by, checksum, first_sequence, last_sequence,
                                 total_cost, body, sequence)

@@ -329,6 +329,21 @@ def team_configured(name: str = "team-a", urls: tuple[str, ...] = ("https://hook
                      notify=NotifySpec(webhooks=tuple(Webhook(url=u) for u in urls)))
 
 
+def token_issued(token_id: str = "abcdefghijk1", name: str = "alice", role: str = "member", team: str | None = "team-a",
+                 *, when: datetime = T0):
+    from schemas import ApiTokenIssued
+
+    return new_event(ApiTokenIssued, aggregate_id=token_id, producer="admin", occurred_at=when, key="issued",
+                     token_id=token_id, name=name, role=role, team=team, token_hash="0" * 64, issued_by="admin")
+
+
+def token_revoked(token_id: str = "abcdefghijk1", *, when: datetime = T0):
+    from schemas import ApiTokenRevoked
+
+    return new_event(ApiTokenRevoked, aggregate_id=token_id, producer="admin", occurred_at=when, key="revoked",
+                     token_id=token_id, revoked_by="admin", reason="left the team")
+
+
 def price_book(prices: dict[str, float] | None = None, *, effective_from: datetime = T0, when: datetime = T0,
                name: str = "default", key: str = "1", **fields: Any):
     from schemas import PriceBookUpdated

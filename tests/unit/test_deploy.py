@@ -11,12 +11,12 @@ from gpusched import devstack, permissions
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_procfile_lists_every_service_as_a_module():
+def test_procfile_lists_every_service_as_a_module_and_the_api():
     procs = devstack.read_procfile()
-    assert list(procs) == ["admission", "quota", "scheduler", "executor", "accounting", "notifier"]
-    assert tuple(procs) == devstack.SERVICES == permissions.SERVICES
+    assert list(procs) == ["admission", "quota", "scheduler", "executor", "accounting", "notifier", "api"]
+    assert tuple(procs) == devstack.PROCESSES == (*permissions.SERVICES, permissions.API_USER)
     for name, argv in procs.items():
-        assert argv[1:] == ["-m", f"services.{name}"]
+        assert argv[1:] == ["-m", "gpusched.api" if name == "api" else f"services.{name}"]
 
 
 def test_committed_nats_config_matches_the_generator():
@@ -27,7 +27,7 @@ def test_committed_nats_config_matches_the_generator():
 def test_nats_server_accepts_the_config_and_names_a_missing_password(tmp_path):
     conf = ROOT / "deploy" / "nats-server.conf"
     binary = devstack._bin("nats-server")
-    users = ["admin", "operator", *permissions.SERVICES, "team-research", "team-product", "team-platform"]
+    users = ["admin", "operator", *permissions.SERVICES, permissions.API_USER, "team-research", "team-product", "team-platform"]
     env = {**os.environ, **{devstack.password_variable(u): f"pw-{u}" for u in users}}
     ok = subprocess.run([binary, "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr + ok.stdout

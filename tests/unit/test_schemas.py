@@ -50,6 +50,8 @@ from tests.unit.builders import (
     pending_reason,
     price_book,
     team_configured,
+    token_issued,
+    token_revoked,
     statement,
     reclaim_requested,
     sched_pending_reason,
@@ -119,6 +121,7 @@ def sample_events():
         new_event(CohortConfigured, aggregate_id="shared", producer="config", occurred_at=T0, key="x",
                   name="shared", parent="org"),
         team_configured("team-a", ("https://hooks.example/a", "http://10.0.0.1:8080/x?y=1")),
+        token_issued(), token_revoked(),
         price_book({"a100": 2.5, "h100-80gb": 6.0}, effective_from=at(-3600), cpu_core_hour=0.04,
                    memory_gib_hour=0.005, idle_quota="charge-owner", currency="EUR"),
         statement("2026-11", "project", lines=[{
@@ -129,7 +132,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 28
+    assert len(ALL_EVENT_TYPES) == 30
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -221,6 +224,7 @@ EXPECTED_PRODUCERS = {
     "NodeTelemetryReported": "executor",
     "QueueConfigured": "config", "QueueDeleted": "config", "CohortConfigured": "config",
     "PriceBookUpdated": "config", "TeamConfigured": "config", "ChargebackStatementIssued": "accounting",
+    "ApiTokenIssued": "admin", "ApiTokenRevoked": "admin",
 }
 
 

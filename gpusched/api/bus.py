@@ -1,0 +1,247 @@
+"""The API's side of NATS, declared with FastStream (which also writes the AsyncAPI document of
+it, `gpusched.asyncapi`): the commands it publishes on the intake subjects, and the subjects it
+listens to with core subscriptions —
+
+- the admission decisions (``gpusched.job.*.<token>`` of the answers, and the intake's dead
+  letters), so that a request waits for the answer to its own command without a consumer per
+  request (:class:`Decisions`);
+- the teams' copies of their jobs' events (``gpusched.tenant.<team>.job.>``, written by the
+  notifier), fanned out to the server-sent-event streams (:class:`Hub`).
+
+Reading history (a job's events, dead letters) goes through JetStream direct gets on a plain
+nats-py connection (gpusched.api.history)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from faststream.nats import NatsBroker
+from faststream.nats.annotations import NatsMessage
+from faststream.security import SASLPlaintext
+
+from gpusched import commands, permissions
+from runtime import eventlog
+from runtime.settings import Settings
+from schemas import CancelJob, Event, ReportCheckpoint, SubmitJob, parse_event
+from schemas.registry import SUBJECT_PREFIX, subject_suffix
+
+P = SUBJECT_PREFIX
+ANSWER_SUBJECTS = tuple(f"{P}.job.*.{subject_suffix(t)}" for t in permissions.API_ANSWER_TYPES)
+"""The events that answer a command (gpusched.commands: SubmitAnswers, CancelAnswers, CheckpointAnswers)."""
+INTAKE_DEAD_LETTERS = commands.INTAKE_DEAD_LETTERS
+TENANT_EVENTS = f"{P}.tenant.*.job.>"
+KEEP_S = 60.0
+"""How long recent answers are kept for a request whose publish acknowledgement came after them."""
+
+API_USER = permissions.API_USER
+
+def new_broker(settings: Settings) -> NatsBroker:
+    security = SASLPlaintext(username=settings.nats_user, password=settings.nats_password or "") \
+        if settings.nats_user else None
+    return NatsBroker(settings.nats_url, security=security,
+                      inbox_prefix=eventlog.inbox_prefix(settings.nats_user or API_USER), name="gpusched-api",
+                      max_reconnect_attempts=-1, graceful_timeout=5.0,
+                      log_level=logging.DEBUG)  # not a line per message
+
+
+# -- what the API publishes ----------------------------------------------------------------------
+
+INTAKE_FORMS = {
+    "user": P + ".intake.{team}.user.{user}.{verb}",
+    "operator": P + ".intake.{team}.operator.{verb}",
+}
+
+
+def declare_publishers(broker: NatsBroker) -> dict[str, object]:
+    """One publisher per intake verb and sender form; the subject is filled in per request."""
+    out = {}
+    for verb, model in (("submit", SubmitJob), ("cancel", CancelJob), ("checkpoint", ReportCheckpoint)):
+        for form, template in INTAKE_FORMS.items():
+            subject = template.replace("{verb}", verb)
+            out[f"{verb}/{form}"] = broker.publisher(
+                # no stream= here: FastStream would try to create it at start (the admin's); the
+                # publish names it, for JetStream's acknowledgement (gpusched.api.app.Gateway)
+                subject, schema=model, title=f"{subject}:publish",
+                description=f"{model.__name__} sent by the API for an authenticated {form} "
+                            f"({'the token names the user' if form == 'user' else 'on_behalf_of names the user'})")
+    return out
+
+
+# -- admission's answers -------------------------------------------------------------------------
+
+
+@dataclass
+class _Waiter:
+    job_ids: frozenset[str]
+    intake_seq: int
+    answers: object  # commands.SubmitAnswers | CancelAnswers | CheckpointAnswers
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Decisions:
+    """The events that answer commands, as they are published, kept for :data:`KEEP_S`; a
+    waiter registered after its publish was acknowledged first sees what already came."""
+
+    def __init__(self) -> None:
+        self.recent: dict[str, list[Event]] = defaultdict(list)
+        self.order: deque[tuple[float, str]] = deque()
+        self.dead: dict[int, tuple[float, str]] = {}
+        self.waiters: dict[str, list[_Waiter]] = defaultdict(list)
+        self.dead_waiters: dict[int, _Waiter] = {}
+
+    def take(self, event: Event) -> None:
+        now = time.monotonic()
+        job = event.aggregate_id
+        self.recent[job].append(event)
+        self.order.append((now, job))
+        for waiter in list(self.waiters.get(job, ())):
+            self._feed(waiter, event)
+        self._prune(now)
+
+    def take_dead_letter(self, intake_seq: int, reason: str) -> None:
+        self.dead[intake_seq] = (time.monotonic(), reason)
+        waiter = self.dead_waiters.get(intake_seq)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_result(commands.Answer(dead_letter=reason))
+
+    def _feed(self, waiter: _Waiter, event: Event) -> None:
+        if waiter.future.done():
+            return
+        answer = waiter.answers.take(event, time.monotonic())
+        if answer is not None:
+            waiter.future.set_result(answer)
+
+    def _prune(self, now: float) -> None:
+        while self.order and now - self.order[0][0] > KEEP_S:
+            _, job = self.order.popleft()
+            events = self.recent.get(job)
+            if events:
+                events.pop(0)
+                if not events:
+                    del self.recent[job]
+        if len(self.dead) > 1000:
+            self.dead = {s: v for s, v in self.dead.items() if now - v[0] <= KEEP_S}
+
+    async def wait(self, job_ids: list[str], intake_seq: int, answers, timeout_s: float) -> commands.Answer | None:
+        """The answer to the command at ``intake_seq`` (None after ``timeout_s``)."""
+        waiter = _Waiter(frozenset(job_ids), intake_seq, answers)
+        if intake_seq in self.dead:
+            return commands.Answer(dead_letter=self.dead[intake_seq][1])
+        for job in job_ids:
+            for event in list(self.recent.get(job, ())):
+                self._feed(waiter, event)
+        if waiter.future.done():
+            return waiter.future.result()
+        for job in job_ids:
+            self.waiters[job].append(waiter)
+        self.dead_waiters[intake_seq] = waiter
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
+        except TimeoutError:
+            return waiter.answers.quiet(float("inf")) if hasattr(waiter.answers, "quiet") else None
+        finally:
+            for job in job_ids:
+                self.waiters[job].remove(waiter)
+                if not self.waiters[job]:
+                    del self.waiters[job]
+            self.dead_waiters.pop(intake_seq, None)
+
+
+# -- the teams' events, to server-sent-event streams --------------------------------------------
+
+
+@dataclass(frozen=True)
+class TenantEvent:
+    team: str
+    job_id: str
+    event_id: str
+    type: str
+    data: bytes
+
+
+class Listener:
+    """One open stream: its queue, and whether the hub ended it for falling behind."""
+
+    def __init__(self, size: int) -> None:
+        self.queue: asyncio.Queue[TenantEvent] = asyncio.Queue(size)
+        self.ended = asyncio.Event()
+
+
+class Hub:
+    """Fans each team's live job events out to the streams open for that team (or one of its
+    jobs). A stream that falls :data:`QUEUE` events behind is ended (its client reconnects and
+    reads the history again) rather than slowing the others."""
+
+    QUEUE = 1000
+
+    def __init__(self) -> None:
+        self.listeners: dict[str, set[Listener]] = defaultdict(set)
+        self.delivered = 0
+
+    def open(self, team: str) -> Listener:
+        listener = Listener(self.QUEUE)
+        self.listeners[team].add(listener)
+        return listener
+
+    def close(self, team: str, listener: Listener) -> None:
+        listeners = self.listeners.get(team)
+        if listeners is not None:
+            listeners.discard(listener)
+            if not listeners:
+                del self.listeners[team]
+
+    def publish(self, event: TenantEvent) -> None:
+        for listener in list(self.listeners.get(event.team, ())):
+            try:
+                listener.queue.put_nowait(event)
+                self.delivered += 1
+            except asyncio.QueueFull:
+                self.close(event.team, listener)
+                listener.ended.set()
+
+
+def tenant_event(subject: str, data: bytes, headers: dict[str, str] | None) -> TenantEvent | None:
+    parts = subject.split(".")  # gpusched.tenant.<team>.job.<job id>.<token>
+    if len(parts) != 6:
+        return None
+    headers = headers or {}
+    return TenantEvent(team=parts[2], job_id=parts[4], event_id=headers.get("Nats-Msg-Id", ""),
+                       type=headers.get("Gpusched-Type", parts[5]), data=data)
+
+
+def declare_subscribers(broker: NatsBroker, decisions: Decisions, hub: Hub) -> None:
+    """Core subscriptions (no consumer, nothing stored): the answers, the dead letters of the
+    intake, and the teams' event copies."""
+
+    async def on_answer(msg: NatsMessage) -> None:
+        try:
+            decisions.take(parse_event(msg.body))
+        except Exception:  # not ours to judge: admission and accounting dead-letter bad events
+            return
+
+    for subject in ANSWER_SUBJECTS:
+        broker.subscriber(subject, title=f"{subject}:subscribe",
+                          description="Admission's answer to a command the API sent, to answer the request")(on_answer)
+
+    @broker.subscriber(INTAKE_DEAD_LETTERS, title=f"{INTAKE_DEAD_LETTERS}:subscribe",
+                       description="A command admission refused to read, with the reason (Gpusched-Reason)")
+    async def on_dead_letter(msg: NatsMessage) -> None:
+        headers = msg.headers or {}
+        if headers.get("Gpusched-Original-Stream") == eventlog.INTAKE_STREAM:
+            try:
+                seq = int(headers.get("Gpusched-Original-Sequence", ""))
+            except ValueError:
+                return
+            decisions.take_dead_letter(seq, headers.get("Gpusched-Reason") or "(no reason recorded)")
+
+    @broker.subscriber(TENANT_EVENTS, title=f"{TENANT_EVENTS}:subscribe",
+                       description="Copies of each team's job events (the notifier writes them), for the API's "
+                                   "server-sent-event streams")
+    async def on_tenant_event(msg: NatsMessage) -> None:
+        event = tenant_event(msg.raw_message.subject, msg.body, msg.headers)
+        if event is not None:
+            hub.publish(event)

@@ -1,0 +1,436 @@
+"""The API's routes under ``/v1`` (docs/api.md). Each route states the roles it admits; a member
+sees and acts for its own team only (another team's job is a 404, as if it did not exist)."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpusched import commands, history
+from gpusched.api import reads
+from gpusched.api.auth import Identity, forbidden, identity, require, team_filter
+from gpusched.api.bus import TenantEvent
+from gpusched.api.problems import FieldError, Problem, ProblemDetails, from_malformed, from_validation, invalid
+from schemas import CancelJob, JobAdmitted, JobRejected, ReportCheckpoint, SubmitJob
+from schemas.auth import Role
+from schemas.commands import (RESERVED_JOB_ID_PREFIX, MalformedCommand, identity_problem, job_id_for_key,
+                              parse_command)
+from schemas.envelope import NAME_PATTERN, Timestamp
+from schemas.job import rejection_id
+
+JOB_ID_PATTERN = f"^({NAME_PATTERN[1:-1]}|{RESERVED_JOB_ID_PREFIX}[0-9]+)$"
+READERS = (Role.MEMBER, Role.OPERATOR, Role.ADMIN)
+"""Who reads jobs and queues (a chargeback reader sees usage only)."""
+USAGE_READERS = (Role.MEMBER, Role.OPERATOR, Role.ADMIN, Role.CHARGEBACK)
+TERMINAL = ("JobSucceeded", "JobCancelled", "JobRejected")
+PROBLEM = {"model": ProblemDetails, "content": {"application/problem+json": {}}}
+ERRORS = {401: PROBLEM, 403: PROBLEM, 422: PROBLEM}
+
+router = APIRouter(prefix="/v1", responses=ERRORS)
+Me = Annotated[Identity, Depends(identity)]
+JobId = Annotated[str, Path(pattern=JOB_ID_PATTERN, max_length=63, description="A job id")]
+TeamName = Annotated[str, Path(pattern=NAME_PATTERN, max_length=63)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Decision(BaseModel):
+    job_id: str
+    intake_sequence: int
+    decision: Literal["admitted", "rejected", "pending"] = Field(
+        description="pending: no answer within the wait; follow GET /v1/jobs/{job_id}")
+    repeat: bool = Field(default=False, description="The job existed: this submission changed nothing")
+    queue: str | None = None
+    reason: str | None = Field(default=None, description="A rejection's reason code")
+    message: str | None = None
+
+
+class CancelRequest(Strict):
+    reason: str = Field(default="", max_length=1024)
+
+
+class CheckpointRequest(Strict):
+    attempt: int = Field(ge=1, le=1_000_000)
+    checkpointed_at: Timestamp | None = None
+    step: int | None = Field(default=None, ge=0, le=2**62)
+    location: str = Field(default="", max_length=1024)
+
+
+class Answered(BaseModel):
+    job_id: str
+    intake_sequence: int
+    outcome: str = Field(description="The event that answered the command, or pending")
+    repeat: bool = False
+
+
+def _state(request: Request):
+    return request.app.state
+
+
+async def _job_visible(request: Request, me: Identity, job_id: str) -> dict[str, Any]:
+    """The job's read-model row, if ``me`` may see it; else 404 (also for another team's job)."""
+    async with _state(request).pool.acquire() as conn:
+        job = await reads.get_job(conn, job_id)
+    if job is None or not me.sees_team(job["team"]):
+        raise Problem(404, "not-found", "Not found", f"no job {job_id!r} (or not yet in the read models)",
+                      job_id=job_id)
+    return job
+
+
+WaitS = Annotated[float, Query(ge=0, le=30, description="Seconds to wait for admission's answer (0: do not wait)")]
+
+
+@router.post("/jobs", status_code=201, response_model=Decision, tags=["jobs"],
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/SubmitJob"}}}}},
+             responses={200: {"model": Decision, "description": "An idempotent repeat: the job existed"},
+                        202: {"model": Decision, "description": "Sent; no answer within the wait"},
+                        409: PROBLEM})
+async def submit(request: Request, response: Response, me: Me, wait: WaitS = 10.0,
+                 idempotency_key: Annotated[str | None, Header(
+                     alias="Idempotency-Key", min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$",
+                     description="Retrying with the same key returns the same job")] = None) -> Decision:
+    """Submit a job (a SubmitJob document: ``{"spec": {...}}``, the same as on NATS) and wait for
+    admission's answer: 201 admitted, 422 rejected (with the reason), 202 when no answer came
+    within ``wait``, 200 for a repeat of an existing job."""
+    require(me, Role.MEMBER, Role.OPERATOR, Role.ADMIN)
+    raw = await request.body()
+    try:
+        command = parse_command(SubmitJob, raw)
+    except MalformedCommand as err:
+        raise from_malformed(err) from None
+    except ValidationError as err:
+        raise from_validation(err) from None
+    team = command.spec.team
+    principal = me.principal(team, "submit")
+    if idempotency_key is not None:
+        if command.spec.idempotency_key not in (None, idempotency_key):
+            raise invalid([FieldError(field="header.Idempotency-Key",
+                                      message="differs from spec.idempotency_key; give one or make them equal")])
+        command = command.model_copy(update={"spec": command.spec.model_copy(update={"idempotency_key": idempotency_key})})
+    if principal.operator:
+        command = command.model_copy(update={"on_behalf_of": command.on_behalf_of or me.name})
+    if (problem := identity_problem(command, principal)) is not None:
+        raise invalid([FieldError(field=f"body.{problem[0]}", message=problem[1])])
+    key = command.spec.idempotency_key
+    chosen = command.job_id is not None
+    job_id = command.job_id or (job_id_for_key(team, key) if key else commands.new_job_id(command))
+    command = command.model_copy(update={"job_id": job_id})
+    state = _state(request)
+    if chosen or key:  # a job id of the caller's choosing may exist already
+        earlier = await state.gateway.earlier_decision(job_id)
+        if earlier is not None:
+            return _decision(response, job_id, *earlier)
+    headers = {"Nats-Msg-Id": f"submit/{team}/{key}" if key else f"submit/{job_id}"}
+    seq, duplicate = await state.gateway.send(principal, command, headers)
+    answer = None
+    if wait > 0:
+        answer = await state.decisions.wait([job_id, rejection_id(seq)], seq, commands.SubmitAnswers(seq), wait)
+    if answer is not None and duplicate:
+        answer = commands.Answer(answer.event, answer.dead_letter, repeat=True)
+    return _decision(response, job_id, seq, answer)
+
+
+def _decision(response: Response, job_id: str, seq: int, answer: commands.Answer | None) -> Decision:
+    if answer is None:
+        response.status_code = 202
+        return Decision(job_id=job_id, intake_sequence=seq, decision="pending")
+    if answer.dead_letter is not None:
+        raise Problem(422, "refused", "Refused by admission", answer.dead_letter, job_id=job_id, reason="dead-letter")
+    event = answer.event
+    if isinstance(event, JobRejected):
+        raise Problem(422, "rejected", "Rejected", event.message, job_id=event.aggregate_id,
+                      reason=event.reason.value,
+                      errors=[FieldError(field=f"body.{event.field}", message=event.message)] if getattr(
+                          event, "field", None) else [])
+    if answer.repeat:
+        response.status_code = 200
+    queue = event.queue if isinstance(event, JobAdmitted) else None
+    return Decision(job_id=job_id, intake_sequence=seq, decision="admitted", repeat=answer.repeat, queue=queue)
+
+
+@router.get("/jobs", tags=["jobs"])
+async def list_jobs(request: Request, me: Me,
+                    team: Annotated[str | None, Query(pattern=NAME_PATTERN, max_length=63)] = None,
+                    state: Annotated[Literal[reads.JOB_STATES] | None, Query()] = None,  # type: ignore[valid-type]
+                    queue: Annotated[str | None, Query(pattern=NAME_PATTERN, max_length=63)] = None,
+                    kind: Annotated[Literal["training", "inference", "evaluation", "batch"] | None, Query()] = None,
+                    submitter: Annotated[str | None, Query(min_length=1, max_length=253)] = None,
+                    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+                    cursor: Annotated[str | None, Query(max_length=512)] = None) -> dict[str, Any]:
+    """Jobs, newest first, a page at a time (``next_cursor``: the next page; null: the last).
+    Each waiting job carries its position in its queue."""
+    require(me, *READERS)
+    try:
+        async with _state(request).pool.acquire() as conn:
+            rows, next_cursor = await reads.list_jobs(conn, team=team_filter(me, team), state=state, queue=queue,
+                                                      kind=kind, submitter=submitter, limit=limit, cursor=cursor)
+            waiting = [r["job_id"] for r in rows if r["state"] in ("queued", "retrying", "preempted")]
+            positions = await reads.job_positions(conn, waiting) if waiting else {}
+    except ValueError as err:
+        raise invalid([FieldError(field="query.cursor", message=str(err))]) from None
+    for r in rows:
+        r["position"] = positions.get(r["job_id"])
+    return {"items": rows, "next_cursor": next_cursor}
+
+
+@router.get("/jobs/{job_id}", tags=["jobs"], responses={404: PROBLEM})
+async def get_job(request: Request, me: Me, job_id: JobId) -> dict[str, Any]:
+    """One job: state, times, placement, usage per attempt."""
+    require(me, *READERS)
+    return await _job_visible(request, me, job_id)
+
+
+@router.get("/jobs/{job_id}/events", tags=["jobs"], responses={404: PROBLEM})
+async def job_events(request: Request, me: Me, job_id: JobId) -> list[dict[str, Any]]:
+    """The job's events from the log, in order, each with its stream sequence."""
+    require(me, *READERS)
+    await _job_visible(request, me, job_id)
+    log = await history.job_events(_state(request).js, job_id)
+    return [{"sequence": s, **e.model_dump(mode="json")} for s, e in log]
+
+
+@router.get("/jobs/{job_id}/why", tags=["jobs"], responses={404: PROBLEM})
+async def why(request: Request, me: Me, job_id: JobId) -> dict[str, Any]:
+    """Why the job waits: the current reason, its position and the reason history."""
+    require(me, *READERS)
+    await _job_visible(request, me, job_id)
+    log = await history.job_events(_state(request).js, job_id)
+    if not log:
+        raise Problem(404, "not-found", "Not found", f"job {job_id!r} has no events in the log", job_id=job_id)
+    return history.explain(job_id, log)
+
+
+@router.post("/jobs/{job_id}/cancel", tags=["jobs"], response_model=Answered, responses={404: PROBLEM})
+async def cancel(request: Request, me: Me, job_id: JobId, body: CancelRequest, wait: WaitS = 10.0) -> Answered:
+    """Ask to cancel the job; answers with the JobCancelRequested (or the end it had reached)."""
+    require(me, Role.MEMBER, Role.OPERATOR, Role.ADMIN)
+    job = await _job_visible(request, me, job_id)
+    principal = me.principal(job["team"], "cancel")
+    command = CancelJob(job_id=job_id, reason=body.reason, on_behalf_of=me.name if principal.operator else None)
+    state = _state(request)
+    seq, _ = await state.gateway.send(principal, command)
+    answer = await state.decisions.wait([job_id], seq, commands.CancelAnswers(), wait) if wait > 0 else None
+    return _answered(job_id, seq, answer)
+
+
+@router.post("/jobs/{job_id}/checkpoints", tags=["jobs"], response_model=Answered, responses={404: PROBLEM})
+async def checkpoint(request: Request, me: Me, job_id: JobId, body: CheckpointRequest, wait: WaitS = 10.0) -> Answered:
+    """Report a checkpoint of a running attempt (checkpoint-aware preemption prefers jobs that
+    checkpointed recently); answers with the JobCheckpointed admission recorded."""
+    require(me, Role.MEMBER, Role.OPERATOR, Role.ADMIN)
+    job = await _job_visible(request, me, job_id)
+    principal = me.principal(job["team"], "checkpoint")
+    command = ReportCheckpoint(job_id=job_id, attempt=body.attempt, checkpointed_at=body.checkpointed_at,
+                               step=body.step, location=body.location,
+                               on_behalf_of=me.name if principal.operator else None)
+    state = _state(request)
+    seq, _ = await state.gateway.send(principal, command)
+    answer = await state.decisions.wait([job_id], seq, commands.CheckpointAnswers(seq), wait) if wait > 0 else None
+    return _answered(job_id, seq, answer)
+
+
+def _answered(job_id: str, seq: int, answer: commands.Answer | None) -> Answered:
+    if answer is not None and answer.dead_letter is not None:
+        raise Problem(422, "refused", "Refused by admission", answer.dead_letter, job_id=job_id, reason="dead-letter")
+    return Answered(job_id=job_id, intake_sequence=seq, outcome=answer.event.type if answer else "pending",
+                    repeat=bool(answer and answer.repeat))
+
+
+# -- live events --------------------------------------------------------------------------------
+
+
+def _sse(event: TenantEvent) -> ServerSentEvent:
+    return ServerSentEvent(raw_data=event.data.decode(), event=event.type, id=event.event_id or None)
+
+
+@router.get("/jobs/{job_id}/stream", tags=["events"], response_class=EventSourceResponse,
+            responses={404: PROBLEM})
+async def job_stream(request: Request, me: Me, job_id: JobId):
+    """Server-sent events: the job's history, then its events as they happen, until it ends
+    (or the stream's time limit; reconnect to go on). Each event's ``event`` is its type, ``id``
+    its event id, ``data`` the event as JSON."""
+    require(me, *READERS)
+    job = await _job_visible(request, me, job_id)
+    state = _state(request)
+    listener = state.hub.open(job["team"])
+    try:
+        seen: set[str] = set()
+        ended = False
+        for _, e in await history.job_events(state.js, job_id):
+            seen.add(e.event_id)
+            ended = ended or e.type in TERMINAL
+            yield ServerSentEvent(raw_data=e.model_dump_json(), event=e.type, id=e.event_id)
+        deadline = asyncio.get_running_loop().time() + state.settings.stream_max_s
+        while not ended and not listener.ended.is_set():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0 or await request.is_disconnected():
+                break
+            try:
+                event = await asyncio.wait_for(listener.queue.get(), min(left, 5.0))
+            except TimeoutError:
+                continue
+            if event.job_id != job_id or event.event_id in seen:
+                continue
+            seen.add(event.event_id)
+            ended = event.type in TERMINAL
+            yield _sse(event)
+    finally:
+        state.hub.close(job["team"], listener)
+
+
+@router.get("/teams/{team}/stream", tags=["events"], response_class=EventSourceResponse)
+async def team_stream(request: Request, me: Me, team: TeamName):
+    """Server-sent events: every event of the team's jobs from now on, as it happens (copies the
+    notifier writes to the team's subjects), until the stream's time limit."""
+    require(me, *READERS)
+    if not me.sees_team(team):
+        raise forbidden(f"a member of {me.team} sees only its own team's events, not {team!r}'s")
+    state = _state(request)
+    listener = state.hub.open(team)
+    try:
+        yield ServerSentEvent(event="open", raw_data=json.dumps({"team": team}))
+        deadline = asyncio.get_running_loop().time() + state.settings.stream_max_s
+        while not listener.ended.is_set():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0 or await request.is_disconnected():
+                break
+            try:
+                event = await asyncio.wait_for(listener.queue.get(), min(left, 5.0))
+            except TimeoutError:
+                continue
+            yield _sse(event)
+    finally:
+        state.hub.close(team, listener)
+
+
+# -- queues, cluster, usage ---------------------------------------------------------------------
+
+
+@router.get("/queues", tags=["queues"])
+async def queues(request: Request, me: Me) -> list[dict[str, Any]]:
+    """Per queue and flavor: nominal, limits, used, borrowed, lent, pending jobs, budget left.
+    A member sees the queues its team may submit to."""
+    require(me, *READERS)
+    async with _state(request).pool.acquire() as conn:
+        return await reads.queues(conn, team_filter(me, None))
+
+
+@router.get("/cohorts", tags=["queues"])
+async def cohorts(request: Request, me: Me) -> list[dict[str, Any]]:
+    require(me, *READERS)
+    async with _state(request).pool.acquire() as conn:
+        return await reads.cohorts(conn)
+
+
+@router.get("/nodes", tags=["cluster"])
+async def nodes(request: Request, me: Me) -> list[dict[str, Any]]:
+    """Each node's GPUs: capacity, used, free (no job is named)."""
+    require(me, *READERS)
+    async with _state(request).pool.acquire() as conn:
+        return await reads.nodes(conn)
+
+
+@router.get("/gpus", tags=["cluster"])
+async def gpus(request: Request, me: Me) -> list[dict[str, Any]]:
+    """Per GPU flavor: capacity, used, free, fragmented (free on partly used nodes), largest free block."""
+    require(me, *READERS)
+    async with _state(request).pool.acquire() as conn:
+        return reads.gpus_by_flavor(await reads.nodes(conn))
+
+
+Dimension = Literal["team", "project", "queue", "flavor", "day"]
+Period = Annotated[str | None, Query(pattern=r"^[0-9]{4}-(0[1-9]|1[0-2])(-([0-2][0-9]|3[01]))?$",
+                                     description="A month (2026-12) or a day (2026-12-04)")]
+Format = Annotated[Literal["json", "csv"], Query()]
+
+
+def _csv(rows: list[dict[str, Any]], name: str) -> Response:
+    out = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return Response(out.getvalue(), media_type="text/csv",
+                    headers={"Content-Disposition": f'attachment; filename="{name}.csv"'})
+
+
+@router.get("/usage", tags=["usage"], responses={200: {"content": {"text/csv": {}}}})
+async def usage(request: Request, me: Me, by: Annotated[list[Dimension], Query()] = ["team", "flavor"],  # noqa: B006
+                period: Period = None, format: Format = "json"):
+    """GPU-hours and cost per group, prorated to the period; a member gets its team's rows."""
+    require(me, *USAGE_READERS)
+    try:
+        async with _state(request).pool.acquire() as conn:
+            rows = await reads.usage(conn, team_filter(me, None), list(dict.fromkeys(by)), period)
+    except ValueError as err:
+        raise invalid([FieldError(field="query.period", message=str(err))]) from None
+    return _csv(rows, "usage") if format == "csv" else JSONResponse(json.loads(json.dumps(rows, default=str)))
+
+
+@router.get("/chargeback", tags=["usage"], responses={200: {"content": {"text/csv": {}}}})
+async def chargeback(request: Request, me: Me,
+                     period: Annotated[str, Query(pattern=r"^[0-9]{4}-(0[1-9]|1[0-2])$", description="A month")],
+                     group_by: Dimension = "team", format: Format = "json"):
+    """The period's chargeback statement as the read models give it now (every team's lines:
+    chargeback readers, operators and admins)."""
+    require(me, Role.CHARGEBACK, Role.OPERATOR, Role.ADMIN)
+    async with _state(request).pool.acquire() as conn:
+        body = await reads.chargeback_statement(conn, period, group_by)
+    if format == "csv":
+        return _csv([dict(line) for line in body.get("lines", [])], f"chargeback-{period}-{group_by}")
+    return JSONResponse(json.loads(json.dumps(body, default=str)))
+
+
+@router.get("/metrics/summary", tags=["usage"])
+async def metrics_summary(request: Request, me: Me) -> dict[str, Any]:
+    """Jobs by state, wait-time percentiles and failures of the last day, GPU utilization of the
+    last hour (a member: its team's jobs)."""
+    require(me, *USAGE_READERS)
+    async with _state(request).pool.acquire() as conn:
+        return await reads.summary(conn, team_filter(me, None) if me.role == Role.MEMBER else None)
+
+
+@router.get("/metrics/series", tags=["usage"])
+async def metrics_series(request: Request, me: Me, hours: Annotated[int, Query(ge=1, le=168)] = 24,
+                         bucket_s: Annotated[int, Query(ge=60, le=86_400)] = 3600) -> list[dict[str, Any]]:
+    """Per time bucket: submitted, started, waiting (congestion), median wait, GPU utilization."""
+    require(me, *USAGE_READERS)
+    if hours * 3600 // bucket_s > 2000:
+        raise invalid([FieldError(field="query.bucket_s", message="more than 2,000 buckets",
+                                  accepted="hours * 3600 / bucket_s <= 2000")])
+    async with _state(request).pool.acquire() as conn:
+        return await reads.series(conn, team_filter(me, None) if me.role == Role.MEMBER else None, hours, bucket_s)
+
+
+@router.get("/deadletters", tags=["operations"])
+async def deadletters(request: Request, me: Me, limit: Annotated[int, Query(ge=1, le=500)] = 50) -> list[dict[str, Any]]:
+    """The newest dead letters with their reasons (operators and admins)."""
+    require(me, Role.OPERATOR, Role.ADMIN)
+    return await history.dead_letters(_state(request).js, limit)
+
+
+@router.get("/whoami", tags=["auth"])
+async def whoami(me: Me) -> dict[str, Any]:
+    return {"token_id": me.token_id, "name": me.name, "role": me.role.value, "team": me.team}
+
+
+@router.get("/tokens", tags=["auth"])
+async def list_tokens(request: Request, me: Me) -> list[dict[str, Any]]:
+    """Every token's id, holder, role, team and state (never its hash): admins."""
+    require(me, Role.ADMIN)
+    rows = await _state(request).pool.fetch(
+        "SELECT token_id, name, role, team, issued_by, issued_at, expires_at, revoked_at, revoked_by "
+        "FROM api_tokens ORDER BY issued_at")
+    return [dict(r) for r in rows]
+
