@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from schemas.envelope import NAME_PATTERN, Contract, Timestamp
 from schemas.job import JobSpec
@@ -84,6 +84,13 @@ class _Identified(Contract):
     )
 
 
+def _not_reserved_schema(schema: dict[str, Any]) -> None:
+    """JSON Schema of ``job_id``: the string branch refuses the reserved prefix (null stays valid)."""
+    for branch in schema.get("anyOf", ()):
+        if branch.get("type") == "string":
+            branch["not"] = {"pattern": f"^{RESERVED_JOB_ID_PREFIX}"}
+
+
 class SubmitJob(_Identified):
     """Published to an intake subject of the team (:class:`Principal`); ``spec.team`` must match it."""
 
@@ -91,7 +98,7 @@ class SubmitJob(_Identified):
         default=None,
         pattern=NAME_PATTERN,
         description="Client-chosen id; derived from the idempotency key or intake position if absent",
-        json_schema_extra={"not": {"pattern": f"^{RESERVED_JOB_ID_PREFIX}"}},
+        json_schema_extra=lambda schema: _not_reserved_schema(schema),
     )
     submitter: str | None = Field(
         default=None, min_length=1, max_length=253,
@@ -215,7 +222,23 @@ def parse_command(model: type[C], raw: bytes) -> C:
     ``1`` for a string); times are RFC 3339 strings with an offset. MalformedCommand or
     pydantic.ValidationError."""
     load_command(raw)
-    return model.model_validate_json(raw, strict=True)
+    try:
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as err:
+        if not any(e["type"] == "int_type" and _integral(e["input"]) for e in err.errors()):
+            raise
+    # JSON Schema's "integer" is a number without a fraction, 7.0 included: read such a number
+    # as the integer it is (a number with a fraction stays refused).
+    return model.model_validate_json(json.dumps(json.loads(raw, parse_float=_number)), strict=True)
+
+
+def _integral(value: Any) -> bool:
+    return isinstance(value, float) and value.is_integer() and abs(value) <= 2**53
+
+
+def _number(text: str) -> int | float:
+    value = float(text)
+    return int(value) if _integral(value) else value
 
 
 def _check_text(value: Any, path: tuple[str, ...]) -> None:

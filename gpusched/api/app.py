@@ -20,6 +20,7 @@ from runtime.settings import ConfigError, Settings, env_address, env_number
 from schemas import CancelJob, ReportCheckpoint, SubmitJob, parse_event
 from schemas.commands import Principal
 from schemas.export import ContractSchema
+from schemas.job import rejection_id
 from schemas.registry import SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -64,20 +65,26 @@ class Gateway:
                                       stream=eventlog.INTAKE_STREAM, timeout=10)
         return ack.seq, bool(ack.duplicate)
 
-    async def earlier_decision(self, job_id: str) -> tuple[int, Answer] | None:
-        """The intake sequence and admission decision of a job already in the log (a repeat)."""
-        found = {}
-        for token in ("submitted", "admitted", "rejected"):
-            try:
-                raw = await self.js.get_msg(eventlog.EVENTS_STREAM, subject=f"{SUBJECT_PREFIX}.job.{job_id}.{token}",
-                                            direct=True)
-            except NotFoundError:
-                continue
-            found[token] = parse_event(raw.data)
-        decision = found.get("admitted") or found.get("rejected")
-        if "submitted" not in found or decision is None:
+    async def earlier_decision(self, job_id: str, intake_seq: int | None = None) -> tuple[int, Answer] | None:
+        """The intake sequence and admission decision of a job already in the log (a repeat), or
+        the rejection of the command at ``intake_seq`` (a repeat of a rejected one)."""
+        if intake_seq is not None:
+            rejected = await self._last(f"{SUBJECT_PREFIX}.job.{rejection_id(intake_seq)}.rejected")
+            if rejected is not None:
+                return intake_seq, Answer(rejected, repeat=True)
+        submitted = await self._last(f"{SUBJECT_PREFIX}.job.{job_id}.submitted")
+        if submitted is None:
             return None
-        return found["submitted"].intake_sequence, Answer(decision, repeat=True)
+        decision = (await self._last(f"{SUBJECT_PREFIX}.job.{job_id}.admitted")
+                    or await self._last(f"{SUBJECT_PREFIX}.job.{job_id}.rejected"))
+        return None if decision is None else (submitted.intake_sequence, Answer(decision, repeat=True))
+
+    async def _last(self, subject: str):
+        try:
+            raw = await self.js.get_msg(eventlog.EVENTS_STREAM, subject=subject, direct=True)
+        except NotFoundError:
+            return None
+        return parse_event(raw.data)
 
 
 def _openapi(app: FastAPI) -> dict:

@@ -105,6 +105,18 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kinds = {404: "not-found", 405: "method-not-allowed", 401: "unauthorized", 403: "forbidden"}
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # every method of the path, not only those of the first route matched
+            headers["Allow"] = ", ".join(_methods(app, request.url.path))
         problem = Problem(exc.status_code, kinds.get(exc.status_code, "http-error"), str(exc.detail), str(exc.detail),
-                          headers=getattr(exc, "headers", None))
+                          headers=headers or None)
         return respond(problem, request)
+
+
+def _methods(app: FastAPI, path: str) -> list[str]:
+    methods: set[str] = set()
+    for route in app.routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(path):
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, ServerSentEvent
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from gpusched import commands, history
 from gpusched.api import reads
@@ -31,8 +31,10 @@ READERS = (Role.MEMBER, Role.OPERATOR, Role.ADMIN)
 """Who reads jobs and queues (a chargeback reader sees usage only)."""
 USAGE_READERS = (Role.MEMBER, Role.OPERATOR, Role.ADMIN, Role.CHARGEBACK)
 TERMINAL = ("JobSucceeded", "JobCancelled", "JobRejected")
+DUPLICATE_WAIT_S = 2.0
+"""How long a duplicate of a command with no decision in the log waits for one."""
 PROBLEM = {"model": ProblemDetails, "content": {"application/problem+json": {}}}
-ERRORS = {401: PROBLEM, 403: PROBLEM, 422: PROBLEM}
+ERRORS = {400: PROBLEM, 401: PROBLEM, 403: PROBLEM, 422: PROBLEM}
 
 router = APIRouter(prefix="/v1", responses=ERRORS)
 Me = Annotated[Identity, Depends(identity)]
@@ -59,10 +61,15 @@ class CancelRequest(Strict):
     reason: str = Field(default="", max_length=1024)
 
 
+def _whole(value: Any) -> Any:
+    """JSON Schema's "integer" includes 3.0: read it as 3 (a fraction stays refused)."""
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53 else value
+
+
 class CheckpointRequest(Strict):
-    attempt: int = Field(ge=1, le=1_000_000)
+    attempt: Annotated[int, Field(ge=1, le=1_000_000), BeforeValidator(_whole)]
     checkpointed_at: Timestamp | None = None
-    step: int | None = Field(default=None, ge=0, le=2**62)
+    step: Annotated[int, Field(ge=0, le=2**53), BeforeValidator(_whole)] | None = None
     location: str = Field(default="", max_length=1024)
 
 
@@ -95,14 +102,14 @@ WaitS = Annotated[float, Query(ge=0, le=30, description="Seconds to wait for adm
                  "schema": {"$ref": "#/components/schemas/SubmitJob"}}}}},
              responses={200: {"model": Decision, "description": "An idempotent repeat: the job existed"},
                         202: {"model": Decision, "description": "Sent; no answer within the wait"},
-                        409: PROBLEM})
+                        409: {**PROBLEM, "description": "Admission rejected the job (reason, field, accepted values)"}})
 async def submit(request: Request, response: Response, me: Me, wait: WaitS = 10.0,
                  idempotency_key: Annotated[str | None, Header(
                      alias="Idempotency-Key", min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$",
                      description="Retrying with the same key returns the same job")] = None) -> Decision:
     """Submit a job (a SubmitJob document: ``{"spec": {...}}``, the same as on NATS) and wait for
-    admission's answer: 201 admitted, 422 rejected (with the reason), 202 when no answer came
-    within ``wait``, 200 for a repeat of an existing job."""
+    admission's answer: 201 admitted, 409 rejected by admission (with the reason), 422 invalid
+    input, 202 when no answer came within ``wait``, 200 for a repeat of an existing job."""
     require(me, Role.MEMBER, Role.OPERATOR, Role.ADMIN)
     raw = await request.body()
     try:
@@ -120,8 +127,8 @@ async def submit(request: Request, response: Response, me: Me, wait: WaitS = 10.
         command = command.model_copy(update={"spec": command.spec.model_copy(update={"idempotency_key": idempotency_key})})
     if principal.operator:
         command = command.model_copy(update={"on_behalf_of": command.on_behalf_of or me.name})
-    if (problem := identity_problem(command, principal)) is not None:
-        raise invalid([FieldError(field=f"body.{problem[0]}", message=problem[1])])
+    if (problem := identity_problem(command, principal)) is not None:  # it names someone else as the sender
+        raise forbidden(f"body.{problem[0]}: {problem[1]}")
     key = command.spec.idempotency_key
     chosen = command.job_id is not None
     job_id = command.job_id or (job_id_for_key(team, key) if key else commands.new_job_id(command))
@@ -133,6 +140,11 @@ async def submit(request: Request, response: Response, me: Me, wait: WaitS = 10.
             return _decision(response, job_id, *earlier)
     headers = {"Nats-Msg-Id": f"submit/{team}/{key}" if key else f"submit/{job_id}"}
     seq, duplicate = await state.gateway.send(principal, command, headers)
+    if duplicate:  # JetStream kept the first of these: its answer may be older than Decisions keeps
+        earlier = await state.gateway.earlier_decision(job_id, seq)
+        if earlier is not None:
+            return _decision(response, job_id, *earlier)
+        wait = min(wait, DUPLICATE_WAIT_S)  # the first is still undecided, or admission refused it
     answer = None
     if wait > 0:
         answer = await state.decisions.wait([job_id, rejection_id(seq)], seq, commands.SubmitAnswers(seq), wait)
@@ -146,10 +158,10 @@ def _decision(response: Response, job_id: str, seq: int, answer: commands.Answer
         response.status_code = 202
         return Decision(job_id=job_id, intake_sequence=seq, decision="pending")
     if answer.dead_letter is not None:
-        raise Problem(422, "refused", "Refused by admission", answer.dead_letter, job_id=job_id, reason="dead-letter")
+        raise Problem(409, "refused", "Refused by admission", answer.dead_letter, job_id=job_id, reason="dead-letter")
     event = answer.event
     if isinstance(event, JobRejected):
-        raise Problem(422, "rejected", "Rejected", event.message, job_id=event.aggregate_id,
+        raise Problem(409, "rejected", "Rejected", event.message, job_id=event.aggregate_id,
                       reason=event.reason.value,
                       errors=[FieldError(field=f"body.{event.field}", message=event.message)] if getattr(
                           event, "field", None) else [])
@@ -167,18 +179,16 @@ async def list_jobs(request: Request, me: Me,
                     kind: Annotated[Literal["training", "inference", "evaluation", "batch"] | None, Query()] = None,
                     submitter: Annotated[str | None, Query(min_length=1, max_length=253)] = None,
                     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-                    cursor: Annotated[str | None, Query(max_length=512)] = None) -> dict[str, Any]:
+                    cursor: Annotated[str | None, Query(pattern=reads.CURSOR_PATTERN, description=(
+                        "The next_cursor of the previous page"))] = None) -> dict[str, Any]:
     """Jobs, newest first, a page at a time (``next_cursor``: the next page; null: the last).
     Each waiting job carries its position in its queue."""
     require(me, *READERS)
-    try:
-        async with _state(request).pool.acquire() as conn:
-            rows, next_cursor = await reads.list_jobs(conn, team=team_filter(me, team), state=state, queue=queue,
-                                                      kind=kind, submitter=submitter, limit=limit, cursor=cursor)
-            waiting = [r["job_id"] for r in rows if r["state"] in ("queued", "retrying", "preempted")]
-            positions = await reads.job_positions(conn, waiting) if waiting else {}
-    except ValueError as err:
-        raise invalid([FieldError(field="query.cursor", message=str(err))]) from None
+    async with _state(request).pool.acquire() as conn:
+        rows, next_cursor = await reads.list_jobs(conn, team=team_filter(me, team), state=state, queue=queue,
+                                                  kind=kind, submitter=submitter, limit=limit, cursor=cursor)
+        waiting = [r["job_id"] for r in rows if r["state"] in ("queued", "retrying", "preempted")]
+        positions = await reads.job_positions(conn, waiting) if waiting else {}
     for r in rows:
         r["position"] = positions.get(r["job_id"])
     return {"items": rows, "next_cursor": next_cursor}
@@ -211,7 +221,7 @@ async def why(request: Request, me: Me, job_id: JobId) -> dict[str, Any]:
     return history.explain(job_id, log)
 
 
-@router.post("/jobs/{job_id}/cancel", tags=["jobs"], response_model=Answered, responses={404: PROBLEM})
+@router.post("/jobs/{job_id}/cancel", tags=["jobs"], response_model=Answered, responses={404: PROBLEM, 409: PROBLEM})
 async def cancel(request: Request, me: Me, job_id: JobId, body: CancelRequest, wait: WaitS = 10.0) -> Answered:
     """Ask to cancel the job; answers with the JobCancelRequested (or the end it had reached)."""
     require(me, Role.MEMBER, Role.OPERATOR, Role.ADMIN)
@@ -224,7 +234,7 @@ async def cancel(request: Request, me: Me, job_id: JobId, body: CancelRequest, w
     return _answered(job_id, seq, answer)
 
 
-@router.post("/jobs/{job_id}/checkpoints", tags=["jobs"], response_model=Answered, responses={404: PROBLEM})
+@router.post("/jobs/{job_id}/checkpoints", tags=["jobs"], response_model=Answered, responses={404: PROBLEM, 409: PROBLEM})
 async def checkpoint(request: Request, me: Me, job_id: JobId, body: CheckpointRequest, wait: WaitS = 10.0) -> Answered:
     """Report a checkpoint of a running attempt (checkpoint-aware preemption prefers jobs that
     checkpointed recently); answers with the JobCheckpointed admission recorded."""
@@ -242,7 +252,7 @@ async def checkpoint(request: Request, me: Me, job_id: JobId, body: CheckpointRe
 
 def _answered(job_id: str, seq: int, answer: commands.Answer | None) -> Answered:
     if answer is not None and answer.dead_letter is not None:
-        raise Problem(422, "refused", "Refused by admission", answer.dead_letter, job_id=job_id, reason="dead-letter")
+        raise Problem(409, "refused", "Refused by admission", answer.dead_letter, job_id=job_id, reason="dead-letter")
     return Answered(job_id=job_id, intake_sequence=seq, outcome=answer.event.type if answer else "pending",
                     repeat=bool(answer and answer.repeat))
 
@@ -350,8 +360,8 @@ async def gpus(request: Request, me: Me) -> list[dict[str, Any]]:
 
 
 Dimension = Literal["team", "project", "queue", "flavor", "day"]
-Period = Annotated[str | None, Query(pattern=r"^[0-9]{4}-(0[1-9]|1[0-2])(-([0-2][0-9]|3[01]))?$",
-                                     description="A month (2026-12) or a day (2026-12-04)")]
+MONTH = r"^(19|2[0-9])[0-9]{2}-(0[1-9]|1[0-2])$"
+Period = Annotated[str | None, Query(pattern=MONTH, description="A calendar month (UTC), e.g. 2026-12")]
 Format = Annotated[Literal["json", "csv"], Query()]
 
 
@@ -380,13 +390,16 @@ async def usage(request: Request, me: Me, by: Annotated[list[Dimension], Query()
 
 @router.get("/chargeback", tags=["usage"], responses={200: {"content": {"text/csv": {}}}})
 async def chargeback(request: Request, me: Me,
-                     period: Annotated[str, Query(pattern=r"^[0-9]{4}-(0[1-9]|1[0-2])$", description="A month")],
-                     group_by: Dimension = "team", format: Format = "json"):
+                     period: Annotated[str, Query(pattern=MONTH, description="A calendar month (UTC)")],
+                     group_by: Literal["team", "project", "queue", "flavor"] = "team", format: Format = "json"):
     """The period's chargeback statement as the read models give it now (every team's lines:
     chargeback readers, operators and admins)."""
     require(me, Role.CHARGEBACK, Role.OPERATOR, Role.ADMIN)
-    async with _state(request).pool.acquire() as conn:
-        body = await reads.chargeback_statement(conn, period, group_by)
+    try:
+        async with _state(request).pool.acquire() as conn:
+            body = await reads.chargeback_statement(conn, period, group_by)
+    except ValueError as err:
+        raise invalid([FieldError(field="query.period", message=str(err))]) from None
     if format == "csv":
         return _csv([dict(line) for line in body.get("lines", [])], f"chargeback-{period}-{group_by}")
     return JSONResponse(json.loads(json.dumps(body, default=str)))

@@ -50,7 +50,7 @@ def test_the_same_idempotency_key_gives_the_same_job_once(api_stack):
 def test_a_rejection_is_a_problem_naming_the_reason(api_stack):
     with api_stack.client("alice") as alice:
         r = alice.post("/v1/jobs", json=job_document(new_id(), "team-a", queue_name="q-team-b"))
-        assert r.status_code == 422, r.text
+        assert r.status_code == 409, r.text
         problem = r.json()
         assert r.headers["content-type"].startswith("application/problem+json")
         assert problem["type"].endswith("/rejected") and problem["reason"] and problem["detail"]

@@ -68,3 +68,14 @@ def test_events_parse_strictly_too(overrides):
     with pytest.raises((ValueError, ValidationError)):
         parse_event(_started(**overrides))
     assert parse_event(_started()).attempt == 1
+
+
+def test_an_integer_written_with_a_zero_fraction_is_that_integer_as_json_schema_says():
+    """JSON Schema's "integer" includes 8.0; admission reads it as 8. A fraction stays refused."""
+    from schemas.commands import SubmitJob, parse_command
+
+    doc = {"spec": {**spec_dict(), "gpus": 8.0, "cpu_millis": 2000.0, "expected_runtime_seconds": 60.0}}
+    command = parse_command(SubmitJob, json.dumps(doc).encode())
+    assert command.spec.gpus == 8 and isinstance(command.spec.gpus, int) and command.spec.cpu_millis == 2000
+    with pytest.raises(ValidationError):
+        parse_command(SubmitJob, json.dumps({"spec": {**spec_dict(), "gpus": 2.5}}).encode())
