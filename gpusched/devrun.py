@@ -14,6 +14,7 @@ import json
 import os
 import random
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,9 +28,11 @@ from rich.live import Live
 from rich.table import Table
 
 from gpusched import commands, connection, devstack, history, queueconfig
+from gpusched.api import tokens
 from runtime import eventlog
 from runtime.settings import Settings
 from schemas import JobSpec, SubmitJob
+from schemas.auth import Role
 from schemas.job import JobKind
 from services.accounting import queries
 from services.executor.cluster import load_cluster  # the dev stack runs the sim cluster it loads
@@ -229,14 +232,18 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     for event in queueconfig.plan_queues(example("queues.yaml"), await queueconfig.current_queues(js), datetime.now(UTC)):
         await eventlog.EventLog(js).append(event)
 
-    metrics_ports = {name: devstack.free_port() for name in devstack.SERVICES}
+    metrics_ports = {name: devstack.free_port() for name in devstack.PROCESSES}
+    api_port = _api_port()
     # Local NATS: each service its own user. External NATS: the credentials in the environment.
     nats_env = nats_server.env if nats_server else (lambda name: external_nats_env)
     webhook_secrets = devstack.webhook_secrets(run_dir / "webhook-secrets.json", TEAMS)
     env = devstack.service_env(nats_env, dsn, cluster=cluster, time_scale=clock["time_scale"], epoch=clock["epoch"],
-                               metrics_ports=metrics_ports, webhook_secrets=webhook_secrets)
+                               metrics_ports=metrics_ports, webhook_secrets=webhook_secrets, api_port=api_port)
     procs = devstack.ServiceProcesses(data_dir / "logs", env)
     procs.start_all()
+    api_tokens = await _demo_tokens(js, run_dir / "api-tokens.json")
+    api_url = f"http://127.0.0.1:{api_port}"
+    _save_api(run_dir / "connection.json", api_url, api_tokens["operator"])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -247,6 +254,9 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
         console.print("metrics: " + "  ".join(f"{n} :{p}" for n, p in metrics_ports.items()))
         console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage   "
                       "(reads .data/run/connection.json; from elsewhere ~/.local/state/gpusched/)")
+        console.print(f"[bold]console {api_url}/console[/bold]   API {api_url}/docs   demo token "
+                      f"({TEAMS[0]} member 'demo'): [bold]{api_tokens['demo']}[/bold]   operator token in "
+                      f"{run_dir / 'api-tokens.json'}")
         if nats_server:
             console.print(f"teams: NATS users {', '.join(TEAMS)} (passwords in {nats_server.creds_path}); each reads "
                           f"its stream GPUSCHED_TENANT_<team>; webhook secrets in {webhook_secrets}")
@@ -270,6 +280,42 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
         await nc.close()
         console.print(f"stopped; data kept in {data_dir}")
     return 0
+
+
+def _api_port() -> int:
+    """GPUSCHED_API_PORT, else 8080 when it is free, else any free port."""
+    if os.environ.get("GPUSCHED_API_PORT"):
+        return int(os.environ["GPUSCHED_API_PORT"])
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", 8080))
+            return 8080
+        except OSError:
+            return devstack.free_port()
+
+
+async def _demo_tokens(js, path: Path) -> dict[str, str]:
+    """API tokens for the demo (kept across runs with the data): a member of the first team and
+    an operator, issued once as ApiTokenIssued events (the dev stack connects as the admin)."""
+    held = json.loads(path.read_text()) if path.exists() else {}
+    for holder, role, team in (("demo", Role.MEMBER, TEAMS[0]), ("operator", Role.OPERATOR, None)):
+        if holder not in held:
+            minted = tokens.mint()
+            await eventlog.EventLog(js).append(tokens.issued(minted, name=holder, role=role, team=team,
+                                                             issued_by="admin", now=datetime.now(UTC)))
+            held[holder] = minted.token
+    path.write_text(json.dumps(held, indent=2))
+    path.chmod(0o600)
+    return held
+
+
+def _save_api(path: Path, url: str, token: str) -> None:
+    """Add the API's address and the operator's token to the connection files `make run` wrote,
+    so that the CLI and the SDK reach the API (gpusched.connection)."""
+    for target in (path, connection.user_connection_file()):
+        saved = json.loads(target.read_text())
+        saved.update(api_url=url, api_token=token)
+        target.write_text(json.dumps(saved))
 
 
 async def _supervise(procs: devstack.ServiceProcesses, js, deps: Dependencies, capacity: int,
