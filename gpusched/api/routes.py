@@ -264,14 +264,26 @@ def _sse(event: TenantEvent) -> ServerSentEvent:
     return ServerSentEvent(raw_data=event.data.decode(), event=event.type, id=event.event_id or None)
 
 
+async def _stream_job(request: Request, me: Me, job_id: JobId) -> dict[str, Any]:
+    """The job a stream follows, checked before the stream starts (a generator's errors would
+    come after the response began)."""
+    require(me, *READERS)
+    return await _job_visible(request, me, job_id)
+
+
+def _stream_team(me: Me, team: TeamName) -> str:
+    require(me, *READERS)
+    if not me.sees_team(team):
+        raise forbidden(f"a member of {me.team} sees only its own team's events, not {team!r}'s")
+    return team
+
+
 @router.get("/jobs/{job_id}/stream", tags=["events"], response_class=EventSourceResponse,
             responses={404: PROBLEM})
-async def job_stream(request: Request, me: Me, job_id: JobId):
+async def job_stream(request: Request, job_id: JobId, job: Annotated[dict[str, Any], Depends(_stream_job)]):
     """Server-sent events: the job's history, then its events as they happen, until it ends
     (or the stream's time limit; reconnect to go on). Each event's ``event`` is its type, ``id``
     its event id, ``data`` the event as JSON."""
-    require(me, *READERS)
-    job = await _job_visible(request, me, job_id)
     state = _state(request)
     listener = state.hub.open(job["team"])
     try:
@@ -281,15 +293,7 @@ async def job_stream(request: Request, me: Me, job_id: JobId):
             seen.add(e.event_id)
             ended = ended or e.type in TERMINAL
             yield ServerSentEvent(raw_data=e.model_dump_json(), event=e.type, id=e.event_id)
-        deadline = asyncio.get_running_loop().time() + state.settings.stream_max_s
-        while not ended and not listener.ended.is_set():
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0 or await request.is_disconnected():
-                break
-            try:
-                event = await asyncio.wait_for(listener.queue.get(), min(left, 5.0))
-            except TimeoutError:
-                continue
+        async for event in _live(request, listener, lambda: ended):
             if event.job_id != job_id or event.event_id in seen:
                 continue
             seen.add(event.event_id)
@@ -299,26 +303,29 @@ async def job_stream(request: Request, me: Me, job_id: JobId):
         state.hub.close(job["team"], listener)
 
 
+async def _live(request: Request, listener, done) -> Any:
+    """The listener's events until ``done()``, the hub ends it, the client leaves or the
+    stream's time limit passes."""
+    deadline = asyncio.get_running_loop().time() + _state(request).settings.stream_max_s
+    while not done() and not listener.ended.is_set():
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0 or await request.is_disconnected():
+            return
+        try:
+            yield await asyncio.wait_for(listener.queue.get(), min(left, 5.0))
+        except TimeoutError:
+            continue
+
+
 @router.get("/teams/{team}/stream", tags=["events"], response_class=EventSourceResponse)
-async def team_stream(request: Request, me: Me, team: TeamName):
+async def team_stream(request: Request, team: Annotated[str, Depends(_stream_team)]):
     """Server-sent events: every event of the team's jobs from now on, as it happens (copies the
     notifier writes to the team's subjects), until the stream's time limit."""
-    require(me, *READERS)
-    if not me.sees_team(team):
-        raise forbidden(f"a member of {me.team} sees only its own team's events, not {team!r}'s")
     state = _state(request)
     listener = state.hub.open(team)
     try:
         yield ServerSentEvent(event="open", raw_data=json.dumps({"team": team}))
-        deadline = asyncio.get_running_loop().time() + state.settings.stream_max_s
-        while not listener.ended.is_set():
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0 or await request.is_disconnected():
-                break
-            try:
-                event = await asyncio.wait_for(listener.queue.get(), min(left, 5.0))
-            except TimeoutError:
-                continue
+        async for event in _live(request, listener, lambda: False):
             yield _sse(event)
     finally:
         state.hub.close(team, listener)

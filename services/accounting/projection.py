@@ -200,7 +200,7 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     ChargebackStatementIssued: _statement,
     TeamConfigured: _team,
     ApiTokenIssued: _token,
-    ApiTokenRevoked: lambda e, j, t, seq: [Op("api_token_revoked", (e.token_id, t, e.revoked_by, seq))],
+    ApiTokenRevoked: lambda e, j, t, seq: [Op("api_token_revoked", (e.token_id, t, e.revoked_by))],
 }
 
 

@@ -102,10 +102,27 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                 f"gpusched.intake.{team}.submit", f"gpusched.intake.{team}.user.alice.submit", "gpusched.job.x.admitted",
                 f"gpusched.tenant.{team}.x", f"$JS.API.CONSUMER.DELETE.{EV}.admission",
                 f"$JS.API.CONSUMER.CREATE.{EV}.admission", f"$JS.API.CONSUMER.MSG.NEXT.{INTAKE}.admission-intake",
-                f"$JS.API.CONSUMER.CREATE.{mine}.spy",
+                f"$JS.API.CONSUMER.CREATE.{mine}.spy", "gpusched.token.x.issued", "gpusched.token.x.revoked",
             ) + sub(f"gpusched.tenant.{team}.>"),
         ),
-        "admin": (pub(f"$JS.API.STREAM.INFO.{EV}", f"gpusched.intake.{team}.submit") + sub(">", "_INBOX.>"), []),
+        "api": (  # the HTTP API: commands as its callers, direct gets, core subscriptions; no consumer
+            pub(f"gpusched.intake.{team}.user.alice.submit", f"gpusched.intake.{other}.operator.cancel",
+                f"gpusched.intake.{team}.user.bob.checkpoint", f"$JS.API.DIRECT.GET.{EV}",
+                f"$JS.API.DIRECT.GET.{EV}.gpusched.job.x.admitted", f"$JS.API.STREAM.INFO.{DLQ}",
+                f"$JS.API.DIRECT.GET.{DLQ}")
+            + sub("_INBOX.api.>", "gpusched.job.*.admitted", "gpusched.job.*.rejected",
+                  "gpusched.deadletter.admission.intake", "gpusched.tenant.*.job.>"),
+            never + pub(
+                f"gpusched.intake.{team}.submit", "gpusched.job.x.admitted", "gpusched.token.x.issued",
+                "gpusched.queue.q.configured", f"gpusched.tenant.{team}.job.x.admitted",
+                f"$JS.API.CONSUMER.CREATE.{EV}", f"$JS.API.CONSUMER.CREATE.{EV}.api-r0",
+                f"$JS.API.CONSUMER.CREATE.{mine}.spy", f"$JS.API.STREAM.INFO.{INTAKE}",
+                f"$JS.API.DIRECT.GET.{INTAKE}", f"$JS.API.STREAM.MSG.GET.{mine}", "gpusched.deadletter.api",
+            ) + sub("gpusched.job.>", "gpusched.job.x.scheduled", f"gpusched.tenant.{team}.notify.>",
+                    "gpusched.intake.>", "gpusched.deadletter.>"),
+        ),
+        "admin": (pub(f"$JS.API.STREAM.INFO.{EV}", f"gpusched.intake.{team}.submit", "gpusched.token.x.issued")
+                  + sub(">", "_INBOX.>"), []),
     }
 
 

@@ -125,7 +125,7 @@ CASES = [
      [Op("price_book", ("default", at(-10), "USD", '{"a100": 2.0, "h100": 4.5}', 0.05, None, "charge-owner", SEQ))]),
     (token_issued(when=at(3)), [Op("api_token", ("abcdefghijk1", "alice", "member", "team-a", "0" * 64, "admin", at(3),
                                                   None, SEQ))]),
-    (token_revoked(when=at(4)), [Op("api_token_revoked", ("abcdefghijk1", at(4), "admin", SEQ))]),
+    (token_revoked(when=at(4)), [Op("api_token_revoked", ("abcdefghijk1", at(4), "admin"))]),
     (team_configured("team-a", ("https://hooks.example/a",), when=at(2)),
      [Op("team", ("team-a", '{"webhooks":[{"url":"https://hooks.example/a","kinds":[]}]}', at(2), SEQ))]),
     (STATEMENT, [Op("statement", (STATEMENT.aggregate_id, "2026-01", "team", "sha256:" + "0" * 64, 1, 10, 3.0,
