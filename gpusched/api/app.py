@@ -12,7 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from gpusched.api import bus, problems, routes
+from gpusched.api import bus, problems, routes, telemetry
 from gpusched.commands import Answer
 from gpusched.api.auth import Authenticator
 from runtime import eventlog, observability
@@ -127,6 +127,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app = FastAPI(title="gpusched API", version="1", lifespan=lifespan,
                   description="Submit and follow GPU jobs; queues, cluster, usage. docs/api.md.")
     problems.install(app)
+    app.add_middleware(telemetry.Telemetry)
     app.include_router(routes.router)
 
     @app.get("/healthz", tags=["operations"])

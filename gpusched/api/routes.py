@@ -15,7 +15,7 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from gpusched import commands, history
-from gpusched.api import reads
+from gpusched.api import reads, telemetry
 from gpusched.api.auth import Identity, forbidden, identity, require, team_filter
 from gpusched.api.bus import TenantEvent
 from gpusched.api.problems import FieldError, Problem, ProblemDetails, from_malformed, from_validation, invalid
@@ -147,7 +147,8 @@ async def submit(request: Request, response: Response, me: Me, wait: WaitS = 10.
         wait = min(wait, DUPLICATE_WAIT_S)  # the first is still undecided, or admission refused it
     answer = None
     if wait > 0:
-        answer = await state.decisions.wait([job_id, rejection_id(seq)], seq, commands.SubmitAnswers(seq), wait)
+        with telemetry.DECISION_WAIT.labels("submit").time():
+            answer = await state.decisions.wait([job_id, rejection_id(seq)], seq, commands.SubmitAnswers(seq), wait)
     if answer is not None and duplicate:
         answer = commands.Answer(answer.event, answer.dead_letter, repeat=True)
     return _decision(response, job_id, seq, answer)
@@ -261,6 +262,7 @@ def _answered(job_id: str, seq: int, answer: commands.Answer | None) -> Answered
 
 
 def _sse(event: TenantEvent) -> ServerSentEvent:
+    telemetry.STREAMED.inc()
     return ServerSentEvent(raw_data=event.data.decode(), event=event.type, id=event.event_id or None)
 
 
@@ -286,6 +288,7 @@ async def job_stream(request: Request, job_id: JobId, job: Annotated[dict[str, A
     its event id, ``data`` the event as JSON."""
     state = _state(request)
     listener = state.hub.open(job["team"])
+    telemetry.STREAMS.inc()
     try:
         seen: set[str] = set()
         ended = False
@@ -300,6 +303,7 @@ async def job_stream(request: Request, job_id: JobId, job: Annotated[dict[str, A
             ended = event.type in TERMINAL
             yield _sse(event)
     finally:
+        telemetry.STREAMS.dec()
         state.hub.close(job["team"], listener)
 
 
@@ -323,11 +327,13 @@ async def team_stream(request: Request, team: Annotated[str, Depends(_stream_tea
     notifier writes to the team's subjects), until the stream's time limit."""
     state = _state(request)
     listener = state.hub.open(team)
+    telemetry.STREAMS.inc()
     try:
         yield ServerSentEvent(event="open", raw_data=json.dumps({"team": team}))
         async for event in _live(request, listener, lambda: False):
             yield _sse(event)
     finally:
+        telemetry.STREAMS.dec()
         state.hub.close(team, listener)
 
 

@@ -44,6 +44,7 @@ class ApiStack:
     dsn: str = ""
     url: str = ""
     tokens: dict[str, str] = field(default_factory=dict)  # holder name -> token
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # process -> its Prometheus port
 
     def start(self) -> "ApiStack":
         self.nats_server = devstack.NatsServer(self.root / "nats", teams=TEAMS).start()
@@ -52,8 +53,9 @@ class ApiStack:
         cluster = self.root / "cluster.yaml"
         cluster.write_text(CLUSTER)
         port = devstack.free_port()
+        self.metrics_ports = {name: devstack.free_port() for name in devstack.PROCESSES}
         env = devstack.service_env(self.nats_server.env, self.dsn, cluster=cluster, time_scale=TIME_SCALE,
-                                   epoch=time.time(), api_port=port,
+                                   epoch=time.time(), api_port=port, metrics_ports=self.metrics_ports,
                                    extra={"GPUSCHED_TICK_S": "0.05", "GPUSCHED_API_STREAM_MAX_S": "2"})
         self.procs = devstack.ServiceProcesses(self.root / "logs", env)
         self.procs.start_all()

@@ -101,3 +101,26 @@ def test_cancel_and_why(api_stack):
         for job_id in big:
             r = alice.post(f"/v1/jobs/{job_id}/cancel", json={"reason": "test over"})
             assert r.status_code == 200 and r.json()["outcome"] in ("JobCancelRequested", "JobCancelled"), r.text
+
+
+def test_the_command_carries_the_requests_trace_and_the_metrics_count_it(api_stack):
+    import asyncio
+
+    import httpx
+
+    from runtime import eventlog
+
+    with api_stack.client("alice") as alice:
+        assert alice.post("/v1/jobs", json=job_document(new_id("t"), "team-a")).status_code == 201
+
+    async def last_intake():
+        nc = await api_stack.admin()
+        raw = await nc.jetstream().get_msg(eventlog.INTAKE_STREAM, subject="gpusched.intake.team-a.user.alice.submit",
+                                           direct=True)
+        await nc.close()
+        return raw.headers or {}
+    headers = asyncio.run(last_intake())
+    assert headers.get("traceparent", "").startswith("00-") and headers.get("Nats-Msg-Id", "").startswith("submit/")
+    metrics = httpx.get(f"http://127.0.0.1:{api_stack.metrics_ports['api']}/metrics").text
+    assert 'gpusched_api_requests_total{method="POST",route="/v1/jobs",status="201"}' in metrics
+    assert 'gpusched_api_decision_wait_seconds_count{verb="submit"}' in metrics
