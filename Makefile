@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-run: setup ## Run NATS, Postgres and the five services with the demo workload (Ctrl-C stops)
+run: setup ## Run NATS, Postgres, the six services and the API/console with the demo workload (Ctrl-C stops)
 	$(BIN)/gpusched dev up $(ARGS)
 
 test: setup natscli ## Unit, integration and end-to-end tests (real nats-server and Postgres)
@@ -68,8 +68,9 @@ bench-k8s: setup ## Kubernetes backend on the test control plane: Jobs created/s
 lint: setup ## The layering contracts (import-linter; also run by `make test`)
 	$(BIN)/lint-imports
 
-schemas: setup ## Regenerate schemas/json from the pydantic models
+schemas: setup ## Regenerate schemas/json from the pydantic models and schemas/openapi.json from the API
 	$(BIN)/python -m schemas.export
+	$(BIN)/python -m gpusched.api.openapi
 
 clean: ## Remove the virtualenv and local data (.data)
 	rm -rf $(VENV) .data .pytest_cache .hypothesis .cache

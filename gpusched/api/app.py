@@ -96,6 +96,13 @@ def _openapi(app: FastAPI) -> dict:
     components = doc.setdefault("components", {}).setdefault("schemas", {})
     components.update(schema.pop("$defs", {}))
     components["SubmitJob"] = schema
+    problem = {"$ref": "#/components/schemas/ProblemDetails"}
+    for ops in doc["paths"].values():  # problems are application/problem+json, not application/json
+        for op in ops.values():
+            for response in op.get("responses", {}).values():
+                content = response.get("content", {})
+                if any(media.get("schema") == problem for media in content.values()):
+                    response["content"] = {"application/problem+json": {"schema": problem}}
     app.openapi_schema = doc
     return doc
 

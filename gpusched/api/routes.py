@@ -33,7 +33,8 @@ USAGE_READERS = (Role.MEMBER, Role.OPERATOR, Role.ADMIN, Role.CHARGEBACK)
 TERMINAL = ("JobSucceeded", "JobCancelled", "JobRejected")
 DUPLICATE_WAIT_S = 2.0
 """How long a duplicate of a command with no decision in the log waits for one."""
-PROBLEM = {"model": ProblemDetails, "content": {"application/problem+json": {}}}
+PROBLEM = {"model": ProblemDetails}
+"""An error response: its content is application/problem+json (gpusched.api.app._openapi says so)."""
 ERRORS = {400: PROBLEM, 401: PROBLEM, 403: PROBLEM, 422: PROBLEM}
 
 router = APIRouter(prefix="/v1", responses=ERRORS)
