@@ -47,6 +47,13 @@ class ApiStack:
     metrics_ports: dict[str, int] = field(default_factory=dict)  # process -> its Prometheus port
 
     def start(self) -> "ApiStack":
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()  # nothing started may outlive a failed start
+            raise
+
+    def _start(self) -> "ApiStack":
         self.nats_server = devstack.NatsServer(self.root / "nats", teams=TEAMS).start()
         self.dsn = asyncio.run(self._database())
         asyncio.run(self._provision())
@@ -70,7 +77,8 @@ class ApiStack:
         if self.procs is not None:
             self.procs.stop_all()
             for name in self.procs.procs:
-                if "Traceback" in (self.root / "logs" / f"{name}.log").read_text():
+                log = self.root / "logs" / f"{name}.log"
+                if log.exists() and "Traceback" in log.read_text():
                     crashed.append(name)
         if self.nats_server is not None:
             self.nats_server.stop()
