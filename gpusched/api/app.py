@@ -12,7 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from gpusched.api import bus, problems, routes, telemetry
+from gpusched.api import bus, console, problems, routes, telemetry
 from gpusched.commands import Answer
 from gpusched.api.auth import Authenticator
 from runtime import eventlog, observability
@@ -136,6 +136,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     problems.install(app)
     app.add_middleware(telemetry.Telemetry)
     app.include_router(routes.router)
+    console.install(app)
 
     @app.get("/healthz", tags=["operations"])
     async def healthz() -> dict[str, str]:

@@ -205,11 +205,13 @@ async def summary(conn: asyncpg.Connection, team: str | None) -> dict[str, Any]:
 
 async def series(conn: asyncpg.Connection, team: str | None, hours: int = 24, bucket_s: int = 3600) -> list[dict[str, Any]]:
     """Over time, per bucket: jobs submitted, started, waiting at the bucket's end (congestion),
-    median wait of the jobs started in it, and mean GPU utilization."""
+    median wait of the jobs started in it, and mean GPU utilization. Time is the platform's
+    (the log's newest time, which runs ahead of the wall clock under a time scale)."""
+    now = await queries.log_now(conn, datetime.now(UTC))
     rows = await conn.fetch(
-        """WITH b AS (SELECT generate_series(date_bin(make_interval(secs => $2), now() - make_interval(hours => $1),
+        """WITH b AS (SELECT generate_series(date_bin(make_interval(secs => $2), $4::timestamptz - make_interval(hours => $1),
                                                       'epoch'::timestamptz),
-                                             now(), make_interval(secs => $2)) AS t0)
+                                             $4::timestamptz, make_interval(secs => $2)) AS t0)
            SELECT b.t0,
                   (SELECT count(*) FROM jobs j WHERE j.submitted_at >= b.t0 AND j.submitted_at < b.t0 + make_interval(secs => $2)
                      AND ($3::text IS NULL OR j.team = $3))::int AS submitted,
@@ -223,5 +225,5 @@ async def series(conn: asyncpg.Connection, team: str | None, hours: int = 24, bu
                      AND ($3::text IS NULL OR j.team = $3)) AS wait_p50_s,
                   (SELECT avg(g.utilization) FROM gpu_telemetry g WHERE g.window_end >= b.t0
                      AND g.window_end < b.t0 + make_interval(secs => $2)) AS utilization
-           FROM b ORDER BY b.t0""", hours, bucket_s, team)
+           FROM b ORDER BY b.t0""", hours, bucket_s, team, now)
     return [dict(r) for r in rows]

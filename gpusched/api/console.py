@@ -1,0 +1,267 @@
+"""The web console: server-rendered pages (Jinja2) over the same reads and checks as the JSON
+API, with one small script (static/console.js) for the submit form, cancel, and live refresh from
+the API's server-sent-event streams. No build step and nothing fetched from elsewhere at run time.
+
+Logging in exchanges a pasted API token for an HttpOnly, SameSite=Strict cookie holding it; the
+JSON API accepts that cookie too (gpusched.api.auth.bearer), so the page's script calls the API
+itself. A member sees its team's jobs and queues only, exactly as the API shows them."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from pathlib import Path as FilePath
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, Form, Path, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+
+from gpusched import history
+from gpusched.api import reads
+from gpusched.api.auth import COOKIE, Identity, bearer
+from gpusched.api.problems import Problem
+from gpusched.api.routes import JOB_ID_PATTERN
+from schemas.auth import Role
+from schemas.envelope import NAME_PATTERN
+
+HERE = FilePath(__file__).parent
+templates = Jinja2Templates(directory=HERE / "templates")
+router = APIRouter(prefix="/console", include_in_schema=False)
+root = APIRouter(include_in_schema=False)
+WAITING = ("queued", "retrying", "preempted", "reserved")
+PAGE = 50
+JOB_ID = Path(pattern=JOB_ID_PATTERN, max_length=63)
+
+
+class LoginRequired(Exception):
+    """A console page without a valid token: answered by a redirect to the login page."""
+
+
+class PageError(Exception):
+    """A console page that cannot be shown (404, 403): an HTML error page."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def install(app: FastAPI) -> None:
+    """The console's routes, its static files, and its two error pages."""
+    from fastapi.staticfiles import StaticFiles
+
+    app.include_router(root)
+    app.include_router(router)
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+
+    @app.exception_handler(LoginRequired)
+    async def _login(request: Request, exc: LoginRequired) -> RedirectResponse:
+        return RedirectResponse("/console/login", status_code=303)
+
+    @app.exception_handler(PageError)
+    async def _error(request: Request, exc: PageError) -> HTMLResponse:
+        response = page(request, "error.html", None, status=exc.status, message=exc.message)
+        response.status_code = exc.status
+        return response
+
+
+async def viewer(request: Request) -> Identity:
+    try:
+        return await request.app.state.auth.identify(bearer(request))
+    except Problem:
+        raise LoginRequired() from None
+
+
+def page(request: Request, name: str, me: Identity | None, **context: Any) -> HTMLResponse:
+    return templates.TemplateResponse(request, name, {"me": me, "now": datetime.now().astimezone(), **context})
+
+
+@root.get("/")
+async def home() -> RedirectResponse:
+    return RedirectResponse("/console", status_code=303)
+
+
+@router.get("/login")
+async def login_form(request: Request, error: str | None = None) -> HTMLResponse:
+    return page(request, "login.html", None, error=error)
+
+
+@router.post("/login")
+async def login(request: Request, token: Annotated[str, Form(max_length=200)]) -> Response:
+    try:
+        await request.app.state.auth.identify(token.strip())
+    except Problem:
+        return page(request, "login.html", None, error="That token is not valid (unknown, expired or revoked).")
+    response = RedirectResponse("/console", status_code=303)
+    response.set_cookie(COOKIE, token.strip(), httponly=True, samesite="strict", path="/",
+                        secure=request.url.scheme == "https")
+    return response
+
+
+@router.post("/logout")
+async def logout() -> RedirectResponse:
+    response = RedirectResponse("/console/login", status_code=303)
+    response.delete_cookie(COOKIE, path="/")
+    return response
+
+
+def _team(me: Identity) -> str | None:
+    return me.team if me.role == Role.MEMBER else None
+
+
+@router.get("")
+async def overview(request: Request) -> HTMLResponse:
+    me = await viewer(request)
+    async with request.app.state.pool.acquire() as conn:
+        nodes = await reads.nodes(conn)
+        summary = await reads.summary(conn, _team(me))
+    return page(request, "overview.html", me, flavors=reads.gpus_by_flavor(nodes), nodes=nodes, summary=summary)
+
+
+@router.get("/queues")
+async def queues(request: Request) -> HTMLResponse:
+    me = await viewer(request)
+    async with request.app.state.pool.acquire() as conn:
+        rows = await reads.queues(conn, _team(me))
+        cohorts = await reads.cohorts(conn)
+    return page(request, "queues.html", me, queues=rows, cohorts=cohorts)
+
+
+async def _jobs(request: Request, me: Identity, state: str | None, queue: str | None, kind: str | None,
+                cursor: str | None) -> dict[str, Any]:
+    async with request.app.state.pool.acquire() as conn:
+        rows, next_cursor = await reads.list_jobs(conn, team=_team(me), state=state, queue=queue, kind=kind,
+                                                  limit=PAGE, cursor=cursor)
+        waiting = [r["job_id"] for r in rows if r["state"] in WAITING]
+        positions = await reads.job_positions(conn, waiting) if waiting else {}
+        allowed = await reads.queue_team(conn)
+    for r in rows:
+        r["position"] = positions.get(r["job_id"])
+    my_queues = sorted(q for q, teams in allowed.items() if me.team is None or me.team in teams)
+    return {"jobs": rows, "next_cursor": next_cursor, "filters": {"state": state, "queue": queue, "kind": kind},
+            "states": reads.JOB_STATES, "queues": my_queues}
+
+
+Filter = Annotated[str | None, Query(pattern=NAME_PATTERN, max_length=63)]
+
+
+@router.get("/jobs")
+async def jobs(request: Request, state: Filter = None, queue: Filter = None, kind: Filter = None,
+               cursor: Annotated[str | None, Query(pattern=reads.CURSOR_PATTERN)] = None) -> HTMLResponse:
+    me = await viewer(request)
+    return page(request, "jobs.html", me, **await _jobs(request, me, state, queue, kind, cursor))
+
+
+@router.get("/jobs-table")
+async def jobs_table(request: Request, state: Filter = None, queue: Filter = None, kind: Filter = None,
+                     cursor: Annotated[str | None, Query(pattern=reads.CURSOR_PATTERN)] = None) -> HTMLResponse:
+    """The jobs table alone, for the live refresh."""
+    me = await viewer(request)
+    return page(request, "jobs_table.html", me, **await _jobs(request, me, state, queue, kind, cursor))
+
+
+async def _job(request: Request, me: Identity, job_id: str) -> dict[str, Any]:
+    async with request.app.state.pool.acquire() as conn:
+        job = await reads.get_job(conn, job_id)
+        positions = await reads.job_positions(conn, [job_id]) if job and job["state"] in WAITING else {}
+    if job is None or not me.sees_team(job["team"]):
+        raise PageError(404, f"No job {job_id} (or not yet in the read models).")
+    events = await history.job_events(request.app.state.js, job_id)
+    why = history.explain(job_id, events) if events else None
+    return {"job": job, "timeline": timeline(events), "why": why, "position": positions.get(job_id)}
+
+
+@router.get("/jobs/{job_id}")
+async def job(request: Request, job_id: Annotated[str, JOB_ID]) -> HTMLResponse:
+    me = await viewer(request)
+    return page(request, "job.html", me, **await _job(request, me, job_id))
+
+
+@router.get("/jobs/{job_id}/detail")
+async def job_detail(request: Request, job_id: Annotated[str, JOB_ID]) -> HTMLResponse:
+    """The job page's live part, for the refresh."""
+    me = await viewer(request)
+    return page(request, "job_detail.html", me, **await _job(request, me, job_id))
+
+
+@router.get("/charts")
+async def charts(request: Request, hours: Annotated[int, Query(ge=1, le=168)] = 24) -> HTMLResponse:
+    me = await viewer(request)
+    bucket = max(60, hours * 3600 // 48)
+    async with request.app.state.pool.acquire() as conn:
+        points = await reads.series(conn, _team(me), hours, bucket)
+    series = {
+        "GPU utilization (mean)": [p["utilization"] for p in points],
+        "Median wait, seconds (jobs started)": [p["wait_p50_s"] for p in points],
+        "Waiting jobs (congestion)": [p["waiting"] for p in points],
+        "Jobs submitted": [p["submitted"] for p in points],
+    }
+    labels = [p["t0"] for p in points]
+    return page(request, "charts.html", me, hours=hours,
+                charts=[(title, svg_chart(values), _last(values)) for title, values in series.items()],
+                first=labels[0] if labels else None, last=labels[-1] if labels else None)
+
+
+@router.get("/usage")
+async def usage(request: Request) -> HTMLResponse:
+    me = await viewer(request)
+    async with request.app.state.pool.acquire() as conn:
+        rows = await reads.usage(conn, _team(me), ["team", "flavor"], None)
+    return page(request, "usage.html", me, rows=rows)
+
+
+@router.get("/deadletters")
+async def deadletters(request: Request) -> HTMLResponse:
+    me = await viewer(request)
+    if not me.is_operator:
+        raise PageError(403, "Dead letters are for operators.")
+    return page(request, "deadletters.html", me, rows=await history.dead_letters(request.app.state.js, 100))
+
+
+def timeline(events: list) -> list[dict[str, Any]]:
+    """A job's events as timeline rows: when, what, which attempt, and the detail that matters."""
+    rows = []
+    for _, e in events:
+        detail = {k: v for k, v in e.model_dump(mode="json").items()
+                  if k in ("queue", "reason", "message", "flavor", "exit_code", "next_attempt", "after", "grace_seconds",
+                           "step", "location", "by_job", "position") and v not in (None, "", [])}
+        if getattr(e, "placement", None):
+            detail["nodes"] = ", ".join(p.node for p in e.placement)
+        rows.append({"time": e.occurred_at, "type": e.type, "attempt": getattr(e, "attempt", None),
+                     "producer": e.producer, "detail": detail})
+    return rows
+
+
+def svg_chart(values: list[float | int | None], width: int = 560, height: int = 120) -> str:
+    """A polyline of ``values`` (None: a gap) scaled to the box, with its maximum marked: plain
+    SVG, numbers only, so nothing in it needs escaping."""
+    known = [float(v) for v in values if v is not None]
+    top = max(known, default=0.0) or 1.0
+    step = width / max(1, len(values) - 1)
+    lines, current = [], []
+    for i, v in enumerate(values):
+        if v is None:
+            if current:
+                lines.append(current)
+            current = []
+            continue
+        current.append(f"{i * step:.1f},{height - 4 - (float(v) / top) * (height - 8):.1f}")
+    if current:
+        lines.append(current)
+    paths = "".join(f'<polyline fill="none" stroke="currentColor" stroke-width="2" points="{" ".join(pts)}"/>'
+                    if len(pts) > 1 else '<circle r="3" fill="currentColor" cx="{}" cy="{}"/>'.format(*pts[0].split(","))
+                    for pts in lines)
+    return (f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img">'
+            f'<line x1="0" y1="{height - 4}" x2="{width}" y2="{height - 4}" stroke="#ccc"/>{paths}'
+            f'<text x="4" y="12" font-size="11">max {_fmt(top)}</text></svg>')
+
+
+def _fmt(x: float) -> str:
+    if float(x).is_integer():
+        return f"{int(x):,}"
+    return f"{x:.2f}" if x < 10 else f"{x:,.0f}"
+
+
+def _last(values: list) -> str:
+    known = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return _fmt(float(known[-1])) if known else "–"

@@ -1,0 +1,139 @@
+"""The console in a real browser: Debian's Chromium (`make chromium`) driven by Playwright. A
+member logs in with its token, submits a job from the form and watches it go from queued to
+running to succeeded on the page (live, from the team's event stream), opens a waiting job and
+reads why it waits, and finds nothing of another team's. Screenshots of each step are kept under
+$GPUSCHED_ARTIFACTS/console (default .artifacts/console)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.api.stack import job_document
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = os.environ.get("GPUSCHED_CHROMIUM", "/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("GPUSCHED_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"{CHROMIUM} is missing: run `make chromium`")
+        pytest.skip(f"{CHROMIUM} is missing: `make chromium` installs Debian's chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def shots() -> Path:
+    out = Path(os.environ.get("GPUSCHED_ARTIFACTS", ROOT / ".artifacts")) / "console"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    return out
+
+
+def login(browser, api_stack, holder: str):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(30_000)
+    page.goto(f"{api_stack.url}/console")
+    assert page.url.endswith("/console/login")  # no token yet: the login page
+    page.fill("#token", api_stack.tokens[holder])
+    page.click("#login")
+    page.wait_for_url(re.compile(r".*/console$"))
+    return page
+
+
+def test_a_member_submits_and_watches_a_job_finish(browser, api_stack, shots):
+    page = login(browser, api_stack, "alice")
+    assert "alice · member · team-a" in page.inner_text("#whoami")
+    page.screenshot(path=shots / "01-cluster.png", full_page=True)
+    assert page.locator("#flavors").inner_text().count("a100") == 1
+
+    page.goto(f"{api_stack.url}/console/jobs")
+    page.fill("input[name=runtime]", "30")  # 30 platform seconds: 1.5 s at the stack's time scale
+    page.click("#submit-button")
+    page.wait_for_selector("#submitted-job")
+    job_id = page.inner_text("#submitted-job")
+    assert page.inner_text("#submit-result").startswith("admitted")
+    row = page.locator(f"tr[data-job='{job_id}']")
+    row.wait_for()  # the live refresh brought it into the table
+    page.screenshot(path=shots / "02-submitted.png", full_page=True)
+    seen = set()
+    deadline = time.monotonic() + 90
+    while "succeeded" not in seen:
+        assert time.monotonic() < deadline, f"states seen on the page: {seen}"
+        state = page.locator(f"tr[data-job='{job_id}']").get_attribute("data-state")
+        seen.add(state)
+        if state == "running" and not (shots / "03-running.png").exists():
+            page.screenshot(path=shots / "03-running.png", full_page=True)
+        time.sleep(0.05)
+    page.screenshot(path=shots / "04-succeeded.png", full_page=True)
+    assert "running" in seen or "scheduled" in seen  # it was seen on its way, not only at the end
+
+    page.click(f"tr[data-job='{job_id}'] a")
+    page.wait_for_selector("#timeline")
+    timeline = page.inner_text("#timeline")
+    for event in ("JobSubmitted", "JobAdmitted", "QuotaReserved", "JobScheduled", "JobStarted", "JobSucceeded"):
+        assert event in timeline
+    page.screenshot(path=shots / "05-job.png", full_page=True)
+    page.close()
+
+
+def test_a_waiting_job_says_why_and_another_teams_job_is_not_there(browser, api_stack, shots):
+    with api_stack.client("alice") as alice, api_stack.client("bob") as bob:
+        blockers = [f"hog-{uuid.uuid4().hex[:6]}" for _ in range(2)]
+        for job_id in blockers:  # 2 × 8 GPUs in a queue of 8: the second waits for quota
+            assert alice.post("/v1/jobs", json=job_document(job_id, "team-a", gpus=8, runtime_s=3000)).status_code == 201
+        theirs = f"bobs-{uuid.uuid4().hex[:6]}"
+        assert bob.post("/v1/jobs", json=job_document(theirs, "team-b")).status_code == 201
+    page = login(browser, api_stack, "alice")
+    page.goto(f"{api_stack.url}/console/jobs?state=queued")
+    waiting = page.locator("tr[data-state='queued'] a").first
+    waiting.wait_for()
+    waiting.click()
+    page.wait_for_selector("#why")
+    assert page.inner_text("#why-code")  # the reason code, e.g. queue-exhausted
+    assert "8" in page.inner_text("#why-message")  # its message names the numbers
+    page.screenshot(path=shots / "06-waiting.png", full_page=True)
+
+    page.goto(f"{api_stack.url}/console/jobs")
+    assert theirs not in page.inner_text("#jobs")
+    response = page.goto(f"{api_stack.url}/console/jobs/{theirs}")
+    assert response.status == 404
+    page.screenshot(path=shots / "07-other-team.png", full_page=True)
+
+    page.goto(f"{api_stack.url}/console/jobs/{blockers[0]}")
+    page.once("dialog", lambda d: d.accept())
+    page.click("#cancel")
+    page.wait_for_function("document.getElementById('job-state').textContent.trim() === 'cancelled'", timeout=60_000)
+    page.close()
+
+
+def test_pages_for_an_operator(browser, api_stack, shots):
+    page = login(browser, api_stack, "ops")
+    for path, selector in (("/console/queues", "#queues"), ("/console/charts", "figure.chart svg"),
+                           ("/console/usage", "#usage"), ("/console/deadletters", "#deadletters")):
+        page.goto(f"{api_stack.url}{path}")
+        page.wait_for_selector(selector)
+        page.screenshot(path=shots / f"08-operator-{path.rsplit('/', 1)[1]}.png", full_page=True)
+        if path == "/console/queues":
+            assert "q-team-a" in page.inner_text("#queues") and "q-team-b" in page.inner_text("#queues")
+    page.close()
+    member = login(browser, api_stack, "alice")
+    member.goto(f"{api_stack.url}/console/queues")
+    assert "q-team-b" not in member.inner_text("#queues")
+    assert member.goto(f"{api_stack.url}/console/deadletters").status == 403
+    member.close()
