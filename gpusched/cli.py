@@ -156,9 +156,18 @@ def submit(
     user). Exits 1 when admission rejects it, 2 when the file is refused, admission dead-letters
     the command or no decision comes in time."""
     command = commands.submit_command_from_file(file)
+    connection = Connection.resolve()
+    if connection.api_url:
+        result = through_api(connection, "submission", lambda gs: _submitted(gs, command, wait, on_behalf_of))
+        emit(result, output)
+        if result["decision"] == "JobRejected":
+            err_console.print(Text.assemble(("rejected: ", "red"), f"{result['reason']}: {result['message']}"),
+                              soft_wrap=True)
+            raise typer.Exit(1)
+        return
 
     async def go():
-        nc = await Connection.resolve().nats()
+        nc = await connection.nats()
         observability.client_tracing()
         try:
             js = nc.jetstream()
@@ -192,6 +201,12 @@ def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the 
                output: Output = OutputOpt) -> None:
     """Ask to cancel a job. Exits 2 with admission's reason when it refuses the request (no such
     job, another team's job); a job that had already ended is reported as such."""
+    connection = Connection.resolve()
+    if connection.api_url:
+        emit(through_api(connection, "cancel request", lambda gs: _answered_by_api(
+            gs.cancel(job_id, reason, wait_s=commands.WAIT_S if wait else 0))), output)
+        return
+
     async def go(js):
         seq = await commands.cancel(js, job_id, team, reason=reason, on_behalf_of=on_behalf_of)
         result: dict[str, Any] = {"job_id": job_id, "intake_sequence": seq, "decision": None}
@@ -220,6 +235,15 @@ def checkpoint_cmd(
     """Report that a running job wrote a checkpoint (preemption then loses only the work since).
     Exits 2 with admission's reason when the platform refuses the report."""
     when = at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
+    connection = Connection.resolve()
+    if connection.api_url:
+        if when is not None:
+            raise UserError("--at is not sent through the API (it stamps the report when admission receives it); "
+                            "unset GPUSCHED_API_URL to report over NATS")
+        emit(through_api(connection, "checkpoint report", lambda gs: {"attempt": attempt, **_answered_by_api(
+            gs.checkpoint(job_id, attempt, step=step, location=location,
+                          wait_s=commands.WAIT_S if wait else 0))}), output)
+        return
 
     async def go(js):
         seq = await commands.report_checkpoint(js, job_id, team, attempt, checkpointed_at=when, step=step,
@@ -228,6 +252,48 @@ def checkpoint_cmd(
         return {"job_id": job_id, "attempt": attempt, "intake_sequence": seq,
                 "checkpointed_at": None if recorded is None else recorded.checkpointed_at}
     emit(run(with_js(go)), output)
+
+
+def through_api(connection: Connection, what: str, call) -> dict[str, Any]:
+    """``call(client)`` with the SDK client of the API the connection names; the API's refusal
+    (but a rejection, which the caller reports) as a UserError naming the problem."""
+    import httpx
+
+    from gpusched.client import ApiError
+
+    try:
+        with connection.client() as gs:
+            return call(gs)
+    except ApiError as err:
+        fields = "; ".join(f"{e.get('field')}: {e.get('message')}" for e in err.errors)
+        raise UserError(f"the API refused the {what}: {err.detail}{f' ({fields})' if fields else ''}") from None
+    except httpx.HTTPError as err:
+        raise UserError(f"cannot reach the API at {connection.api_url}: {err!r} (is `make run` running?)") from None
+
+
+def _submitted(gs, command, wait: bool, on_behalf_of: str | None) -> dict[str, Any]:
+    from gpusched.client import Rejected
+
+    result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": None, "decision": None}
+    try:
+        done = gs.submit(command, wait_s=commands.WAIT_S if wait else 0, on_behalf_of=on_behalf_of)
+    except Rejected as err:
+        if err.reason == "dead-letter":
+            raise
+        field = err.errors[0]["field"].removeprefix("body.") if err.errors else None
+        return {**result, "decision": "JobRejected", "reason": err.reason, "field": field, "message": err.detail,
+                "repeat": False}
+    result.update(intake_sequence=done.intake_sequence, repeat=done.repeat,
+                  decision={"admitted": "JobAdmitted", "pending": None}[done.decision])
+    if wait and done.decision == "pending":
+        raise UserError(f"no answer to the submission (intake sequence {done.intake_sequence}) within "
+                        f"{commands.WAIT_S:.0f} s; see `gpusched events {command.job_id}`")
+    return result
+
+
+def _answered_by_api(answer) -> dict[str, Any]:
+    return {"job_id": answer.job_id, "intake_sequence": answer.intake_sequence,
+            "decision": None if answer.outcome == "pending" else answer.outcome, "repeat": answer.repeat}
 
 
 @app.command()

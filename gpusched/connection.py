@@ -41,12 +41,16 @@ class Connection:
     nats_user: str | None
     nats_password: str | None
     pg_dsn: str | None
+    api_url: str | None = None
+    api_token: str | None = None
 
     @classmethod
     def resolve(cls) -> "Connection":
         """Environment first (GPUSCHED_NATS_URL, GPUSCHED_NATS_USER, GPUSCHED_NATS_PASSWORD,
-        GPUSCHED_PG_DSN); otherwise what a local `make run` wrote: the file GPUSCHED_CONNECTION_FILE
-        names, else .data/run/connection.json in this directory, else this user's copy."""
+        GPUSCHED_PG_DSN, GPUSCHED_API_URL, GPUSCHED_API_TOKEN); otherwise what a local `make run`
+        wrote: the file GPUSCHED_CONNECTION_FILE names, else .data/run/connection.json in this
+        directory, else this user's copy. The file's API address is used only with the file's NATS
+        (not when GPUSCHED_NATS_URL names another platform)."""
         saved: dict[str, Any] = {}
         if "GPUSCHED_CONNECTION_FILE" in os.environ:
             path = Path(os.environ["GPUSCHED_CONNECTION_FILE"])
@@ -62,7 +66,18 @@ class Connection:
             nats_user=os.environ.get("GPUSCHED_NATS_USER") or saved.get("nats_user"),
             nats_password=os.environ.get("GPUSCHED_NATS_PASSWORD") or saved.get("nats_password"),
             pg_dsn=os.environ.get("GPUSCHED_PG_DSN") or saved.get("pg_dsn"),
+            api_url=os.environ.get("GPUSCHED_API_URL") or (
+                None if os.environ.get("GPUSCHED_NATS_URL") else saved.get("api_url")),
+            api_token=os.environ.get("GPUSCHED_API_TOKEN") or saved.get("api_token"),
         )
+
+    def client(self):
+        """The SDK client of the API this connection names (gpusched.client.Client)."""
+        from gpusched.client import Client
+
+        if not self.api_token:
+            raise UserError(f"the API at {self.api_url} needs a token: set GPUSCHED_API_TOKEN (`gpusched token issue`)")
+        return Client(self.api_url, self.api_token)
 
     async def nats(self) -> nats.NATS:
         kwargs: dict[str, Any] = {}

@@ -54,8 +54,6 @@ class Decision(BaseModel):
         description="pending: no answer within the wait; follow GET /v1/jobs/{job_id}")
     repeat: bool = Field(default=False, description="The job existed: this submission changed nothing")
     queue: str | None = None
-    reason: str | None = Field(default=None, description="A rejection's reason code")
-    message: str | None = None
 
 
 class CancelRequest(Strict):
