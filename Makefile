@@ -71,9 +71,10 @@ bench-k8s: setup ## Kubernetes backend on the test control plane: Jobs created/s
 lint: setup ## The layering contracts (import-linter; also run by `make test`)
 	$(BIN)/lint-imports
 
-schemas: setup ## Regenerate schemas/json from the pydantic models and schemas/openapi.json from the API
+schemas: setup ## Regenerate schemas/json (the models), schemas/openapi.json (the API), schemas/asyncapi.json (NATS)
 	$(BIN)/python -m schemas.export
 	$(BIN)/python -m gpusched.api.openapi
+	$(BIN)/python -m gpusched.asyncapi
 
 clean: ## Remove the virtualenv and local data (.data)
 	rm -rf $(VENV) .data .pytest_cache .hypothesis .cache
