@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s schemas lint clean promtool natscli chromium
+.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s schemas lint clean promtool natscli chromium publishing-examples
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 run: setup ## Run NATS, Postgres, the six services and the API/console with the demo workload (Ctrl-C stops)
 	$(BIN)/gpusched dev up $(ARGS)
 
-test: setup natscli chromium ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
+test: setup natscli chromium publishing-examples ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
 	GPUSCHED_REQUIRE_BROWSER=$${GPUSCHED_REQUIRE_BROWSER:-1} $(BIN)/python -m pytest -q tests e2e $(ARGS)
 
 test-unit: setup ## Pure cores only (fast)
@@ -60,6 +60,9 @@ promtool: ## Install Debian's promtool into .cache/promtool (apt-get download + 
 
 chromium: ## Install Debian's chromium for the console's browser tests (apt-get; skipped with GPUSCHED_NO_CHROMIUM=1)
 	@if [ "$$GPUSCHED_NO_CHROMIUM" = 1 ]; then echo 'chromium: skipped (GPUSCHED_NO_CHROMIUM=1)'; else sh scripts/chromium.sh >/dev/null; fi
+
+publishing-examples: ## Build the Go publishing example and install the JS one's npm package into ~/.cache/gpusched (docs/publishing.md)
+	@bash scripts/publishing-examples.sh >/dev/null
 
 natscli: ## Build the plain `nats` CLI (natscli v0.5.0, Go module proxy) into ~/.cache/gpusched, for the tenant tests
 	@if [ "$$GPUSCHED_NO_NATSCLI" = 1 ]; then echo 'natscli: skipped (GPUSCHED_NO_NATSCLI=1)'; else bash scripts/natscli.sh >/dev/null; fi
