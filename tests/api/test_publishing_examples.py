@@ -74,3 +74,11 @@ def test_the_toolchains_of_this_machine_are_used():
     """On the development machine and in CI both Go and Node are present: no example is skipped there."""
     if os.environ.get("CI") or os.environ.get("GPUSCHED_REQUIRE_BROWSER") == "1":
         assert shutil.which("go") and shutil.which("node")
+
+
+def test_the_quotes_in_the_guide_are_the_examples_word_for_word():
+    guide = (ROOT / "docs" / "publishing.md").read_text()
+    quotes = re.findall(r"<!-- quoted from (\S+) -->\n```\w*\n(.*?)```", guide, re.S)
+    assert len(quotes) >= 2
+    for path, text in quotes:
+        assert text in (ROOT / path).read_text(), f"docs/publishing.md quotes {path} as it no longer is"

@@ -15,6 +15,8 @@ import pytest
 from gpusched import asyncapi
 from schemas.commands import INTAKE_VERBS
 from schemas.registry import ALL_EVENT_TYPES
+from schemas.tenant import NotificationDelivery
+from services.notifier import core as notifier
 from tests.unit.test_schemas import sample_events
 
 OFFICIAL = json.loads((Path(__file__).parent / "data" / "asyncapi-3.0.0.schema.json").read_text())
@@ -74,3 +76,24 @@ def test_the_command_payloads_accept_a_command_and_refuse_a_bad_one():
     good = {"spec": {"kind": "training", "queue": "q", "team": "team-a", "image": "img", "gpus": 1}}
     assert validator.is_valid(good)
     assert not validator.is_valid({"spec": {**good["spec"], "gpus": "1"}})
+
+
+def test_the_team_payloads_accept_what_the_notifier_writes():
+    """The tenant subjects: each job event's copy, each notification the notifier derives from a
+    real event, and a webhook delivery record."""
+    copies, notes = _payload_validator("tenant.job-event"), _payload_validator("tenant.JobNotification")
+    written = 0
+    for event in sample_events():
+        if event.aggregate != "job":
+            continue
+        assert copies.is_valid(json.loads(event.model_dump_json())), event.type
+        if (note := notifier.notification(event, "team-a")) is not None:
+            assert not list(notes.iter_errors(json.loads(note.model_dump_json()))), note.kind
+            written += 1
+    assert written >= 10
+    delivery = NotificationDelivery(notification_id="n1", job_id="j1", kind="admitted", url="https://hooks.example/x",
+                                    outcome="failed-attempt", attempt=2, status_code=503, error="HTTP 503",
+                                    duration_ms=12.5, at="2026-12-05T10:00:00Z")
+    validator = _payload_validator("tenant.NotificationDelivery")
+    assert validator.is_valid(json.loads(delivery.model_dump_json()))
+    assert not validator.is_valid({**json.loads(delivery.model_dump_json()), "outcome": "lost"})
