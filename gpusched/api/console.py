@@ -124,7 +124,35 @@ async def queues(request: Request) -> HTMLResponse:
     async with request.app.state.pool.acquire() as conn:
         rows = await reads.queues(conn, _team(me))
         cohorts = await reads.cohorts(conn)
-    return page(request, "queues.html", me, queues=rows, cohorts=cohorts)
+    return page(request, "queues.html", me, queues=rows, cohorts=cohort_totals(rows, cohorts))
+
+
+def cohort_totals(queue_rows: list[dict[str, Any]], cohorts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per cohort and flavor: nominal, used, borrowed, lent and pending jobs summed over
+    the given queues in that cohort or in the cohorts below it (a queue's pending jobs count once,
+    not once per flavor). A cohort none of the given queues is in keeps one row of zeros."""
+    parents = {c["name"]: c["parent"] for c in cohorts}
+    totals: dict[tuple[str, str], dict[str, Any]] = {}
+    pending_seen: set[tuple[str, str]] = set()
+    for q in queue_rows:
+        cohort, seen = q.get("cohort"), set()
+        while cohort is not None and cohort not in seen:
+            seen.add(cohort)
+            t = totals.setdefault((cohort, q["flavor"]), {"cohort": cohort, "parent": parents.get(cohort),
+                                                          "flavor": q["flavor"], "queues": 0, "nominal": 0,
+                                                          "used": 0, "borrowed": 0, "lent": 0, "pending_jobs": 0})
+            t["queues"] += 1
+            for key in ("nominal", "used", "borrowed", "lent"):
+                t[key] += q[key] or 0
+            if (cohort, q["queue"]) not in pending_seen:
+                pending_seen.add((cohort, q["queue"]))
+                t["pending_jobs"] += q["pending_jobs"] or 0
+            cohort = parents.get(cohort)
+    for c in cohorts:
+        if not any(name == c["name"] for name, _ in totals):
+            totals[(c["name"], "")] = {"cohort": c["name"], "parent": c["parent"], "flavor": "–", "queues": 0,
+                                       "nominal": 0, "used": 0, "borrowed": 0, "lent": 0, "pending_jobs": 0}
+    return [totals[k] for k in sorted(totals)]
 
 
 async def _jobs(request: Request, me: Identity, state: str | None, queue: str | None, kind: str | None,

@@ -17,17 +17,27 @@ function refresher() {
   };
 }
 
+const ENDED = ["succeeded", "failed", "cancelled", "rejected"];
+
 function follow(refresh) {
   const stream = document.body.dataset.stream;
   if (stream) {
     const source = new EventSource(stream);
-    source.onmessage = refresh;
-    // every event has its type as its name: refresh on any of them
-    for (const type of ["JobSubmitted", "JobAdmitted", "JobRejected", "QuotaReserved", "QuotaReleased",
+    // Refresh on every event (each has its type as its name), and again a moment later in case the
+    // read models had not caught up yet. A stream ends now and then (its time limit) and the
+    // browser reconnects: "open" comes on every connection and catches up on what the gap missed.
+    const onEvent = () => {
+      refresh();
+      setTimeout(refresh, 1500);
+      const state = document.getElementById("job-state");  // a job page: stop once the job has ended
+      if (state && ENDED.includes(state.textContent.trim())) setTimeout(() => source.close(), 3000);
+    };
+    source.onmessage = onEvent;
+    for (const type of ["open", "JobSubmitted", "JobAdmitted", "JobRejected", "QuotaReserved", "QuotaReleased",
       "QuotaPendingReasonChanged", "SchedulingPendingReasonChanged", "JobScheduled", "JobStarted", "JobSucceeded",
       "JobFailed", "JobPreempted", "JobRetryScheduled", "JobCancelRequested", "JobCancelled", "JobCheckpointed",
       "PreemptionRequested", "ReclaimRequested"]) {
-      source.addEventListener(type, refresh);
+      source.addEventListener(type, onEvent);
     }
   }
   const poll = Number(document.body.dataset.poll || 0);
