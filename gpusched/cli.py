@@ -203,8 +203,9 @@ def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the 
     job, another team's job); a job that had already ended is reported as such."""
     connection = Connection.resolve()
     if connection.api_url:
+        _no_on_behalf_through_api(on_behalf_of, "cancel")
         emit(through_api(connection, "cancel request", lambda gs: _answered_by_api(
-            gs.cancel(job_id, reason, wait_s=commands.WAIT_S if wait else 0))), output)
+            "cancel request", gs.cancel(job_id, reason, wait_s=commands.WAIT_S if wait else 0), wait)), output)
         return
 
     async def go(js):
@@ -237,12 +238,9 @@ def checkpoint_cmd(
     when = at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
     connection = Connection.resolve()
     if connection.api_url:
-        if when is not None:
-            raise UserError("--at is not sent through the API (it stamps the report when admission receives it); "
-                            "unset GPUSCHED_API_URL to report over NATS")
-        emit(through_api(connection, "checkpoint report", lambda gs: {"attempt": attempt, **_answered_by_api(
-            gs.checkpoint(job_id, attempt, step=step, location=location,
-                          wait_s=commands.WAIT_S if wait else 0))}), output)
+        _no_on_behalf_through_api(on_behalf_of, "checkpoint")
+        emit(through_api(connection, "checkpoint report", lambda gs: _checkpointed_by_api(
+            gs, job_id, attempt, step, location, when, wait)), output)
         return
 
     async def go(js):
@@ -275,6 +273,7 @@ def _submitted(gs, command, wait: bool, on_behalf_of: str | None) -> dict[str, A
     from gpusched.client import Rejected
 
     result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": None, "decision": None}
+    # the same fields as over NATS but trace_id (the API's request carries the trace)
     try:
         done = gs.submit(command, wait_s=commands.WAIT_S if wait else 0, on_behalf_of=on_behalf_of)
     except Rejected as err:
@@ -283,7 +282,7 @@ def _submitted(gs, command, wait: bool, on_behalf_of: str | None) -> dict[str, A
         field = err.errors[0]["field"].removeprefix("body.") if err.errors else None
         return {**result, "decision": "JobRejected", "reason": err.reason, "field": field, "message": err.detail,
                 "repeat": False}
-    result.update(intake_sequence=done.intake_sequence, repeat=done.repeat,
+    result.update(job_id=done.job_id, intake_sequence=done.intake_sequence, repeat=done.repeat,
                   decision={"admitted": "JobAdmitted", "pending": None}[done.decision])
     if wait and done.decision == "pending":
         raise UserError(f"no answer to the submission (intake sequence {done.intake_sequence}) within "
@@ -291,9 +290,35 @@ def _submitted(gs, command, wait: bool, on_behalf_of: str | None) -> dict[str, A
     return result
 
 
-def _answered_by_api(answer) -> dict[str, Any]:
-    return {"job_id": answer.job_id, "intake_sequence": answer.intake_sequence,
-            "decision": None if answer.outcome == "pending" else answer.outcome, "repeat": answer.repeat}
+def _no_on_behalf_through_api(on_behalf_of: str | None, what: str) -> None:
+    """The API records an operator's own name as on-behalf-of for a cancel or a checkpoint."""
+    if on_behalf_of is not None:
+        raise UserError(f"--on-behalf-of: the API does not take it for a {what} (it records the token's holder); "
+                        "leave it out, or unset GPUSCHED_API_URL to send the command over NATS")
+
+
+def _answered_by_api(what: str, answer, wait: bool) -> dict[str, Any]:
+    """The fields `gpusched cancel` prints over NATS, from the API's answer."""
+    result: dict[str, Any] = {"job_id": answer.job_id, "intake_sequence": answer.intake_sequence, "decision": None}
+    if answer.outcome != "pending":
+        result.update(decision=answer.outcome, repeat=answer.repeat)
+    elif wait:
+        raise UserError(f"no answer to the {what} (intake sequence {answer.intake_sequence}) within "
+                        f"{commands.WAIT_S:.0f} s; see `gpusched events {answer.job_id}` and `gpusched dlq`")
+    return result
+
+
+def _checkpointed_by_api(gs, job_id: str, attempt: int, step: int | None, location: str, when, wait: bool):
+    """The fields `gpusched checkpoint` prints over NATS: checkpointed_at from the recorded
+    JobCheckpointed (None when not waited for or not recorded in time)."""
+    answer = gs.checkpoint(job_id, attempt, step=step, location=location, checkpointed_at=when,
+                           wait_s=commands.WAIT_S if wait else 0)
+    recorded = None
+    if answer.outcome == "JobCheckpointed":
+        recorded = next((e.checkpointed_at for e in reversed(gs.events(job_id)) if e.type == "JobCheckpointed"
+                         and e.intake_sequence == answer.intake_sequence), None)
+    return {"job_id": job_id, "attempt": attempt, "intake_sequence": answer.intake_sequence,
+            "checkpointed_at": recorded}
 
 
 @app.command()

@@ -17,24 +17,32 @@ refused the command; ``reason``), :class:`InvalidInput` (422; ``errors`` names e
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, closing
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel
 
 from schemas import Event, JobSpec, SubmitJob, parse_event
+from schemas.registry import EVENT_TYPES_BY_NAME
 
 FINAL_STATES = ("succeeded", "failed", "cancelled", "rejected")
 FAILED_SETTLE_S = 2.0
 """A job in state ``failed`` is final when no retry follows within this long (quota schedules one
 right after the failure when the job's retry policy allows it)."""
-POLL_S = 0.5
+CATCH_UP_S = 5.0
+"""How long a wait reads the job's row after an event that may end it: the read models follow
+the event log, a little behind."""
+POLL_S = 0.2
 
 
 class ApiError(Exception):
@@ -146,6 +154,10 @@ def _settings(url: str | None, token: str | None) -> tuple[str, str]:
     token = token or os.environ.get("GPUSCHED_API_TOKEN")
     if not url:
         raise ValueError("no API URL: pass url= or set GPUSCHED_API_URL (make run prints it)")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"API URL {url!r} is not one; accepted: http:// or https:// and a host, "
+                         "e.g. http://127.0.0.1:8080")
     if not token:
         raise ValueError("no API token: pass token= or set GPUSCHED_API_TOKEN (`gpusched token issue`)")
     return url.rstrip("/"), token
@@ -172,6 +184,22 @@ def _submit_request(job: Any, idempotency_key: str | None, wait_s: float,
     return document, headers, {"wait": wait_s}
 
 
+def _checkpoint_body(attempt: int, step: int | None, location: str, at: datetime | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"attempt": attempt, "location": location}
+    if step is not None:
+        body["step"] = step
+    if at is not None:
+        body["checkpointed_at"] = (at if at.tzinfo else at.replace(tzinfo=UTC)).isoformat()
+    return body
+
+
+def _read_until(timeout_s: float, until: float | None) -> httpx.Timeout | None:
+    """A stream's timeouts when it must end by the monotonic time ``until``: no read waits past it."""
+    if until is None:
+        return None
+    return httpx.Timeout(timeout_s, read=max(0.1, min(timeout_s, until - time.monotonic())))
+
+
 class _Events:
     """Server-sent-event lines to :class:`StreamedEvent`s (the text/event-stream format)."""
 
@@ -180,13 +208,12 @@ class _Events:
 
     def line(self, line: str) -> StreamedEvent | None:
         if line == "":
-            if not self.data:
+            name, id_, data, self.name, self.id, self.data = self.name, self.id, self.data, "message", None, []
+            if not data:
                 return None
-            data = "\n".join(self.data)
-            out = StreamedEvent(self.name, self.id, data)
-            if self.name.startswith(("Job", "Quota", "Scheduling", "Preemption", "Reclaim")):
-                out.event = parse_event(data)
-            self.name, self.id, self.data = "message", None, []
+            out = StreamedEvent(name, id_, "\n".join(data))
+            if name in EVENT_TYPES_BY_NAME:  # an event of the contract (not the stream's own "open")
+                out.event = parse_event(out.data)
             return out
         key, _, value = line.partition(":")
         value = value[1:] if value.startswith(" ") else value
@@ -199,20 +226,57 @@ class _Events:
         return None
 
 
+_EVENT_STATES = {"JobSubmitted": "submitted", "JobRejected": "rejected", "JobAdmitted": "queued",
+                 "QuotaReserved": "reserved", "ReclaimRequested": "preempting", "PreemptionRequested": "preempting",
+                 "JobScheduled": "scheduled", "JobStarted": "running", "JobSucceeded": "succeeded",
+                 "JobFailed": "failed", "JobPreempted": "preempted", "JobCancelRequested": "cancelling",
+                 "JobCancelled": "cancelled"}
+"""The job state (the read model's ``state`` column) each job event leads to."""
+
+
+def event_state(streamed: StreamedEvent) -> str | None:
+    """The job state a streamed event leads to; None for events that do not change it."""
+    if streamed.name == "JobRetryScheduled" and streamed.event is not None:
+        return "preempted" if getattr(streamed.event, "after", None) == "JobPreempted" else "retrying"
+    return _EVENT_STATES.get(streamed.name)
+
+
 class _Waiting:
-    """When a wait is over: the job's state is one of ``states`` (``failed`` only once it stayed
-    so for FAILED_SETTLE_S, when waiting for the final states); WaitTimeout past the deadline."""
+    """When a wait is over, as a pure decision over what the stream and the job's row show.
+
+    Over when the row's state is one of ``states`` or a final one (the job can go nowhere else);
+    ``failed`` counts only once it stayed so for FAILED_SETTLE_S (a retry may follow), unless
+    ``failed`` is waited for explicitly. WaitTimeout past the deadline."""
 
     def __init__(self, job_id: str, states: tuple[str, ...], timeout_s: float) -> None:
-        self.job_id, self.states, self.timeout_s = job_id, states, timeout_s
+        unknown = sorted(set(states) - set(_EVENT_STATES.values()) - {"retrying"})
+        if unknown or not states:
+            raise ValueError(f"states: {unknown or 'none given'} not job states; accepted: "
+                             f"{', '.join(sorted({*_EVENT_STATES.values(), 'retrying'}))}")
+        self.job_id, self.states, self.timeout_s = job_id, tuple(states), timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.failed_since: float | None = None
+        self.seen: set[str] = set()
+        self.settle_failed = states == FINAL_STATES or "failed" not in states
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def shows_end(self, streamed: StreamedEvent) -> bool:
+        """Whether this event may end the wait (the row is read then); an event seen before (a
+        reconnected stream replays the job's history) does not."""
+        if streamed.id is not None:
+            if streamed.id in self.seen:
+                return False
+            self.seen.add(streamed.id)
+        state = event_state(streamed)
+        return state in self.states or state in FINAL_STATES
 
     def done(self, job: dict[str, Any] | None) -> bool:
         now = time.monotonic()
         state = job["state"] if job else None
-        if state in self.states:
-            if state != "failed" or self.states != FINAL_STATES:
+        if state in self.states or state in FINAL_STATES:
+            if state != "failed" or not self.settle_failed:
                 return True
             self.failed_since = self.failed_since or now
             if now - self.failed_since >= FAILED_SETTLE_S:
@@ -231,6 +295,7 @@ class Client:
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 60.0) -> None:
         self.url, token = _settings(url, token)
+        self._timeout_s = timeout_s
         self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
                                   timeout=httpx.Timeout(timeout_s, read=timeout_s))
 
@@ -282,9 +347,11 @@ class Client:
                                      params={"wait": wait_s}))
 
     def checkpoint(self, job_id: str, attempt: int, *, step: int | None = None, location: str = "",
-                   wait_s: float = 10.0) -> Answered:
-        body = {"attempt": attempt, "location": location, **({"step": step} if step is not None else {})}
-        return _fields(Answered, self._call("POST", f"/v1/jobs/{job_id}/checkpoints", json=body, params={"wait": wait_s}))
+                   checkpointed_at: datetime | None = None, wait_s: float = 10.0) -> Answered:
+        """Report a checkpoint of the running ``attempt`` (taken at ``checkpointed_at``, default:
+        when admission receives the report); ``outcome`` JobCheckpointed once recorded."""
+        return _fields(Answered, self._call("POST", f"/v1/jobs/{job_id}/checkpoints", params={"wait": wait_s},
+                                            json=_checkpoint_body(attempt, step, location, checkpointed_at)))
 
     def usage(self, **params: Any) -> Any:
         return self._call("GET", "/v1/usage", params=params)
@@ -293,15 +360,20 @@ class Client:
         return self._call("GET", "/v1/queues")
 
     def stream(self, job_id: str) -> Iterator[StreamedEvent]:
-        """The job's events: its history, then live, until it ends or the server ends the stream."""
-        yield from self._stream(f"/v1/jobs/{job_id}/stream")
+        """The job's events: its history, then live, until it ends or the server ends the stream
+        (GPUSCHED_API_STREAM_MAX_S; open it again to go on)."""
+        return self._stream(f"/v1/jobs/{job_id}/stream")
 
     def team_stream(self, team: str) -> Iterator[StreamedEvent]:
-        """The team's job events from now on, until the server ends the stream (reconnect to go on)."""
-        yield from self._stream(f"/v1/teams/{team}/stream")
+        """The team's job events from now on (the first is ``open``), until the server ends the
+        stream (open it again to go on). Forbidden for another team's."""
+        return self._stream(f"/v1/teams/{team}/stream")
 
-    def _stream(self, path: str) -> Iterator[StreamedEvent]:
-        with self._http.stream("GET", path, headers={"Accept": "text/event-stream"}) as response:
+    def _stream(self, path: str, until: float | None = None) -> Iterator[StreamedEvent]:
+        """The stream's events until the server ends it (or the monotonic time ``until``)."""
+        timeout = _read_until(self._timeout_s, until)
+        with self._http.stream("GET", path, headers={"Accept": "text/event-stream"},
+                               **({"timeout": timeout} if timeout else {})) as response:
             if response.status_code >= 400:
                 response.read()
                 _answer(response)
@@ -309,19 +381,42 @@ class Client:
             for line in response.iter_lines():
                 if (event := parser.line(line)) is not None:
                     yield event
+                if until is not None and time.monotonic() >= until:
+                    return
+
+    def _row(self, job_id: str) -> dict[str, Any] | None:
+        try:
+            return self.get(job_id)
+        except NotFound:
+            return None
+
+    def _follow(self, job_id: str, waiting: _Waiting) -> bool:
+        """Read the job's stream until an event may end the wait (True), or the stream ends or
+        the wait's time runs out (False)."""
+        try:
+            with closing(self._stream(f"/v1/jobs/{job_id}/stream", until=waiting.deadline)) as events:
+                for streamed in events:
+                    if waiting.shows_end(streamed):
+                        return True
+        except (NotFound, httpx.ReadTimeout):  # not in the read models yet; nothing came in time
+            pass
+        return False
 
     def wait(self, job_id: str, *, states: tuple[str, ...] = FINAL_STATES, timeout_s: float = 3600.0) -> dict[str, Any]:
-        """The job's row once its state is one of ``states`` (a ``failed`` one when no retry
-        followed within FAILED_SETTLE_S); WaitTimeout after ``timeout_s``."""
+        """The job's row once its state is one of ``states`` or final (``failed`` once no retry
+        followed within FAILED_SETTLE_S, unless ``failed`` is among ``states``); WaitTimeout after
+        ``timeout_s``. Follows the job's event stream, reconnecting when the server ends it."""
         waiting = _Waiting(job_id, states, timeout_s)
         while True:
-            try:
-                job = self.get(job_id)
-            except NotFound:
-                job = None
-            if waiting.done(job):
-                return job
-            time.sleep(POLL_S)
+            shown = self._follow(job_id, waiting)
+            reads_until = time.monotonic() + (CATCH_UP_S if shown else 0.0)
+            while True:
+                job = self._row(job_id)
+                if waiting.done(job):
+                    return job
+                time.sleep(min(POLL_S, waiting.left()))
+                if time.monotonic() >= reads_until:
+                    break
 
 
 class AsyncClient:
@@ -329,6 +424,7 @@ class AsyncClient:
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 60.0) -> None:
         self.url, token = _settings(url, token)
+        self._timeout_s = timeout_s
         self._http = httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
                                        timeout=httpx.Timeout(timeout_s, read=timeout_s))
 
@@ -380,21 +476,20 @@ class AsyncClient:
                                            params={"wait": wait_s}))
 
     async def checkpoint(self, job_id: str, attempt: int, *, step: int | None = None, location: str = "",
-                         wait_s: float = 10.0) -> Answered:
-        body = {"attempt": attempt, "location": location, **({"step": step} if step is not None else {})}
-        return _fields(Answered, await self._call("POST", f"/v1/jobs/{job_id}/checkpoints", json=body,
-                                           params={"wait": wait_s}))
+                         checkpointed_at: datetime | None = None, wait_s: float = 10.0) -> Answered:
+        return _fields(Answered, await self._call("POST", f"/v1/jobs/{job_id}/checkpoints", params={"wait": wait_s},
+                                                  json=_checkpoint_body(attempt, step, location, checkpointed_at)))
 
-    async def stream(self, job_id: str) -> AsyncIterator[StreamedEvent]:
-        async for event in self._stream(f"/v1/jobs/{job_id}/stream"):
-            yield event
+    def stream(self, job_id: str) -> AsyncIterator[StreamedEvent]:
+        return self._stream(f"/v1/jobs/{job_id}/stream")
 
-    async def team_stream(self, team: str) -> AsyncIterator[StreamedEvent]:
-        async for event in self._stream(f"/v1/teams/{team}/stream"):
-            yield event
+    def team_stream(self, team: str) -> AsyncIterator[StreamedEvent]:
+        return self._stream(f"/v1/teams/{team}/stream")
 
-    async def _stream(self, path: str) -> AsyncIterator[StreamedEvent]:
-        async with self._http.stream("GET", path, headers={"Accept": "text/event-stream"}) as response:
+    async def _stream(self, path: str, until: float | None = None) -> AsyncIterator[StreamedEvent]:
+        timeout = _read_until(self._timeout_s, until)
+        async with self._http.stream("GET", path, headers={"Accept": "text/event-stream"},
+                                     **({"timeout": timeout} if timeout else {})) as response:
             if response.status_code >= 400:
                 await response.aread()
                 _answer(response)
@@ -402,18 +497,36 @@ class AsyncClient:
             async for line in response.aiter_lines():
                 if (event := parser.line(line)) is not None:
                     yield event
+                if until is not None and time.monotonic() >= until:
+                    return
+
+    async def _row(self, job_id: str) -> dict[str, Any] | None:
+        try:
+            return await self.get(job_id)
+        except NotFound:
+            return None
+
+    async def _follow(self, job_id: str, waiting: _Waiting) -> bool:
+        try:
+            async with aclosing(self._stream(f"/v1/jobs/{job_id}/stream", until=waiting.deadline)) as events:
+                async for streamed in events:
+                    if waiting.shows_end(streamed):
+                        return True
+        except (NotFound, httpx.ReadTimeout):
+            pass
+        return False
 
     async def wait(self, job_id: str, *, states: tuple[str, ...] = FINAL_STATES,
                    timeout_s: float = 3600.0) -> dict[str, Any]:
         """As :meth:`Client.wait`."""
-        import asyncio
-
         waiting = _Waiting(job_id, states, timeout_s)
         while True:
-            try:
-                job = await self.get(job_id)
-            except NotFound:
-                job = None
-            if waiting.done(job):
-                return job
-            await asyncio.sleep(POLL_S)
+            shown = await self._follow(job_id, waiting)
+            reads_until = time.monotonic() + (CATCH_UP_S if shown else 0.0)
+            while True:
+                job = await self._row(job_id)
+                if waiting.done(job):
+                    return job
+                await asyncio.sleep(min(POLL_S, waiting.left()))
+                if time.monotonic() >= reads_until:
+                    break

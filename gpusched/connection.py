@@ -35,6 +35,18 @@ def save(connection: "Connection", path: Path) -> None:
         target.write_text(json.dumps(connection.__dict__))
 
 
+def _api(saved: dict[str, Any]) -> dict[str, str | None]:
+    """The API address and token: GPUSCHED_API_URL / GPUSCHED_API_TOKEN, else the file's
+    ``api_url`` / ``api_token``; the file's token goes only to the file's address."""
+    env_url, env_token = os.environ.get("GPUSCHED_API_URL"), os.environ.get("GPUSCHED_API_TOKEN")
+    saved_url, saved_token = saved.get("api_url"), saved.get("api_token")
+    if env_url:
+        return {"api_url": env_url, "api_token": env_token or (saved_token if saved_url == env_url else None)}
+    if os.environ.get("GPUSCHED_NATS_URL"):  # another platform than the file's
+        return {"api_url": None, "api_token": env_token}
+    return {"api_url": saved_url, "api_token": env_token or saved_token}
+
+
 @dataclass(frozen=True)
 class Connection:
     nats_url: str
@@ -50,7 +62,7 @@ class Connection:
         GPUSCHED_PG_DSN, GPUSCHED_API_URL, GPUSCHED_API_TOKEN); otherwise what a local `make run`
         wrote: the file GPUSCHED_CONNECTION_FILE names, else .data/run/connection.json in this
         directory, else this user's copy. The file's API address is used only with the file's NATS
-        (not when GPUSCHED_NATS_URL names another platform)."""
+        (not when GPUSCHED_NATS_URL names another platform), and its token only with its address."""
         saved: dict[str, Any] = {}
         if "GPUSCHED_CONNECTION_FILE" in os.environ:
             path = Path(os.environ["GPUSCHED_CONNECTION_FILE"])
@@ -66,9 +78,7 @@ class Connection:
             nats_user=os.environ.get("GPUSCHED_NATS_USER") or saved.get("nats_user"),
             nats_password=os.environ.get("GPUSCHED_NATS_PASSWORD") or saved.get("nats_password"),
             pg_dsn=os.environ.get("GPUSCHED_PG_DSN") or saved.get("pg_dsn"),
-            api_url=os.environ.get("GPUSCHED_API_URL") or (
-                None if os.environ.get("GPUSCHED_NATS_URL") else saved.get("api_url")),
-            api_token=os.environ.get("GPUSCHED_API_TOKEN") or saved.get("api_token"),
+            **_api(saved),
         )
 
     def client(self):
@@ -77,7 +87,10 @@ class Connection:
 
         if not self.api_token:
             raise UserError(f"the API at {self.api_url} needs a token: set GPUSCHED_API_TOKEN (`gpusched token issue`)")
-        return Client(self.api_url, self.api_token)
+        try:
+            return Client(self.api_url, self.api_token)
+        except ValueError as err:
+            raise UserError(str(err)) from None
 
     async def nats(self) -> nats.NATS:
         kwargs: dict[str, Any] = {}
