@@ -222,6 +222,12 @@ def parse_command(model: type[C], raw: bytes) -> C:
     ``1`` for a string); times are RFC 3339 strings with an offset. MalformedCommand or
     pydantic.ValidationError."""
     load_command(raw)
+    return validate_command(model, raw)
+
+
+def validate_command(model: type[C], raw: bytes) -> C:
+    """``model`` in strict mode from bytes :func:`load_command` has already checked (admission's
+    path: it loads first to know the requested job id). pydantic.ValidationError."""
     try:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as err:

@@ -26,7 +26,8 @@ from faststream.security import SASLPlaintext
 from gpusched import commands, permissions
 from runtime import eventlog
 from runtime.settings import Settings
-from schemas import CancelJob, Event, ReportCheckpoint, SubmitJob, parse_event
+from schemas import (CancelJob, Event, JobAdmitted, JobRejected, JobSubmitted, ReportCheckpoint, SubmitJob,
+                     parse_event)
 from schemas.registry import SUBJECT_PREFIX, subject_suffix
 
 P = SUBJECT_PREFIX
@@ -74,11 +75,34 @@ def declare_publishers(broker: NatsBroker) -> dict[str, object]:
 # -- admission's answers -------------------------------------------------------------------------
 
 
+class SubmitAnswer:
+    """Which event answers the SubmitJob at ``intake_seq``, in whatever order the answer
+    subscriptions deliver (one subscription per subject: a JobAdmitted may come before its
+    JobSubmitted): a JobRejected naming that intake sequence, or the job's admission decision
+    once the JobSubmitted of that sequence has been seen. (A repeat of an existing job is found
+    in the log before waiting: gpusched.api.app.Gateway.earlier_decision.)"""
+
+    def __init__(self, intake_seq: int) -> None:
+        self.intake_seq = intake_seq
+        self.ours = False
+        self.decision: Event | None = None
+
+    def take(self, event: Event, now: float) -> commands.Answer | None:
+        if isinstance(event, JobRejected) and event.intake_sequence == self.intake_seq:
+            return commands.Answer(event)
+        if isinstance(event, JobSubmitted) and event.intake_sequence == self.intake_seq:
+            self.ours = True
+        elif isinstance(event, (JobAdmitted, JobRejected)):
+            self.decision = event
+        return commands.Answer(self.decision) if self.ours and self.decision is not None else None
+
+
+
 @dataclass
 class _Waiter:
     job_ids: frozenset[str]
     intake_seq: int
-    answers: object  # commands.SubmitAnswers | CancelAnswers | CheckpointAnswers
+    answers: object  # SubmitAnswer, commands.CancelAnswers or commands.CheckpointAnswers: take(event, now)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -142,7 +166,7 @@ class Decisions:
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
         except TimeoutError:
-            return waiter.answers.quiet(float("inf")) if hasattr(waiter.answers, "quiet") else None
+            return None
         finally:
             for job in job_ids:
                 self.waiters[job].remove(waiter)
@@ -215,7 +239,10 @@ def tenant_event(subject: str, data: bytes, headers: dict[str, str] | None) -> T
 
 def declare_subscribers(broker: NatsBroker, decisions: Decisions, hub: Hub) -> None:
     """Core subscriptions (no consumer, nothing stored): the answers, the dead letters of the
-    intake, and the teams' event copies."""
+    intake, and the teams' event copies. ``no_reply``: these messages were published with
+    JetStream, so their reply subject is the publisher's acknowledgement inbox; FastStream must
+    never answer there (the server refuses it anyway: the api credential may not publish to
+    another credential's inbox)."""
 
     async def on_answer(msg: NatsMessage) -> None:
         try:
@@ -224,10 +251,10 @@ def declare_subscribers(broker: NatsBroker, decisions: Decisions, hub: Hub) -> N
             return
 
     for subject in ANSWER_SUBJECTS:
-        broker.subscriber(subject, title=f"{subject}:subscribe",
+        broker.subscriber(subject, no_reply=True, title=f"{subject}:subscribe",
                           description="Admission's answer to a command the API sent, to answer the request")(on_answer)
 
-    @broker.subscriber(INTAKE_DEAD_LETTERS, title=f"{INTAKE_DEAD_LETTERS}:subscribe",
+    @broker.subscriber(INTAKE_DEAD_LETTERS, no_reply=True, title=f"{INTAKE_DEAD_LETTERS}:subscribe",
                        description="A command admission refused to read, with the reason (Gpusched-Reason)")
     async def on_dead_letter(msg: NatsMessage) -> None:
         headers = msg.headers or {}
@@ -238,7 +265,7 @@ def declare_subscribers(broker: NatsBroker, decisions: Decisions, hub: Hub) -> N
                 return
             decisions.take_dead_letter(seq, headers.get("Gpusched-Reason") or "(no reason recorded)")
 
-    @broker.subscriber(TENANT_EVENTS, title=f"{TENANT_EVENTS}:subscribe",
+    @broker.subscriber(TENANT_EVENTS, no_reply=True, title=f"{TENANT_EVENTS}:subscribe",
                        description="Copies of each team's job events (the notifier writes them), for the API's "
                                    "server-sent-event streams")
     async def on_tenant_event(msg: NatsMessage) -> None:

@@ -44,6 +44,7 @@ from schemas.commands import (
     job_id_for_key,
     load_command,
     parse_command,
+    validate_command,
 )
 from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
 from schemas.node import NodeInfo
@@ -204,7 +205,7 @@ class AdmissionCore:
         requested = payload.get("job_id") if isinstance(payload, dict) else None
         requested = requested if isinstance(requested, str) else None
         try:
-            command = SubmitJob.model_validate_json(raw, strict=True)  # checked by load_command above
+            command = validate_command(SubmitJob, raw)  # checked by load_command above
         except ValidationError as err:
             path, message = _validation_message(err)
             raise SubmitRefused(RejectReason.SCHEMA_INVALID, message, path, requested=requested) from None

@@ -28,7 +28,7 @@ def handle(payload: dict | bytes) -> list:
 @pytest.mark.parametrize("change, field", [
     ({"gpus": True}, "spec.gpus"),
     ({"gpus": "1"}, "spec.gpus"),
-    ({"gpus": 1.0}, "spec.gpus"),
+    ({"gpus": 1.5}, "spec.gpus"),
     ({"retry": {"max_attempts": True}}, "spec.retry.max_attempts"),
     ({"retry": {"backoff_seconds": "30"}}, "spec.retry.backoff_seconds"),
     ({"image": 5}, "spec.image"),
@@ -79,3 +79,9 @@ def test_an_integer_written_with_a_zero_fraction_is_that_integer_as_json_schema_
     assert command.spec.gpus == 8 and isinstance(command.spec.gpus, int) and command.spec.cpu_millis == 2000
     with pytest.raises(ValidationError):
         parse_command(SubmitJob, json.dumps({"spec": {**spec_dict(), "gpus": 2.5}}).encode())
+
+
+def test_admission_admits_an_integer_written_8_0_over_nats_as_the_schema_does():
+    events = handle(submit_payload(spec_dict(gpus=8.0), job_id="j80"))
+    assert events[0].type == "JobSubmitted"  # not a rejection
+    assert events[0].spec.gpus == 8 and isinstance(events[0].spec.gpus, int)

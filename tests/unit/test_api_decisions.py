@@ -1,0 +1,80 @@
+"""How the API finds admission's answer to its own command (gpusched.api.bus): in any order the
+answer subscriptions deliver, before or after the publish was acknowledged; and how the team
+event hub fans out and drops a stream that falls behind."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from gpusched import commands
+from gpusched.api.bus import Decisions, Hub, SubmitAnswer, TenantEvent, tenant_event
+from schemas import JobRejected, RejectReason, new_event
+from tests.unit.builders import T0, admitted, submitted
+
+
+def rejected(seq: int, job_id: str | None = None) -> JobRejected:
+    return new_event(JobRejected, aggregate_id=job_id or f"rejected-{seq}", producer="admission", occurred_at=T0,
+                     key=str(seq), reason=RejectReason.UNKNOWN_QUEUE, message="no", intake_sequence=seq, team="team-a")
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(["submitted", "admitted", "other"])))
+def test_the_submit_answer_does_not_depend_on_the_delivery_order(order):
+    events = {"submitted": submitted("j1", seq=7), "admitted": admitted("j1"), "other": submitted("j2", seq=8)}
+    answer = SubmitAnswer(7)
+    answers = [answer.take(events[name], 0.0) for name in order]
+    first = next(i for i, a in enumerate(answers) if a is not None)
+    assert answers[first].event.type == "JobAdmitted"
+    assert first == max(order.index("submitted"), order.index("admitted"))  # not before both came
+
+
+def test_a_rejection_of_that_intake_sequence_answers_at_once():
+    assert SubmitAnswer(9).take(rejected(9), 0.0).event.type == "JobRejected"
+    assert SubmitAnswer(9).take(rejected(10), 0.0) is None
+
+
+async def test_an_answer_that_came_before_the_wait_began_is_found():
+    decisions = Decisions()
+    decisions.take(admitted("j1"))
+    decisions.take(submitted("j1", seq=3))
+    answer = await decisions.wait(["j1", "rejected-3"], 3, SubmitAnswer(3), timeout_s=0.1)
+    assert answer is not None and answer.event.type == "JobAdmitted" and not decisions.waiters
+
+
+async def test_a_wait_is_answered_by_what_comes_later_or_times_out():
+    decisions = Decisions()
+    waiting = asyncio.create_task(decisions.wait(["j2", "rejected-4"], 4, SubmitAnswer(4), timeout_s=2))
+    await asyncio.sleep(0.01)
+    decisions.take(rejected(4))
+    assert (await waiting).event.type == "JobRejected"
+    assert await decisions.wait(["j3"], 5, SubmitAnswer(5), timeout_s=0.05) is None
+    assert not decisions.waiters and not decisions.dead_waiters
+
+
+async def test_a_dead_letter_of_the_intake_sequence_answers():
+    decisions = Decisions()
+    waiting = asyncio.create_task(decisions.wait(["j4"], 11, commands.CancelAnswers(), timeout_s=2))
+    await asyncio.sleep(0.01)
+    decisions.take_dead_letter(11, "not JSON")
+    assert (await waiting).dead_letter == "not JSON"
+
+
+def test_the_hub_fans_out_by_team_and_ends_a_stream_that_falls_behind():
+    hub = Hub()
+    hub.QUEUE = 2
+    a1, a2, b = hub.open("team-a"), hub.open("team-a"), hub.open("team-b")
+    event = TenantEvent("team-a", "j1", "e1", "JobStarted", b"{}")
+    hub.publish(event)
+    assert a1.queue.qsize() == a2.queue.qsize() == 1 and b.queue.qsize() == 0
+    a2.queue.get_nowait()
+    hub.publish(event)
+    hub.publish(event)  # a1 holds 2: full, ended; a2 keeps up
+    assert a1.ended.is_set() and not a2.ended.is_set() and a1 not in hub.listeners["team-a"]
+
+
+def test_a_tenant_subject_names_the_team_and_the_job():
+    e = tenant_event("gpusched.tenant.team-a.job.j-1.admitted", b"{}", {"Nats-Msg-Id": "x", "Gpusched-Type": "JobAdmitted"})
+    assert (e.team, e.job_id, e.event_id, e.type) == ("team-a", "j-1", "x", "JobAdmitted")
+    assert tenant_event("gpusched.tenant.team-a.notify.j-1", b"{}", None) is None
