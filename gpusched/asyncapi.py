@@ -2,12 +2,11 @@
 code. Two sources, one document:
 
 - FastStream's own generator, from the broker the HTTP API runs (gpusched.api.bus): the intake
-  subjects it publishes commands on, with their payloads, and the subjects it subscribes to.
+  subjects it publishes commands on, with their payloads.
 - The registry (schemas.registry), for what FastStream cannot see: the intake subjects of a
   team's own credential (admission reads all three forms), every event subject
   ``gpusched.<aggregate>.{id}.<token>`` with its event's schema, the teams' subjects the notifier
-  writes, the dead letters, and the headers each message carries. It also gives the API's
-  subscriptions the payloads FastStream left empty (its handlers read raw messages).
+  writes, the dead letters, and the headers each message carries.
 
     python -m gpusched.asyncapi          # rewrite schemas/asyncapi.json
     python -m gpusched.asyncapi --check  # exit 1 if the committed file differs from the code
@@ -124,7 +123,6 @@ def _operation(doc: dict[str, Any], key: str, action: str, channel: str, summary
 def _from_faststream() -> dict[str, Any]:
     broker = bus.new_broker(Settings(nats_user=bus.API_USER, nats_password=""))  # declared, never connected
     bus.declare_publishers(broker)
-    bus.declare_subscribers(broker, bus.Decisions(), bus.Hub())
     return AsyncAPI(broker, title="gpusched", version="1",
                     schema_version="3.0.0").to_specification().to_jsonable()
 
@@ -147,22 +145,9 @@ def document() -> dict[str, Any]:
         params = {p: {"description": PARAMETERS[p]} for p in re.findall(r"\{(\w+)\}", channel["address"])}
         if params:
             channel["parameters"] = params
-    # The API's subscriptions and publications: the payloads FastStream left empty, and headers.
-    by_token = {subject_suffix(cls.model_fields["type"].default): cls.__name__ for cls in ALL_EVENT_TYPES
-                if cls.aggregate == "job"}
+    # The API's publications: the headers FastStream does not know.
     for channel in doc["channels"].values():
-        address, mid = channel["address"], _message_id(channel)
-        token = address.rsplit(".", 1)[1]
-        if address.startswith(f"{P}.job.*.") and token in by_token:
-            messages[mid].update(payload=_ref(by_token[token]), headers=EVENT_HEADERS, contentType="application/json")
-        elif address.startswith(f"{P}.tenant."):
-            messages[mid].update(payload={"oneOf": [_ref(n) for n in sorted(set(by_token.values()))]},
-                                 headers=EVENT_HEADERS, contentType="application/json")
-        elif address.startswith(f"{P}.deadletter."):
-            messages[mid].update(payload={"description": "The refused message's bytes, unchanged"},
-                                 headers=DEAD_LETTER_HEADERS)
-        elif address.startswith(f"{P}.intake."):
-            messages[mid].update(headers=COMMAND_HEADERS, contentType="application/json")
+        messages[_message_id(channel)].update(headers=COMMAND_HEADERS, contentType="application/json")
     # A team's own credential: the intake subjects admission reads.
     for verb in INTAKE_VERBS:
         model = COMMANDS[verb].__name__

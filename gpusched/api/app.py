@@ -65,15 +65,17 @@ class Gateway:
                                       stream=eventlog.INTAKE_STREAM, timeout=10)
         return ack.seq, bool(ack.duplicate)
 
-    async def earlier_decision(self, job_id: str, intake_seq: int | None = None) -> tuple[int, Answer] | None:
-        """The intake sequence and admission decision of a job already in the log (a repeat), or
-        the rejection of the command at ``intake_seq`` (a repeat of a rejected one)."""
+    async def earlier_decision(self, team: str, job_id: str, intake_seq: int | None = None) -> tuple[int, Answer] | None:
+        """The intake sequence and admission decision of ``team``'s job already in the log (a
+        repeat), or the rejection of the command at ``intake_seq`` (a repeat of a rejected one).
+        Another team's job of that id is not a repeat (and its decision is not the caller's to
+        see): admission rejects the command as a duplicate job id."""
         if intake_seq is not None:
             rejected = await self._last(f"{SUBJECT_PREFIX}.job.{rejection_id(intake_seq)}.rejected")
             if rejected is not None:
                 return intake_seq, Answer(rejected, repeat=True)
         submitted = await self._last(f"{SUBJECT_PREFIX}.job.{job_id}.submitted")
-        if submitted is None:
+        if submitted is None or submitted.spec.team != team:
             return None
         decision = (await self._last(f"{SUBJECT_PREFIX}.job.{job_id}.admitted")
                     or await self._last(f"{SUBJECT_PREFIX}.job.{job_id}.rejected"))
@@ -114,10 +116,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
         nc = await eventlog.connect(runtime, "api")
         pool = await asyncpg.create_pool(runtime.pg_dsn, min_size=1, max_size=10)
         broker = bus.new_broker(runtime)
-        decisions, hub = bus.Decisions(), bus.Hub()
+        decisions, hub = bus.Decisions(), bus.Hub(nc)
         publishers = bus.declare_publishers(broker)
-        bus.declare_subscribers(broker, decisions, hub)
         await broker.start()
+        await bus.listen_for_answers(nc, decisions)
         js = nc.jetstream()
         app.state.settings, app.state.pool, app.state.js = settings, pool, js
         app.state.decisions, app.state.hub = decisions, hub

@@ -1,14 +1,20 @@
-"""The API's side of NATS, declared with FastStream (which also writes the AsyncAPI document of
-it, `gpusched.asyncapi`): the commands it publishes on the intake subjects, and the subjects it
-listens to with core subscriptions —
+"""The API's side of NATS. What it publishes is declared with FastStream (which also writes
+the AsyncAPI document of it, `gpusched.asyncapi`): the commands on the intake subjects. What it
+listens to are plain nats-py core subscriptions (no consumer, nothing stored):
 
 - the admission decisions (``gpusched.job.*.<token>`` of the answers, and the intake's dead
   letters), so that a request waits for the answer to its own command without a consumer per
   request (:class:`Decisions`);
-- the teams' copies of their jobs' events (``gpusched.tenant.<team>.job.>``, written by the
-  notifier), fanned out to the server-sent-event streams (:class:`Hub`).
+- a team's copies of its jobs' events (``gpusched.tenant.<team>.job.>``, written by the
+  notifier), subscribed while a server-sent-event stream of that team is open (:class:`Hub`).
 
-Reading history (a job's events, dead letters) goes through JetStream direct gets on a plain
+Why not FastStream subscribers here: they run every message through their middlewares and
+dependency injection (a thread hop per message for a ``NatsMessage`` argument) and parse it,
+while the API needs only the few messages some request waits for. Measured: about 4 ms of the
+API's CPU per job it never saw a request for (docs/performance.md, "Front door"). A raw callback
+looks at the subject and parses only what a waiter or a stream needs.
+
+Reading history (a job's events, dead letters) goes through JetStream direct gets on the same
 nats-py connection (gpusched.api.history)."""
 
 from __future__ import annotations
@@ -20,21 +26,24 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from faststream.nats import NatsBroker
-from faststream.nats.annotations import NatsMessage
 from faststream.security import SASLPlaintext
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from gpusched import commands, permissions
 from runtime import eventlog
 from runtime.settings import Settings
 from schemas import (CancelJob, Event, JobAdmitted, JobRejected, JobSubmitted, ReportCheckpoint, SubmitJob,
                      parse_event)
-from schemas.registry import SUBJECT_PREFIX, AnyEvent, subject_suffix
+from schemas.registry import SUBJECT_PREFIX, subject_suffix
 
+log = logging.getLogger(__name__)
 P = SUBJECT_PREFIX
 ANSWER_SUBJECTS = tuple(f"{P}.job.*.{subject_suffix(t)}" for t in permissions.API_ANSWER_TYPES)
 """The events that answer a command (gpusched.commands: SubmitAnswers, CancelAnswers, CheckpointAnswers)."""
 INTAKE_DEAD_LETTERS = commands.INTAKE_DEAD_LETTERS
-TENANT_EVENTS = f"{P}.tenant.*.job.>"
+TENANT_EVENTS = P + ".tenant.{team}.job.>"
 KEEP_S = 60.0
 """How long recent answers are kept for a request whose publish acknowledgement came after them."""
 
@@ -107,23 +116,26 @@ class _Waiter:
 
 
 class Decisions:
-    """The events that answer commands, as they are published, kept for :data:`KEEP_S`; a
-    waiter registered after its publish was acknowledged first sees what already came."""
+    """The messages that answer commands, as they are published, kept (unparsed) for
+    :data:`KEEP_S`: a waiter registered after its publish was acknowledged first sees what
+    already came. A message is parsed only when a waiter is waiting for its job."""
 
     def __init__(self) -> None:
-        self.recent: dict[str, list[Event]] = defaultdict(list)
+        self.recent: dict[str, list[bytes]] = defaultdict(list)
         self.order: deque[tuple[float, str]] = deque()
         self.dead: dict[int, tuple[float, str]] = {}
         self.waiters: dict[str, list[_Waiter]] = defaultdict(list)
         self.dead_waiters: dict[int, _Waiter] = {}
 
-    def take(self, event: Event) -> None:
+    def take(self, job: str, data: bytes) -> None:
+        """An answer event of ``job`` (the id in its subject), as published."""
         now = time.monotonic()
-        job = event.aggregate_id
-        self.recent[job].append(event)
+        self.recent[job].append(data)
         self.order.append((now, job))
-        for waiter in list(self.waiters.get(job, ())):
-            self._feed(waiter, event)
+        waiters = self.waiters.get(job)
+        if waiters and (event := _parsed(data)) is not None:
+            for waiter in list(waiters):
+                self._feed(waiter, event)
         self._prune(now)
 
     def take_dead_letter(self, intake_seq: int, reason: str) -> None:
@@ -156,8 +168,9 @@ class Decisions:
         if intake_seq in self.dead:
             return commands.Answer(dead_letter=self.dead[intake_seq][1])
         for job in job_ids:
-            for event in list(self.recent.get(job, ())):
-                self._feed(waiter, event)
+            for data in list(self.recent.get(job, ())):
+                if (event := _parsed(data)) is not None:
+                    self._feed(waiter, event)
         if waiter.future.done():
             return waiter.future.result()
         for job in job_ids:
@@ -173,6 +186,37 @@ class Decisions:
                 if not self.waiters[job]:
                     del self.waiters[job]
             self.dead_waiters.pop(intake_seq, None)
+
+
+def _parsed(data: bytes) -> Event | None:
+    """The event, or None for a message that is not one (logged; admission's own subjects carry
+    only valid events, so this is a bug elsewhere, not a reason to fail a request)."""
+    try:
+        return parse_event(data)
+    except ValueError as err:  # pydantic's ValidationError is one
+        log.warning("an answer subject carried something that is not an event: %s", err)
+        return None
+
+
+async def listen_for_answers(nc: NATS, decisions: Decisions) -> list[Subscription]:
+    """Core subscriptions to the answers and to the intake's dead letters, feeding ``decisions``."""
+
+    async def on_answer(msg: Msg) -> None:
+        decisions.take(msg.subject.split(".", 3)[2], msg.data)  # gpusched.job.<job id>.<token>
+
+    async def on_dead_letter(msg: Msg) -> None:
+        headers = msg.headers or {}
+        if headers.get("Gpusched-Original-Stream") == eventlog.INTAKE_STREAM:
+            try:
+                seq = int(headers.get("Gpusched-Original-Sequence", ""))
+            except ValueError:
+                return
+            decisions.take_dead_letter(seq, headers.get("Gpusched-Reason") or "(no reason recorded)")
+
+    subs = [await nc.subscribe(subject, cb=on_answer) for subject in ANSWER_SUBJECTS]
+    subs.append(await nc.subscribe(INTAKE_DEAD_LETTERS, cb=on_dead_letter))
+    await nc.flush()
+    return subs
 
 
 # -- the teams' events, to server-sent-event streams --------------------------------------------
@@ -197,26 +241,46 @@ class Listener:
 
 class Hub:
     """Fans each team's live job events out to the streams open for that team (or one of its
-    jobs). A stream that falls :data:`QUEUE` events behind is ended (its client reconnects and
-    reads the history again) rather than slowing the others."""
+    jobs). The team's subjects are subscribed while at least one of its streams is open (with
+    ``nc`` None, as in unit tests, events come only through :meth:`publish`). A stream that
+    falls :data:`QUEUE` events behind is ended (its client reconnects and reads the history
+    again) rather than slowing the others."""
 
     QUEUE = 1000
 
-    def __init__(self) -> None:
+    def __init__(self, nc: NATS | None = None) -> None:
+        self.nc = nc
         self.listeners: dict[str, set[Listener]] = defaultdict(set)
+        self.subs: dict[str, Subscription] = {}
+        self.lock = asyncio.Lock()  # (un)subscribing; rare, so one lock for all teams
         self.delivered = 0
 
-    def open(self, team: str) -> Listener:
+    async def open(self, team: str) -> Listener:
+        """A new listener of the team's events; the subscription is live when this returns."""
         listener = Listener(self.QUEUE)
-        self.listeners[team].add(listener)
+        async with self.lock:
+            if self.nc is not None and team not in self.subs:
+                self.subs[team] = await self.nc.subscribe(TENANT_EVENTS.format(team=team), cb=self._on_message)
+                await self.nc.flush()
+            self.listeners[team].add(listener)
         return listener
 
-    def close(self, team: str, listener: Listener) -> None:
+    async def close(self, team: str, listener: Listener) -> None:
+        async with self.lock:
+            self._drop(team, listener)
+            if not self.listeners.get(team) and (sub := self.subs.pop(team, None)) is not None:
+                await sub.unsubscribe()
+
+    def _drop(self, team: str, listener: Listener) -> None:
         listeners = self.listeners.get(team)
         if listeners is not None:
             listeners.discard(listener)
             if not listeners:
                 del self.listeners[team]
+
+    async def _on_message(self, msg: Msg) -> None:
+        if (event := tenant_event(msg.subject, msg.data, msg.headers)) is not None:
+            self.publish(event)
 
     def publish(self, event: TenantEvent) -> None:
         for listener in list(self.listeners.get(event.team, ())):
@@ -224,7 +288,7 @@ class Hub:
                 listener.queue.put_nowait(event)
                 self.delivered += 1
             except asyncio.QueueFull:
-                self.close(event.team, listener)
+                self._drop(event.team, listener)  # its stream's close unsubscribes if it was the last
                 listener.ended.set()
 
 
@@ -235,37 +299,3 @@ def tenant_event(subject: str, data: bytes, headers: dict[str, str] | None) -> T
     headers = headers or {}
     return TenantEvent(team=parts[2], job_id=parts[4], event_id=headers.get("Nats-Msg-Id", ""),
                        type=headers.get("Gpusched-Type", parts[5]), data=data)
-
-
-def declare_subscribers(broker: NatsBroker, decisions: Decisions, hub: Hub) -> None:
-    """Core subscriptions (no consumer, nothing stored): the answers, the dead letters of the
-    intake, and the teams' event copies. ``no_reply``: these messages were published with
-    JetStream, so their reply subject is the publisher's acknowledgement inbox; FastStream must
-    never answer there (the server refuses it anyway: the api credential may not publish to
-    another credential's inbox)."""
-
-    async def on_answer(event: AnyEvent) -> None:  # typed: FastStream parses it; no per-message context
-        decisions.take(event)
-
-    for subject in ANSWER_SUBJECTS:
-        broker.subscriber(subject, no_reply=True, title=f"{subject}:subscribe",
-                          description="Admission's answer to a command the API sent, to answer the request")(on_answer)
-
-    @broker.subscriber(INTAKE_DEAD_LETTERS, no_reply=True, title=f"{INTAKE_DEAD_LETTERS}:subscribe",
-                       description="A command admission refused to read, with the reason (Gpusched-Reason)")
-    async def on_dead_letter(msg: NatsMessage) -> None:
-        headers = msg.headers or {}
-        if headers.get("Gpusched-Original-Stream") == eventlog.INTAKE_STREAM:
-            try:
-                seq = int(headers.get("Gpusched-Original-Sequence", ""))
-            except ValueError:
-                return
-            decisions.take_dead_letter(seq, headers.get("Gpusched-Reason") or "(no reason recorded)")
-
-    @broker.subscriber(TENANT_EVENTS, no_reply=True, title=f"{TENANT_EVENTS}:subscribe",
-                       description="Copies of each team's job events (the notifier writes them), for the API's "
-                                   "server-sent-event streams")
-    async def on_tenant_event(msg: NatsMessage) -> None:
-        event = tenant_event(msg.raw_message.subject, msg.body, msg.headers)
-        if event is not None:
-            hub.publish(event)

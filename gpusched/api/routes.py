@@ -134,13 +134,13 @@ async def submit(request: Request, response: Response, me: Me, wait: WaitS = 10.
     command = command.model_copy(update={"job_id": job_id})
     state = _state(request)
     if chosen or key:  # a job id of the caller's choosing may exist already
-        earlier = await state.gateway.earlier_decision(job_id)
+        earlier = await state.gateway.earlier_decision(team, job_id)
         if earlier is not None:
             return _decision(response, job_id, *earlier)
-    headers = {"Nats-Msg-Id": f"submit/{team}/{key}" if key else f"submit/{job_id}"}
+    headers = {"Nats-Msg-Id": f"submit/{team}/{key}" if key else f"submit-id/{team}/{job_id}"}
     seq, duplicate = await state.gateway.send(principal, command, headers)
     if duplicate:  # JetStream kept the first of these: its answer may be older than Decisions keeps
-        earlier = await state.gateway.earlier_decision(job_id, seq)
+        earlier = await state.gateway.earlier_decision(team, job_id, seq)
         if earlier is not None:
             return _decision(response, job_id, *earlier)
         wait = min(wait, DUPLICATE_WAIT_S)  # the first is still undecided, or admission refused it
@@ -272,7 +272,7 @@ async def _stream_job(request: Request, me: Me, job_id: JobId) -> dict[str, Any]
     return await _job_visible(request, me, job_id)
 
 
-def _stream_team(me: Me, team: TeamName) -> str:
+async def _stream_team(me: Me, team: TeamName) -> str:
     require(me, *READERS)
     if not me.sees_team(team):
         raise forbidden(f"a member of {me.team} sees only its own team's events, not {team!r}'s")
@@ -286,7 +286,7 @@ async def job_stream(request: Request, job_id: JobId, job: Annotated[dict[str, A
     (or the stream's time limit; reconnect to go on). Each event's ``event`` is its type, ``id``
     its event id, ``data`` the event as JSON."""
     state = _state(request)
-    listener = state.hub.open(job["team"])
+    listener = await state.hub.open(job["team"])
     telemetry.STREAMS.inc()
     try:
         seen: set[str] = set()
@@ -303,7 +303,7 @@ async def job_stream(request: Request, job_id: JobId, job: Annotated[dict[str, A
             yield _sse(event)
     finally:
         telemetry.STREAMS.dec()
-        state.hub.close(job["team"], listener)
+        await state.hub.close(job["team"], listener)
 
 
 async def _live(request: Request, listener, done) -> Any:
@@ -325,7 +325,7 @@ async def team_stream(request: Request, team: Annotated[str, Depends(_stream_tea
     """Server-sent events: every event of the team's jobs from now on, as it happens (copies the
     notifier writes to the team's subjects), until the stream's time limit."""
     state = _state(request)
-    listener = state.hub.open(team)
+    listener = await state.hub.open(team)
     telemetry.STREAMS.inc()
     try:
         yield ServerSentEvent(event="open", raw_data=json.dumps({"team": team}))
@@ -333,7 +333,7 @@ async def team_stream(request: Request, team: Annotated[str, Depends(_stream_tea
             yield _sse(event)
     finally:
         telemetry.STREAMS.dec()
-        state.hub.close(team, listener)
+        await state.hub.close(team, listener)
 
 
 # -- queues, cluster, usage ---------------------------------------------------------------------

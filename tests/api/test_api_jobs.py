@@ -78,6 +78,9 @@ def test_a_member_sees_only_its_team(api_stack):
         assert alice.get("/v1/jobs", params={"team": "team-b"}).status_code == 403
         assert alice.post("/v1/jobs", json=job_document(new_id(), "team-b")).status_code == 403
         assert alice.post(f"/v1/jobs/{theirs}/cancel", json={}).status_code == 404
+        taken = alice.post("/v1/jobs", json=job_document(theirs, "team-a"))  # not a repeat: not hers to see
+        assert taken.status_code == 409 and taken.json()["reason"] == "duplicate-job-id", taken.text
+        assert "q-team-b" not in taken.text
         assert alice.get("/v1/deadletters").status_code == 403
         assert [q["queue"] for q in alice.get("/v1/queues").json()] == ["q-team-a"]
         assert ops.get(f"/v1/jobs/{theirs}").status_code == 200
@@ -120,7 +123,7 @@ def test_the_command_carries_the_requests_trace_and_the_metrics_count_it(api_sta
         await nc.close()
         return raw.headers or {}
     headers = asyncio.run(last_intake())
-    assert headers.get("traceparent", "").startswith("00-") and headers.get("Nats-Msg-Id", "").startswith("submit/")
+    assert headers.get("traceparent", "").startswith("00-") and headers.get("Nats-Msg-Id", "").startswith("submit-id/team-a/")
     metrics = httpx.get(f"http://127.0.0.1:{api_stack.metrics_ports['api']}/metrics").text
     assert 'gpusched_api_requests_total{method="POST",route="/v1/jobs",status="201"}' in metrics
     assert 'gpusched_api_decision_wait_seconds_count{verb="submit"}' in metrics

@@ -20,6 +20,11 @@ def rejected(seq: int, job_id: str | None = None) -> JobRejected:
                      key=str(seq), reason=RejectReason.UNKNOWN_QUEUE, message="no", intake_sequence=seq, team="team-a")
 
 
+def take(decisions: Decisions, event) -> None:
+    """As the answer subscription hands it over: the job id from the subject, the bytes."""
+    decisions.take(event.aggregate_id, event.model_dump_json().encode())
+
+
 @pytest.mark.parametrize("order", list(itertools.permutations(["submitted", "admitted", "other"])))
 def test_the_submit_answer_does_not_depend_on_the_delivery_order(order):
     events = {"submitted": submitted("j1", seq=7), "admitted": admitted("j1"), "other": submitted("j2", seq=8)}
@@ -37,8 +42,8 @@ def test_a_rejection_of_that_intake_sequence_answers_at_once():
 
 async def test_an_answer_that_came_before_the_wait_began_is_found():
     decisions = Decisions()
-    decisions.take(admitted("j1"))
-    decisions.take(submitted("j1", seq=3))
+    take(decisions, admitted("j1"))
+    take(decisions, submitted("j1", seq=3))
     answer = await decisions.wait(["j1", "rejected-3"], 3, SubmitAnswer(3), timeout_s=0.1)
     assert answer is not None and answer.event.type == "JobAdmitted" and not decisions.waiters
 
@@ -47,7 +52,8 @@ async def test_a_wait_is_answered_by_what_comes_later_or_times_out():
     decisions = Decisions()
     waiting = asyncio.create_task(decisions.wait(["j2", "rejected-4"], 4, SubmitAnswer(4), timeout_s=2))
     await asyncio.sleep(0.01)
-    decisions.take(rejected(4))
+    decisions.take("j2", b"not an event")  # logged and skipped; the wait goes on
+    take(decisions, rejected(4))
     assert (await waiting).event.type == "JobRejected"
     assert await decisions.wait(["j3"], 5, SubmitAnswer(5), timeout_s=0.05) is None
     assert not decisions.waiters and not decisions.dead_waiters
@@ -61,10 +67,10 @@ async def test_a_dead_letter_of_the_intake_sequence_answers():
     assert (await waiting).dead_letter == "not JSON"
 
 
-def test_the_hub_fans_out_by_team_and_ends_a_stream_that_falls_behind():
+async def test_the_hub_fans_out_by_team_and_ends_a_stream_that_falls_behind():
     hub = Hub()
     hub.QUEUE = 2
-    a1, a2, b = hub.open("team-a"), hub.open("team-a"), hub.open("team-b")
+    a1, a2, b = await hub.open("team-a"), await hub.open("team-a"), await hub.open("team-b")
     event = TenantEvent("team-a", "j1", "e1", "JobStarted", b"{}")
     hub.publish(event)
     assert a1.queue.qsize() == a2.queue.qsize() == 1 and b.queue.qsize() == 0
@@ -72,6 +78,9 @@ def test_the_hub_fans_out_by_team_and_ends_a_stream_that_falls_behind():
     hub.publish(event)
     hub.publish(event)  # a1 holds 2: full, ended; a2 keeps up
     assert a1.ended.is_set() and not a2.ended.is_set() and a1 not in hub.listeners["team-a"]
+    for listener in (a1, a2):
+        await hub.close("team-a", listener)
+    assert set(hub.listeners) == {"team-b"}
 
 
 def test_a_tenant_subject_names_the_team_and_the_job():
