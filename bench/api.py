@@ -109,7 +109,8 @@ class Platform:
         out = {"cpu_s": sum(psutil.Process(self.procs.procs["api"].pid).cpu_times()[:2])}
         for line in text.splitlines():
             for key, prefix in (("server", 'gpusched_api_request_seconds_{}{{method="POST",route="/v1/jobs"}}'),
-                                ("wait", 'gpusched_api_decision_wait_seconds_{}{{verb="submit"}}')):
+                                ("wait", 'gpusched_api_decision_wait_seconds_{}{{verb="submit"}}'),
+                                ("publish", 'gpusched_api_publish_seconds_{}{{verb="submit"}}')):
                 for part in ("sum", "count"):
                     if line.startswith(prefix.format(part) + " "):
                         out[f"{key}_{part}"] = float(line.split()[-1])
@@ -165,7 +166,8 @@ async def submit_latency(p: Platform, n: int, rounds: int) -> dict[str, float]:
     lats: dict[str, list[float]] = {"raw": [], "api": [], "api_new_id": []}
     ratios: list[float] = []
     idle_cpu = 0.0  # the API's CPU while the raw path runs: its subscriptions to those jobs' events
-    totals = {"cpu_s": 0.0, "server_sum": 0.0, "server_count": 0.0, "wait_sum": 0.0, "wait_count": 0.0}
+    totals = {"cpu_s": 0.0, "server_sum": 0.0, "server_count": 0.0, "wait_sum": 0.0, "wait_count": 0.0,
+              "publish_sum": 0.0, "publish_count": 0.0}
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=p.url, headers=p.auth("bench"), limits=limits, timeout=30) as client:
         async def api(i: int, prefix: str | None) -> None:
@@ -199,6 +201,7 @@ async def submit_latency(p: Platform, n: int, rounds: int) -> dict[str, float]:
     out["api_cpu_ms_per_raw_job"] = idle_cpu * 1000 / requests
     out["api_server_mean_ms"] = totals["server_sum"] * 1000 / max(1.0, totals["server_count"])
     out["api_wait_mean_ms"] = totals["wait_sum"] * 1000 / max(1.0, totals["wait_count"])
+    out["api_publish_mean_ms"] = totals["publish_sum"] * 1000 / max(1.0, totals["publish_count"])
     return out
 
 
@@ -423,10 +426,13 @@ def report(r: dict) -> None:
         (f"submit → decision p50 at {RATE:.0f}/s, POST /v1/jobs", f"{api50:.1f} ms",
          f"{api50 / raw50:.2f}× raw (median of the rounds' ratios {lat['ratio_p50_median']:.2f})"),
         ("  the same, job id chosen by the API", f"{new50:.1f} ms", f"{new50 / raw50:.2f}× raw"),
+        ("  floor: raw + one HTTP round trip (GET /healthz)", f"{raw50 + pages['healthz_ms']:.1f} ms",
+         f"{(raw50 + pages['healthz_ms']) / raw50:.2f}× raw (no HTTP API can be faster on this box)"),
         ("submit p99, raw NATS / API", f"{lat['raw_99']:.1f} / {lat['api_99']:.1f} ms",
          f"{lat['api_99'] / lat['raw_99']:.2f}× raw"),
         ("  API server time, mean (its metrics)", f"{lat['api_server_mean_ms']:.1f} ms",
-         f"of which waiting for admission {lat['api_wait_mean_ms']:.1f} ms"),
+         f"of which publishing {lat['api_publish_mean_ms']:.1f} ms, then waiting for admission "
+         f"{lat['api_wait_mean_ms']:.1f} ms"),
         ("  API process CPU per request", f"{lat['api_cpu_ms_per_request']:.1f} ms",
          f"{lat['api_cpu_ms_per_request'] * RATE / 10:.0f} % of a core at {RATE:.0f}/s"),
         ("  API process CPU per raw-path job (its subscriptions)", f"{lat['api_cpu_ms_per_raw_job']:.1f} ms",

@@ -61,8 +61,9 @@ class Gateway:
         hdrs = dict(headers or {})
         observability.inject_trace(hdrs)
         publisher = self.publishers[f"{who.verb}/{'operator' if who.operator else 'user'}"]
-        ack = await publisher.publish(command, subject=who.subject(SUBJECT_PREFIX), headers=hdrs,
-                                      stream=eventlog.INTAKE_STREAM, timeout=10)
+        with telemetry.PUBLISH.labels(who.verb).time():
+            ack = await publisher.publish(command, subject=who.subject(SUBJECT_PREFIX), headers=hdrs,
+                                          stream=eventlog.INTAKE_STREAM, timeout=10)
         return ack.seq, bool(ack.duplicate)
 
     async def earlier_decision(self, team: str, job_id: str, intake_seq: int | None = None) -> tuple[int, Answer] | None:

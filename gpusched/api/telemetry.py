@@ -15,8 +15,11 @@ from runtime import observability
 REQUESTS = Counter("gpusched_api_requests_total", "HTTP requests answered", ("method", "route", "status"))
 LATENCY = Histogram("gpusched_api_request_seconds", "Time to the response's start (a stream: to its first byte)",
                     ("method", "route"), buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-DECISION_WAIT = Histogram("gpusched_api_decision_wait_seconds", "Publish to admission's answer, per command verb",
+DECISION_WAIT = Histogram("gpusched_api_decision_wait_seconds",
+                          "JetStream's acknowledgement of the command to admission's answer, per command verb",
                           ("verb",), buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+PUBLISH = Histogram("gpusched_api_publish_seconds", "A command's publish to JetStream's acknowledgement, per verb",
+                    ("verb",), buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10))
 STREAMS = Gauge("gpusched_api_open_streams", "Server-sent-event streams open")
 STREAMED = Counter("gpusched_api_streamed_events_total", "Events sent on server-sent-event streams")
 
