@@ -127,6 +127,42 @@ class Platform:
         self.server.stop()
 
 
+class RawPath:
+    """Submit → admitted over raw NATS, the ceiling of the API's submit: the team's credential
+    publishes the SubmitJob on its intake subject, and a core subscription (made once, before
+    any publish) waits for the job's JobAdmitted."""
+
+    def __init__(self, team_nc: nats.NATS) -> None:
+        self.team_nc, self.team_js = team_nc, team_nc.jetstream()
+        self.admitted: dict[str, asyncio.Future] = {}
+        self.sub = None
+
+    @classmethod
+    async def open(cls, p: Platform) -> "RawPath":
+        raw = cls(await nats.connect(p.server.url(), user=TEAM, password=p.server.creds.users[TEAM],
+                                     inbox_prefix=eventlog.inbox_prefix(TEAM)))
+        raw.sub = await p.nc.subscribe("gpusched.job.*.admitted", cb=raw._on_admitted)
+        return raw
+
+    async def _on_admitted(self, msg) -> None:
+        future = self.admitted.get(msg.subject.split(".")[2])
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    async def submit(self, job_id: str) -> None:
+        future = self.admitted[job_id] = asyncio.get_running_loop().create_future()
+        doc = json.dumps({"job_id": job_id, "spec": spec()}).encode()
+        try:
+            await self.team_js.publish(f"gpusched.intake.{TEAM}.submit", doc, headers={"Nats-Msg-Id": job_id})
+            await asyncio.wait_for(future, 10)
+        finally:
+            del self.admitted[job_id]
+
+    async def close(self) -> None:
+        await self.sub.unsubscribe()
+        await self.team_nc.close()
+
+
 async def steady(n: int, rate: float, one) -> list[float]:
     """``one(i)`` started at a steady ``rate``; each one's latency in ms."""
     t0 = time.perf_counter()
@@ -142,26 +178,10 @@ async def steady(n: int, rate: float, one) -> list[float]:
 async def submit_latency(p: Platform, n: int, rounds: int) -> dict[str, float]:
     """(1) API and raw NATS, submit -> admitted, at RATE per second, alternating in each round;
     with the API process's CPU per request and its own timing of the request and of the wait."""
-    admitted: dict[str, asyncio.Future] = {}
-
-    async def on_admitted(msg) -> None:
-        future = admitted.get(msg.subject.split(".")[2])
-        if future is not None and not future.done():
-            future.set_result(None)
-    sub = await p.nc.subscribe("gpusched.job.*.admitted", cb=on_admitted)
-    team_nc = await nats.connect(p.server.url(), user=TEAM, password=p.server.creds.users[TEAM],
-                                 inbox_prefix=eventlog.inbox_prefix(TEAM))
-    team_js = team_nc.jetstream()
+    raw_path = await RawPath.open(p)
 
     async def raw(i: int, prefix: str) -> None:
-        job_id = f"{prefix}-{i}"
-        future = admitted[job_id] = asyncio.get_running_loop().create_future()
-        doc = json.dumps({"job_id": job_id, "spec": spec()}).encode()
-        await team_js.publish(f"gpusched.intake.{TEAM}.submit", doc, headers={"Nats-Msg-Id": job_id})
-        try:
-            await asyncio.wait_for(future, 10)
-        finally:
-            del admitted[job_id]
+        await raw_path.submit(f"{prefix}-{i}")
 
     lats: dict[str, list[float]] = {"raw": [], "api": [], "api_new_id": []}
     ratios: list[float] = []
@@ -194,8 +214,7 @@ async def submit_latency(p: Platform, n: int, rounds: int) -> dict[str, float]:
     out["submissions_each"] = len(lats["raw"])
     out["ratio_p50_by_round"] = ratios
     out["ratio_p50_median"] = statistics.median(ratios)
-    await sub.unsubscribe()
-    await team_nc.close()
+    await raw_path.close()
     requests = rounds * n
     out["api_cpu_ms_per_request"] = totals["cpu_s"] * 1000 / requests
     out["api_cpu_ms_per_raw_job"] = idle_cpu * 1000 / requests
@@ -337,26 +356,12 @@ async def cli_submit(p: Platform, n: int) -> dict[str, float]:
     """(4) the CLI's code paths, in process, sequentially: the SDK over the API, and NATS as the
     operator (publish, then follow the job's subjects until the decision); then the process."""
     sdk, over_nats, raw = [], [], []
-    admitted: dict[str, asyncio.Future] = {}
-
-    async def on_admitted(msg) -> None:
-        future = admitted.get(msg.subject.split(".")[2])
-        if future is not None and not future.done():
-            future.set_result(None)
-    sub = await p.nc.subscribe("gpusched.job.*.admitted", cb=on_admitted)
-    team_nc = await nats.connect(p.server.url(), user=TEAM, password=p.server.creds.users[TEAM],
-                                 inbox_prefix=eventlog.inbox_prefix(TEAM))
-    team_js = team_nc.jetstream()
+    raw_path = await RawPath.open(p)
     for i in range(n):
-        job_id = f"seq-{uuid.uuid4().hex[:8]}"
-        future = admitted[job_id] = asyncio.get_running_loop().create_future()
         t = time.perf_counter()
-        await team_js.publish(f"gpusched.intake.{TEAM}.submit", json.dumps({"job_id": job_id, "spec": spec()}).encode(),
-                              headers={"Nats-Msg-Id": job_id})
-        await asyncio.wait_for(future, 10)
+        await raw_path.submit(f"seq-{uuid.uuid4().hex[:8]}")
         raw.append((time.perf_counter() - t) * 1000)
-    await sub.unsubscribe()
-    await team_nc.close()
+    await raw_path.close()
     async with AsyncClient(p.url, p.tokens["bench"]) as gs:
         for i in range(n):
             t = time.perf_counter()

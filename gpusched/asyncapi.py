@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from gpusched.api import bus
 from runtime.settings import Settings
 from schemas.commands import INTAKE_VERBS, CancelJob, ReportCheckpoint, SubmitJob
-from schemas.export import ContractSchema
+from schemas.export import ContractSchema, write_or_check
 from schemas.registry import ALL_EVENT_TYPES, PRODUCERS, SUBJECT_PREFIX, subject_suffix
 from schemas.tenant import JobNotification, NotificationDelivery
 
@@ -216,15 +216,7 @@ def rendered() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = rendered()
-    if "--check" in argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is out of date; run `make schemas`", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
-    return 0
+    return write_or_check({OUT: rendered()}, argv)
 
 
 if __name__ == "__main__":

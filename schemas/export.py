@@ -50,23 +50,28 @@ def rendered() -> dict[str, str]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    files = rendered()
+def write_or_check(files: dict[Path, str], argv: list[str], owned: Path | None = None) -> int:
+    """Write generated ``files`` (path -> text); with ``--check`` in ``argv``, write nothing and
+    return 1 if a committed one differs. ``owned``: a folder the generator owns, whose other
+    ``*.json`` files are stale (removed, or reported by ``--check``)."""
+    extra = [p for p in owned.glob("*.json") if p not in files] if owned is not None and owned.exists() else []
     if "--check" in argv:
-        stale = [name for name, text in files.items() if not (OUT / name).exists() or (OUT / name).read_text() != text]
-        extra = [p.name for p in OUT.glob("*.json") if p.name not in files]
+        stale = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
         if stale or extra:
-            print(f"schemas/json is out of date: {stale + extra}; run `make schemas`", file=sys.stderr)
+            print(f"out of date: {', '.join(str(p) for p in stale + extra)}; run `make schemas`", file=sys.stderr)
             return 1
         return 0
-    OUT.mkdir(exist_ok=True)
-    for p in OUT.glob("*.json"):
-        if p.name not in files:
-            p.unlink()
-    for name, text in files.items():
-        (OUT / name).write_text(text)
-    print(f"wrote {len(files)} schemas to {OUT}")
+    for p in extra:
+        p.unlink()
+    for p, text in files.items():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    print(f"wrote {len(files)} file(s): {', '.join(sorted({str(p.parent) for p in files}))}")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return write_or_check({OUT / name: text for name, text in rendered().items()}, argv, owned=OUT)
 
 
 if __name__ == "__main__":

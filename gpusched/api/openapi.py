@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gpusched.api.app import ApiSettings, create_app
 from runtime.settings import Settings
+from schemas.export import write_or_check
 
 OUT = Path(__file__).resolve().parents[2] / "schemas" / "openapi.json"
 
@@ -22,15 +23,7 @@ def rendered() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = rendered()
-    if "--check" in argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is out of date; run `make schemas`", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
-    return 0
+    return write_or_check({OUT: rendered()}, argv)
 
 
 if __name__ == "__main__":
