@@ -141,10 +141,10 @@ class RawPath:
     async def open(cls, p: Platform) -> "RawPath":
         raw = cls(await nats.connect(p.server.url(), user=TEAM, password=p.server.creds.users[TEAM],
                                      inbox_prefix=eventlog.inbox_prefix(TEAM)))
-        raw.sub = await p.nc.subscribe("gpusched.job.*.admitted", cb=raw._on_admitted)
+        raw.sub = await p.nc.subscribe("gpusched.job.*.admitted", cb=raw.on_admitted)
         return raw
 
-    async def _on_admitted(self, msg) -> None:
+    async def on_admitted(self, msg) -> None:
         future = self.admitted.get(msg.subject.split(".")[2])
         if future is not None and not future.done():
             future.set_result(None)

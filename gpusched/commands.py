@@ -121,30 +121,30 @@ class Answer:
 
 
 class SubmitAnswers:
-    """Which event answers the SubmitJob at ``intake_seq``: a JobRejected naming that intake
-    sequence (filed under the job id or the rejection id), the JobAdmitted that follows the
-    job's JobSubmitted of that sequence, or, for a job id submitted before, the earlier decision
-    once nothing else came (an idempotent repeat produces no event)."""
+    """Which event answers the SubmitJob at ``intake_seq``, in whatever order the events come
+    (the CLI reads the job's subjects in stream order; the API's core subscriptions, one per
+    subject, may deliver a JobAdmitted before its JobSubmitted): a JobRejected naming that intake
+    sequence (filed under the job id or the rejection id), the job's decision once the job's
+    JobSubmitted of that sequence has been seen, or, for a job id submitted before, the earlier
+    decision once nothing else came (an idempotent repeat produces no event)."""
 
     def __init__(self, intake_seq: int) -> None:
         self.intake_seq = intake_seq
         self.ours = False
-        self.earlier: tuple[Event, float] | None = None
+        self.decision: tuple[Event, float] | None = None
 
     def take(self, event: Event, now: float) -> Answer | None:
         if isinstance(event, JobRejected) and event.intake_sequence == self.intake_seq:
             return Answer(event)
-        if isinstance(event, JobSubmitted):
-            self.ours = event.intake_sequence == self.intake_seq
+        if isinstance(event, JobSubmitted) and event.intake_sequence == self.intake_seq:
+            self.ours = True
         elif isinstance(event, (JobAdmitted, JobRejected)):
-            if self.ours:
-                return Answer(event)
-            self.earlier = (event, now)
-        return None
+            self.decision = (event, now)
+        return Answer(self.decision[0]) if self.ours and self.decision is not None else None
 
     def quiet(self, now: float) -> Answer | None:
-        if self.earlier is not None and now - self.earlier[1] >= REPEAT_SETTLE_S:
-            return Answer(self.earlier[0], repeat=True)
+        if not self.ours and self.decision is not None and now - self.decision[1] >= REPEAT_SETTLE_S:
+            return Answer(self.decision[0], repeat=True)
         return None
 
 

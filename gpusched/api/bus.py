@@ -34,8 +34,7 @@ from nats.aio.subscription import Subscription
 from gpusched import commands, permissions
 from runtime import eventlog
 from runtime.settings import Settings
-from schemas import (CancelJob, Event, JobAdmitted, JobRejected, JobSubmitted, ReportCheckpoint, SubmitJob,
-                     parse_event)
+from schemas import CancelJob, Event, ReportCheckpoint, SubmitJob, parse_event
 from schemas.registry import SUBJECT_PREFIX, subject_suffix
 
 log = logging.getLogger(__name__)
@@ -84,34 +83,11 @@ def declare_publishers(broker: NatsBroker) -> dict[str, object]:
 # -- admission's answers -------------------------------------------------------------------------
 
 
-class SubmitAnswer:
-    """Which event answers the SubmitJob at ``intake_seq``, in whatever order the answer
-    subscriptions deliver (one subscription per subject: a JobAdmitted may come before its
-    JobSubmitted): a JobRejected naming that intake sequence, or the job's admission decision
-    once the JobSubmitted of that sequence has been seen. (A repeat of an existing job is found
-    in the log before waiting: gpusched.api.app.Gateway.earlier_decision.)"""
-
-    def __init__(self, intake_seq: int) -> None:
-        self.intake_seq = intake_seq
-        self.ours = False
-        self.decision: Event | None = None
-
-    def take(self, event: Event, now: float) -> commands.Answer | None:
-        if isinstance(event, JobRejected) and event.intake_sequence == self.intake_seq:
-            return commands.Answer(event)
-        if isinstance(event, JobSubmitted) and event.intake_sequence == self.intake_seq:
-            self.ours = True
-        elif isinstance(event, (JobAdmitted, JobRejected)):
-            self.decision = event
-        return commands.Answer(self.decision) if self.ours and self.decision is not None else None
-
-
-
 @dataclass
 class _Waiter:
     job_ids: frozenset[str]
     intake_seq: int
-    answers: object  # SubmitAnswer, commands.CancelAnswers or commands.CheckpointAnswers: take(event, now)
+    answers: object  # commands.SubmitAnswers, CancelAnswers or CheckpointAnswers: take(event, now)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 

@@ -165,7 +165,8 @@ def gpus_by_flavor(node_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def usage(conn: asyncpg.Connection, team: str | None, by: list[str], period: str | None) -> list[dict[str, Any]]:
     """GPU-hours and cost per group (services.accounting.queries.rollup), a team's rows only."""
-    rows = await queries.rollup(conn, sorted(set(by) | ({"team"} if team else set())) if team else by, period=period)
+    groups = sorted({*by, "team"}) if team is not None else by  # a team's rows are told apart by their team
+    rows = await queries.rollup(conn, groups, period=period)
     if team is not None:
         rows = [r for r in rows if r.get("team") == team]
     return rows

@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from gpusched import commands, history
 from gpusched.api import reads, telemetry
 from gpusched.api.auth import Identity, forbidden, identity, require, team_filter
-from gpusched.api.bus import SubmitAnswer, TenantEvent
+from gpusched.api.bus import TenantEvent
 from gpusched.api.problems import FieldError, Problem, ProblemDetails, from_malformed, from_validation, invalid
 from schemas import CancelJob, JobAdmitted, JobRejected, ReportCheckpoint, SubmitJob
 from schemas.auth import Role
@@ -147,7 +147,7 @@ async def submit(request: Request, response: Response, me: Me, wait: WaitS = 10.
     answer = None
     if wait > 0:
         with telemetry.DECISION_WAIT.labels("submit").time():
-            answer = await state.decisions.wait([job_id, rejection_id(seq)], seq, SubmitAnswer(seq), wait)
+            answer = await state.decisions.wait([job_id, rejection_id(seq)], seq, commands.SubmitAnswers(seq), wait)
     if answer is not None and duplicate:
         answer = commands.Answer(answer.event, answer.dead_letter, repeat=True)
     return _decision(response, job_id, seq, answer)

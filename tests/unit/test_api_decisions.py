@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from gpusched import commands
-from gpusched.api.bus import Decisions, Hub, SubmitAnswer, TenantEvent, tenant_event
+from gpusched.api.bus import Decisions, Hub, TenantEvent, tenant_event
 from schemas import JobRejected, RejectReason, new_event
 from tests.unit.builders import T0, admitted, submitted
 
@@ -28,7 +28,7 @@ def take(decisions: Decisions, event) -> None:
 @pytest.mark.parametrize("order", list(itertools.permutations(["submitted", "admitted", "other"])))
 def test_the_submit_answer_does_not_depend_on_the_delivery_order(order):
     events = {"submitted": submitted("j1", seq=7), "admitted": admitted("j1"), "other": submitted("j2", seq=8)}
-    answer = SubmitAnswer(7)
+    answer = commands.SubmitAnswers(7)
     answers = [answer.take(events[name], 0.0) for name in order]
     first = next(i for i, a in enumerate(answers) if a is not None)
     assert answers[first].event.type == "JobAdmitted"
@@ -36,26 +36,26 @@ def test_the_submit_answer_does_not_depend_on_the_delivery_order(order):
 
 
 def test_a_rejection_of_that_intake_sequence_answers_at_once():
-    assert SubmitAnswer(9).take(rejected(9), 0.0).event.type == "JobRejected"
-    assert SubmitAnswer(9).take(rejected(10), 0.0) is None
+    assert commands.SubmitAnswers(9).take(rejected(9), 0.0).event.type == "JobRejected"
+    assert commands.SubmitAnswers(9).take(rejected(10), 0.0) is None
 
 
 async def test_an_answer_that_came_before_the_wait_began_is_found():
     decisions = Decisions()
     take(decisions, admitted("j1"))
     take(decisions, submitted("j1", seq=3))
-    answer = await decisions.wait(["j1", "rejected-3"], 3, SubmitAnswer(3), timeout_s=0.1)
+    answer = await decisions.wait(["j1", "rejected-3"], 3, commands.SubmitAnswers(3), timeout_s=0.1)
     assert answer is not None and answer.event.type == "JobAdmitted" and not decisions.waiters
 
 
 async def test_a_wait_is_answered_by_what_comes_later_or_times_out():
     decisions = Decisions()
-    waiting = asyncio.create_task(decisions.wait(["j2", "rejected-4"], 4, SubmitAnswer(4), timeout_s=2))
+    waiting = asyncio.create_task(decisions.wait(["j2", "rejected-4"], 4, commands.SubmitAnswers(4), timeout_s=2))
     await asyncio.sleep(0.01)
     decisions.take("j2", b"not an event")  # logged and skipped; the wait goes on
     take(decisions, rejected(4))
     assert (await waiting).event.type == "JobRejected"
-    assert await decisions.wait(["j3"], 5, SubmitAnswer(5), timeout_s=0.05) is None
+    assert await decisions.wait(["j3"], 5, commands.SubmitAnswers(5), timeout_s=0.05) is None
     assert not decisions.waiters and not decisions.dead_waiters
 
 
