@@ -35,6 +35,14 @@ def test_the_submit_answer_does_not_depend_on_the_delivery_order(order):
     assert first == max(order.index("submitted"), order.index("admitted"))  # not before both came
 
 
+def test_a_repeat_is_answered_by_the_earlier_decision_once_nothing_else_came():
+    answer = commands.SubmitAnswers(12)
+    assert answer.take(submitted("j1", seq=3), 0.0) is None and answer.take(admitted("j1"), 0.0) is None
+    assert answer.quiet(0.1) is None
+    repeat = answer.quiet(commands.REPEAT_SETTLE_S)
+    assert repeat is not None and repeat.repeat and repeat.event.type == "JobAdmitted"
+
+
 def test_a_rejection_of_that_intake_sequence_answers_at_once():
     assert commands.SubmitAnswers(9).take(rejected(9), 0.0).event.type == "JobRejected"
     assert commands.SubmitAnswers(9).take(rejected(10), 0.0) is None
