@@ -20,6 +20,9 @@ TOLERATION_PATTERN = (
 """A toleration: ``key``, ``key=value`` or ``key=value:Effect`` (Kubernetes label key and value;
 Effect NoSchedule, PreferNoSchedule or NoExecute)."""
 
+GPU_MODEL_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,126}[A-Za-z0-9])?$"
+"""A GPU model as nodes report it (a Kubernetes label value, e.g. ``NVIDIA-A100-SXM4-80GB``)."""
+
 MAX_GPUS_PER_NODE = 64
 """No GPU node built today has more; a larger per-node request is a typo, not a job."""
 MAX_GANG_SIZE = 1024
@@ -152,6 +155,11 @@ class JobSpec(Contract):
     gpus: int = Field(ge=0, le=MAX_GPUS_PER_NODE, description="GPUs per node (per gang member)")
     gpu_flavors: tuple[Name, ...] = Field(
         default=(), max_length=16, description="Allowed GPU flavors in preference order; empty = any"
+    )
+    gpu_models: tuple[Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=GPU_MODEL_PATTERN)], ...] = Field(
+        default=(), max_length=16,
+        description="Allowed GPU models, any one of them (a node's gpu_product, e.g. NVIDIA-A100-SXM4-80GB, "
+                    "the nvidia.com/gpu.product label); empty = any",
     )
     min_gpu_memory_mib: int | None = Field(default=None, ge=1, le=1_048_576)
     cpu_millis: int = Field(default=1000, ge=1, le=1_024_000, description="CPU per node, millicores")

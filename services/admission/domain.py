@@ -407,6 +407,7 @@ class AdmissionCore:
         # Each requirement in turn narrows the nodes; the first that leaves too few is at fault.
         requirements = (
             ("spec.gpus", lambda n: n.gpu_count >= spec.gpus),
+            ("spec.gpu_models", lambda n: not spec.gpu_models or n.gpu_product in spec.gpu_models),
             ("spec.node_features", lambda n: set(spec.node_features) <= set(n.features)),
             ("spec.min_gpu_memory_mib",
              lambda n: spec.min_gpu_memory_mib is None or (n.gpu_memory_mib or 0) >= spec.min_gpu_memory_mib),
@@ -425,7 +426,8 @@ class AdmissionCore:
         shapes = "; ".join(self._largest_node(f) for f in sorted(flavors))
         return field_, (
             f"{field_}: spec.gpus {spec.gpus} × gang_size {spec.gang_size} with min_gpu_memory_mib "
-            f"{spec.min_gpu_memory_mib} and node_features {list(spec.node_features)} fits no "
+            f"{spec.min_gpu_memory_mib}, gpu_models {list(spec.gpu_models)} and node_features "
+            f"{list(spec.node_features)} fits no "
             f"{spec.gang_size} node(s) of flavors {list(flavors)}; largest node per flavor: {shapes}"
         )
 
@@ -434,4 +436,6 @@ class AdmissionCore:
         nodes = [n for n in self.state.nodes.values() if n.gpu_flavor == flavor]
         memory = max((n.gpu_memory_mib or 0) for n in nodes)
         features = sorted({f for n in nodes for f in n.features})
-        return f"{flavor}: {max(n.gpu_count for n in nodes)} GPUs, {memory} MiB each, features {features}"
+        models = sorted({n.gpu_product for n in nodes if n.gpu_product})
+        return (f"{flavor}: {max(n.gpu_count for n in nodes)} GPUs, {memory} MiB each, features {features}, "
+                f"models {models}")

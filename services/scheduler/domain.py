@@ -592,7 +592,8 @@ class SchedulerCore:
             return (SchedulingWaitReason.NO_NODE_OF_SHAPE,
                     f"{need}; only {len(eligible)} of {all_nodes} schedulable {label} node(s) meet its constraints "
                     f"(GPUs ≥ {req.gpus}, GPU memory ≥ {req.min_memory or 0} MiB, features "
-                    f"{sorted(req.features)}, taints tolerated); {cordoned} cordoned", numbers)
+                    f"{sorted(req.features)}, GPU model {'any' if not req.models else ' or '.join(sorted(req.models))}, "
+                    f"taints tolerated); {cordoned} cordoned", numbers)
         with_block = [n for n in eligible if shape_fits(n.shape(), req)]
         eta = self._eta(job, flavor, eligible, now)
         numbers["eta"] = eta

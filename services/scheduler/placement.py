@@ -49,6 +49,7 @@ class Request:
     cpu: int
     memory: int
     localities: frozenset[str]
+    models: frozenset[str] = frozenset()  # any one of these GPU products; empty: any
 
     @classmethod
     def of(cls, spec: JobSpec) -> "Request":
@@ -57,6 +58,7 @@ class Request:
             features=frozenset(spec.node_features), tolerations=spec.tolerations, cpu=spec.cpu_millis,
             memory=spec.memory_mib,
             localities=frozenset(d.locality_hint for d in spec.datasets if d.locality_hint),
+            models=frozenset(spec.gpu_models),
         )
 
     @property
@@ -71,15 +73,17 @@ class Request:
     def shape_key(self) -> tuple:
         """Requests with equal keys fit or fail together (the cycle memoizes failures by it)."""
         return (self.gpus, self.milli, self.gang, self.min_memory, self.features, self.tolerations,
-                self.cpu, self.memory)
+                self.cpu, self.memory, self.models)
 
 
 # -- constraints -------------------------------------------------------------------------------
 
 
 def static_ok(node: Node, req: Request) -> bool:
-    """Constraints that do not depend on what is allocated: GPU memory, features, taints."""
+    """Constraints that do not depend on what is allocated: GPU model, memory, features, taints."""
     info = node.info
+    if req.models and info.gpu_product not in req.models:
+        return False
     if req.min_memory is not None and (info.gpu_memory_mib or 0) < req.min_memory:
         return False
     if req.features and not req.features <= set(info.features):

@@ -310,6 +310,11 @@ def test_queue_without_quotas_is_unknown_flavor_for_gpu_jobs_but_fine_for_cpu_jo
         ({"gpus": 1, "node_features": ["rdma"], "gpu_flavors": ["a100"]},
          [node("n1", "a100", 8, features=("rdma", "nvlink"))], None),
         ({"gpus": 0}, [node("n1", "a100", 1)], None),  # CPU-only work is not checked
+        # GPU models: any one of them will do
+        ({"gpus": 1, "gpu_models": ["T4", "A10"], "gpu_flavors": ["a100"]},
+         [node("n1", "a100", 8, gpu_product="NVIDIA-A100")], "spec.gpu_models"),
+        ({"gpus": 1, "gpu_models": ["T4", "NVIDIA-A100"], "gpu_flavors": ["a100"]},
+         [node("n1", "a100", 8, gpu_product="NVIDIA-A100")], None),
     ],
 )
 def test_unsatisfiable(spec_overrides, nodes, at_fault):

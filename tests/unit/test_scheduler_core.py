@@ -117,6 +117,10 @@ def test_scheduled_event_fields():
         ([node("plain", gpus=2), node("rdma", gpus=8, features=("rdma",))], dict(node_features=("rdma",)), "rdma"),
         ([node("rdma", gpus=8, features=("rdma",))], dict(node_features=("rdma", "zone=eu-1")), None),
         ([node("both", gpus=8, features=("zone=eu-1", "rdma"))], dict(node_features=("rdma", "zone=eu-1")), "both"),
+        # GPU models: any one of them
+        ([node("t4", gpus=8, gpu_product="T4"), node("a10", gpus=8, gpu_product="A10")], dict(gpu_models=("A10", "V100")),
+         "a10"),
+        ([node("t4", gpus=8, gpu_product="T4"), node("none", gpus=8)], dict(gpu_models=("A10",)), None),
         # cordoned
         ([node("cordoned", gpus=2, unschedulable=True), node("ok", gpus=8)], dict(), "ok"),
         ([node("cordoned", gpus=8, unschedulable=True)], dict(), None),
