@@ -475,7 +475,9 @@ def dlq(limit: int = 20, output: Output = OutputOpt) -> None:
 
 @app.command("sim")
 def sim_cmd(
-    trace: Path = typer.Option(..., "--trace", help="Trace directory (Alibaba 2023 openb format), e.g. ../shared/traces/alibaba-gpu-2023"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Trace directory (Alibaba 2023 openb format), e.g. ../shared/traces/alibaba-gpu-2023"),
+    nodes: Optional[Path] = typer.Option(None, "--nodes", help="Node list CSV (sn, cpu_milli, memory_mib, gpu, model); default: the trace directory's"),
+    pods: Optional[Path] = typer.Option(None, "--pods", help="Pod list CSV (name, cpu_milli, memory_mib, num_gpu, gpu_milli[, gpu_spec, times]); default: the trace directory's"),
     policy: list[str] = typer.Option(["first-fit", "best-fit", "fgd"], "--policy", "-p",
                                      help="Placement policy; repeat to compare side by side"),
     inflation: Optional[float] = typer.Option(None, "--inflation", help="Workload inflation (ATC '23): sampled tasks arrive and never leave until requests reach RATIO × capacity"),
@@ -491,7 +493,10 @@ def sim_cmd(
 
     try:
         policies = [parse_policy(p) for p in policy]
-        data = rp.load_trace(trace)
+        data = rp.load_trace(trace, nodes=nodes, pods=pods)
+        if inflation is None and not data.timed:
+            raise rp.TraceError(f"replay needs the pod list's time columns ({', '.join(rp.TIME_COLUMNS)}); "
+                                "without them, give --inflation RATIO")
     except ValueError as err:
         userinput.print_error(err_console, str(err))
         raise typer.Exit(2) from None

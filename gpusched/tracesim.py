@@ -2,13 +2,15 @@
 decision cores — quota (:class:`QuotaCore`), scheduler (:class:`SchedulerCore`) and the sim
 backend (:class:`SimExecutorCore`) — in one process on a virtual clock.
 
-* nodes from ``openb_node_list_gpu_node.csv`` (``sn, cpu_milli, memory_mib, gpu, model``): one
-  sharable GPU flavor ``gpu`` for the whole cluster (the trace's tasks may run on any model; a
-  task that names models gets the node feature ``model=<first named>``);
-* tasks from ``openb_pod_list_default.csv``: arrival at ``creation_time``, requests
-  (``num_gpu``, ``gpu_milli`` for a fraction of one GPU, ``cpu_milli``, ``memory_mib``), and
-  runtime ``deletion_time - scheduled_time``; tasks that never ran in the trace (no
-  ``scheduled_time``) and CPU-only tasks are left out, and counted;
+* nodes from a node list (``sn, cpu_milli, memory_mib, gpu, model``; by default
+  ``openb_node_list_gpu_node.csv`` of a trace directory): one sharable GPU flavor ``gpu`` for the
+  whole cluster, each node's ``model`` its ``gpu_product``;
+* tasks from a pod list (by default ``openb_pod_list_default.csv``): requests (``num_gpu``,
+  ``gpu_milli`` for a fraction of one GPU, ``cpu_milli``, ``memory_mib``), ``gpu_spec`` (GPU
+  models separated by ``|``, any one of them: the job's ``gpu_models``), and for replay the
+  arrival at ``creation_time`` and runtime ``deletion_time - scheduled_time``. CPU-only tasks
+  (``num_gpu`` 0) are kept: they take CPU and memory on the GPU nodes. Tasks that never ran in
+  the trace (no ``scheduled_time``) are left out of replay, and counted;
 * one queue with quota for the whole cluster, so the scheduler's placement policy is what the
   replay measures.
 
@@ -17,9 +19,10 @@ Two modes:
 * **replay**: tasks arrive and leave as traced; reports allocation rate, the share of GPU
   capacity left unallocated while tasks wait, fragmentation over time, wait percentiles and
   job completion times;
-* **inflation** (Weng et al., ATC '23, section 6): tasks sampled from the trace (with
-  replacement, seeded) arrive one a second and never leave, until the requested GPUs reach
-  ``ratio`` × capacity; reports the allocation rate and unallocated share against arrived demand.
+* **inflation** (Weng et al., ATC '23, section 6): tasks arrive one a second and never leave,
+  until the requested GPUs reach ``ratio`` × capacity; reports the allocation rate and
+  unallocated share against arrived demand. How the tasks are drawn and how the curve is read
+  is the ``protocol`` (docs/scheduling.md, "Trace replay").
 """
 
 from __future__ import annotations
@@ -85,12 +88,20 @@ class Task:
 @dataclass
 class Trace:
     nodes: list[NodeInfo]
-    tasks: list[Task]  # GPU tasks, by arrival
-    skipped_cpu_only: int = 0
+    tasks: list[Task]  # in the pod list's order (by arrival where it has creation times)
+    timed: bool = True  # the pod list has the time columns (replay needs them)
 
     @property
     def capacity(self) -> int:
         return sum(n.gpu_count for n in self.nodes)
+
+    @property
+    def gpu_tasks(self) -> list[Task]:
+        return [t for t in self.tasks if t.gpus > 0]
+
+    @property
+    def cpu_only(self) -> int:
+        return sum(1 for t in self.tasks if t.gpus == 0)
 
 
 def _int(row: dict, key: str, where: str, default: int | None = None) -> int:
@@ -103,59 +114,71 @@ def _int(row: dict, key: str, where: str, default: int | None = None) -> int:
         raise TraceError(f"{where}: column {key!r} is {raw!r}; accepted: an integer") from None
 
 
-def _rows(path: Path, required: tuple[str, ...]) -> Iterable[tuple[int, dict]]:
+def _rows(path: Path, required: tuple[str, ...]) -> tuple[list[str], Iterable[tuple[int, dict]]]:
     try:
         handle = path.open(newline="")
     except OSError as err:
-        raise TraceError(f"{path}: {err.strerror}; a trace directory holds {NODE_FILE} and {POD_FILE}") from None
+        raise TraceError(f"{path}: {err.strerror}; give a node list and a pod list (or a trace directory holding "
+                         f"{NODE_FILE} and {POD_FILE})") from None
     with handle:
         reader = csv.DictReader(handle)
-        missing = [c for c in required if c not in (reader.fieldnames or ())]
+        header = list(reader.fieldnames or ())
+        missing = [c for c in required if c not in header]
         if missing:
             raise TraceError(f"{path}: missing column(s) {missing}; accepted header: {', '.join(required)}")
-        yield from enumerate(reader, start=2)
+        return header, list(enumerate(reader, start=2))
 
 
-def load_trace(directory: Path) -> Trace:
-    nodes = []
-    for line, row in _rows(directory / NODE_FILE, ("sn", "cpu_milli", "memory_mib", "gpu", "model")):
-        where = f"{directory / NODE_FILE}:{line}"
+NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
+POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
+TIME_COLUMNS = ("creation_time", "deletion_time", "scheduled_time")
+
+
+def load_trace(directory: Path | None = None, *, nodes: Path | None = None, pods: Path | None = None) -> Trace:
+    """A trace from a directory in the openb layout, or from a node list and a pod list by path
+    (each given path overrides the directory's file). A pod list without the time columns
+    loads (inflation does not use them); replay refuses it."""
+    if nodes is None or pods is None:
+        if directory is None:
+            raise TraceError("give a trace directory, or both a node list and a pod list")
+        nodes, pods = nodes or directory / NODE_FILE, pods or directory / POD_FILE
+    infos = []
+    _, rows = _rows(nodes, NODE_COLUMNS)
+    for line, row in rows:
+        where = f"{nodes}:{line}"
         gpus = _int(row, "gpu", where)
         if gpus <= 0:
             continue
-        model = row["model"].strip()
-        nodes.append(NodeInfo(
-            name=row["sn"].strip().lower(), gpu_flavor=FLAVOR, gpu_product=model, gpu_count=gpus,
-            cpu_millis=_int(row, "cpu_milli", where), memory_mib=_int(row, "memory_mib", where),
-            features=(f"model={model.lower()}",), gpu_sharable=True,
+        infos.append(NodeInfo(
+            name=row["sn"].strip().lower(), gpu_flavor=FLAVOR, gpu_product=row["model"].strip(), gpu_count=gpus,
+            cpu_millis=_int(row, "cpu_milli", where), memory_mib=_int(row, "memory_mib", where), gpu_sharable=True,
         ))
-    if not nodes:
-        raise TraceError(f"{directory / NODE_FILE}: no GPU nodes")
-    tasks, cpu_only = [], 0
-    cols = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli", "gpu_spec", "creation_time",
-            "deletion_time", "scheduled_time")
-    for line, row in _rows(directory / POD_FILE, cols):
-        where = f"{directory / POD_FILE}:{line}"
+    if not infos:
+        raise TraceError(f"{nodes}: no GPU nodes")
+    header, rows = _rows(pods, POD_COLUMNS)
+    timed = all(c in header for c in TIME_COLUMNS)
+    tasks = []
+    for line, row in rows:
+        where = f"{pods}:{line}"
         gpus = _int(row, "num_gpu", where)
-        if gpus <= 0:
-            cpu_only += 1
-            continue
+        if gpus < 0:
+            raise TraceError(f"{where}: column 'num_gpu' is {gpus}; accepted: 0 or more")
         milli = _int(row, "gpu_milli", where, default=MILLI)
-        created = _int(row, "creation_time", where)
-        scheduled = (row.get("scheduled_time") or "").strip()
-        deleted = (row.get("deletion_time") or "").strip()
-        runtime = None
-        if scheduled and deleted:
-            runtime = float(max(1, _int(row, "deletion_time", where) - _int(row, "scheduled_time", where)))
+        runtime, created = None, 0.0
+        if timed:
+            created = float(_int(row, "creation_time", where))
+            if (row.get("scheduled_time") or "").strip() and (row.get("deletion_time") or "").strip():
+                runtime = float(max(1, _int(row, "deletion_time", where) - _int(row, "scheduled_time", where)))
         tasks.append(Task(
             name=row["name"].strip(), cpu_milli=max(1, _int(row, "cpu_milli", where)),
             memory_mib=max(1, _int(row, "memory_mib", where)), gpus=gpus,
             gpu_milli=milli if gpus == 1 and 0 < milli < MILLI else None,
-            models=tuple(m.strip().lower() for m in (row.get("gpu_spec") or "").split("|") if m.strip()),
-            created=float(created), runtime=runtime,
+            models=tuple(m.strip() for m in (row.get("gpu_spec") or "").split("|") if m.strip()),
+            created=created, runtime=runtime,
         ))
-    tasks.sort(key=lambda t: (t.created, t.name))
-    return Trace(nodes=nodes, tasks=tasks, skipped_cpu_only=cpu_only)
+    if timed:
+        tasks.sort(key=lambda t: (t.created, t.name))
+    return Trace(nodes=infos, tasks=tasks, timed=timed)
 
 
 def workload_of(tasks: Iterable[Task]) -> dict[int, float]:
@@ -227,7 +250,7 @@ def _spec(task: Task, runtime: float | None) -> JobSpec:
     return JobSpec(
         kind="batch", queue=QUEUE, team=TEAM, priority_class="batch-low", image="trace", gpus=task.gpus,
         gpu_milli=task.gpu_milli, cpu_millis=min(task.cpu_milli, 1_024_000), memory_mib=task.memory_mib,
-        node_features=(f"model={task.models[0]}",) if task.models else (),
+        gpu_models=task.models,
         expected_runtime_seconds=min(runtime, MAX_RUNTIME_S) if runtime is not None else NEVER_S,
     )
 
@@ -241,7 +264,7 @@ def _arrive(job_id: str, task: Task, runtime: float | None, seq: int, now: datet
 
 
 def build_platform(trace: Trace, policy: Policy, cpu_aware: bool = True) -> Platform:
-    workload = cpu_workload_of(trace.tasks) if cpu_aware else workload_of(trace.tasks)
+    workload = cpu_workload_of(trace.gpu_tasks) if cpu_aware else workload_of(trace.gpu_tasks)
     scheduler = SchedulerCore(policy, preemption=PreemptionLimits(enabled=False), workload=workload, explain=False)
     p = Platform(QuotaCore(), scheduler, SimExecutorCore(trace.nodes))
     p.feed([new_event(QueueConfigured, aggregate_id=QUEUE, producer="config", occurred_at=T0, key="replay",
@@ -314,6 +337,9 @@ def _series(samples: list[Sample], capacity: int, points: int = 40) -> list[dict
 def replay(trace: Trace, policy: Policy, *, limit: int | None = None,
            progress: Callable[[int], None] | None = None) -> dict:
     """Tasks arrive and leave as traced."""
+    if not trace.timed:
+        raise TraceError(f"replay needs the pod list's time columns ({', '.join(TIME_COLUMNS)}); "
+                         "without them, use inflation")
     p = build_platform(trace, policy)
     tasks = [t for t in trace.tasks if t.runtime is not None][:limit]
     never_ran = sum(1 for t in trace.tasks if t.runtime is None)
@@ -359,7 +385,7 @@ def replay(trace: Trace, policy: Policy, *, limit: int | None = None,
     jct = [(p.finished_at[j] - T0).total_seconds() - created[j] for j in p.finished_at if j in created]
     return {
         "policy": policy.value, "mode": "replay", "tasks": len(tasks), "capacity_gpus": capacity,
-        "skipped": {"cpu_only": trace.skipped_cpu_only, "never_ran": never_ran},
+        "cpu_only": sum(1 for t in tasks if t.gpus == 0), "skipped": {"never_ran": never_ran},
         "placed": len(p.scheduled_at), "finished": len(p.finished_at),
         "allocation_rate": round(busy_area / (capacity * span), 4) if span else None,
         "unallocated_share_while_waiting": round(idle_while_waiting / (capacity * waiting_time), 4) if waiting_time else None,

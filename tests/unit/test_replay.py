@@ -24,7 +24,7 @@ def test_load_trace(trace_dir):
     t = load_trace(trace_dir)
     assert len(t.nodes) == 24 and t.capacity == sum(n.gpu_count for n in t.nodes)
     assert all(n.gpu_sharable and n.gpu_flavor == "gpu" for n in t.nodes)
-    assert t.skipped_cpu_only > 0 and all(task.gpus > 0 for task in t.tasks)
+    assert t.cpu_only > 0 and t.timed and len(t.gpu_tasks) + t.cpu_only == len(t.tasks)
     assert any(task.gpu_milli for task in t.tasks)
     assert abs(sum(workload_of(t.tasks).values()) - 1) < 1e-9
 
@@ -35,6 +35,22 @@ def test_malformed_trace_errors_name_the_file_and_row(tmp_path):
     (tmp_path / "openb_node_list_gpu_node.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,1,1,eight,T4\n")
     with pytest.raises(TraceError, match=r"openb_node_list_gpu_node.csv:2: column 'gpu' is 'eight'"):
         load_trace(tmp_path)
+
+
+def test_any_node_list_and_pod_list_by_path_with_model_lists_and_no_time_columns(tmp_path):
+    nodes, pods = tmp_path / "my-nodes.csv", tmp_path / "my-pods.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn-t4,32000,65536,2,T4\nn-a10,32000,65536,2,A10\n"
+                     "n-v100,32000,65536,8,V100M16\n")
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+                    "p1,4000,1024,1,1000,A10|T4\np2,4000,1024,1,1000,A10|T4\np3,4000,1024,1,1000,A10|T4\n"
+                    "p4,4000,1024,1,1000,A10|T4\np5,4000,1024,1,1000,A10|T4\ncpu,8000,1024,0,0,\n")
+    t = load_trace(nodes=nodes, pods=pods)
+    assert not t.timed and t.cpu_only == 1 and t.tasks[0].models == ("A10", "T4")
+    r = inflation(t, Policy.BEST_FIT, ratio=1.0, seed=1)
+    # four GPUs are T4 or A10: a fifth such task waits although the V100 node is empty
+    assert r["allocation_rate"] == round(4 / 12, 4) and r["placed"] > 4  # and CPU-only tasks ran
+    with pytest.raises(TraceError, match="replay needs the pod list's time columns"):
+        replay(t, Policy.BEST_FIT)
 
 
 @pytest.mark.parametrize("policy", list(Policy))
