@@ -71,7 +71,18 @@ def test_stream_checkpoint_and_cancel(api_stack):
         job_id = gs.submit(job_document(new_id(), "team-a", runtime_s=3000)).job_id
         running = gs.wait(job_id, states=("running",), timeout_s=60)
         assert running["attempt"] == 1
-        assert gs.checkpoint(job_id, 1, step=100, location="s3://ckpt/100").outcome == "JobCheckpointed"
+        # The read model may show "running" a moment before admission has read the JobStarted
+        # (each follows the log on its own): a refusal for "no running attempt" is retried.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                checkpointed = gs.checkpoint(job_id, 1, step=100, location="s3://ckpt/100")
+                break
+            except Rejected as refused:
+                if "no running attempt" not in str(refused) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert checkpointed.outcome == "JobCheckpointed"
         assert gs.cancel(job_id, "done with it").outcome in ("JobCancelRequested", "JobCancelled")
         deadline = time.monotonic() + 60
         while True:  # history, then live, until the job ends or the stack's 2 s limit: reconnect as a client does
