@@ -482,6 +482,7 @@ def sim_cmd(
                                      help="Placement policy; repeat to compare side by side"),
     inflation: Optional[float] = typer.Option(None, "--inflation", help="Workload inflation (ATC '23): sampled tasks arrive and never leave until requests reach RATIO × capacity"),
     seed: int = typer.Option(0, "--seed", help="Sampling seed for --inflation"),
+    protocol: str = typer.Option("gpusched", "--protocol", help="With --inflation: gpusched (GPU tasks sampled, read at each tenth of the target) or fgd (the FGD simulator's workload and curve: docs/scheduling.md)"),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Replay only the first N tasks"),
     output: Output = OutputOpt,
 ) -> None:
@@ -510,7 +511,7 @@ def sim_cmd(
                 total = int(inflation * data.capacity / mean) if mean else None
                 task = bar.add_task(f"{pol.value} inflation {inflation}", total=total)
                 try:
-                    results.append(rp.inflation(data, pol, ratio=inflation, seed=seed,
+                    results.append(rp.inflation(data, pol, ratio=inflation, seed=seed, protocol=protocol,
                                                 progress=lambda n, t=task: bar.advance(t, n)))
                 except ValueError as err:
                     userinput.print_error(err_console, str(err))

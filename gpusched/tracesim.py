@@ -31,7 +31,7 @@ import csv
 import heapq
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -399,13 +399,73 @@ def replay(trace: Trace, policy: Policy, *, limit: int | None = None,
     }
 
 
-def inflation(trace: Trace, policy: Policy, *, ratio: float, seed: int, steps: int = 13,
+PROTOCOLS = ("gpusched", "fgd")
+"""How inflation draws its tasks and reads its curve (docs/scheduling.md, "Trace replay")."""
+
+
+def fgd_tasks(trace: Trace, *, ratio: float, seed: int) -> list[Task]:
+    """The FGD simulator's workload ("workload tuning", Weng et al., ATC '23): every task of the
+    pod list, CPU-only ones included, sorted by name and shuffled with the seed; then tasks drawn
+    uniformly with replacement from the whole list and appended (``<name>-tuned-<i>``) until the
+    next draw would take the requested GPU thousandths past ``ratio`` × capacity. As in the peer,
+    that test adds the drawn task's per-GPU share while the total adds all its GPUs. Below the
+    list's own demand, tasks are removed from the end of the shuffled list instead. Python's RNG,
+    not Go's: the same construction, not the peer's exact sequence for a seed."""
+    rng = random.Random(seed)
+    base = sorted(trace.tasks, key=lambda t: t.name)
+    order = list(base)
+    rng.shuffle(order)
+    target = ratio * trace.capacity * MILLI
+    total = sum(_milli(t) for t in base)
+    while total > target and order:
+        total -= _milli(order.pop())
+    i = 0
+    while total < target:
+        task = base[rng.randrange(len(base))]
+        per_gpu = (task.gpu_milli or MILLI) if task.gpus else 0
+        if total + per_gpu > target:
+            break
+        total += _milli(task)
+        order.append(replace(task, name=f"{task.name}-tuned-{i}"))
+        i += 1
+    return order
+
+
+def _milli(task: Task) -> int:
+    """GPU thousandths a task requests."""
+    return task.gpu_milli if task.gpu_milli is not None else task.gpus * MILLI
+
+
+def fgd_curve(rows: list[tuple[int, int]], capacity: int, top: int = 130) -> dict[int, float]:
+    """The FGD simulator's reading of a run (its experiments/analysis/merge_alloc_discrete.py):
+    one row per task tried, (arrived GPU thousandths, failed tasks included; allocated GPU
+    thousandths after it). Each row's arrived percentage is rounded to an integer (half to even,
+    Python's round), its allocation percentage to two decimals; each integer percentage gets the
+    mean allocation of its rows, or of the rows within ±1 when it has none."""
+    buckets: dict[int, list[float]] = {}
+    for arrived, used in rows:
+        buckets.setdefault(round(arrived / capacity / 10), []).append(round(used / capacity / 10, 2))
+    out = {}
+    for pct in range(top + 1):
+        values = buckets.get(pct) or [v for k in (pct - 1, pct, pct + 1) for v in buckets.get(k, ())]
+        if values:
+            out[pct] = round(sum(values) / len(values), 2)
+    return out
+
+
+def inflation(trace: Trace, policy: Policy, *, ratio: float, seed: int, steps: int = 13, protocol: str = "gpusched",
               progress: Callable[[int], None] | None = None) -> dict:
-    """Tasks sampled from the trace arrive one a second and never leave, until the requested GPUs
-    reach ``ratio`` × capacity. Reports, at each 1/``steps`` of the target, the allocation rate
-    and the unallocated share of capacity against the demand that has arrived."""
+    """Tasks arrive one a second and never leave, until the requested GPUs reach ``ratio`` ×
+    capacity. ``protocol`` "gpusched": tasks with GPUs sampled independently (with replacement,
+    seeded) from the trace; the allocation rate and unallocated share read at each 1/``steps``
+    of the target. "fgd": the FGD simulator's workload (:func:`fgd_tasks`) and its reading of the
+    curve (:func:`fgd_curve`), in percent of GPU capacity per integer percent of arrived demand."""
     if not 0 < ratio <= 10:
         raise ValueError(f"--inflation {ratio} is out of range; accepted: 0 < RATIO <= 10 (the paper uses 1.3)")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol {protocol!r} is not known; accepted: {', '.join(PROTOCOLS)}")
+    if protocol == "fgd":
+        return _inflation_fgd(trace, policy, ratio=ratio, seed=seed, progress=progress)
     rng = random.Random(seed)
     p = build_platform(trace, policy)
     capacity = trace.capacity
@@ -414,8 +474,9 @@ def inflation(trace: Trace, policy: Policy, *, ratio: float, seed: int, steps: i
     i = 0
     marks = [target * (k + 1) / steps for k in range(steps)]
     curve = []
+    gpu_tasks = trace.gpu_tasks
     while demand < target:
-        task = rng.choice(trace.tasks)
+        task = rng.choice(gpu_tasks)
         i += 1
         now = T0 + timedelta(seconds=i)
         p.feed(_arrive(f"s{i}", task, None, i, now))
@@ -432,10 +493,40 @@ def inflation(trace: Trace, policy: Policy, *, ratio: float, seed: int, steps: i
                           "fgd_fragmentation": fgd_fragmentation(p), "waiting": i - len(p.scheduled_at)})
     allocated = _allocated(p)
     return {
-        "policy": policy.value, "mode": "inflation", "ratio": ratio, "seed": seed, "arrived_tasks": i,
+        "policy": policy.value, "mode": "inflation", "protocol": "gpusched", "ratio": ratio, "seed": seed,
+        "arrived_tasks": i,
         "capacity_gpus": capacity, "arrived_demand": round(demand / capacity, 4),
         "allocation_rate": round(allocated / capacity, 4), "unallocated_share": round(1 - allocated / capacity, 4),
         "placed": len(p.scheduled_at), "curve": curve, "events": p.log_size,
+    }
+
+
+def _inflation_fgd(trace: Trace, policy: Policy, *, ratio: float, seed: int,
+                   progress: Callable[[int], None] | None = None) -> dict:
+    p = build_platform(trace, policy)
+    capacity = trace.capacity
+    rows: list[tuple[int, int]] = []
+    arrived = 0
+    tasks = fgd_tasks(trace, ratio=ratio, seed=seed)
+    for i, task in enumerate(tasks, start=1):
+        now = T0 + timedelta(seconds=i)
+        arrived += _milli(task)  # before it is tried: a task that fits nowhere has arrived too
+        p.feed(_arrive(f"s{i}", task, None, i, now))
+        p.settle(now)
+        rows.append((arrived, round(_allocated(p) * MILLI)))
+        if progress is not None:
+            progress(1)
+    curve = fgd_curve(rows, capacity)
+    at = {pct: curve.get(pct) for pct in (80, 90, 100, 110, 120, 130)}
+    return {
+        "policy": policy.value, "mode": "inflation", "protocol": "fgd", "ratio": ratio, "seed": seed,
+        "arrived_tasks": len(tasks), "capacity_gpus": capacity, "arrived_demand": round(arrived / capacity / MILLI, 4),
+        "allocation_rate": round(rows[-1][1] / capacity / MILLI, 4) if rows else 0.0,
+        "unallocated_share": round(1 - rows[-1][1] / capacity / MILLI, 4) if rows else 1.0,
+        "allocation_at_100": at[100], "placed": len(p.scheduled_at), "failed": len(tasks) - len(p.scheduled_at),
+        "allocation_pct_by_arrived_pct": curve, "curve": [
+            {"arrived_demand": pct / 100, "allocation": None if v is None else round(v / 100, 4)} for pct, v in at.items()],
+        "events": p.log_size,
     }
 
 

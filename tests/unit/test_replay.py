@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from gpusched.cli import app
-from gpusched.tracesim import TraceError, inflation, load_trace, replay, workload_of, write_synthetic_trace
+from gpusched.tracesim import (TraceError, fgd_curve, fgd_tasks, inflation, load_trace, replay, workload_of,
+                               write_synthetic_trace)
 from services.scheduler.placement import Policy
 
 REAL = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "alibaba-gpu-2023"
@@ -46,9 +47,10 @@ def test_any_node_list_and_pod_list_by_path_with_model_lists_and_no_time_columns
                     "p4,4000,1024,1,1000,A10|T4\np5,4000,1024,1,1000,A10|T4\ncpu,8000,1024,0,0,\n")
     t = load_trace(nodes=nodes, pods=pods)
     assert not t.timed and t.cpu_only == 1 and t.tasks[0].models == ("A10", "T4")
-    r = inflation(t, Policy.BEST_FIT, ratio=1.0, seed=1)
-    # four GPUs are T4 or A10: a fifth such task waits although the V100 node is empty
-    assert r["allocation_rate"] == round(4 / 12, 4) and r["placed"] > 4  # and CPU-only tasks ran
+    r = inflation(t, Policy.BEST_FIT, ratio=1.0, seed=1, protocol="fgd")
+    # four GPUs are T4 or A10: a fifth such task fails although the V100 node is empty; CPU-only tasks run
+    assert r["allocation_rate"] == round(4 / 12, 4) and r["failed"] > 0
+    assert r["placed"] == 4 + sum(1 for task in fgd_tasks(t, ratio=1.0, seed=1) if task.gpus == 0)
     with pytest.raises(TraceError, match="replay needs the pod list's time columns"):
         replay(t, Policy.BEST_FIT)
 
@@ -85,6 +87,42 @@ def test_cli_sim_side_by_side(trace_dir):
     assert result.exit_code == 0 and "unallocated share" in result.stdout
     bad = runner.invoke(app, ["sim", "--trace", str(trace_dir), "-p", "worst-fit"])
     assert bad.exit_code == 2 and "accepted: first-fit, best-fit, fgd" in bad.output
+
+
+def test_the_fgd_protocol_builds_the_peers_workload(trace_dir):
+    t = load_trace(trace_dir)
+    assert sum(x.gpu_milli or x.gpus * 1000 for x in t.tasks) < 2.0 * t.capacity * 1000
+    tasks = fgd_tasks(t, ratio=2.0, seed=42)
+    originals, tuned = tasks[:len(t.tasks)], tasks[len(t.tasks):]
+    assert sorted(x.name for x in originals) == sorted(x.name for x in t.tasks)  # every row, CPU-only included
+    assert [x.name for x in originals] != sorted(x.name for x in t.tasks)  # shuffled
+    assert all(x.name.endswith(f"-tuned-{i}") for i, x in enumerate(tuned))
+    milli = sum(x.gpu_milli or x.gpus * 1000 for x in tasks)
+    assert milli <= 2.0 * t.capacity * 1000 < milli + 8000  # stopped at the first draw past the target
+    assert fgd_tasks(t, ratio=2.0, seed=42) == tasks and fgd_tasks(t, ratio=2.0, seed=43) != tasks
+    fewer = fgd_tasks(t, ratio=0.5, seed=42)
+    assert sum(x.gpu_milli or x.gpus * 1000 for x in fewer) <= 0.5 * t.capacity * 1000
+
+
+@pytest.mark.parametrize("rows, expected", [
+    # (arrived, used) in thousandths of a 10-GPU cluster: 1 % = 100
+    # 0 % and 3 % have no row: the mean of the rows within ±1
+    ([(100, 100), (140, 100), (200, 200)], {0: 1.0, 1: 1.0, 2: 2.0, 3: 2.0}),
+    ([(250, 100), (350, 300)], {1: 1.0, 2: 1.0, 3: 2.0, 4: 3.0, 5: 3.0}),  # 2.5 -> 2, 3.5 -> 4: half to even
+])
+def test_the_fgd_curve_is_read_as_the_peer_reads_it(rows, expected):
+    assert fgd_curve(rows, capacity=10, top=5) == expected
+
+
+def test_fgd_protocol_run(trace_dir):
+    t = load_trace(trace_dir)
+    r = inflation(t, Policy.FGD, ratio=1.3, seed=42, protocol="fgd")
+    curve = r["allocation_pct_by_arrived_pct"]
+    assert r["protocol"] == "fgd" and r["arrived_demand"] <= 1.3 and 0 < max(curve.values()) <= 100
+    assert all(curve[p] <= p + 1.5 for p in curve)  # nothing is allocated before it arrives (± the rounding)
+    assert r == inflation(t, Policy.FGD, ratio=1.3, seed=42, protocol="fgd")
+    with pytest.raises(ValueError, match="accepted: gpusched, fgd"):
+        inflation(t, Policy.FGD, ratio=1.3, seed=42, protocol="paper")
 
 
 @pytest.mark.skipif(not REAL.exists(), reason="the real trace is not at ../shared/traces/")
