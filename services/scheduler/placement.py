@@ -8,6 +8,11 @@ Policies (docs/scheduling.md):
 * ``fgd``: fragmentation gradient descent (Weng et al., ATC '23): the node whose *expected
   fragmentation* grows least, where a node's fragmentation is the free GPU capacity that a task
   drawn from the workload distribution could not use there (ties: best fit, then name).
+* ``fgd-spread``: FGD scored as the paper's simulator scores it, on the 0–100 integer scale of a
+  Kubernetes score, ``int(100 × sigmoid(−growth in GPUs))``, so growths within a few hundredths
+  of a GPU tie; ties go to a fixed pseudo-random order of the nodes (the SHA-256 of the name),
+  which spreads equally good choices over the cluster instead of packing them by name or best
+  fit. Measured against ``fgd`` in docs/scheduling.md ("Trace replay").
 
 A request is one gang member's share (``gpus`` whole GPUs or one ``milli`` fraction), repeated on
 ``gang`` distinct nodes, all or nothing. A gang takes the smallest topology domain that holds all
@@ -16,8 +21,11 @@ of it: one NVLink domain, else one rack, else one block, else anywhere.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 
 from schemas import JobSpec
 from services.scheduler.inventory import MILLI, TOPOLOGY_LEVELS, Inventory, Node, Shape, tolerates, whole_free_of
@@ -27,6 +35,11 @@ class Policy(StrEnum):
     FIRST_FIT = "first-fit"
     BEST_FIT = "best-fit"
     FGD = "fgd"
+    FGD_SPREAD = "fgd-spread"
+
+    @property
+    def fragmentation_aware(self) -> bool:
+        return self in (Policy.FGD, Policy.FGD_SPREAD)
 
 
 def parse_policy(value: str) -> Policy:
@@ -129,7 +142,7 @@ def fraction_options(free, milli: int) -> list[tuple[int, list[int]]]:
 def choose_gpus(node: Node, req: Request, policy: Policy, dist: "Workload") -> tuple[int, ...]:
     """Device indices for one member on the chosen node: FGD puts a fraction on the GPU whose
     use grows the node's fragmentation least (ties: fullest), the others pack (``take``)."""
-    if req.milli is None or policy != Policy.FGD:
+    if req.milli is None or not policy.fragmentation_aware:
         return take(node.free, req)[0]
     cpu = _cpu_free(node)
     after_cpu = None if cpu is None else cpu - req.cpu
@@ -230,6 +243,18 @@ class Workload:
 # -- choosing nodes ----------------------------------------------------------------------------
 
 
+def spread_score(growth: float) -> int:
+    """``fgd-spread``'s score of a fragmentation growth (thousandths of a GPU), lower is better:
+    minus the Kubernetes-scale score ``int(100 × sigmoid(−growth / 1000))``."""
+    return -int(100 / (1 + math.exp(min(growth / MILLI, 700.0))))
+
+
+@lru_cache(maxsize=65_536)
+def spread_rank(name: str) -> str:
+    """A node's place in ``fgd-spread``'s fixed pseudo-random order of the nodes."""
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
 def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist: Workload,
            local: int = 0) -> tuple:
     """Lower is better."""
@@ -239,6 +264,8 @@ def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist:
     left = sum(after)
     if policy == Policy.BEST_FIT:
         return (-local, left, name)
+    if policy == Policy.FGD_SPREAD:
+        return (-local, spread_score(_fgd_delta(free, req, dist)), spread_rank(name))
     return (-local, round(_fgd_delta(free, req, dist), 6), left, name)
 
 
@@ -275,22 +302,26 @@ def _cpu_free(node: Node) -> int | None:
     return node.info.cpu_millis - node.used_cpu if node.info.cpu_millis else None
 
 
-def _best_node_fgd_cpu(inv, flavors, req: Request, dist: Workload, exclude) -> Node | None:
-    """CPU-aware FGD: per fitting shape, nodes grouped by free CPU; the first node by name of
-    each group that meets the constraints stands for it."""
+def _best_node_fgd_cpu(inv, flavors, req: Request, policy: Policy, dist: Workload, exclude) -> Node | None:
+    """CPU-aware FGD: per fitting shape, nodes grouped by free CPU score alike. For ``fgd`` the
+    first node by name of each group that meets the constraints stands for it; for
+    ``fgd-spread`` every node is ranked (its tie-break is the node's own)."""
     best: tuple | None = None
     chosen = None
+    spread = policy == Policy.FGD_SPREAD
     for _, shape, names in fitting_shapes(inv, flavors, req):
-        seen: set[int | None] = set()
+        growth: dict[int | None, float] = {}  # free CPU -> the group's fragmentation growth
         _, after = take(shape[1], req)
         for name in names:
             node = inv.nodes[name]
             cpu = _cpu_free(node)
-            if cpu in seen or name in exclude or not static_ok(node, req) \
+            if (cpu in growth and not spread) or name in exclude or not static_ok(node, req) \
                     or not node.cpu_memory_ok(req.cpu, req.memory):
                 continue
-            seen.add(cpu)
-            score = (round(_fgd_delta(shape[1], req, dist, cpu), 6), sum(after), name)
+            if cpu not in growth:
+                growth[cpu] = _fgd_delta(shape[1], req, dist, cpu)
+            score = (spread_score(growth[cpu]), spread_rank(name)) if spread else \
+                (round(growth[cpu], 6), sum(after), name)
             if best is None or score < best:
                 best, chosen = score, node
     return chosen
@@ -301,10 +332,10 @@ def best_node(inv: Inventory, flavors: tuple[str | None, ...], req: Request, pol
     """The best node for one member. Shapes are scored first (nodes of one shape score alike
     but for the name), then the best-scoring shape's nodes are searched in name order for one
     that meets the other constraints; a shape whose nodes all fail falls through to the next."""
-    if req.localities:
+    if req.localities or (policy == Policy.FGD_SPREAD and not dist.cpu_aware):  # the tie-break is per node
         return _best_node_scan(inv, flavors, req, policy, dist, exclude)
-    if policy == Policy.FGD and dist.cpu_aware:
-        return _best_node_fgd_cpu(inv, flavors, req, dist, exclude)
+    if policy.fragmentation_aware and dist.cpu_aware:
+        return _best_node_fgd_cpu(inv, flavors, req, policy, dist, exclude)
     # Each shape is scored with its first name: within a shape only the name differs, and the
     # search below walks the names in order.
     ranked: list[tuple[tuple, str | None, Shape]] = [

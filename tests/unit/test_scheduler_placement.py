@@ -9,7 +9,7 @@ from schemas import JobScheduled, SchedulingPendingReasonChanged, SchedulingWait
 from schemas.job import DatasetRef
 from services.scheduler.domain import SchedulerCore
 from services.scheduler.fragmentation import typical_request
-from services.scheduler.placement import Policy, node_fragmentation, parse_policy, unusable
+from services.scheduler.placement import Policy, node_fragmentation, parse_policy, spread_rank, spread_score, unusable
 from tests.unit.builders import T0, Log, admitted, at, drive, node, reserved, scheduled, spec, started, submitted, succeeded
 
 
@@ -66,6 +66,31 @@ def test_fgd_keeps_the_large_block_for_large_jobs():
     out = h.job("one", 1, when=at(4))
     # FGD puts the 1-GPU job on b (3 free, already stranded for 8-GPU jobs), not on a fresh node
     assert list(placements(out)["one"]) == ["b"]
+
+
+@pytest.mark.parametrize("growth, score", [
+    (0, -50), (-1000, -73), (1000, -26), (10, -49), (30, -49), (-30, -50), (-50, -51), (10**9, 0), (-10**9, -100),
+])
+def test_fgd_spread_scores_growth_as_the_papers_simulator(growth, score):
+    """int(100 × sigmoid(−growth in GPUs)), negated (lower is better): growths within a few
+    hundredths of a GPU score alike."""
+    assert spread_score(growth) == score
+
+
+def test_fgd_spread_breaks_ties_by_the_nodes_fixed_pseudo_random_order():
+    names = [f"n{i}" for i in range(6)]
+    h = H(*(node(n, gpus=8) for n in names), policy=Policy.FGD_SPREAD)
+    first = min(names, key=spread_rank)
+    assert first != "n0"  # not by name
+    assert list(placements(h.job("j", 1))["j"]) == [first]
+    # the score comes before the order: with 7-GPU and 1-GPU jobs in the workload, the last GPU of
+    # the node holding the 7-GPU job is useless to a 7-GPU job, so a 1-GPU job takes it, not the
+    # first node of the order (fresh: too little CPU for the 7-GPU job, enough for the 1-GPU one)
+    h2 = H(*(node(n, gpus=8, **({"cpu_millis": 1500} if n == first else {})) for n in names),
+           policy=Policy.FGD_SPREAD)
+    (seven_on,) = placements(h2.job("seven", 7, cpu_millis=2000))["seven"]
+    assert seven_on != first
+    assert list(placements(h2.job("one", 1, when=at(1)))["one"]) == [seven_on]
 
 
 def test_node_fragmentation_definitions():
