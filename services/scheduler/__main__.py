@@ -11,13 +11,15 @@ Environment (docs/scheduling.md):
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 
 from prometheus_client import Gauge
 
 from runtime.loop import run_service
-from runtime.settings import env_choice, env_number
+from runtime.settings import ConfigError, env_choice, env_number, env_value
 from schemas import Event
+from schemas.envelope import NAME_PATTERN
 from services.scheduler.domain import PreemptionLimits, SchedulerCore
 from services.scheduler.placement import Policy
 
@@ -54,12 +56,34 @@ class ObservedSchedulerCore(SchedulerCore):
 
 def build_core(settings, clock) -> SchedulerCore:
     policy = Policy(env_choice("GPUSCHED_SCHEDULER_POLICY", Policy.BEST_FIT.value, tuple(p.value for p in Policy)))
+    by_flavor = flavor_policies(env_value("GPUSCHED_SCHEDULER_POLICY_BY_FLAVOR", "") or "")
     limits = PreemptionLimits(
         enabled=env_choice("GPUSCHED_PREEMPTION", "on", ("on", "off")) == "on",
         max_per_window=int(env_number("GPUSCHED_PREEMPTION_MAX_PER_WINDOW", 20, minimum=0, maximum=100_000, integer=True)),
         window_seconds=env_number("GPUSCHED_PREEMPTION_WINDOW_S", 300.0, minimum=1, maximum=86_400),
     )
-    return ObservedSchedulerCore(policy, preemption=limits)
+    return ObservedSchedulerCore(policy, preemption=limits, flavor_policies=by_flavor)
+
+
+def flavor_policies(text: str) -> dict[str, Policy]:
+    """``GPUSCHED_SCHEDULER_POLICY_BY_FLAVOR``: ``flavor=policy`` pairs separated by commas, e.g.
+    ``a100=fgd-spread,l4=best-fit``; the other flavors keep GPUSCHED_SCHEDULER_POLICY."""
+    name = "GPUSCHED_SCHEDULER_POLICY_BY_FLAVOR"
+    accepted = ", ".join(p.value for p in Policy)
+    out: dict[str, Policy] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        flavor, sep, value = (x.strip() for x in item.partition("="))
+        if not sep or not re.fullmatch(NAME_PATTERN, flavor):
+            raise ConfigError(f"{name}: {item!r} is not flavor=policy; accepted: e.g. a100=fgd-spread,l4=best-fit")
+        if flavor in out:
+            raise ConfigError(f"{name}: flavor {flavor!r} is given twice")
+        try:
+            out[flavor] = Policy(value)
+        except ValueError:
+            raise ConfigError(f"{name}: {item!r} names policy {value!r}; accepted: {accepted}") from None
+    return out
 
 
 def main() -> None:

@@ -170,16 +170,19 @@ class SchedulerCore:
     def __init__(self, policy: Policy | str = Policy.BEST_FIT,
                  priority_classes: dict[str, PriorityClass] = DEFAULT_PRIORITY_CLASSES,
                  preemption: PreemptionLimits = PreemptionLimits(), *,
-                 workload: dict[int, float] | Workload | None = None, explain: bool = True) -> None:
+                 workload: dict[int, float] | Workload | None = None, explain: bool = True,
+                 flavor_policies: dict[str, Policy] | None = None) -> None:
         """``workload``: a fixed workload distribution for FGD (size class -> probability; a
         negative class is a fraction in thousandths); None: learnt from the reservations.
-        ``explain``: emit pending reasons (trace replay turns them off)."""
+        ``explain``: emit pending reasons (trace replay turns them off). ``flavor_policies``:
+        a flavor's own placement policy, where it is not ``policy``."""
         self.state = SchedulerState()
         self._fixed_workload = (workload if isinstance(workload, Workload) or workload is None
                                 else Workload(workload))
         self._workloads: dict[str | None, tuple[int, Workload]] = {}
         self.explain = explain
         self.policy = Policy(policy)
+        self.flavor_policies = {f: Policy(p) for f, p in (flavor_policies or {}).items()}
         self.priority_classes = priority_classes
         self.victim_policy = VictimPolicy(priority_classes)
         self.limits = preemption
@@ -488,15 +491,20 @@ class SchedulerCore:
         req = job.request
         flavors = tuple(inv.flavors) if group == CPU_GROUP else (group,)
         dist = self.workload_distribution(None if group == CPU_GROUP else group)
+        policy = self.policy_for(group)
         if req.gang == 1:
-            node = best_node(inv, flavors, req, self.policy, dist)
+            node = best_node(inv, flavors, req, policy, dist)
             nodes = [node] if node is not None else None
         else:
-            nodes = place_gang(inv, flavors, req, self.policy, dist)
+            nodes = place_gang(inv, flavors, req, policy, dist)
         if nodes is None:
             return None
-        return tuple(NodeAssignment(node=n.name, gpus=req.gpus, gpu_indices=choose_gpus(n, req, self.policy, dist),
+        return tuple(NodeAssignment(node=n.name, gpus=req.gpus, gpu_indices=choose_gpus(n, req, policy, dist),
                                     gpu_milli=req.milli) for n in nodes)
+
+    def policy_for(self, group: str) -> Policy:
+        """The placement policy of a flavor (CPU-only work: the default)."""
+        return self.flavor_policies.get(group, self.policy)
 
     def workload_distribution(self, flavor: str | None) -> Workload:
         """The workload distribution FGD scores against: request size classes of the attempts

@@ -21,6 +21,25 @@ def test_policy_and_limits_from_the_environment(monkeypatch):
         build_core(None, None)
 
 
+@pytest.mark.parametrize("value, expected", [
+    ("", {}),
+    ("a100=fgd-spread, l4=best-fit", {"a100": Policy.FGD_SPREAD, "l4": Policy.BEST_FIT}),
+    ("a100", "is not flavor=policy"),
+    ("A100=fgd", "is not flavor=policy"),
+    ("a100=fgd,a100=best-fit", "given twice"),
+    ("a100=random", "names policy 'random'; accepted: first-fit, best-fit, fgd, fgd-spread"),
+])
+def test_a_policy_per_flavor_from_the_environment(monkeypatch, value, expected):
+    monkeypatch.setenv("GPUSCHED_SCHEDULER_POLICY", "best-fit")
+    monkeypatch.setenv("GPUSCHED_SCHEDULER_POLICY_BY_FLAVOR", value)
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=expected):
+            build_core(None, None)
+        return
+    core = build_core(None, None)
+    assert core.flavor_policies == expected and core.policy_for("h100") is Policy.BEST_FIT
+
+
 def test_gauges_after_a_cycle(monkeypatch):
     monkeypatch.delenv("GPUSCHED_SCHEDULER_POLICY", raising=False)
     core = build_core(None, None)

@@ -93,6 +93,15 @@ def test_fgd_spread_breaks_ties_by_the_nodes_fixed_pseudo_random_order():
     assert list(placements(h2.job("one", 1, when=at(1)))["one"]) == [seven_on]
 
 
+def test_each_flavor_places_by_its_own_policy():
+    # a100 packs by best fit (the node with 2 free); h100 takes the first by name
+    h = H(node("a-big", "a100", gpus=8), node("a-small", "a100", gpus=2), node("h-big", "h100", gpus=8),
+          node("h-small", "h100", gpus=2))
+    h.core.flavor_policies = {"h100": Policy.FIRST_FIT}
+    assert placements(h.job("ja", 2, flavor="a100")) == {"ja": {"a-small": (0, 1)}}
+    assert placements(h.job("jh", 2, flavor="h100")) == {"jh": {"h-big": (0, 1)}}
+
+
 def test_node_fragmentation_definitions():
     whole = [1000, 1000, 1000, 0]
     assert unusable(whole, 4) == 3000  # 3 free cannot hold 4
