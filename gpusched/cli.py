@@ -482,7 +482,7 @@ def sim_cmd(
                                      help="Placement policy; repeat to compare side by side"),
     inflation: Optional[float] = typer.Option(None, "--inflation", help="Workload inflation (ATC '23): sampled tasks arrive and never leave until requests reach RATIO × capacity"),
     seed: int = typer.Option(0, "--seed", help="Sampling seed for --inflation"),
-    protocol: str = typer.Option("gpusched", "--protocol", help="With --inflation: gpusched (GPU tasks sampled, read at each tenth of the target) or fgd (the FGD simulator's workload and curve: docs/scheduling.md)"),
+    protocol: str = typer.Option("gpusched", "--protocol", help="With --inflation: gpusched (GPU tasks sampled, read at 13 steps to the target) or fgd (the FGD simulator's workload and curve: docs/scheduling.md)"),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Replay only the first N tasks"),
     output: Output = OutputOpt,
 ) -> None:
@@ -495,9 +495,6 @@ def sim_cmd(
     try:
         policies = [parse_policy(p) for p in policy]
         data = rp.load_trace(trace, nodes=nodes, pods=pods)
-        if inflation is None and not data.timed:
-            raise rp.TraceError(f"replay needs the pod list's time columns ({', '.join(rp.TIME_COLUMNS)}); "
-                                "without them, give --inflation RATIO")
     except ValueError as err:
         userinput.print_error(err_console, str(err))
         raise typer.Exit(2) from None
@@ -505,21 +502,21 @@ def sim_cmd(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=output == Output.json) as bar:
         for pol in policies:
-            if inflation is not None:
-                # Tasks until the target demand: about ratio × capacity / mean demand.
-                mean = sum(t.demand for t in data.tasks) / max(1, len(data.tasks))
-                total = int(inflation * data.capacity / mean) if mean else None
-                task = bar.add_task(f"{pol.value} inflation {inflation}", total=total)
-                try:
+            try:
+                if inflation is not None:
+                    # Tasks until the target demand: about ratio × capacity / mean demand.
+                    mean = sum(t.demand for t in data.tasks) / max(1, len(data.tasks))
+                    total = int(inflation * data.capacity / mean) if mean else None
+                    task = bar.add_task(f"{pol.value} inflation {inflation}", total=total)
                     results.append(rp.inflation(data, pol, ratio=inflation, seed=seed, protocol=protocol,
                                                 progress=lambda n, t=task: bar.advance(t, n)))
-                except ValueError as err:
-                    userinput.print_error(err_console, str(err))
-                    raise typer.Exit(2) from None
-            else:
-                ran = sum(1 for t in data.tasks if t.runtime is not None)
-                task = bar.add_task(f"{pol.value} replay", total=min(ran, limit or ran))
-                results.append(rp.replay(data, pol, limit=limit, progress=lambda n, t=task: bar.advance(t, n)))
+                else:
+                    ran = sum(1 for t in data.tasks if t.runtime is not None)
+                    task = bar.add_task(f"{pol.value} replay", total=min(ran, limit or ran))
+                    results.append(rp.replay(data, pol, limit=limit, progress=lambda n, t=task: bar.advance(t, n)))
+            except ValueError as err:  # the ratio, the protocol, a pod list replay cannot use
+                userinput.print_error(err_console, str(err))
+                raise typer.Exit(2) from None
     if output == Output.json:
         emit(results, output)
         return

@@ -80,9 +80,14 @@ class Task:
     runtime: float | None  # None: never ran in the trace
 
     @property
+    def milli(self) -> int:
+        """GPU thousandths requested."""
+        return self.gpu_milli if self.gpu_milli is not None else self.gpus * MILLI
+
+    @property
     def demand(self) -> float:
         """GPUs requested (a fraction counts as its share)."""
-        return self.gpu_milli / MILLI if self.gpu_milli is not None else float(self.gpus)
+        return self.milli / MILLI
 
 
 @dataclass
@@ -339,7 +344,7 @@ def replay(trace: Trace, policy: Policy, *, limit: int | None = None,
     """Tasks arrive and leave as traced."""
     if not trace.timed:
         raise TraceError(f"replay needs the pod list's time columns ({', '.join(TIME_COLUMNS)}); "
-                         "without them, use inflation")
+                         "without them, run inflation (--inflation RATIO)")
     p = build_platform(trace, policy)
     tasks = [t for t in trace.tasks if t.runtime is not None][:limit]
     never_ran = sum(1 for t in trace.tasks if t.runtime is None)
@@ -416,24 +421,19 @@ def fgd_tasks(trace: Trace, *, ratio: float, seed: int) -> list[Task]:
     order = list(base)
     rng.shuffle(order)
     target = ratio * trace.capacity * MILLI
-    total = sum(_milli(t) for t in base)
+    total = sum(t.milli for t in base)
     while total > target and order:
-        total -= _milli(order.pop())
+        total -= order.pop().milli
     i = 0
     while total < target:
         task = base[rng.randrange(len(base))]
         per_gpu = (task.gpu_milli or MILLI) if task.gpus else 0
         if total + per_gpu > target:
             break
-        total += _milli(task)
+        total += task.milli
         order.append(replace(task, name=f"{task.name}-tuned-{i}"))
         i += 1
     return order
-
-
-def _milli(task: Task) -> int:
-    """GPU thousandths a task requests."""
-    return task.gpu_milli if task.gpu_milli is not None else task.gpus * MILLI
 
 
 def fgd_curve(rows: list[tuple[int, int]], capacity: int, top: int = 130) -> dict[int, float]:
@@ -510,7 +510,7 @@ def _inflation_fgd(trace: Trace, policy: Policy, *, ratio: float, seed: int,
     tasks = fgd_tasks(trace, ratio=ratio, seed=seed)
     for i, task in enumerate(tasks, start=1):
         now = T0 + timedelta(seconds=i)
-        arrived += _milli(task)  # before it is tried: a task that fits nowhere has arrived too
+        arrived += task.milli  # before it is tried: a task that fits nowhere has arrived too
         p.feed(_arrive(f"s{i}", task, None, i, now))
         p.settle(now)
         rows.append((arrived, round(_allocated(p) * MILLI)))

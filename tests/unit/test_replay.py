@@ -53,6 +53,8 @@ def test_any_node_list_and_pod_list_by_path_with_model_lists_and_no_time_columns
     assert r["placed"] == 4 + sum(1 for task in fgd_tasks(t, ratio=1.0, seed=1) if task.gpus == 0)
     with pytest.raises(TraceError, match="replay needs the pod list's time columns"):
         replay(t, Policy.BEST_FIT)
+    refused = CliRunner().invoke(app, ["sim", "--nodes", str(nodes), "--pods", str(pods)])
+    assert refused.exit_code == 2 and "replay needs the pod list's time columns" in refused.output
 
 
 @pytest.mark.parametrize("policy", list(Policy))
@@ -91,17 +93,17 @@ def test_cli_sim_side_by_side(trace_dir):
 
 def test_the_fgd_protocol_builds_the_peers_workload(trace_dir):
     t = load_trace(trace_dir)
-    assert sum(x.gpu_milli or x.gpus * 1000 for x in t.tasks) < 2.0 * t.capacity * 1000
+    assert sum(x.milli for x in t.tasks) < 2.0 * t.capacity * 1000
     tasks = fgd_tasks(t, ratio=2.0, seed=42)
     originals, tuned = tasks[:len(t.tasks)], tasks[len(t.tasks):]
     assert sorted(x.name for x in originals) == sorted(x.name for x in t.tasks)  # every row, CPU-only included
     assert [x.name for x in originals] != sorted(x.name for x in t.tasks)  # shuffled
     assert all(x.name.endswith(f"-tuned-{i}") for i, x in enumerate(tuned))
-    milli = sum(x.gpu_milli or x.gpus * 1000 for x in tasks)
+    milli = sum(x.milli for x in tasks)
     assert milli <= 2.0 * t.capacity * 1000 < milli + 8000  # stopped at the first draw past the target
     assert fgd_tasks(t, ratio=2.0, seed=42) == tasks and fgd_tasks(t, ratio=2.0, seed=43) != tasks
     fewer = fgd_tasks(t, ratio=0.5, seed=42)
-    assert sum(x.gpu_milli or x.gpus * 1000 for x in fewer) <= 0.5 * t.capacity * 1000
+    assert sum(x.milli for x in fewer) <= 0.5 * t.capacity * 1000
 
 
 @pytest.mark.parametrize("rows, expected", [
