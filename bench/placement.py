@@ -1,28 +1,39 @@
 """Placement quality on the Alibaba 2023 trace, measured the way the FGD paper's simulator measures
-it (`gpusched sim --protocol fgd`), beside that simulator's own committed results.
+it (`gpusched sim --protocol fgd`), beside that simulator's own results.
 
-    python -m bench.placement [--seeds 42-51] [--policy P ...] [--trace DIR] [--json PATH]
+    python -m bench.placement [--seeds 42-51] [--policy P ...] [--variant gpuspec20] [--json PATH]
+                              [--draws go|python] [--peer DIR [--peer-seeds 42]]
 
 Each (policy, seed) runs the platform's own cores (gpusched.tracesim: QuotaCore, SchedulerCore,
 SimExecutorCore) in a worker process, two at a time; its wall time and peak memory are the
-worker's. The anchor is the peer's `experiments/analysis/expected_results/analysis_allo_discrete.csv`
-(hkust-adsl/kubernetes-scheduler-simulator, workload openb_pod_list_default, tune 1.3, seeds
-42-51), copied below: the share of GPU capacity allocated, in percent, at 80/90/100/110/120/130 %
-of arrived demand. The peer is not run here: one of its runs takes about 40 minutes on this
-machine (docs/scheduling.md). The two sides draw their tasks with different random generators,
-so compare the means over seeds, not one seed.
+worker's. By default the tasks are the very sequence the peer builds for the seed: its Go
+random draws come from bench/gorand (built with the local Go; without Go, Python's RNG, which
+gives the same construction but other tasks, and the bench says so). The anchor is the peer's
+`experiments/analysis/expected_results/analysis_allo_discrete.csv`
+(hkust-adsl/kubernetes-scheduler-simulator, tune 1.3, seeds 42-51), copied below: the share of
+GPU capacity allocated, in percent, at 80/90/100/110/120/130 % of arrived demand on the default
+pod list, and the 10-seed means at 100 % on the variant lists. With --peer DIR (a checkout of
+the peer) the peer itself is built and run on the same lists and seeds (bench/peer.py); one of its
+runs takes about 40 minutes on a 2-core machine, so it runs on --peer-seeds only.
+
+--variant KIND+LEVEL (cpu250, gpuspec20, gpushare40, multigpu30, ...) rebuilds one of the peer's
+variant pod lists from the default one (bench/podlists.py); --pods PATH reads any pod list.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import re
 import resource
 import statistics
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from bench import podlists
 from gpusched import tracesim
 from services.scheduler.placement import Policy, parse_policy
 
@@ -46,11 +57,38 @@ PEER: dict[str, dict[int, tuple[float, ...]]] = {
 }
 
 
-def run_one(trace_dir: str, policy: str, seed: int, ratio: float) -> dict:
+# The peer's 10-seed means at 100 % arrived (BestFit, FGD) on its published variant lists, from the same file.
+PEER_VARIANTS: dict[str, tuple[float, float]] = {
+    "cpu050": (93.56, 95.00), "cpu100": (93.26, 95.21), "cpu200": (92.15, 94.82), "cpu250": (91.21, 93.20),
+    "gpushare40": (91.44, 93.96), "gpushare60": (89.06, 91.25), "gpushare80": (86.66, 89.08),
+    "gpushare100": (84.62, 86.64), "gpuspec10": (93.10, 94.66), "gpuspec20": (88.46, 94.66),
+    "gpuspec25": (85.67, 93.91), "gpuspec33": (80.39, 87.84), "multigpu20": (93.73, 95.53),
+    "multigpu30": (94.57, 96.36), "multigpu40": (95.10, 96.91), "multigpu50": (95.62, 97.09),
+}
+
+
+# SHA-256 of the shipped trace's files (= the peer's data/csv/openb_node_list_gpu_node.csv and
+# openb_pod_list_default.csv): the committed figures are compared only with runs on these.
+SHIPPED = {"nodes": "2beca64b4d3dfa342036a34b56a495c6cef9225db836c81f541282cb1df320b5",
+           "pods": "1ee7ed79c27a3b0861cda8ddba86a004c6aba904caafa329a76ae93ca63834a8"}
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_one(nodes: str, pods: str, policy: str, seed: int, ratio: float, draws: str) -> dict:
     """One inflation run in this worker: the curve at POINTS, wall seconds, peak RSS."""
-    trace = tracesim.load_trace(Path(trace_dir))
+    trace = tracesim.load_trace(nodes=Path(nodes), pods=Path(pods))
+    source = None
+    if draws == "go":
+        from bench.gorand import GoDraws
+
+        per_task = sum(t.milli for t in trace.tasks) / len(trace.tasks)
+        wanted = max(0.0, ratio * trace.capacity * 1000 - sum(t.milli for t in trace.tasks)) / max(per_task, 1.0)
+        source = GoDraws(seed, len(trace.tasks), int(1.5 * wanted) + 1000)
     start = time.perf_counter()
-    r = tracesim.inflation(trace, parse_policy(policy), ratio=ratio, seed=seed, protocol="fgd")
+    r = tracesim.inflation(trace, parse_policy(policy), ratio=ratio, seed=seed, protocol="fgd", draws=source)
     curve = r["allocation_pct_by_arrived_pct"]
     return {"policy": policy, "seed": seed, "curve": [curve.get(p) for p in POINTS], "failed": r["failed"],
             "tasks": r["arrived_tasks"], "wall_s": time.perf_counter() - start,
@@ -72,39 +110,98 @@ def mean_curve(rows: list[list[float | None]]) -> list[float | None]:
     return out
 
 
+def draws_kind(wanted: str) -> tuple[str, str]:
+    """(the draws to use, a line saying which)."""
+    if wanted == "go":
+        from bench.gorand import GoUnavailable, binary
+
+        try:
+            binary()
+            return "go", "the peer's own task sequence per seed (Go's draws, bench/gorand)"
+        except GoUnavailable as e:
+            return "python", f"Python's draws: the peer's construction, other tasks ({e})"
+    return "python", "Python's draws: the peer's construction, other tasks than the peer's for a seed"
+
+
 def main(args) -> dict:
     seeds = seeds_of(args.seeds)
-    jobs = [(str(args.trace), policy, seed, args.ratio) for policy in args.policy for seed in seeds]
-    with ProcessPoolExecutor(max_workers=args.workers, max_tasks_per_child=1) as pool:
-        runs = list(pool.map(run_one, *zip(*jobs)))
+    draws, draws_line = draws_kind(args.draws)
+    with tempfile.TemporaryDirectory(prefix="gpusched-podlist-") as tmp:
+        shipped = _digest(args.nodes) == SHIPPED["nodes"]
+        pods, label = args.pods, "default" if shipped and _digest(args.pods) == SHIPPED["pods"] else str(args.pods)
+        if args.variant:
+            kind, level = variant_of(args.variant)
+            pods = podlists.write(podlists.build(kind, level, args.pods, args.nodes),
+                                  Path(tmp) / f"openb_pod_list_{args.variant}.csv")
+            label = args.variant if shipped and label == "default" else f"{args.variant} of {label}"
+        jobs = [(str(args.nodes), str(pods), policy, seed, args.ratio, draws)
+                for policy in args.policy for seed in seeds]
+        with ProcessPoolExecutor(max_workers=args.workers, max_tasks_per_child=1) as pool:
+            runs = list(pool.map(run_one, *zip(*jobs)))
+        peer_runs = []
+        if args.peer_src is not None:
+            from bench import peer
+
+            peer_runs = [vars(r) | {"curve": [r.curve.get(p) for p in POINTS]}
+                         for r in peer.run_all(args.peer_src, args.nodes, pods, seeds_of(args.peer_seeds or str(seeds[0])),
+                                               args.ratio, args.workers)]
     by_policy = {p: [r for r in runs if r["policy"] == p] for p in args.policy}
-    return {"seeds": seeds, "ratio": args.ratio, "points": POINTS, "runs": runs,
+    committed = {}
+    if label == "default":
+        committed = {name: mean_curve([table[s] for s in seeds if s in table]) for name, table in PEER.items()}
+    elif label in PEER_VARIANTS:
+        committed = {name: [None, None, v, None, None, None] for name, v in zip(("BestFit", "FGD"), PEER_VARIANTS[label])}
+    return {"seeds": seeds, "ratio": args.ratio, "points": POINTS, "pod_list": label, "draws": draws,
+            "draws_line": draws_line, "runs": runs, "peer_runs": peer_runs,
             "gpusched": {p: mean_curve([r["curve"] for r in rs]) for p, rs in by_policy.items()},
-            "peer": {name: mean_curve([table[s] for s in seeds if s in table]) for name, table in PEER.items()}}
+            "peer": committed}
+
+
+def variant_of(text: str) -> tuple[str, int]:
+    m = re.fullmatch(r"(cpu|multigpu|gpuspec|gpushare)(\d+)", text)
+    if m is None:
+        raise SystemExit(f"--variant {text!r}: accepted: KIND+LEVEL with KIND one of {', '.join(podlists.KINDS)}, "
+                         "e.g. cpu250, gpuspec20, gpushare40, multigpu30")
+    return m.group(1), int(m.group(2))
 
 
 def report(r: dict) -> None:
     seeds = r["seeds"]
-    print(f"\ngpusched bench — placement on the Alibaba 2023 trace, the FGD paper's protocol "
+    at = r["points"].index(100)
+    print(f"\ngpusched bench — placement, the FGD paper's protocol, pod list {r['pod_list']} "
           f"(tune {r['ratio']}, seeds {seeds[0]}-{seeds[-1]}; allocated share of GPU capacity, %, mean over seeds)")
+    print(f"  tasks: {r['draws_line']}")
     print(f"  {'policy':<22}" + "".join(f"{p:>8} %" for p in r["points"]) + "   wall s / run   peak MiB")
+
+    def row(name: str, curve, tail: str) -> None:
+        print(f"  {name:<22}" + "".join(f"{v:>10.2f}" if v is not None else f"{'-':>10}" for v in curve) + tail)
+
     for name, curve in r["peer"].items():
-        print(f"  {'peer ' + name:<22}" + "".join(f"{v:>10.2f}" for v in curve) + "   (committed, openb_pod_list_default)")
+        row("peer " + name, curve, f"   (committed, openb_pod_list_{r['pod_list']})")
+    for name in dict.fromkeys(x["policy"] for x in r["peer_runs"]):
+        runs = [x for x in r["peer_runs"] if x["policy"] == name]
+        row(f"peer {name} (run here)", mean_curve([x["curve"] for x in runs]),
+            f"   {statistics.median(x['wall_s'] for x in runs):>12.0f}   {max(x['peak_rss_mib'] for x in runs):>8.0f}"
+            f"   seeds {[x['seed'] for x in runs]}")
     for policy, curve in r["gpusched"].items():
         runs = [x for x in r["runs"] if x["policy"] == policy]
-        wall = statistics.median(x["wall_s"] for x in runs)
-        rss = max(x["peak_rss_mib"] for x in runs)
-        print(f"  {'gpusched ' + policy:<22}" + "".join(f"{v:>10.2f}" if v is not None else f"{'-':>10}" for v in curve)
-              + f"   {wall:>12.0f}   {rss:>8.0f}")
-    fgd = r["peer"]["FGD"][r["points"].index(100)]
+        row("gpusched " + policy, curve, f"   {statistics.median(x['wall_s'] for x in runs):>12.0f}"
+                                         f"   {max(x['peak_rss_mib'] for x in runs):>8.0f}")
+    fgd = r["peer"].get("FGD", [None] * len(r["points"]))[at]
     for policy, curve in r["gpusched"].items():
-        at100 = curve[r["points"].index(100)]
-        if at100 is None:  # a small trace jumps over 100 %
+        if curve[at] is None:  # a small trace jumps over 100 %
             print(f"  at 100 %: gpusched {policy}: no task arrived within 99-101 %")
             continue
-        per_seed = [x["curve"][r["points"].index(100)] for x in r["runs"] if x["policy"] == policy]
-        print(f"  at 100 %: gpusched {policy} {at100:.2f} vs peer FGD {fgd:.2f} ({at100 - fgd:+.2f} points; "
-              f"unallocated {100 - at100:.2f} % vs {100 - fgd:.2f} %); per seed {per_seed}")
+        per_seed = {x["seed"]: x["curve"][at] for x in r["runs"] if x["policy"] == policy}
+        line = f"  at 100 %: gpusched {policy} {curve[at]:.2f}"
+        if fgd is not None:
+            line += f" vs peer FGD {fgd:.2f} ({curve[at] - fgd:+.2f} points; unallocated {100 - curve[at]:.2f} % vs {100 - fgd:.2f} %)"
+        print(line + f"; per seed {list(per_seed.values())}")
+        if r["pod_list"] == "default" and r["draws"] == "go":
+            diffs = [v - PEER["FGD"][s][at] for s, v in per_seed.items() if s in PEER["FGD"] and v is not None]
+            if diffs:
+                print(f"      same tasks as the peer, seed by seed: {sum(d > 0 for d in diffs)} of {len(diffs)} above FGD, "
+                      f"difference median {statistics.median(diffs):+.2f}, min {min(diffs):+.2f}, max {max(diffs):+.2f}")
 
 
 if __name__ == "__main__":
@@ -112,13 +209,32 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", default="42-51", help="a range A-B or a list A,B,C")
     parser.add_argument("--policy", action="append", default=None, choices=[p.value for p in Policy])
     parser.add_argument("--ratio", type=float, default=1.3)
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=TRACE, help="the directory of the default node and pod lists")
+    parser.add_argument("--nodes", type=Path, default=None, help="a node list (default: the trace's)")
+    parser.add_argument("--pods", type=Path, default=None, help="a pod list (default: the trace's)")
+    parser.add_argument("--variant", default=None, help="rebuild a variant of the pod list: cpu250, gpuspec20, ...")
+    parser.add_argument("--draws", choices=("go", "python"), default="go")
+    parser.add_argument("--peer", dest="peer_src", type=Path, default=None,
+                        help="a checkout of hkust-adsl/kubernetes-scheduler-simulator (or GPUSCHED_PEER_SRC)")
+    parser.add_argument("--peer-seeds", default=None, help="the seeds the peer runs (default: the first of --seeds)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    args.policy = args.policy or ["best-fit", "fgd", "fgd-spread"]
-    if not (args.trace / tracesim.NODE_FILE).exists():
-        raise SystemExit(f"the trace is not at {args.trace}; give --trace DIR (the Alibaba 2023 openb files)")
+    args.policy = args.policy or ["best-fit", "fgd", "fgd-spread", "fgd-balance"]
+    args.nodes = args.nodes or args.trace / tracesim.NODE_FILE
+    args.pods = args.pods or args.trace / tracesim.POD_FILE
+    if not args.nodes.exists() or not args.pods.exists():
+        raise SystemExit(f"the node or pod list is missing ({args.nodes}, {args.pods}); "
+                         "give --trace DIR (the Alibaba 2023 openb files) or --nodes/--pods")
+    from bench import peer as peer_module
+
+    try:
+        args.peer_src = peer_module.source(args.peer_src)
+    except peer_module.PeerUnavailable as e:
+        raise SystemExit(str(e)) from None
+    if args.peer_src is None:
+        print("[peer] not run: give --peer DIR or GPUSCHED_PEER_SRC (a checkout of "
+              "hkust-adsl/kubernetes-scheduler-simulator); its committed results are the anchor")
     result = main(args)
     report(result)
     if args.json:

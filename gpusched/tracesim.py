@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Protocol
 
 from schemas import (
     Event,
@@ -408,15 +409,24 @@ PROTOCOLS = ("gpusched", "fgd")
 """How inflation draws its tasks and reads its curve (docs/scheduling.md, "Trace replay")."""
 
 
-def fgd_tasks(trace: Trace, *, ratio: float, seed: int) -> list[Task]:
+class Draws(Protocol):
+    """A source of the two random choices the FGD protocol makes (``random.Random`` is one)."""
+
+    def shuffle(self, x: list, /) -> None: ...
+
+    def randrange(self, n: int, /) -> int: ...
+
+
+def fgd_tasks(trace: Trace, *, ratio: float, seed: int, draws: Draws | None = None) -> list[Task]:
     """The FGD simulator's workload ("workload tuning", Weng et al., ATC '23): every task of the
     pod list, CPU-only ones included, sorted by name and shuffled with the seed; then tasks drawn
     uniformly with replacement from the whole list and appended (``<name>-tuned-<i>``) until the
     next draw would take the requested GPU thousandths past ``ratio`` × capacity. As in the peer,
     that test adds the drawn task's per-GPU share while the total adds all its GPUs. Below the
-    list's own demand, tasks are removed from the end of the shuffled list instead. Python's RNG,
-    not Go's: the same construction, not the peer's exact sequence for a seed."""
-    rng = random.Random(seed)
+    list's own demand, tasks are removed from the end of the shuffled list instead. ``draws``
+    defaults to Python's RNG seeded with ``seed``: the same construction as the peer, not its
+    sequence; bench.placement passes Go's draws (bench/gorand) to get the peer's very tasks."""
+    rng = draws if draws is not None else random.Random(seed)
     base = sorted(trace.tasks, key=lambda t: t.name)
     order = list(base)
     rng.shuffle(order)
@@ -454,7 +464,7 @@ def fgd_curve(rows: list[tuple[int, int]], capacity: int, top: int = 130) -> dic
 
 
 def inflation(trace: Trace, policy: Policy, *, ratio: float, seed: int, steps: int = 13, protocol: str = "gpusched",
-              progress: Callable[[int], None] | None = None) -> dict:
+              progress: Callable[[int], None] | None = None, draws: Draws | None = None) -> dict:
     """Tasks arrive one a second and never leave, until the requested GPUs reach ``ratio`` ×
     capacity. ``protocol`` "gpusched": tasks with GPUs sampled independently (with replacement,
     seeded) from the trace; the allocation rate and unallocated share read at each 1/``steps``
@@ -465,7 +475,7 @@ def inflation(trace: Trace, policy: Policy, *, ratio: float, seed: int, steps: i
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r} is not known; accepted: {', '.join(PROTOCOLS)}")
     if protocol == "fgd":
-        return _inflation_fgd(trace, policy, ratio=ratio, seed=seed, progress=progress)
+        return _inflation_fgd(trace, policy, ratio=ratio, seed=seed, progress=progress, draws=draws)
     rng = random.Random(seed)
     p = build_platform(trace, policy)
     capacity = trace.capacity
@@ -502,12 +512,12 @@ def inflation(trace: Trace, policy: Policy, *, ratio: float, seed: int, steps: i
 
 
 def _inflation_fgd(trace: Trace, policy: Policy, *, ratio: float, seed: int,
-                   progress: Callable[[int], None] | None = None) -> dict:
+                   progress: Callable[[int], None] | None = None, draws: Draws | None = None) -> dict:
     p = build_platform(trace, policy)
     capacity = trace.capacity
     rows: list[tuple[int, int]] = []
     arrived = 0
-    tasks = fgd_tasks(trace, ratio=ratio, seed=seed)
+    tasks = fgd_tasks(trace, ratio=ratio, seed=seed, draws=draws)
     for i, task in enumerate(tasks, start=1):
         now = T0 + timedelta(seconds=i)
         arrived += task.milli  # before it is tried: a task that fits nowhere has arrived too

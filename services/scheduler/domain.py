@@ -135,6 +135,8 @@ class SchedulerState:
     running: dict[str | None, set[str]] = field(default_factory=dict)  # flavor -> placed job ids
     ends: dict[str | None, SortedList] = field(default_factory=dict)  # flavor -> (declared end, job id)
     sizes: dict[str | None, dict[int, int]] = field(default_factory=dict)  # flavor -> size class -> attempts
+    # flavor -> (size class, CPU millicores) -> attempts: the CPU-aware workload of fgd-spread/-balance
+    requests: dict[str | None, dict[tuple[int, int], int]] = field(default_factory=dict)
     preemption_times: list[datetime] = field(default_factory=list)  # of every PreemptionRequested
 
     @property
@@ -179,7 +181,7 @@ class SchedulerCore:
         self.state = SchedulerState()
         self._fixed_workload = (workload if isinstance(workload, Workload) or workload is None
                                 else Workload(workload))
-        self._workloads: dict[str | None, tuple[int, Workload]] = {}
+        self._workloads: dict[tuple[str | None, bool], tuple[int, Workload]] = {}
         self.explain = explain
         self.policy = Policy(policy)
         self.flavor_policies = {f: Policy(p) for f, p in (flavor_policies or {}).items()}
@@ -315,6 +317,9 @@ class SchedulerCore:
         if job.spec.gpus > 0:
             sizes = self.state.sizes.setdefault(event.flavor, {})
             sizes[job.request.size_class] = sizes.get(job.request.size_class, 0) + 1
+            requests = self.state.requests.setdefault(event.flavor, {})
+            key = (job.request.size_class, job.request.cpu)
+            requests[key] = requests.get(key, 0) + 1
         self._add_head(job)
 
     def _placed(self, job: SchedJob, event: JobScheduled) -> None:
@@ -490,8 +495,8 @@ class SchedulerCore:
         """Phase 3: the head's placement on the snapshot under the policy, or None."""
         req = job.request
         flavors = tuple(inv.flavors) if group == CPU_GROUP else (group,)
-        dist = self.workload_distribution(None if group == CPU_GROUP else group)
         policy = self.policy_for(group)
+        dist = self.workload_distribution(None if group == CPU_GROUP else group, cpu=policy.integer_scored)
         if req.gang == 1:
             node = best_node(inv, flavors, req, policy, dist)
             nodes = [node] if node is not None else None
@@ -506,17 +511,24 @@ class SchedulerCore:
         """The placement policy of a flavor (CPU-only work: the default)."""
         return self.flavor_policies.get(group, self.policy)
 
-    def workload_distribution(self, flavor: str | None) -> Workload:
+    def workload_distribution(self, flavor: str | None, cpu: bool = False) -> Workload:
         """The workload distribution FGD scores against: request size classes of the attempts
-        reserved on this flavor, as probabilities (one GPU when there are none yet); rebuilt
-        only when a reservation changed the counts."""
+        reserved on this flavor, as probabilities (one GPU when there are none yet); with
+        ``cpu``, (size class, CPU request) pairs, the CPU-aware measure (fgd-spread, fgd-balance:
+        they rank every node anyway, where fgd scores shapes). Rebuilt only when a reservation
+        changed the counts."""
         if self._fixed_workload is not None:
             return self._fixed_workload
-        sizes = self.state.sizes.get(flavor) or {1: 1}
-        total = sum(sizes.values())
-        cached = self._workloads.get(flavor)
+        total = sum(self.state.sizes.get(flavor, {}).values())
+        cached = self._workloads.get((flavor, cpu))
         if cached is None or cached[0] != total:
-            cached = self._workloads[flavor] = (total, Workload({c: n / total for c, n in sizes.items()}))
+            if cpu and total:
+                requests = self.state.requests[flavor]
+                dist = Workload.of_requests({k: n / total for k, n in requests.items()})
+            else:
+                sizes = self.state.sizes.get(flavor) or {1: 1}
+                dist = Workload({c: n / sum(sizes.values()) for c, n in sizes.items()})
+            cached = self._workloads[(flavor, cpu)] = (total, dist)
         return cached[1]
 
     # -- preemption --------------------------------------------------------------------------

@@ -13,6 +13,10 @@ Policies (docs/scheduling.md):
   of a GPU tie; ties go to a fixed pseudo-random order of the nodes (the SHA-256 of the name),
   which spreads equally good choices over the cluster instead of packing them by name or best
   fit. Measured against ``fgd`` in docs/scheduling.md ("Trace replay").
+* ``fgd-balance``: ``fgd-spread`` with one more key between the score and the order: the growth
+  of the node's *CPU deficit*, the CPU it would lack to serve its free GPU capacity at the
+  workload's CPU per GPU (``Workload.cpu_per_milli``). Among equally fragmenting choices it takes
+  the one that keeps CPU and GPU in step, so GPUs are not stranded behind used-up CPU.
 
 A request is one gang member's share (``gpus`` whole GPUs or one ``milli`` fraction), repeated on
 ``gang`` distinct nodes, all or nothing. A gang takes the smallest topology domain that holds all
@@ -36,10 +40,16 @@ class Policy(StrEnum):
     BEST_FIT = "best-fit"
     FGD = "fgd"
     FGD_SPREAD = "fgd-spread"
+    FGD_BALANCE = "fgd-balance"
 
     @property
     def fragmentation_aware(self) -> bool:
-        return self in (Policy.FGD, Policy.FGD_SPREAD)
+        return self in (Policy.FGD, Policy.FGD_SPREAD, Policy.FGD_BALANCE)
+
+    @property
+    def integer_scored(self) -> bool:
+        """Scored on the 0-100 integer scale and ranked node by node (not shape by shape)."""
+        return self in (Policy.FGD_SPREAD, Policy.FGD_BALANCE)
 
 
 def parse_policy(value: str) -> Policy:
@@ -174,6 +184,16 @@ def unusable(free: list[int] | tuple[int, ...], size_class: int) -> int:
     return total
 
 
+def _class_milli(size_class: int) -> int:
+    return -size_class if size_class < 0 else size_class * MILLI
+
+
+def cpu_deficit_growth(gpu_before: int, gpu_after: int, cpu_before: int, cpu_after: int, per_milli: float) -> float:
+    """``fgd-balance``'s second key: how much the CPU a node lacks to serve its free GPU
+    thousandths at ``per_milli`` CPU each grows when free GPU and CPU go from before to after."""
+    return max(0.0, per_milli * gpu_after - cpu_after) - max(0.0, per_milli * gpu_before - cpu_before)
+
+
 def node_fragmentation(free: list[int] | tuple[int, ...], dist: Workload) -> float:
     """Expected unusable free capacity (thousandths) for a task drawn from ``dist``."""
     return sum(p * unusable(free, c) for c, p in dist.items())
@@ -202,6 +222,10 @@ class Workload:
                 acc += ordered[i][1]
             self._cpu[c] = ([x for x, _ in ordered], above)
         self._unusable_memo: dict[tuple[tuple[int, ...], int], int] = {}
+        # CPU millicores the workload asks per thousandth of a GPU (its GPU-using classes)
+        gpu = sum(p * _class_milli(c) for c, p in dist.items())
+        cpu_asked = sum(p * millis for c, pairs in (cpu or {}).items() if c != 0 for millis, p in pairs)
+        self.cpu_per_milli: float | None = cpu_asked / gpu if cpu is not None and gpu else None
 
     @classmethod
     def of_requests(cls, requests: dict[tuple[int, int], float]) -> "Workload":
@@ -256,17 +280,27 @@ def spread_rank(name: str) -> str:
 
 
 def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist: Workload,
-           local: int = 0) -> tuple:
-    """Lower is better."""
+           local: int = 0, cpu: int | None = None) -> tuple:
+    """Lower is better. ``cpu``: the node's free CPU, for the integer-scored policies."""
     if policy == Policy.FIRST_FIT:
         return (-local, name)
     _, after = take(free, req)
     left = sum(after)
     if policy == Policy.BEST_FIT:
         return (-local, left, name)
-    if policy == Policy.FGD_SPREAD:
-        return (-local, spread_score(_fgd_delta(free, req, dist)), spread_rank(name))
+    if policy.integer_scored:
+        return (-local, *_integer_key(policy, name, free, after, cpu, req, dist, _fgd_delta(free, req, dist, cpu)))
     return (-local, round(_fgd_delta(free, req, dist), 6), left, name)
+
+
+def _integer_key(policy: Policy, name: str, free, after, cpu: int | None, req: Request, dist: Workload,
+                 growth: float) -> tuple:
+    """``fgd-spread`` and ``fgd-balance``: the integer score, the CPU deficit's growth (0 for
+    ``fgd-spread``, and where the node's CPU or the workload's is not known), the order."""
+    if policy == Policy.FGD_BALANCE and cpu is not None and dist.cpu_per_milli is not None:
+        deficit = cpu_deficit_growth(sum(free), sum(after), cpu, cpu - req.cpu, dist.cpu_per_milli)
+        return (spread_score(growth), round(deficit), spread_rank(name))
+    return (spread_score(growth), 0, spread_rank(name))
 
 
 def _locality(node: Node, req: Request) -> int:
@@ -304,11 +338,11 @@ def _cpu_free(node: Node) -> int | None:
 
 def _best_node_fgd_cpu(inv, flavors, req: Request, policy: Policy, dist: Workload, exclude) -> Node | None:
     """CPU-aware FGD: per fitting shape, nodes grouped by free CPU score alike. For ``fgd`` the
-    first node by name of each group that meets the constraints stands for it; for
-    ``fgd-spread`` every node is ranked (its tie-break is the node's own)."""
+    first node by name of each group that meets the constraints stands for it; the integer-scored
+    policies rank every node (their tie-break is the node's own)."""
     best: tuple | None = None
     chosen = None
-    spread = policy == Policy.FGD_SPREAD
+    spread = policy.integer_scored
     for _, shape, names in fitting_shapes(inv, flavors, req):
         growth: dict[int | None, float] = {}  # free CPU -> the group's fragmentation growth
         _, after = take(shape[1], req)
@@ -320,7 +354,7 @@ def _best_node_fgd_cpu(inv, flavors, req: Request, policy: Policy, dist: Workloa
                 continue
             if cpu not in growth:
                 growth[cpu] = _fgd_delta(shape[1], req, dist, cpu)
-            score = (spread_score(growth[cpu]), spread_rank(name)) if spread else \
+            score = _integer_key(policy, name, shape[1], after, cpu, req, dist, growth[cpu]) if spread else \
                 (round(growth[cpu], 6), sum(after), name)
             if best is None or score < best:
                 best, chosen = score, node
@@ -332,7 +366,7 @@ def best_node(inv: Inventory, flavors: tuple[str | None, ...], req: Request, pol
     """The best node for one member. Shapes are scored first (nodes of one shape score alike
     but for the name), then the best-scoring shape's nodes are searched in name order for one
     that meets the other constraints; a shape whose nodes all fail falls through to the next."""
-    if req.localities or (policy == Policy.FGD_SPREAD and not dist.cpu_aware):  # the tie-break is per node
+    if req.localities or (policy.integer_scored and not dist.cpu_aware):  # the tie-break is per node
         return _best_node_scan(inv, flavors, req, policy, dist, exclude)
     if policy.fragmentation_aware and dist.cpu_aware:
         return _best_node_fgd_cpu(inv, flavors, req, policy, dist, exclude)
@@ -359,7 +393,7 @@ def _best_node_scan(inv, flavors, req, policy, dist, exclude) -> Node | None:
     best: tuple | None = None
     chosen = None
     for node in candidates(inv, flavors, req, exclude):
-        score = _score(policy, node.name, tuple(node.free), req, dist, _locality(node, req))
+        score = _score(policy, node.name, tuple(node.free), req, dist, _locality(node, req), _cpu_free(node))
         if best is None or score < best:
             best, chosen = score, node
     return chosen
@@ -386,7 +420,8 @@ def place_gang(inv: Inventory, flavors: tuple[str | None, ...], req: Request, po
     nodes = candidates(inv, flavors, req)
     if len(nodes) < req.gang:
         return None
-    scored = sorted(nodes, key=lambda n: _score(policy, n.name, tuple(n.free), req, dist, _locality(n, req)))
+    scored = sorted(nodes, key=lambda n: _score(policy, n.name, tuple(n.free), req, dist, _locality(n, req),
+                                                _cpu_free(n)))
     for level, _ in enumerate(TOPOLOGY_LEVELS):
         domains: dict[str, list[Node]] = {}
         for n in scored:

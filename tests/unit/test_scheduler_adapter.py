@@ -27,7 +27,7 @@ def test_policy_and_limits_from_the_environment(monkeypatch):
     ("a100", "is not flavor=policy"),
     ("A100=fgd", "is not flavor=policy"),
     ("a100=fgd,a100=best-fit", "given twice"),
-    ("a100=random", "names policy 'random'; accepted: first-fit, best-fit, fgd, fgd-spread"),
+    ("a100=random", "names policy 'random'; accepted: first-fit, best-fit, fgd, fgd-spread, fgd-balance"),
 ])
 def test_a_policy_per_flavor_from_the_environment(monkeypatch, value, expected):
     monkeypatch.setenv("GPUSCHED_SCHEDULER_POLICY", "best-fit")

@@ -267,6 +267,50 @@ def test_cpu_aware_fgd_keeps_cpu_beside_free_gpus():
     assert list(placements(out)["j"]) == ["b"]
 
 
+@pytest.mark.parametrize("gpu_before, gpu_after, cpu_before, cpu_after, growth", [
+    (4000, 3000, 12000, 8000, 1000),    # 3 GPUs left want 9 cores at 3/GPU, 8 remain: 1 core short
+    (4000, 3000, 64000, 60000, 0),      # plenty of CPU before and after
+    (2000, 1000, 2000, 1000, -2000),    # short 4 cores before, 2 after: the task eased it
+    (1000, 1000, 9000, 1000, 2000),     # a CPU-only task taking the CPU a free GPU needs
+    (0, 0, 8000, 0, 0),                 # no GPU left to serve: no deficit
+])
+def test_fgd_balance_cpu_deficit_growth(gpu_before, gpu_after, cpu_before, cpu_after, growth):
+    """The CPU a node lacks to serve its free GPU thousandths at 3 CPU millicores each (3 cores
+    per GPU), after minus before."""
+    from services.scheduler.placement import cpu_deficit_growth
+
+    assert cpu_deficit_growth(gpu_before, gpu_after, cpu_before, cpu_after, 3.0) == growth
+
+
+def test_fgd_balance_keeps_cpu_in_step_with_free_gpus_where_fgd_ties():
+    from services.scheduler.placement import Workload
+
+    # The workload asks 3 cores per GPU. "a" (4 GPUs, 64 cores) and "b" (4 GPUs, 12 cores) both
+    # stay usable to every typical task after a 1-GPU, 4-core task (FGD's growth 0 on both), but
+    # "b" would keep 3 GPUs with 8 cores, one short of what they need. fgd-spread takes "b" (its
+    # fixed order puts "b" first); fgd-balance takes "a".
+    assert spread_rank("b") < spread_rank("a")
+    w = Workload.of_requests({(1, 4000): 0.5, (1, 2000): 0.5})
+    assert w.cpu_per_milli == 3.0
+    picked = {}
+    for policy in (Policy.FGD_SPREAD, Policy.FGD_BALANCE):
+        core = SchedulerCore(policy, workload=w)
+        log = Log()
+        drive(core, [node("a", gpus=4, cpu_millis=64000), node("b", gpus=4, cpu_millis=12000)], log=log)
+        out = drive(core, [submitted("j", spec(gpus=1, cpu_millis=4000)), admitted("j"), reserved("j")], log=log)
+        picked[policy] = list(placements(out)["j"])
+    assert picked == {Policy.FGD_SPREAD: ["b"], Policy.FGD_BALANCE: ["a"]}
+
+
+def test_live_workload_is_cpu_aware_for_the_integer_scored_policies():
+    h = H(node("a", gpus=8, cpu_millis=96000), policy=Policy.FGD_BALANCE)
+    h.job("one", 1, cpu_millis=2000)
+    h.job("two", 2, cpu_millis=10000, when=at(1))
+    w = h.core.workload_distribution("a100", cpu=True)
+    assert w.cpu_aware and w.cpu_per_milli == (2000 + 10000) / (1000 + 2000)
+    assert not h.core.workload_distribution("a100").cpu_aware  # fgd's: sizes only
+
+
 # -- property: constraints and capacity under every policy ---------------------------------------
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -1,0 +1,3 @@
+module gpusched.local/bench/gorand
+
+go 1.22
