@@ -198,10 +198,11 @@ def workload_of(tasks: Iterable[Task]) -> dict[int, float]:
 
 
 def cpu_workload_of(tasks: Iterable[Task]) -> Workload:
-    """The trace's workload as (size class, CPU request) pairs: FGD's CPU-aware measure."""
-    counts: dict[tuple[int, int], int] = {}
+    """The trace's workload as (size class, CPU request, GPU models) keys: FGD's CPU- and
+    model-aware measure."""
+    counts: dict[tuple[int, int, frozenset[str]], int] = {}
     for t in tasks:
-        key = (-t.gpu_milli if t.gpu_milli is not None else t.gpus, t.cpu_milli)
+        key = (-t.gpu_milli if t.gpu_milli is not None else t.gpus, t.cpu_milli, frozenset(t.models))
         counts[key] = counts.get(key, 0) + 1
     total = sum(counts.values()) or 1
     return Workload.of_requests({k: n / total for k, n in sorted(counts.items())})
@@ -312,7 +313,7 @@ def fgd_fragmentation(p: Platform) -> float:
             continue
         free += f
         cpu = n.info.cpu_millis - n.used_cpu if n.info.cpu_millis else None
-        frag += workload.fragmentation(n.free, cpu)
+        frag += workload.fragmentation(n.free, cpu, n.info.gpu_product)
     return round(frag / free, 4) if free else 0.0
 
 

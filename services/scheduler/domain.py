@@ -135,8 +135,8 @@ class SchedulerState:
     running: dict[str | None, set[str]] = field(default_factory=dict)  # flavor -> placed job ids
     ends: dict[str | None, SortedList] = field(default_factory=dict)  # flavor -> (declared end, job id)
     sizes: dict[str | None, dict[int, int]] = field(default_factory=dict)  # flavor -> size class -> attempts
-    # flavor -> (size class, CPU millicores) -> attempts: the CPU-aware workload of fgd-spread/-balance
-    requests: dict[str | None, dict[tuple[int, int], int]] = field(default_factory=dict)
+    # flavor -> (size class, CPU millicores, GPU models) -> attempts: fgd-spread/-balance's workload
+    requests: dict[str | None, dict[tuple[int, int, frozenset[str]], int]] = field(default_factory=dict)
     preemption_times: list[datetime] = field(default_factory=list)  # of every PreemptionRequested
 
     @property
@@ -318,7 +318,7 @@ class SchedulerCore:
             sizes = self.state.sizes.setdefault(event.flavor, {})
             sizes[job.request.size_class] = sizes.get(job.request.size_class, 0) + 1
             requests = self.state.requests.setdefault(event.flavor, {})
-            key = (job.request.size_class, job.request.cpu)
+            key = (job.request.size_class, job.request.cpu, job.request.models)
             requests[key] = requests.get(key, 0) + 1
         self._add_head(job)
 

@@ -25,6 +25,7 @@ of it: one NVLink domain, else one rack, else one block, else anywhere.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from dataclasses import dataclass
@@ -156,17 +157,19 @@ def choose_gpus(node: Node, req: Request, policy: Policy, dist: "Workload") -> t
         return take(node.free, req)[0]
     cpu = _cpu_free(node)
     after_cpu = None if cpu is None else cpu - req.cpu
+    model = node.info.gpu_product
     best = min(fraction_options(node.free, req.milli),
-               key=lambda o: (dist.fragmentation(o[1], after_cpu), o[0]))
+               key=lambda o: (dist.fragmentation(o[1], after_cpu, model), o[0]))
     return (min(i for i, f in enumerate(node.free) if f == best[0]),)
 
 
-def _fgd_delta(free, req: Request, dist: "Workload", cpu: int | None = None) -> float:
+def _fgd_delta(free, req: Request, dist: "Workload", cpu: int | None = None, model: str | None = None) -> float:
     after_cpu = None if cpu is None else cpu - req.cpu
-    before = dist.fragmentation(free, cpu)
+    before = dist.fragmentation(free, cpu, model)
     if req.milli is not None:
-        return min(dist.fragmentation(after, after_cpu) for _, after in fraction_options(free, req.milli)) - before
-    return dist.fragmentation(take(free, req)[1], after_cpu) - before
+        return min(dist.fragmentation(after, after_cpu, model)
+                   for _, after in fraction_options(free, req.milli)) - before
+    return dist.fragmentation(take(free, req)[1], after_cpu, model) - before
 
 
 # -- fragmentation -----------------------------------------------------------------------------
@@ -203,54 +206,58 @@ class Workload:
     """A workload distribution (size class -> probability) and the fragmentation of free
     vectors under it, memoized by sorted vector (the order of GPUs does not matter).
 
-    With ``cpu`` (size class -> ((CPU millicores, probability), ...), the classes' CPU requests)
-    the measure is CPU-aware as in the paper: on a node with less free CPU than a task asks for,
-    all of the node's free GPU capacity is lost to that task. Nodes of one GPU shape then differ,
-    so FGD scores nodes, grouped by free CPU, instead of shapes."""
+    With ``cpu`` ((size class, GPU models) -> ((CPU millicores, probability), ...): the classes'
+    CPU requests, and the models a class may run on, empty for any) the measure is CPU- and
+    model-aware as in the paper: on a node with less free CPU than a task asks for, or of a GPU
+    model it may not use, all of the node's free GPU capacity is lost to that task. Nodes of one
+    GPU shape then differ, so FGD scores nodes, grouped by free CPU and model, instead of shapes."""
 
-    def __init__(self, dist: dict[int, float], cpu: dict[int, tuple[tuple[int, float], ...]] | None = None) -> None:
+    def __init__(self, dist: dict[int, float],
+                 cpu: dict[tuple[int, frozenset[str]], tuple[tuple[int, float], ...]] | None = None) -> None:
         self.dist = dist
         self._memo: dict[tuple[int, ...], float] = {}
         self.cpu_aware = cpu is not None
-        # size class -> (CPU requests ascending, probability of a request above each, in the class)
-        self._cpu: dict[int, tuple[list[int], list[float]]] = {}
-        for c, pairs in (cpu or {}).items():
+        # (size class, models, probability, CPU requests ascending, probability of a request above each)
+        self._classes: list[tuple[int, frozenset[str], float, list[int], list[float]]] = []
+        for (c, models), pairs in (cpu or {}).items():
             ordered = sorted(pairs)
             above, acc = [0.0] * len(ordered), 0.0
             for i in range(len(ordered) - 1, -1, -1):
                 above[i] = acc
                 acc += ordered[i][1]
-            self._cpu[c] = ([x for x, _ in ordered], above)
+            self._classes.append((c, models, acc, [x for x, _ in ordered], above))
         self._unusable_memo: dict[tuple[tuple[int, ...], int], int] = {}
         # CPU millicores the workload asks per thousandth of a GPU (its GPU-using classes)
         gpu = sum(p * _class_milli(c) for c, p in dist.items())
-        cpu_asked = sum(p * millis for c, pairs in (cpu or {}).items() if c != 0 for millis, p in pairs)
+        cpu_asked = sum(p * millis for (c, _), pairs in (cpu or {}).items() if c != 0 for millis, p in pairs)
         self.cpu_per_milli: float | None = cpu_asked / gpu if cpu is not None and gpu else None
 
     @classmethod
-    def of_requests(cls, requests: dict[tuple[int, int], float]) -> "Workload":
-        """From (size class, CPU millicores) -> probability."""
+    def of_requests(cls, requests: dict[tuple, float]) -> "Workload":
+        """From (size class, CPU millicores) or (size class, CPU millicores, GPU models) -> probability."""
         dist: dict[int, float] = {}
-        cpu: dict[int, list[tuple[int, float]]] = {}
-        for (c, millis), p in requests.items():
+        cpu: dict[tuple[int, frozenset[str]], list[tuple[int, float]]] = {}
+        for key, p in requests.items():
+            c, millis = key[0], key[1]
+            models = frozenset(key[2]) if len(key) > 2 else frozenset()
             dist[c] = dist.get(c, 0.0) + p
-            cpu.setdefault(c, []).append((millis, p))
-        return cls(dist, {c: tuple(v) for c, v in cpu.items()})
+            cpu.setdefault((c, models), []).append((millis, p))
+        return cls(dist, {k: tuple(v) for k, v in cpu.items()})
 
-    def fragmentation(self, free, cpu_free: int | None = None) -> float:
+    def fragmentation(self, free, cpu_free: int | None = None, model: str | None = None) -> float:
         key = tuple(sorted(free))
         if not self.cpu_aware or cpu_free is None:
             value = self._memo.get(key)
             if value is None:
                 value = self._memo[key] = node_fragmentation(key, self.dist)
             return value
-        import bisect
-
         total = sum(key)
         value = 0.0
-        for c, p in self.dist.items():
-            millis, above = self._cpu[c]
-            # probability mass of class c whose CPU request exceeds cpu_free
+        for c, models, p, millis, above in self._classes:
+            if models and model is not None and model not in models:
+                value += p * total  # the node's model is not one this class may use
+                continue
+            # probability mass of the class whose CPU request exceeds cpu_free
             i = bisect.bisect_right(millis, cpu_free)
             blocked = (above[i - 1] if i > 0 else p) if i < len(millis) else 0.0
             if blocked:
@@ -280,8 +287,9 @@ def spread_rank(name: str) -> str:
 
 
 def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist: Workload,
-           local: int = 0, cpu: int | None = None) -> tuple:
-    """Lower is better. ``cpu``: the node's free CPU, for the integer-scored policies."""
+           local: int = 0, cpu: int | None = None, model: str | None = None) -> tuple:
+    """Lower is better. ``cpu``, ``model``: the node's free CPU and GPU model, for the
+    integer-scored policies."""
     if policy == Policy.FIRST_FIT:
         return (-local, name)
     _, after = take(free, req)
@@ -289,7 +297,8 @@ def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist:
     if policy == Policy.BEST_FIT:
         return (-local, left, name)
     if policy.integer_scored:
-        return (-local, *_integer_key(policy, name, free, after, cpu, req, dist, _fgd_delta(free, req, dist, cpu)))
+        return (-local, *_integer_key(policy, name, free, after, cpu, req, dist,
+                                      _fgd_delta(free, req, dist, cpu, model)))
     return (-local, round(_fgd_delta(free, req, dist), 6), left, name)
 
 
@@ -337,25 +346,26 @@ def _cpu_free(node: Node) -> int | None:
 
 
 def _best_node_fgd_cpu(inv, flavors, req: Request, policy: Policy, dist: Workload, exclude) -> Node | None:
-    """CPU-aware FGD: per fitting shape, nodes grouped by free CPU score alike. For ``fgd`` the
+    """CPU-aware FGD: per fitting shape, nodes grouped by free CPU and GPU model score alike. For ``fgd`` the
     first node by name of each group that meets the constraints stands for it; the integer-scored
     policies rank every node (their tie-break is the node's own)."""
     best: tuple | None = None
     chosen = None
     spread = policy.integer_scored
     for _, shape, names in fitting_shapes(inv, flavors, req):
-        growth: dict[int | None, float] = {}  # free CPU -> the group's fragmentation growth
+        growth: dict[tuple, float] = {}  # (free CPU, GPU model) -> the group's fragmentation growth
         _, after = take(shape[1], req)
         for name in names:
             node = inv.nodes[name]
             cpu = _cpu_free(node)
-            if (cpu in growth and not spread) or name in exclude or not static_ok(node, req) \
+            group = (cpu, node.info.gpu_product)
+            if (group in growth and not spread) or name in exclude or not static_ok(node, req) \
                     or not node.cpu_memory_ok(req.cpu, req.memory):
                 continue
-            if cpu not in growth:
-                growth[cpu] = _fgd_delta(shape[1], req, dist, cpu)
-            score = _integer_key(policy, name, shape[1], after, cpu, req, dist, growth[cpu]) if spread else \
-                (round(growth[cpu], 6), sum(after), name)
+            if group not in growth:
+                growth[group] = _fgd_delta(shape[1], req, dist, cpu, node.info.gpu_product)
+            score = _integer_key(policy, name, shape[1], after, cpu, req, dist, growth[group]) if spread else \
+                (round(growth[group], 6), sum(after), name)
             if best is None or score < best:
                 best, chosen = score, node
     return chosen
@@ -393,7 +403,8 @@ def _best_node_scan(inv, flavors, req, policy, dist, exclude) -> Node | None:
     best: tuple | None = None
     chosen = None
     for node in candidates(inv, flavors, req, exclude):
-        score = _score(policy, node.name, tuple(node.free), req, dist, _locality(node, req), _cpu_free(node))
+        score = _score(policy, node.name, tuple(node.free), req, dist, _locality(node, req), _cpu_free(node),
+                       node.info.gpu_product)
         if best is None or score < best:
             best, chosen = score, node
     return chosen
@@ -421,7 +432,7 @@ def place_gang(inv: Inventory, flavors: tuple[str | None, ...], req: Request, po
     if len(nodes) < req.gang:
         return None
     scored = sorted(nodes, key=lambda n: _score(policy, n.name, tuple(n.free), req, dist, _locality(n, req),
-                                                _cpu_free(n)))
+                                                _cpu_free(n), n.info.gpu_product))
     for level, _ in enumerate(TOPOLOGY_LEVELS):
         domains: dict[str, list[Node]] = {}
         for n in scored:
