@@ -311,6 +311,27 @@ def test_live_workload_is_cpu_aware_for_the_integer_scored_policies():
     assert not h.core.workload_distribution("a100").cpu_aware  # fgd's: sizes only
 
 
+def test_model_aware_fragmentation_keeps_constrained_models_for_their_tasks():
+    from services.scheduler.placement import Workload
+
+    # Half the workload may run on T4 only. On a G2 node that half can use nothing, so a G2
+    # node's free GPUs are half lost already; on a T4 node nothing is lost.
+    w = Workload.of_requests({(1, 1000, frozenset({"T4"})): 0.5, (1, 1000): 0.5})
+    assert w.fragmentation([1000, 1000], cpu_free=8000, model="G2") == 0.5 * 2000
+    assert w.fragmentation([1000, 1000], cpu_free=8000, model="T4") == 0
+    # so an unconstrained task takes the G2 node (its measure falls) and leaves the T4 node to
+    # the tasks that need it, under every fragmentation-aware policy with this workload; blind to
+    # models, each would take the T4 node (first by name, and first in the fixed order)
+    assert spread_rank("a-t4") < spread_rank("b-g2")
+    for policy in (Policy.FGD, Policy.FGD_SPREAD, Policy.FGD_BALANCE):
+        core = SchedulerCore(policy, workload=w)
+        log = Log()
+        drive(core, [node("a-t4", gpus=2, cpu_millis=8000, gpu_product="T4"),
+                     node("b-g2", gpus=2, cpu_millis=8000, gpu_product="G2")], log=log)
+        out = drive(core, [submitted("j", spec(gpus=1, cpu_millis=1000)), admitted("j"), reserved("j")], log=log)
+        assert list(placements(out)["j"]) == ["b-g2"], policy
+
+
 # -- property: constraints and capacity under every policy ---------------------------------------
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
