@@ -68,7 +68,7 @@ publishing-examples: ## Build the Go publishing example and install the JS one's
 natscli: ## Build the plain `nats` CLI (natscli v0.5.0, Go module proxy) into ~/.cache/gpusched, for the tenant tests
 	@if [ "$$GPUSCHED_NO_NATSCLI" = 1 ]; then echo 'natscli: skipped (GPUSCHED_NO_NATSCLI=1)'; else bash scripts/natscli.sh >/dev/null; fi
 
-bench-placement: setup ## Placement quality on the Alibaba trace under the FGD paper's protocol, 10 seeds, beside its simulator's committed results (~20 min)
+bench-placement: setup ## Placement on the Alibaba trace under the FGD paper's protocol, 10 seeds, beside its simulator (~20 min; ARGS="--peer DIR" runs it too)
 	$(BIN)/python -m bench.placement $(ARGS)
 
 bench-k8s: setup ## Kubernetes backend on the test control plane: Jobs created/s beside the raw API create rate, watch-to-event latency

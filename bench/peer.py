@@ -3,7 +3,8 @@ checkout and run on the same node and pod lists as gpusched, for bench.placement
 
     python -m bench.placement --peer DIR      # or GPUSCHED_PEER_SRC=DIR
 
-DIR is a checkout of the peer's repository (it vendors its Go modules, so the build needs no
+DIR is a checkout of the peer's repository, or a bare clone of it (a fetched mirror), which is
+checked out once into ~/.cache/gpusched (the peer vendors its Go modules, so the build needs no
 network). The binary is built once per commit into ~/.cache/gpusched (about 2 minutes on a 2-core
 machine). Each run gets its own directory under a temporary root: the node and pod lists as
 Kubernetes objects (JSON documents in .yaml files, the layout of the peer's data/ folder and its
@@ -32,6 +33,7 @@ from pathlib import Path
 from gpusched import tracesim
 
 POLICIES = {"BestFit": "BestFitScore", "FGD": "FGDScore"}
+CHECKOUT = ("go.mod", "go.sum", "cmd", "pkg", "vendor", "example")  # the peer's paths a build and a run use
 ALLOC = re.compile(r"\[Alloc\].*Used GPU Milli: (\d+); Total GPUs: (\d+); Arrived GPU Milli: (\d+)")
 
 
@@ -39,12 +41,34 @@ class PeerUnavailable(RuntimeError):
     pass
 
 
+def _cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpusched"
+
+
 def source(given: Path | None) -> Path | None:
-    """The peer checkout from --peer or GPUSCHED_PEER_SRC, or None when neither is set."""
+    """The peer checkout from --peer or GPUSCHED_PEER_SRC, or None when neither is set. A bare
+    git repository (a fetched mirror) is checked out once into ~/.cache/gpusched first."""
     text = str(given) if given else os.environ.get("GPUSCHED_PEER_SRC", "")
     if not text:
         return None
     path = Path(text).expanduser()
+    if (path / "HEAD").is_file() and (path / "objects").is_dir():  # bare: check it out
+        rev = subprocess.run(["git", "--git-dir", str(path), "rev-parse", "HEAD"], capture_output=True, text=True)
+        if rev.returncode != 0:
+            raise PeerUnavailable(f"{path}: not a readable git repository ({rev.stderr.strip()})")
+        checkout = _cache() / f"peer-src-{rev.stdout.strip()[:12]}"
+        if not checkout.exists():
+            tmp = checkout.with_suffix(f".{os.getpid()}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            # Only what the build and a run need: a mirror may lack the blobs of large result files.
+            for cmd in (["git", "clone", "-q", "--no-checkout", str(path), str(tmp)],
+                        ["git", "-C", str(tmp), "checkout", "HEAD", "--", *CHECKOUT]):
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise PeerUnavailable(f"{' '.join(cmd[:3])} of {path} failed: {done.stderr.strip()[-500:]}")
+            tmp.replace(checkout)
+        path = checkout
     if not (path / "cmd" / "main.go").exists() or not (path / "vendor").is_dir():
         raise PeerUnavailable(f"{path} is not a checkout of hkust-adsl/kubernetes-scheduler-simulator "
                               "(no cmd/main.go or vendor/)")
@@ -56,7 +80,7 @@ def build(checkout: Path) -> Path:
     rev = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
     key = rev.stdout.strip()[:12] if rev.returncode == 0 else \
         hashlib.sha256((checkout / "go.sum").read_bytes()).hexdigest()[:12]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpusched"
+    cache = _cache()
     out = cache / f"simon-{key}"
     if out.exists():
         return out

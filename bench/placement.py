@@ -233,7 +233,7 @@ if __name__ == "__main__":
     except peer_module.PeerUnavailable as e:
         raise SystemExit(str(e)) from None
     if args.peer_src is None:
-        print("[peer] not run: give --peer DIR or GPUSCHED_PEER_SRC (a checkout of "
+        print("[peer] not run: give --peer DIR or GPUSCHED_PEER_SRC (a checkout or a bare clone of "
               "hkust-adsl/kubernetes-scheduler-simulator); its committed results are the anchor")
     result = main(args)
     report(result)

@@ -149,7 +149,7 @@ def main() -> None:
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     results = [run(Policy(x), args.nodes, args.pending, args.cycles, args.ends)
-               for x in (args.policy or ["best-fit", "fgd", "fgd-spread"])]
+               for x in (args.policy or ["best-fit", "fgd", "fgd-spread", "fgd-balance"])]
     print(f"scheduler core — {args.nodes} nodes × 8 GPUs (h100/a100/l4), {args.pending} pending "
           f"(1/2/4/8-GPU jobs and 2-8-node gangs); pure core, this machine")
     for r in results:

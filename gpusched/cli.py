@@ -478,7 +478,7 @@ def sim_cmd(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Trace directory (Alibaba 2023 openb format), e.g. ../shared/traces/alibaba-gpu-2023"),
     nodes: Optional[Path] = typer.Option(None, "--nodes", help="Node list CSV (sn, cpu_milli, memory_mib, gpu, model); default: the trace directory's"),
     pods: Optional[Path] = typer.Option(None, "--pods", help="Pod list CSV (name, cpu_milli, memory_mib, num_gpu, gpu_milli[, gpu_spec, times]); default: the trace directory's"),
-    policy: list[str] = typer.Option(["first-fit", "best-fit", "fgd"], "--policy", "-p",
+    policy: list[str] = typer.Option(["first-fit", "best-fit", "fgd", "fgd-balance"], "--policy", "-p",
                                      help="Placement policy; repeat to compare side by side"),
     inflation: Optional[float] = typer.Option(None, "--inflation", help="Workload inflation (ATC '23): sampled tasks arrive and never leave until requests reach RATIO × capacity"),
     seed: int = typer.Option(0, "--seed", help="Sampling seed for --inflation"),
