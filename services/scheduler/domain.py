@@ -514,9 +514,9 @@ class SchedulerCore:
     def workload_distribution(self, flavor: str | None, cpu: bool = False) -> Workload:
         """The workload distribution FGD scores against: request size classes of the attempts
         reserved on this flavor, as probabilities (one GPU when there are none yet); with
-        ``cpu``, (size class, CPU request) pairs, the CPU-aware measure (fgd-spread, fgd-balance:
-        they rank every node anyway, where fgd scores shapes). Rebuilt only when a reservation
-        changed the counts."""
+        ``cpu``, (size class, CPU request, GPU models) keys, the CPU- and model-aware measure
+        (fgd-spread, fgd-balance: they rank every node anyway, where fgd scores shapes). Rebuilt
+        only when a reservation changed the counts."""
         if self._fixed_workload is not None:
             return self._fixed_workload
         total = sum(self.state.sizes.get(flavor, {}).values())
