@@ -8,36 +8,18 @@ only, about a second); without Go, bench.placement falls back to Python's RNG an
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
+from bench import gobuild
+
 SOURCE = Path(__file__).resolve().parent / "gorand"
-
-
-class GoUnavailable(RuntimeError):
-    pass
 
 
 def binary() -> Path:
     """The built gorand, keyed by the hash of its source; built here if missing."""
     digest = hashlib.sha256(b"".join((SOURCE / f).read_bytes() for f in ("go.mod", "main.go"))).hexdigest()[:12]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpusched"
-    out = cache / f"gorand-{digest}"
-    if out.exists():
-        return out
-    go = shutil.which("go")
-    if go is None:
-        raise GoUnavailable("go is not on PATH (needed to build bench/gorand)")
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    env = {**os.environ, "GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod"}
-    done = subprocess.run([go, "build", "-o", str(tmp), "."], cwd=SOURCE, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise GoUnavailable(f"go build of bench/gorand failed: {done.stderr.strip()[-500:]}")
-    tmp.replace(out)
-    return out
+    return gobuild.build(SOURCE, ".", gobuild.cache() / f"gorand-{digest}", "-mod=mod")
 
 
 class GoDraws:

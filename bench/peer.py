@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import gobuild
 from gpusched import tracesim
 
 POLICIES = {"BestFit": "BestFitScore", "FGD": "FGDScore"}
@@ -39,10 +40,6 @@ ALLOC = re.compile(r"\[Alloc\].*Used GPU Milli: (\d+); Total GPUs: (\d+); Arrive
 
 class PeerUnavailable(RuntimeError):
     pass
-
-
-def _cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpusched"
 
 
 def source(given: Path | None) -> Path | None:
@@ -56,7 +53,7 @@ def source(given: Path | None) -> Path | None:
         rev = subprocess.run(["git", "--git-dir", str(path), "rev-parse", "HEAD"], capture_output=True, text=True)
         if rev.returncode != 0:
             raise PeerUnavailable(f"{path}: not a readable git repository ({rev.stderr.strip()})")
-        checkout = _cache() / f"peer-src-{rev.stdout.strip()[:12]}"
+        checkout = gobuild.cache() / f"peer-src-{rev.stdout.strip()[:12]}"
         if not checkout.exists():
             tmp = checkout.with_suffix(f".{os.getpid()}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -80,23 +77,10 @@ def build(checkout: Path) -> Path:
     rev = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
     key = rev.stdout.strip()[:12] if rev.returncode == 0 else \
         hashlib.sha256((checkout / "go.sum").read_bytes()).hexdigest()[:12]
-    cache = _cache()
-    out = cache / f"simon-{key}"
-    if out.exists():
-        return out
-    go = shutil.which("go")
-    if go is None:
-        raise PeerUnavailable("go is not on PATH (needed to build the peer simulator)")
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    print(f"[peer] building {checkout} at {key} into {out} (about 2 minutes)", flush=True)
-    env = {**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=vendor", "CGO_ENABLED": "0"}
-    done = subprocess.run([go, "build", "-o", str(tmp), "./cmd"], cwd=checkout, env=env, capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise PeerUnavailable(f"go build of the peer failed: {done.stderr.strip()[-800:]}")
-    tmp.replace(out)
-    return out
+    out = gobuild.cache() / f"simon-{key}"
+    if not out.exists():
+        print(f"[peer] building {checkout} at {key} into {out} (about 2 minutes)", flush=True)
+    return gobuild.build(checkout, "./cmd", out, "-mod=vendor")
 
 
 def _node(row: dict) -> dict:

@@ -113,7 +113,8 @@ def mean_curve(rows: list[list[float | None]]) -> list[float | None]:
 def draws_kind(wanted: str) -> tuple[str, str]:
     """(the draws to use, a line saying which)."""
     if wanted == "go":
-        from bench.gorand import GoUnavailable, binary
+        from bench.gobuild import GoUnavailable
+        from bench.gorand import binary
 
         try:
             binary()
@@ -158,7 +159,7 @@ def main(args) -> dict:
 
 
 def variant_of(text: str) -> tuple[str, int]:
-    m = re.fullmatch(r"(cpu|multigpu|gpuspec|gpushare)(\d+)", text)
+    m = re.fullmatch(rf"({'|'.join(podlists.KINDS)})(\d+)", text)
     if m is None:
         raise SystemExit(f"--variant {text!r}: accepted: KIND+LEVEL with KIND one of {', '.join(podlists.KINDS)}, "
                          "e.g. cpu250, gpuspec20, gpushare40, multigpu30")
@@ -215,7 +216,8 @@ if __name__ == "__main__":
     parser.add_argument("--variant", default=None, help="rebuild a variant of the pod list: cpu250, gpuspec20, ...")
     parser.add_argument("--draws", choices=("go", "python"), default="go")
     parser.add_argument("--peer", dest="peer_src", type=Path, default=None,
-                        help="a checkout of hkust-adsl/kubernetes-scheduler-simulator (or GPUSCHED_PEER_SRC)")
+                        help="a checkout or a bare clone of hkust-adsl/kubernetes-scheduler-simulator "
+                             "(or GPUSCHED_PEER_SRC)")
     parser.add_argument("--peer-seeds", default=None, help="the seeds the peer runs (default: the first of --seeds)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
