@@ -7,7 +7,7 @@ Roles (docs/events.md, "Credentials and permissions"):
   operator intake subject, with ``on_behalf_of``), and reading every stream through its own readers.
 - **service** (admission, quota, scheduler, executor, accounting, notifier): publishes only the
   event types it produces and its own dead letters; creates, reads and deletes only its own durables
-  and readers.
+  and readers; admission, quota and scheduler also write and read their own snapshot bucket.
 - **api** (the HTTP API, gpusched.api): commands of any team's users and the operator's, each
   sent as the API's caller; core subscriptions to admission's answers, the intake's dead letters
   and the teams' event copies; direct gets on the event log and the dead letters. No consumer.
@@ -16,11 +16,13 @@ Roles (docs/events.md, "Credentials and permissions"):
 
 Every credential receives replies only under its own inbox prefix (``_INBOX.<user>``), so none can
 read another's JetStream replies or deliveries. Stream create, update, delete and purge, and message
-delete, are the admin's alone (and the streams refuse purge and message delete even to it).
+delete, are the admin's alone (and the streams refuse purge and message delete even to it); the one
+exception is a snapshotting service's own bucket, which it creates and purges of old chunks.
 """
 
 from __future__ import annotations
 
+from runtime import snapshot
 from runtime.eventlog import (
     DLQ_STREAM,
     EVENTS_STREAM,
@@ -55,6 +57,9 @@ READS: dict[str, list[str]] = {
 }
 """Service -> the streams it reads with ephemeral readers (runtime.eventlog.read_batches)."""
 
+SNAPSHOTTED = ("admission", "quota", "scheduler")
+"""The services that save snapshots of their state (runtime/snapshot.py), each in its own bucket."""
+
 NOTIFIER_TENANT_DURABLE = "notifier"
 """The notifier's durable on each tenant stream (webhook delivery), the one consumer there that is not the team's."""
 
@@ -74,6 +79,17 @@ def stream_read_api(stream: str) -> list[str]:
     """Stream info and reading a message by sequence or subject (direct get)."""
     return [f"{API}.STREAM.INFO.{stream}", f"{API}.STREAM.MSG.GET.{stream}", f"{API}.DIRECT.GET.{stream}",
             f"{API}.DIRECT.GET.{stream}.>"]
+
+
+def snapshot_api(service: str) -> list[str]:
+    """Its own Object Store bucket, and nothing else of any other: create the bucket's stream
+    (never update or delete it), write objects (chunks and metadata), purge its old chunks, read
+    them back (an ordered consumer and its flow control, direct gets of the metadata). And the
+    stream names: nats-py's ObjectStore.get looks its stream up by subject."""
+    bucket, stream = snapshot.bucket(service), snapshot.stream(service)
+    return [f"$O.{bucket}.>", f"{API}.STREAM.CREATE.{stream}", f"{API}.STREAM.PURGE.{stream}", f"{API}.STREAM.NAMES",
+            *stream_read_api(stream), f"{API}.CONSUMER.CREATE.{stream}", f"{API}.CONSUMER.CREATE.{stream}.>",
+            f"{API}.CONSUMER.DELETE.{stream}.*", f"$JS.FC.{stream}.>"]
 
 
 def _readers(user: str, streams: list[str]) -> list[str]:
@@ -98,6 +114,8 @@ def service_permissions(service: str) -> dict:
         for durable in durables:
             publish += consumer_api(stream, durable)
     publish += _readers(service, READS[service])
+    if service in SNAPSHOTTED:
+        publish += snapshot_api(service)
     if service == "notifier":  # writes every team's tenant stream; delivers webhooks from each
         publish += [f"{P}.tenant.>", f"{API}.STREAM.NAMES", f"{API}.STREAM.INFO.*",
                     *consumer_api("*", NOTIFIER_TENANT_DURABLE)]

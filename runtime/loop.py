@@ -1,11 +1,13 @@
 """The loop every decision service runs around its pure core.
 
-1. rebuild: fold the whole log (sequence 1 .. last at start) into the core's state;
+1. rebuild: load the service's snapshot, if it has a usable one (runtime/snapshot.py), and fold
+   the log after it (the whole log without one) into the core's state;
 2. consume: a durable pull consumer delivers new events in stream order; poison messages go to
    the dead-letter subject; each valid event is folded in;
 3. decide: once the state includes every event this service wrote itself, ask the core what
    follows and append it, each append conditional on the aggregate's last sequence;
-4. ack the batch, after its consequences are in the log.
+4. ack the batch, after its consequences are in the log;
+5. now and then, and on a clean stop, save a snapshot of the state.
 
 A crash anywhere is safe: the next start rebuilds from the log, re-derives the same decisions with
 the same event ids, and JetStream de-duplicates or the concurrency check refuses them.
@@ -42,7 +44,7 @@ from typing import Protocol
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
-from runtime import eventlog, observability
+from runtime import eventlog, observability, snapshot
 from runtime.clock import Clock, ScaledClock
 from runtime.settings import Settings
 from schemas.envelope import Event
@@ -68,6 +70,17 @@ class Core(Protocol):
 
     def decisions_refused(self) -> None:
         """Some decisions returned by ``decide`` were not recorded; they must be derived again."""
+
+
+class SnapshotCore(Core, Protocol):
+    """A core whose state can be saved and loaded (runtime/snapshot.py)."""
+
+    def snapshot_state(self) -> object:
+        """The folded state, picklable; what a fold of the same events would hold."""
+
+    def restore_state(self, state: object) -> None:
+        """Take a state from ``snapshot_state`` (of a core built the same way) as if it had been
+        folded here; nothing decided before the snapshot counts as on its way to the log."""
 
 
 def aggregate_key(event: Event) -> tuple[str, str]:
@@ -100,6 +113,10 @@ class DecisionService:
         self._stop = asyncio.Event()
         self._caught_up = asyncio.Event()
         self._logged_at: dict[str, float] = {}
+        self.snapshots: snapshot.SnapshotStore | None = None
+        self._snapshot_seq = 0  # the applied position the newest snapshot holds
+        self._log_id: str | None = None  # the event stream's creation time, once known
+        self._snapshot_at = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
@@ -209,6 +226,9 @@ class DecisionService:
         js = nc.jetstream()
         try:
             await eventlog.wait_for_streams(js)
+            if self.settings.snapshot_every and hasattr(self.core, "snapshot_state"):
+                self.snapshots = snapshot.SnapshotStore(js, self.name, self.settings.stream_replicas)
+                await self._restore(js)
             if not await self._retrying("rebuild", lambda: self.rebuild(js)):
                 return
             appender = eventlog.EventLog(js)
@@ -226,8 +246,52 @@ class DecisionService:
                     await task
                 except asyncio.CancelledError:
                     pass
+            if self._stop.is_set():
+                await self._save_snapshot()
         finally:
             await nc.close()
+
+    async def _restore(self, js) -> None:
+        """Start from the saved snapshot when there is a usable one. Never fails the start: the
+        log is whole, so without a snapshot the rebuild folds all of it."""
+        assert self.snapshots is not None
+        started = time.perf_counter()
+        try:
+            info = await js.stream_info(eventlog.EVENTS_STREAM)
+            self._log_id = str(info.created)
+            saved = await self.snapshots.load(snapshot.code_version(self.core), self._log_id, info.state.last_seq)
+            if saved is None:
+                return
+            self.core.restore_state(saved.state)  # type: ignore[attr-defined]
+        except Exception as err:
+            log.warning("snapshot not loaded: folding the whole log", extra={"error": failure(err)})
+            return
+        self.applied_seq = self._snapshot_seq = saved.applied_seq
+        self.last_seq = saved.last_seq
+        log.info("state loaded from a snapshot", extra={"applied_seq": saved.applied_seq,
+                                                        "seconds": round(time.perf_counter() - started, 3)})
+
+    async def _save_snapshot(self) -> None:
+        """Save the state as of the applied position (unless the newest snapshot holds it). A
+        failure is logged: the next snapshot, or the log, covers it."""
+        if self.snapshots is None or self._log_id is None or self.applied_seq <= self._snapshot_seq:
+            return
+        started = time.perf_counter()
+        saved = snapshot.Snapshot(snapshot.code_version(self.core), self._log_id, self.applied_seq, dict(self.last_seq),
+                                  self.core.snapshot_state())  # type: ignore[attr-defined]
+        try:
+            size = await self.snapshots.save(saved)
+        except Exception as err:
+            self._log_throttled("snapshot", "snapshot not saved", error=failure(err))
+            return
+        self._snapshot_seq, self._snapshot_at = saved.applied_seq, time.monotonic()
+        log.info("snapshot saved", extra={"applied_seq": saved.applied_seq, "bytes": size,
+                                          "seconds": round(time.perf_counter() - started, 3)})
+
+    def _snapshot_due(self) -> bool:
+        return (self.snapshots is not None
+                and self.applied_seq - self._snapshot_seq >= self.settings.snapshot_every
+                and time.monotonic() - self._snapshot_at >= self.settings.snapshot_min_interval_s)
 
     async def _retrying(self, what: str, attempt: Callable[[], Awaitable[object]]) -> bool:
         """Run ``attempt`` until it gets through the broker, pausing longer after each failure;
@@ -266,6 +330,8 @@ class DecisionService:
                 msgs = await eventlog.fetch(sub, self.settings.batch_size, self.settings.tick_s)
                 await self._handle_batch(js, appender, msgs)
                 failures = 0
+                if self._snapshot_due():
+                    await self._save_snapshot()
             except eventlog.BROKER_ERRORS as err:
                 # The batch stopped part way: its unacked rest comes again (skipped if folded),
                 # and the next _subscribe reads whatever was not folded from the log.

@@ -75,6 +75,8 @@ class Settings:
     sim_cluster: Path | None = None
     batch_size: int = 256
     tick_s: float = 0.5
+    snapshot_every: int = 100_000  # events applied between snapshots (runtime/snapshot.py); 0: none
+    snapshot_min_interval_s: float = 60.0
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -99,4 +101,6 @@ class Settings:
             sim_cluster=Path(sim_cluster) if sim_cluster else None,
             batch_size=int(env_number("GPUSCHED_BATCH_SIZE", 256, minimum=1, maximum=10_000, integer=True)),
             tick_s=env_number("GPUSCHED_TICK_S", 0.5, minimum=0.01, maximum=60),
+            snapshot_every=int(env_number("GPUSCHED_SNAPSHOT_EVERY", 100_000, minimum=0, maximum=1e9, integer=True)),
+            snapshot_min_interval_s=env_number("GPUSCHED_SNAPSHOT_MIN_INTERVAL_S", 60.0, minimum=0, maximum=86_400),
         )

@@ -327,6 +327,12 @@ class AdmissionCore:
     def decisions_refused(self) -> None:
         """Undecided jobs stay undecided until their decision is in the log: nothing to do."""
 
+    def snapshot_state(self) -> AdmissionState:
+        return self.state
+
+    def restore_state(self, state: AdmissionState) -> None:
+        self.state = state
+
     def decide(self, now: datetime) -> list[Event]:
         out: list[Event] = []
         for job_id in list(self.state.undecided):

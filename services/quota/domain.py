@@ -46,6 +46,7 @@ from schemas import (
     JobCheckpointed,
     JobFailed,
     JobPreempted,
+    JobRejected,
     JobRetryScheduled,
     JobSpec,
     JobStarted,
@@ -209,6 +210,16 @@ class QuotaCore:
                 self._ended(event.aggregate_id, job, event)
             else:
                 self._evolve_job(event.aggregate_id, job, event)
+            rejected = isinstance(event, JobRejected)  # refused after submission: never admitted
+            if rejected or (job.finished and job.reserved is None and event.aggregate_id not in s.to_release):
+                self._forget(event.aggregate_id, job)
+
+    def _forget(self, job_id: str, job: QuotaJob) -> None:
+        """A job quota has nothing more to decide for (finished, its quota given back) leaves the
+        state, so the state holds live work only and a snapshot's size does not grow with history.
+        Later events for it change nothing (job ids are never reused)."""
+        self._dequeue(job_id, job)
+        del self.state.jobs[job_id]
 
     def _configure(self, event: QueueConfigured | QueueDeleted | CohortConfigured) -> None:
         s = self.state
@@ -300,6 +311,15 @@ class QuotaCore:
     def decisions_refused(self) -> None:
         """Some decisions were not recorded (conflict or transient error): decide again."""
         self._dirty = True
+
+    def snapshot_state(self) -> QuotaState:
+        return self.state
+
+    def restore_state(self, state: QuotaState) -> None:
+        self.state = state
+        self._dirty, self._wake_at = True, None
+        for job in state.jobs.values():
+            job.flavors = None  # a cache the cycle fills
 
     def _attempt_ended(self, job_id: str, job: QuotaJob) -> None:
         if job.reserved is not None or not job.finished:

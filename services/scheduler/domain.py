@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from sortedcontainers import SortedList
 
@@ -62,6 +63,7 @@ from schemas import (
     SchedulingWaitReason,
     new_event,
 )
+from schemas.envelope import derive_event_id
 from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass
 from services.scheduler.fragmentation import FlavorFragmentation, measure
 from services.scheduler.inventory import MILLI, Inventory, Node
@@ -157,7 +159,17 @@ class Cycle:
     lowest_running: dict[str, int] = field(default_factory=dict)  # group -> lowest running priority
 
 
-Explanation = tuple  # (SchedulingWaitReason, message, numbers for the event or None)
+@dataclass
+class Explanation:
+    """Why a head waits (phase 5): the reason code, the message with the numbers, and the numbers
+    for the event's fields. The heads of one request shape share one per cycle (the same request
+    against the same snapshot has the same answer): the first head told gets a new event, the
+    others a copy of it that names them (:func:`_told_too`)."""
+
+    reason: SchedulingWaitReason
+    message: str
+    numbers: dict[str, Any] = field(default_factory=dict)
+    event: SchedulingPendingReasonChanged | None = None  # the first event written with it
 
 
 def _group(job: SchedJob) -> str:
@@ -428,9 +440,9 @@ class SchedulerCore:
             return [self._place(cycle, job, placement, now)], True
         job.tried_generation = generation
         if self._victims_alive(job):
-            explained = (SchedulingWaitReason.PREEMPTING,
-                         f"waiting for {len(job.victims)} preempted attempt(s) to stop: "
-                         f"{', '.join(v for v, _ in sorted(job.victims)[:5])}", None)
+            explained = Explanation(SchedulingWaitReason.PREEMPTING,
+                                    f"waiting for {len(job.victims)} preempted attempt(s) to stop: "
+                                    f"{', '.join(v for v, _ in sorted(job.victims)[:5])}")
             return (self._reason(job, group, explained, now) if self.explain else []), True
         if not (retried and self.limits.enabled and job.spec.gpus > 0
                 and job.priority > self._lowest_running_priority(cycle, group)):
@@ -609,27 +621,30 @@ class SchedulerCore:
         if len(eligible) < req.gang:
             all_nodes = sum(len(names) for f in flavors for names in inv.flavor(f).shapes.values())
             cordoned = sum(1 for n in inv.nodes.values() if n.info.unschedulable and n.info.gpu_flavor in flavors)
-            return (SchedulingWaitReason.NO_NODE_OF_SHAPE,
-                    f"{need}; only {len(eligible)} of {all_nodes} schedulable {label} node(s) meet its constraints "
-                    f"(GPUs ≥ {req.gpus}, GPU memory ≥ {req.min_memory or 0} MiB, features "
-                    f"{sorted(req.features)}, GPU model {'any' if not req.models else ' or '.join(sorted(req.models))}, "
-                    f"taints tolerated); {cordoned} cordoned", numbers)
+            return Explanation(
+                SchedulingWaitReason.NO_NODE_OF_SHAPE,
+                f"{need}; only {len(eligible)} of {all_nodes} schedulable {label} node(s) meet its constraints "
+                f"(GPUs ≥ {req.gpus}, GPU memory ≥ {req.min_memory or 0} MiB, features "
+                f"{sorted(req.features)}, GPU model {'any' if not req.models else ' or '.join(sorted(req.models))}, "
+                f"taints tolerated); {cordoned} cordoned", numbers)
         with_block = [n for n in eligible if shape_fits(n.shape(), req)]
         eta = self._eta(job, flavor, eligible, now)
         numbers["eta"] = eta
         if len(with_block) >= req.gang:
-            return (SchedulingWaitReason.CPU_MEMORY,
-                    f"{need}; {len(with_block)} node(s) have the GPUs free but not CPU {req.cpu}m / memory "
-                    f"{req.memory} MiB beside them", numbers)
+            return Explanation(SchedulingWaitReason.CPU_MEMORY,
+                               f"{need}; {len(with_block)} node(s) have the GPUs free but not CPU {req.cpu}m / "
+                               f"memory {req.memory} MiB beside them", numbers)
         where = f"largest free block is {block} on {largest.name}" if block else "no GPU is free"
         summary = f"{free} {label} free across {free_nodes} node(s)"
         if free < req.gpus * req.gang and req.milli is None:
-            return (SchedulingWaitReason.INSUFFICIENT_GPUS, f"{need}; {where}; {summary}: not enough", numbers)
+            return Explanation(SchedulingWaitReason.INSUFFICIENT_GPUS, f"{need}; {where}; {summary}: not enough",
+                               numbers)
         if req.gang == 1:
-            return (SchedulingWaitReason.FRAGMENTATION, f"{need}; {where}; {summary}: fragmentation", numbers)
-        return (SchedulingWaitReason.GANG_INCOMPLETE,
-                f"{need}; {len(with_block)} of the {req.gang} nodes have {req.gpus} free; {where}; {summary}",
-                numbers)
+            return Explanation(SchedulingWaitReason.FRAGMENTATION, f"{need}; {where}; {summary}: fragmentation",
+                               numbers)
+        return Explanation(
+            SchedulingWaitReason.GANG_INCOMPLETE,
+            f"{need}; {len(with_block)} of the {req.gang} nodes have {req.gpus} free; {where}; {summary}", numbers)
 
     def _eta(self, job: SchedJob, flavor: str | None, eligible: list[Node], now: datetime) -> datetime | None:
         """When the head would fit if running attempts end as declared (and nothing else
@@ -652,25 +667,52 @@ class SchedulerCore:
         return None
 
     def _reason(self, job: SchedJob, group: str, explained: Explanation, now: datetime) -> list[Event]:
-        reason, message, numbers = explained
-        numbers = numbers or {}
-        if not throttle(job.waiting, reason, message, now).write:
+        """The head's SchedulingPendingReasonChanged, unless the throttle holds it back. Called
+        with one ``explained`` only for heads of one group, shape and cycle (what the event says
+        besides the head's ids comes from the first head's event)."""
+        if not throttle(job.waiting, explained.reason, explained.message, now).write:
             return []
         attempt = job.reservation.attempt  # type: ignore[union-attr]
         given = job.reasons_given if job.reasons_attempt == attempt else 0
-        event = new_event(
-            SchedulingPendingReasonChanged, aggregate_id=job.job_id, producer=PRODUCER, occurred_at=now,
-            key=f"{attempt}/{given + 1}", cause=job.reservation,
-            attempt=attempt, reason=reason, message=message[:4096],
-            flavor=None if group == CPU_GROUP else group, requested_gpus=job.spec.gpus,
-            gang_size=job.spec.gang_size, free_gpus=numbers.get("free_gpus", 0),
-            free_nodes=numbers.get("free_nodes", 0), largest_free_block=numbers.get("largest_free_block", 0),
-            largest_free_node=numbers.get("largest_free_node"), eta=numbers.get("eta"),
-        )
+        key = f"{attempt}/{given + 1}"
+        if explained.event is not None:
+            event = _told_too(explained.event, job, key)
+        else:
+            numbers = explained.numbers
+            event = explained.event = new_event(
+                SchedulingPendingReasonChanged, aggregate_id=job.job_id, producer=PRODUCER, occurred_at=now,
+                key=key, cause=job.reservation,
+                attempt=attempt, reason=explained.reason, message=explained.message[:4096],
+                flavor=None if group == CPU_GROUP else group, requested_gpus=job.spec.gpus,
+                gang_size=job.spec.gang_size, free_gpus=numbers.get("free_gpus", 0),
+                free_nodes=numbers.get("free_nodes", 0), largest_free_block=numbers.get("largest_free_block", 0),
+                largest_free_node=numbers.get("largest_free_node"), eta=numbers.get("eta"),
+            )
         job.waiting = event
         return [event]
 
     # -- metrics -----------------------------------------------------------------------------
+    # -- snapshots (runtime/snapshot.py) ----------------------------------------------------
+    def snapshot_state(self) -> SchedulerState:
+        return self.state
+
+    def restore_state(self, state: SchedulerState) -> None:
+        """Take a saved state as a fold of the same events would leave this core: every waiting
+        head new to its shape (told why it waits when its shape fails), every group to look at,
+        nothing decided on its way to the log."""
+        self.state = state
+        self._workloads.clear()
+        self._awaiting.clear()
+        self._wake_at = None
+        self._fresh = {}
+        for job_id in state.heads:
+            job = state.jobs[job_id]
+            if job.reservation is not None:
+                self._fresh.setdefault(_group(job), {}).setdefault(job.request.shape_key(), []).append(job_id)
+        for job in state.jobs.values():
+            job.tried_generation = -1
+        self._mark_all_dirty()
+
     def fragmentation(self) -> list[FlavorFragmentation]:
         """The fragmentation index of every GPU flavor (docs/scheduling.md), counting the
         placements decided and not yet back from the log."""
@@ -678,6 +720,19 @@ class SchedulerCore:
         return [measure(f, index, self.state.sizes.get(f, {}))
                 for f, index in sorted(inventory.flavors.items(), key=lambda kv: kv[0] or "")
                 if f is not None]
+
+
+def _told_too(event: SchedulingPendingReasonChanged, job: SchedJob, key: str) -> SchedulingPendingReasonChanged:
+    """``event``, told to another head of the same group and request shape in this cycle, for
+    ``job``: what ``new_event`` builds for it (its id from ``key``, its attempt, its causal links),
+    without validating the shared explanation once per head."""
+    cause = job.reservation
+    assert cause is not None  # a head holds quota
+    return event.model_copy(update={
+        "event_id": derive_event_id(event.type, job.job_id, key), "aggregate_id": job.job_id,
+        "attempt": cause.attempt, "causation_id": cause.event_id,
+        "correlation_id": cause.correlation_id or cause.event_id,
+    })
 
 
 def candidates_or_all(inv: Inventory, flavor: str, req: Request) -> list[Node]:

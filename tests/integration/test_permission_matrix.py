@@ -31,6 +31,7 @@ from tests.unit.builders import queue
 
 ROOT = Path(__file__).resolve().parents[2]
 EV, INTAKE, DLQ = eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM
+SNAP = "OBJ_snapshots"  # + "-<service>": a service's snapshot bucket (runtime/snapshot.py)
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,17 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                 f"$JS.API.CONSUMER.LIST.{theirs}", f"$JS.API.CONSUMER.CREATE.{EV}.spy",
                 f"$JS.API.CONSUMER.MSG.NEXT.{mine}.notifier", f"$JS.ACK.{mine}.notifier.1.2.3.4.0",
                 f"$JS.API.CONSUMER.DURABLE.CREATE.{mine}.notifier", f"$JS.API.CONSUMER.CREATE.{mine}.notifier.x",
+                "$O.snapshots-scheduler.M.x", f"$JS.API.STREAM.CREATE.{SNAP}-quota", f"$JS.API.DIRECT.GET.{SNAP}-quota",
+                f"$JS.API.CONSUMER.CREATE.{SNAP}-admission",
             ) + sub(f"gpusched.tenant.{other}.>", "gpusched.job.>", f"_INBOX.{team}x.>"),
         ),
         "quota": (
             pub(f"$JS.API.STREAM.INFO.{EV}", f"$JS.API.CONSUMER.INFO.{EV}.quota", f"$JS.API.CONSUMER.INFO.{EV}.quota-r0",
-                "gpusched.deadletter.quota", f"$JS.API.DIRECT.GET.{EV}")
+                "gpusched.deadletter.quota", f"$JS.API.DIRECT.GET.{EV}",
+                # its own snapshot bucket (runtime/snapshot.py)
+                "$O.snapshots-quota.C.x", "$O.snapshots-quota.M.x", f"$JS.API.STREAM.CREATE.{SNAP}-quota",
+                f"$JS.API.STREAM.PURGE.{SNAP}-quota", f"$JS.API.DIRECT.GET.{SNAP}-quota",
+                f"$JS.API.CONSUMER.CREATE.{SNAP}-quota", f"$JS.FC.{SNAP}-quota.x")
             + sub("_INBOX.quota.>"),
             never + pub(
                 "gpusched.job.x.scheduled", "gpusched.job.x.admitted", f"gpusched.intake.{team}.submit",
@@ -87,12 +94,20 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                 f"$JS.API.CONSUMER.INFO.{INTAKE}.admission-intake", f"$JS.API.CONSUMER.CREATE.{EV}.admission-r0",
                 f"$JS.API.CONSUMER.CREATE.{EV}", f"$JS.API.STREAM.INFO.{INTAKE}", f"$JS.API.CONSUMER.DELETE.{DLQ}.x",
                 f"$JS.API.CONSUMER.CREATE.{mine}.spy", f"$JS.ACK.{EV}.admission.1.2.3.4.0", "_INBOX.admission.reply",
+                # another service's snapshots, and changing or deleting its own bucket
+                "$O.snapshots-scheduler.M.x", "$O.snapshots-scheduler.C.x", f"$JS.API.STREAM.INFO.{SNAP}-scheduler",
+                f"$JS.API.DIRECT.GET.{SNAP}-scheduler", f"$JS.API.CONSUMER.CREATE.{SNAP}-scheduler",
+                f"$JS.API.STREAM.PURGE.{SNAP}-scheduler", f"$JS.API.STREAM.DELETE.{SNAP}-quota",
+                f"$JS.API.STREAM.UPDATE.{SNAP}-quota",
             ) + sub(f"gpusched.tenant.{team}.>"),
         ),
         "executor": (
             pub(f"$JS.API.CONSUMER.INFO.{EV}.executor", "gpusched.node.n1.telemetry") + sub("_INBOX.executor.>"),
             never + pub(f"$JS.API.CONSUMER.DELETE.{DLQ}.dlq-reader", f"$JS.API.CONSUMER.CREATE.{DLQ}.x",
-                        f"$JS.API.CONSUMER.DELETE.{EV}.quota", "gpusched.job.x.quota_reserved"),
+                        f"$JS.API.CONSUMER.DELETE.{EV}.quota", "gpusched.job.x.quota_reserved",
+                        # the executor keeps no snapshot
+                        "$O.snapshots-executor.C.x", f"$JS.API.STREAM.CREATE.{SNAP}-executor",
+                        f"$JS.API.DIRECT.GET.{SNAP}-scheduler"),
         ),
         "operator": (
             pub(f"gpusched.intake.{team}.operator.submit", f"$JS.API.STREAM.INFO.{EV}",

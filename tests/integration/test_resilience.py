@@ -40,7 +40,8 @@ class FaultyCore(QuotaCore):
 
 
 def quota(nats_server, core: QuotaCore) -> DecisionService:
-    return DecisionService("quota", core, service_settings(nats_server, "quota"))
+    # no snapshots: a restart here is a rebuild from the whole log, the path under test
+    return DecisionService("quota", core, service_settings(nats_server, "quota", snapshot_every=0))
 
 
 async def job(log: eventlog.EventLog, job_id: str) -> None:

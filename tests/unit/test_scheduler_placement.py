@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from schemas import JobScheduled, SchedulingPendingReasonChanged, SchedulingWaitReason
+from schemas.envelope import derive_event_id
 from schemas.job import DatasetRef
 from services.scheduler.domain import SchedulerCore
 from services.scheduler.fragmentation import typical_request
@@ -223,6 +224,23 @@ def test_reasons_are_rate_limited_and_change_with_the_code():
     assert len(reasons(h.job("big", 8, when=at(1)))) == 1
     # same code, same message: nothing new when capacity changes elsewhere
     assert reasons(h.feed(node("n3", "h100", 8, when=at(2)), now=at(2))) == []
+
+
+def test_heads_of_one_shape_share_one_explanation_each_with_its_own_ids():
+    h = H(node("n1", gpus=4))
+    h.job("fill", 4)
+    holds = {j: reserved(j, gpus=2, attempt=attempt, when=at(1)) for j, attempt in (("a", 1), ("b", 2), ("c", 1))}
+    out = h.feed(*[e for j, r in holds.items() for e in (submitted(j, spec(gpus=2)), admitted(j), r)], now=at(1))
+    told = reasons(out)
+    assert [r.aggregate_id for r in told] == ["a", "b", "c"]
+    shared = {r.model_dump_json(exclude={"event_id", "aggregate_id", "attempt", "causation_id", "correlation_id"})
+              for r in told}
+    assert len(shared) == 1
+    for r in told:
+        hold = holds[r.aggregate_id]
+        assert type(r).model_validate(r.model_dump()) == r  # a copy that validates as built
+        assert r.event_id == derive_event_id(r.type, r.aggregate_id, f"{hold.attempt}/1")
+        assert (r.attempt, r.causation_id, r.correlation_id) == (hold.attempt, hold.event_id, hold.event_id)
 
 
 # -- fragmentation index -----------------------------------------------------------------------
