@@ -424,23 +424,27 @@ def candidates(inv: Inventory, flavors: tuple[str | None, ...], req: Request,
 
 def place_gang(inv: Inventory, flavors: tuple[str | None, ...], req: Request, policy: Policy,
                dist: Workload) -> list[Node] | None:
-    """``req.gang`` distinct nodes, all in the smallest topology domain that has enough, or None."""
+    """``req.gang`` distinct nodes, all in the smallest topology domain that has enough, or None:
+    the domain is chosen by its candidates alone (fewest, then name), and only its nodes are
+    ranked by the policy."""
     index_total = sum(inv.flavor(f).nodes_with_at_least(req.gpus) for f in flavors) if req.milli is None else None
     if index_total is not None and index_total < req.gang:
         return None  # not enough nodes with the block free, whatever their other constraints
     nodes = candidates(inv, flavors, req)
     if len(nodes) < req.gang:
         return None
-    scored = sorted(nodes, key=lambda n: _score(policy, n.name, tuple(n.free), req, dist, _locality(n, req),
-                                                _cpu_free(n), n.info.gpu_product))
+
+    def score(n: Node) -> tuple:
+        return _score(policy, n.name, tuple(n.free), req, dist, _locality(n, req), _cpu_free(n), n.info.gpu_product)
+
     for level, _ in enumerate(TOPOLOGY_LEVELS):
         domains: dict[str, list[Node]] = {}
-        for n in scored:
+        for n in nodes:
             d = n.topology[level]
             if d is not None:
                 domains.setdefault(d, []).append(n)
-        fitting = [(len(members), d, members) for d, members in domains.items() if len(members) >= req.gang]
+        fitting = [(len(members), d) for d, members in domains.items() if len(members) >= req.gang]
         if fitting:
-            _, _, members = min(fitting, key=lambda f: (f[0], f[1]))  # smallest domain that fits
-            return members[: req.gang]
-    return scored[: req.gang]
+            _, smallest = min(fitting)
+            return sorted(domains[smallest], key=score)[: req.gang]
+    return sorted(nodes, key=score)[: req.gang]

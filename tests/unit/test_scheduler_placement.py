@@ -130,6 +130,15 @@ def test_gang_prefers_the_smallest_topology_domain():
     assert set(placements(h.job("g2b", 8, gang_size=2))["g2b"]) == {"r1-a", "r1-b"}
 
 
+def test_gang_takes_the_policys_best_nodes_of_the_domain():
+    h = H(*[node(f"r1-{x}", gpus=8, rack="r1", nvlink_domain=f"nv-{x}") for x in "abc"], node("r2-a", gpus=8, rack="r2"))
+    for name in ("r1-b", "r1-c"):
+        h.feed(submitted(f"fill-{name}", spec(gpus=4)), admitted(f"fill-{name}"),
+               scheduled(f"fill-{name}", {name: (0, 1, 2, 3)}))
+    # rack r1 is the only domain with two candidates; best fit: the two half-full nodes
+    assert set(placements(h.job("g", 4, gang_size=2))["g"]) == {"r1-b", "r1-c"}
+
+
 def test_topology_from_labels_when_fields_are_absent():
     nodes = [node("x", gpus=8, labels={"topology.gpusched.io/rack": "r9"}),
              node("y", gpus=8, labels={"topology.gpusched.io/rack": "r1"}),
