@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from sortedcontainers import SortedList
 
@@ -66,7 +66,7 @@ from schemas import (
 from schemas.envelope import derive_event_id
 from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass
 from services.scheduler.fragmentation import FlavorFragmentation, measure
-from services.scheduler.inventory import MILLI, Inventory, Node
+from services.scheduler.inventory import MILLI, Inventory, Node, whole_free_of
 from services.scheduler.placement import (
     Policy,
     Request,
@@ -170,6 +170,14 @@ class Explanation:
     message: str
     numbers: dict[str, Any] = field(default_factory=dict)
     event: SchedulingPendingReasonChanged | None = None  # the first event written with it
+
+
+class _Eligible(NamedTuple):
+    """The nodes of one shape that meet a request's constraints (phase 5)."""
+
+    whole_free: int  # whole free GPUs on each of them
+    fits: bool  # one member's GPUs are free on each
+    names: list[str]  # in name order
 
 
 def _group(job: SchedJob) -> str:
@@ -603,38 +611,40 @@ class SchedulerCore:
 
     # -- reasons -----------------------------------------------------------------------------
     def _explain(self, inv: Inventory, job: SchedJob, group: str, now: datetime) -> Explanation:
-        """Phase 5: (reason, message, numbers) for a head that does not fit the snapshot."""
+        """Phase 5: why a head that does not fit the snapshot waits. The nodes of one shape have
+        the same free GPUs, so only the request's other constraints are checked node by node."""
         req = job.request
         flavors = tuple(inv.flavors) if group == CPU_GROUP else (group,)
         flavor = None if group == CPU_GROUP else group
         label = flavor or "any"
-        eligible = [n for f in flavors for shape in inv.flavor(f).shapes.values() for name in shape
-                    if static_ok(n := inv.nodes[name], req)]
+        eligible = [_Eligible(whole_free_of(shape), shape_fits(shape, req), names)
+                    for f in flavors for shape, all_names in inv.flavor(f).shapes.items()
+                    if (names := [name for name in all_names if static_ok(inv.nodes[name], req)])]
         per = f"{req.gpus}×{label}" if req.milli is None else f"{req.milli / MILLI:.3g} of a sharable {label} GPU"
         need = f"needs {per}" + (f" on each of {req.gang} nodes" if req.gang > 1 else " on one node")
-        free = sum(n.whole_free() for n in eligible)
-        free_nodes = sum(1 for n in eligible if n.whole_free() > 0)
-        largest = min(eligible, key=lambda n: (-n.whole_free(), n.name), default=None)
-        block = largest.whole_free() if largest is not None else 0
+        n_eligible = sum(len(e.names) for e in eligible)
+        free = sum(e.whole_free * len(e.names) for e in eligible)
+        free_nodes = sum(len(e.names) for e in eligible if e.whole_free > 0)
+        most, largest = min(((-e.whole_free, e.names[0]) for e in eligible), default=(0, None))
+        block = -most
         numbers = dict(free_gpus=free, free_nodes=free_nodes, largest_free_block=block,
-                       largest_free_node=largest.name if largest is not None and block else None)
-        if len(eligible) < req.gang:
+                       largest_free_node=largest if block else None)
+        if n_eligible < req.gang:
             all_nodes = sum(len(names) for f in flavors for names in inv.flavor(f).shapes.values())
             cordoned = sum(1 for n in inv.nodes.values() if n.info.unschedulable and n.info.gpu_flavor in flavors)
             return Explanation(
                 SchedulingWaitReason.NO_NODE_OF_SHAPE,
-                f"{need}; only {len(eligible)} of {all_nodes} schedulable {label} node(s) meet its constraints "
+                f"{need}; only {n_eligible} of {all_nodes} schedulable {label} node(s) meet its constraints "
                 f"(GPUs ≥ {req.gpus}, GPU memory ≥ {req.min_memory or 0} MiB, features "
                 f"{sorted(req.features)}, GPU model {'any' if not req.models else ' or '.join(sorted(req.models))}, "
                 f"taints tolerated); {cordoned} cordoned", numbers)
-        with_block = [n for n in eligible if shape_fits(n.shape(), req)]
-        eta = self._eta(job, flavor, eligible, now)
-        numbers["eta"] = eta
-        if len(with_block) >= req.gang:
+        with_block = sum(len(e.names) for e in eligible if e.fits)
+        numbers["eta"] = self._eta(job, flavor, eligible, now)
+        if with_block >= req.gang:
             return Explanation(SchedulingWaitReason.CPU_MEMORY,
-                               f"{need}; {len(with_block)} node(s) have the GPUs free but not CPU {req.cpu}m / "
+                               f"{need}; {with_block} node(s) have the GPUs free but not CPU {req.cpu}m / "
                                f"memory {req.memory} MiB beside them", numbers)
-        where = f"largest free block is {block} on {largest.name}" if block else "no GPU is free"
+        where = f"largest free block is {block} on {largest}" if block else "no GPU is free"
         summary = f"{free} {label} free across {free_nodes} node(s)"
         if free < req.gpus * req.gang and req.milli is None:
             return Explanation(SchedulingWaitReason.INSUFFICIENT_GPUS, f"{need}; {where}; {summary}: not enough",
@@ -644,25 +654,28 @@ class SchedulerCore:
                                numbers)
         return Explanation(
             SchedulingWaitReason.GANG_INCOMPLETE,
-            f"{need}; {len(with_block)} of the {req.gang} nodes have {req.gpus} free; {where}; {summary}", numbers)
+            f"{need}; {with_block} of the {req.gang} nodes have {req.gpus} free; {where}; {summary}", numbers)
 
-    def _eta(self, job: SchedJob, flavor: str | None, eligible: list[Node], now: datetime) -> datetime | None:
+    def _eta(self, job: SchedJob, flavor: str | None, eligible: list[_Eligible], now: datetime) -> datetime | None:
         """When the head would fit if running attempts end as declared (and nothing else
         arrives): walk the declared ends in order, giving their GPUs back, until it fits."""
         s = self.state
         req = job.request
         if flavor is None or req.milli is not None:
             return None
-        ok = {n.name: n for n in eligible}
-        free = {name: n.whole_free() for name, n in ok.items()}
+        free = {name: e.whole_free for e in eligible for name in e.names}
+        fitting = sum(1 for f in free.values() if f >= req.gpus)  # nodes with one member's GPUs free
         for end, vid in s.ends.get(flavor, ()):
             victim = s.jobs.get(vid)
             if victim is None or victim.placement is None:
                 continue
             for a in victim.placement.placement:
                 if a.node in free and a.gpu_milli is None:
+                    before = free[a.node]
                     free[a.node] += a.gpus
-            if sum(1 for f in free.values() if f >= req.gpus) >= req.gang:
+                    if before < req.gpus <= free[a.node]:
+                        fitting += 1
+            if fitting >= req.gang:
                 return max(end, now)
         return None
 

@@ -226,6 +226,15 @@ def test_reason_eta_from_declared_runtimes():
     assert r.eta == at(610)
 
 
+def test_gang_eta_is_when_enough_nodes_have_freed_up():
+    h = H(node("n1", gpus=8), node("n2", gpus=8), node("n3", gpus=8))
+    for job_id, runtime in (("a", 900), ("b", 600), ("c", 3000)):
+        h.job(job_id, 8, expected_runtime_seconds=runtime)
+        h.feed(started(job_id, when=at(10)), now=at(10))
+    (r,) = reasons(h.job("gang", 8, gang_size=2, when=at(20)))
+    assert r.eta == at(910)
+
+
 def test_reasons_are_rate_limited_and_change_with_the_code():
     h = H(node("n1", gpus=8), node("n2", gpus=8))
     h.job("a", 7)
