@@ -77,11 +77,16 @@ def spec_digest(spec: JobSpec) -> str:
 
 @dataclass
 class JobRecord:
+    """A job admission has seen. Once it is finished, its spec and submission are let go (None):
+    what a later command needs of it (its team, the spec's digest and the intake sequence, to
+    answer a reused id or key; finished, to answer a cancel) stays, so the state and its snapshot
+    hold the history's ids, not its specs."""
+
     team: str
-    spec: JobSpec
+    spec: JobSpec | None
     digest: str
     intake_sequence: int
-    submitted: JobSubmitted
+    submitted: JobSubmitted | None
     decided: bool = False
     finished: bool = False
     cancel_requested: bool = False
@@ -149,8 +154,8 @@ class AdmissionCore:
                     job.finished = True
                     job.running = None
             case JobFailed() | JobPreempted():
-                if (job := s.jobs.get(event.aggregate_id)) is None:
-                    return
+                if (job := s.jobs.get(event.aggregate_id)) is None or job.finished:
+                    return  # a finished job stays finished
                 if job.running is not None and job.running.attempt == event.attempt:
                     job.running = None
                 if isinstance(event, JobFailed):
@@ -164,6 +169,8 @@ class AdmissionCore:
             case JobCancelRequested():
                 if (job := s.jobs.get(event.aggregate_id)) is not None:
                     job.cancel_requested = True
+        if (job := s.jobs.get(event.aggregate_id)) is not None and job.finished:
+            job.spec = job.submitted = None
 
     # -- intake ------------------------------------------------------------------------------
     def handle_submit(self, raw: bytes, sender: Principal, intake_seq: int, now: datetime) -> list[Event]:
