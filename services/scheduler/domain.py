@@ -487,8 +487,11 @@ class SchedulerCore:
         looked at again."""
         jobs = self.state.jobs
         waiting = [job] if retried else []
-        waiting += [jobs[j] for j in fresh if j != job.job_id and jobs[j].placement is None
-                    and jobs[j].reservation is not None and j not in self._awaiting]
+        for j in fresh:
+            other = jobs[j]
+            if other is not job and other.placement is None and other.reservation is not None \
+                    and j not in self._awaiting:
+                waiting.append(other)
         out: list[Event] = []
         explained = None
         for other in waiting:
