@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+
 import pytest
 from prometheus_client import REGISTRY
 
+from runtime.loop import DecisionService
 from runtime.settings import ConfigError
-from services.scheduler.__main__ import build_core
+from services.scheduler.__main__ import SchedulerService, build_core
+from services.scheduler.domain import SchedulerCore
 from services.scheduler.placement import Policy
 from tests.unit.builders import T0, admitted, drive, node, reserved, spec, submitted
 
@@ -48,6 +53,19 @@ def test_gauges_after_a_cycle(monkeypatch):
     value = REGISTRY.get_sample_value
     assert value("gpusched_scheduler_largest_placeable_gang", {"flavor": "gauge-flavor"}) == 8
     assert value("gpusched_scheduler_fragmentation_ratio", {"flavor": "gauge-flavor"}) == pytest.approx(2 / 10)
+
+
+def test_the_state_is_frozen_after_a_rebuild(monkeypatch):
+    async def fold(self, js):
+        return 42
+
+    monkeypatch.setattr(DecisionService, "rebuild", fold)
+    service = SchedulerService("scheduler", SchedulerCore(), None, clock=object())
+    try:
+        assert asyncio.run(service.rebuild(None)) == 42
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 async def _why(monkeypatch, events):
