@@ -104,8 +104,13 @@ async def e2e(server: devstack.NatsServer, pg: devstack.Postgres, admin_js, n_jo
         ojs = nc.jetstream()
         # 1. latency: jobs arrive at a steady rate below capacity
         latency = await _phase(admin_js, ojs, f"{workdir.name}-lat", latency_jobs, rate)
-        # 2. throughput: one burst, as fast as the client can publish
+        # 2. throughput: one burst, as fast as the client can publish; the CPU each process
+        # spends on it (where a 2-core machine's time goes)
+        cpu = {name: psutil.Process(p.pid) for name, p in procs.procs.items()}
+        cpu["nats-server"], cpu["bench client"] = psutil.Process(server.proc.pid), psutil.Process()
+        before = {name: sum(p.cpu_times()[:2]) for name, p in cpu.items()}
         burst = await _phase(admin_js, ojs, f"{workdir.name}-tp", n_jobs, None)
+        cpu_s = {name: sum(p.cpu_times()[:2]) - before[name] for name, p in cpu.items()}
         # 3. accounting: how far behind the log the read models are when the burst ends
         last = await eventlog.last_sequence(admin_js)
         t = time.time()
@@ -120,7 +125,9 @@ async def e2e(server: devstack.NatsServer, pg: devstack.Postgres, admin_js, n_jo
                 "latency_jobs": latency_jobs, "latency_rate_per_s": rate,
                 "submit_to_scheduled_ms_p50": pct(latency["latency_ms"], 50),
                 "submit_to_scheduled_ms_p99": pct(latency["latency_ms"], 99),
-                "accounting_lag_s": time.time() - t, "rss_mib": rss}
+                "accounting_lag_s": time.time() - t, "rss_mib": rss,
+                # CPU microseconds each process spent per event appended during the burst
+                "cpu_us_per_event": {k: v * 1e6 / burst["events"] for k, v in cpu_s.items()}}
     finally:
         await nc.close()
         procs.stop_all()
@@ -241,6 +248,10 @@ def report(r: dict) -> None:
         print(f"  {name:<44} {value:>18}   {ratio}")
     rss = r["runs"][-1]["rss_mib"]
     print("  service RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))
+    cpu = {k: statistics.median(run["cpu_us_per_event"][k] for run in r["runs"]) for k in r["runs"][0]["cpu_us_per_event"]}
+    total = sum(cpu.values())
+    print(f"  CPU per event appended in the burst: {total:.0f} µs in all = at most {2e6 / total:.0f} events/s on 2 "
+          "cores; " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])))
 
 
 if __name__ == "__main__":
