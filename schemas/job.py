@@ -76,7 +76,7 @@ class QuotaWaitReason(StrEnum):
     BORROWING_LIMIT = "borrowing-limit"  # borrowing it would exceed the queue's borrowing limit
     COHORT_EXHAUSTED = "cohort-exhausted"  # the cohort has no unused quota that may be lent
     NOMINAL_LENT = "nominal-lent"  # its own unused quota is lent to borrowers (reclaim applies)
-    BLOCKED_BY_HEAD = "blocked-by-head"  # a strict-FIFO queue whose head does not fit
+    BLOCKED_BY_HEAD = "blocked-by-head"  # behind a refused head: of a strict-FIFO queue, or of a higher priority
     BUDGET_EXHAUSTED = "budget-exhausted"  # the queue's GPU-hour budget for this period is spent
     RETRY_BACKOFF = "retry-backoff"  # a retry waiting out its backoff
     QUEUE_MISSING = "queue-missing"  # the queue was deleted after admission

@@ -81,6 +81,15 @@ class Pool:
             ) or "none"
         return self._borrowers
 
+    def ceiling(self, q: str) -> int:
+        """The most the queue could ever hold of this flavor: its nominal plus what it may
+        borrow when the rest of the tree is idle."""
+        lim = self.limits[q]
+        if self.cohort is None:
+            return lim.nominal
+        others = sum(other.lendable_cap for name, other in self.limits.items() if name != q)
+        return lim.nominal + (others if lim.borrowing_limit is None else min(others, lim.borrowing_limit))
+
     def lent_by(self) -> dict[str, int]:
         """What each queue's unused nominal is covering of the others' borrowing, filling lenders
         in name order (an attribution for reporting; the constraint is on the totals)."""

@@ -148,6 +148,27 @@ class Snapshot:
     charged_in: set[tuple[str, str]] = field(default_factory=set)  # (pool key, flavor) this cycle reserved in
 
 
+@dataclass(frozen=True)
+class Blocker:
+    """The highest-priority job of a queue that was refused quota in this cycle and could fit
+    once enough is freed: the queue's jobs of lower priority on its flavors wait behind it, so
+    that what is freed collects for it instead of going, a GPU at a time, to smaller jobs of
+    lower priority (docs/quota.md, "Priority before size")."""
+
+    job: QuotaJob
+    flavors: frozenset[str]
+
+    def holds_back(self, job: QuotaJob, flavors: tuple[str, ...]) -> bool:
+        return job.priority < self.job.priority and not self.flavors.isdisjoint(flavors)
+
+    def reason(self, queue_name: str) -> tuple[QuotaWaitReason, str]:
+        head = self.job
+        return (QuotaWaitReason.BLOCKED_BY_HEAD,
+                f"job {head.submitted.aggregate_id} of queue {queue_name} (priority {head.priority}, "
+                f"{head.spec.total_gpus} GPUs) waits for quota first: jobs of lower priority on its flavors "
+                "wait behind it")
+
+
 @dataclass
 class QueueTurn:
     """A queue's place in pass 2."""
@@ -156,6 +177,7 @@ class QueueTurn:
     cursor: int = 0
     ahead: int = 0  # jobs of the queue before the cursor that still wait
     failed: dict[tuple[str, ...], int] = field(default_factory=dict)  # flavors -> smallest refused request
+    blocker: Blocker | None = None
 
 
 @dataclass
@@ -546,9 +568,12 @@ class QuotaCore:
         for queue_name in sorted(heads, key=lambda q: (self.share(s.queues[q], snap.used, now), q)):
             queue = s.queues[queue_name]
             failed: dict[tuple[str, ...], int] = {}
+            blocker: Blocker | None = None
             for job in heads[queue_name]:
                 flavors = self._flavors_of(job, queue)
                 if self._held_back(snap, job, queue, flavors, now) is not None:
+                    continue
+                if blocker is not None and blocker.holds_back(job, flavors):
                     continue
                 need = job.spec.total_gpus
                 if need < failed.get(flavors, NEVER_REFUSED):
@@ -557,10 +582,20 @@ class QuotaCore:
                         continue
                     if queue.preemption.reclaim_within_cohort != "never":
                         self._hold_lent_quota(snap, queue_name, flavors, need)
+                blocker = blocker or self._blocker(snap, job, queue_name, flavors)
                 failed[flavors] = min(failed.get(flavors, NEVER_REFUSED), need)
                 if queue.strict_fifo:
                     break
         return out
+
+    def _blocker(self, snap: Snapshot, job: QuotaJob, queue_name: str, flavors: tuple[str, ...]) -> Blocker | None:
+        """The refused job as its queue's blocker, if some flavor could ever hold it (a job too
+        large for any holds nobody back)."""
+        need = job.spec.total_gpus
+        if job.spec.gpus == 0 or not any(self.pool_of(snap.pools, queue_name, f).ceiling(queue_name) >= need
+                                         for f in flavors):
+            return None
+        return Blocker(job, frozenset(flavors))
 
     def _hold_lent_quota(self, snap: Snapshot, queue_name: str, flavors: tuple[str, ...], need: int) -> None:
         """The lent quota a job waits for is held for its owner: nobody borrows it this cycle."""
@@ -604,11 +639,16 @@ class QuotaCore:
                 turn.ahead += 1
                 out.extend(self._reason(job, *held, position, None, now))
                 continue
+            if turn.blocker is not None and turn.blocker.holds_back(job, flavors):
+                turn.ahead += 1
+                out.extend(self._reason(job, *turn.blocker.reason(queue.name), position, None, now))
+                continue
             need = job.spec.total_gpus
             if need < turn.failed.get(flavors, NEVER_REFUSED) and (
                     reserved := self._try_reserve(snap, job, queue, flavors, True, now)) is not None:
                 out.append(reserved)
                 return out, True
+            turn.blocker = turn.blocker or self._blocker(snap, job, queue.name, flavors)
             turn.failed[flavors] = min(turn.failed.get(flavors, NEVER_REFUSED), need)
             turn.ahead += 1
             refused.append((job, queue.name, position, flavors))

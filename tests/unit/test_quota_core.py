@@ -163,6 +163,40 @@ def test_strict_fifo_only_blocks_its_own_queue():
     assert reserved_ids(out) == ["b-small"]
 
 
+# -- priority before size (docs/quota.md) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("small_priority, expected", [(100, []), (900, ["small"]), (500, ["small"])])
+def test_a_refused_head_holds_back_lower_priorities_of_its_queue(small_priority, expected):
+    """What is freed collects for the refused higher-priority head; a job of the same or a higher
+    priority may still go by it (best effort within a priority)."""
+    h = Harness(queue("research", ("team-a",), {"a100": 8}))
+    h.feed(job("running", 4))
+    out = h.feed(job("big", 8, priority=500, when=at(1), seq=2),
+                 job("small", 2, priority=small_priority, when=at(2), seq=3), now=at(3), reasons=True)
+    assert reserved_ids(out) == expected
+    if not expected:
+        (why,) = [e for e in out if isinstance(e, QuotaPendingReasonChanged) and e.aggregate_id == "small"]
+        assert why.reason == "blocked-by-head" and "job big of queue research (priority 500, 8 GPUs)" in why.message
+    out = h.feed(succeeded("running", when=at(10)), now=at(10))
+    assert reserved_ids(out) == ([] if expected else ["big"])
+
+
+def test_a_head_no_quota_could_ever_hold_holds_nobody_back():
+    h = Harness(queue("research", ("team-a",), {"a100": 4}))  # no cohort: 4 GPUs at most, ever
+    out = h.feed(job("huge", 8, priority=900), job("small", 1, priority=100, when=at(1), seq=2), now=at(1))
+    assert reserved_ids(out) == ["small"]
+
+
+def test_a_head_holds_back_only_its_own_queue_and_flavors():
+    h = Harness(queue("a", ("team-a",), {"a100": 8, "h100": 8}), queue("b", ("team-a",), {"a100": 8}))
+    h.feed(job("a-running", 8, queue_="a", gpu_flavors=("a100",)), job("b-running", 7, queue_="b", seq=2))
+    out = h.feed(job("a-big", 4, queue_="a", priority=900, gpu_flavors=("a100",), when=at(1), seq=3),
+                 job("a-h100", 1, queue_="a", priority=100, gpu_flavors=("h100",), when=at(2), seq=4),
+                 job("b-small", 1, queue_="b", priority=100, when=at(2), seq=5), now=at(3))
+    assert sorted(reserved_ids(out)) == ["a-h100", "b-small"]
+
+
 @pytest.mark.parametrize(
     "queue_quotas, running, flavors, expected",
     [
