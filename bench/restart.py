@@ -37,7 +37,7 @@ import psutil
 
 from gpusched import devstack, tracesim
 from runtime import eventlog, snapshot
-from schemas import JobAdmitted, JobSubmitted, QuotaReserved, new_event
+from schemas import JobAdmitted, JobSpec, JobSubmitted, QuotaReserved, new_event
 from schemas.registry import event_subject, subject_suffix
 from services.scheduler.placement import Policy
 
@@ -80,12 +80,12 @@ async def publish(nc, messages: list[tuple[str, bytes, str]]) -> float:
 
 def probe(service: str, job_id: str, when) -> list:
     """The events after which ``service`` has exactly one thing to decide: this job."""
-    from gpusched.tracesim import FLAVOR, QUEUE, TEAM, Task, _spec
+    from gpusched.tracesim import FLAVOR, QUEUE, TEAM
 
-    spec = _spec(Task(name=job_id, cpu_milli=1000, memory_mib=1024, gpus=1, gpu_milli=None, models=(),
-                      created=0.0, runtime=60.0), 60.0)
+    spec = JobSpec(kind="batch", queue=QUEUE, team=TEAM, priority_class="batch-low", image="probe", gpus=1,
+                   cpu_millis=1000, memory_mib=1024, expected_runtime_seconds=60)
     sub = new_event(JobSubmitted, aggregate_id=job_id, producer="admission", occurred_at=when, key="probe",
-                    spec=spec.model_copy(update={"team": TEAM, "queue": QUEUE}), submitter="bench",
+                    spec=spec, submitter="bench",
                     intake_sequence=10**9)
     if service == "admission":
         return [sub]

@@ -46,6 +46,7 @@ from schemas import (
     JobCheckpointed,
     JobFailed,
     JobPreempted,
+    JobRejected,
     JobScheduled,
     JobSpec,
     JobStarted,
@@ -106,6 +107,7 @@ class SchedJob(SubmittedJob):
     checkpoint_at: datetime | None = None  # latest checkpoint of the placed attempt
     stop_requested: bool = False  # a preemption or reclaim of the placed attempt was requested
     preemptions: int = 0  # PreemptionRequested against this job, all attempts
+    failures: int = 0  # attempts that failed (JobFailed of the placed attempt), as quota counts them
     waiting: SchedulingPendingReasonChanged | None = None  # last reason given for this attempt
     reasons_attempt: int = 0  # the attempt reasons_given counts for
     reasons_given: int = 0  # reason events of that attempt in the log (the next one's id key)
@@ -139,7 +141,7 @@ class SchedulerState:
     sizes: dict[str | None, dict[int, int]] = field(default_factory=dict)  # flavor -> size class -> attempts
     # flavor -> (size class, CPU millicores, GPU models) -> attempts: fgd-spread/-balance's workload
     requests: dict[str | None, dict[tuple[int, int, frozenset[str]], int]] = field(default_factory=dict)
-    preemption_times: list[datetime] = field(default_factory=list)  # of every PreemptionRequested
+    preemption_times: list[datetime] = field(default_factory=list)  # of the latest PreemptionRequested
 
     @property
     def nodes(self) -> dict[str, Node]:
@@ -277,6 +279,22 @@ class SchedulerCore:
         job = s.jobs.get(event.aggregate_id)
         if job is not None:
             self._evolve_job(job, event)
+            if self._last_event(job, event):
+                del s.jobs[event.aggregate_id]
+
+    @staticmethod
+    def _last_event(job: SchedJob, event: Event) -> bool:
+        """Whether no attempt of the job follows this event (the rule quota applies to retries),
+        so the scheduler forgets it: its state holds live work only, and a snapshot's size does
+        not grow with history. Later events for it change nothing (job ids are never reused)."""
+        match event:
+            case JobSucceeded() | JobCancelled() | JobRejected():
+                return True
+            case JobFailed():
+                return job.cancel_requested or not job.spec.retry.retries(event.reason, event.retryable, job.failures)
+            case JobPreempted():
+                return job.cancel_requested
+        return False
 
     def _evolve_job(self, job: SchedJob, event: Event) -> None:
         s = self.state
@@ -300,6 +318,7 @@ class SchedulerCore:
             case PreemptionRequested():
                 job.preemptions += 1
                 s.preemption_times.append(event.occurred_at)
+                del s.preemption_times[:-self.limits.max_per_window or None]  # the window reads no more
                 if job.placement is not None and job.placement.attempt == event.attempt:
                     job.stop_requested = True
                     if (head := s.jobs.get(event.for_job)) is not None:
@@ -316,6 +335,8 @@ class SchedulerCore:
                 if job.reservation is not None and job.reservation.attempt == event.attempt:
                     job.waiting = event
             case JobSucceeded() | JobFailed() | JobPreempted() | JobCancelled():
+                if isinstance(event, JobFailed) and job.placement is not None and job.placement.attempt == event.attempt:
+                    job.failures += 1
                 self._end_attempt(job)
             case QuotaReleased():
                 # Quota was given back without the attempt running (e.g. cancelled while queued).
@@ -488,9 +509,9 @@ class SchedulerCore:
         jobs = self.state.jobs
         waiting = [job] if retried else []
         for j in fresh:
-            other = jobs[j]
-            if other is not job and other.placement is None and other.reservation is not None \
-                    and j not in self._awaiting:
+            other = jobs.get(j)  # None: finished and forgotten since it arrived
+            if other is not None and other is not job and other.placement is None \
+                    and other.reservation is not None and j not in self._awaiting:
                 waiting.append(other)
         out: list[Event] = []
         explained = None

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas import JobScheduled, SchedulingPendingReasonChanged
+from schemas import FailureReason, JobScheduled, RetryPolicy, SchedulingPendingReasonChanged
 from services.scheduler.domain import SchedulerCore
 from tests.unit.builders import (
     T0,
@@ -263,13 +263,30 @@ def test_cancel_before_placement_and_release_without_run():
 
 def test_retry_attempt_is_placed_again():
     h = Harness(node("n1", gpus=2))
-    h.job("a", 2)
-    out = h.feed(failed("a", when=at(1)), released("a", gpus=2, reason="JobFailed", when=at(1)),
+    h.job("a", 2, retry=RetryPolicy(max_attempts=2))
+    out = h.feed(failed("a", FailureReason.NODE_LOST, when=at(1)),
+                 released("a", gpus=2, reason="JobFailed", when=at(1)),
                  reserved("a", gpus=2, attempt=2, when=at(2)), now=at(2))
     (event,) = scheduled_only(out)
     assert (event.attempt, event.placement[0].gpu_indices) == (2, (0, 1))
     first = next(e for e in h.log.events if isinstance(e, JobScheduled))
     assert first.attempt == 1 and event.event_id != first.event_id  # a new id for the new attempt
+
+
+@pytest.mark.parametrize("last, forgotten", [
+    (lambda: succeeded("a", when=at(1)), True),
+    (lambda: cancelled("a", when=at(1)), True),
+    (lambda: failed("a", when=at(1)), True),  # exit code: not in retry_on, quota retries no such failure
+    (lambda: failed("a", FailureReason.NODE_LOST, when=at(1)), False),  # retried (2 attempts): the job stays
+    (lambda: preempted("a", when=at(1)), False),  # requeued
+])
+def test_a_job_no_attempt_follows_is_forgotten(last, forgotten):
+    """The scheduler's state holds live work only (quota's retry rule says what is over)."""
+    h = Harness(node("n1", gpus=2))
+    h.job("a", 2, retry=RetryPolicy(max_attempts=2))
+    h.feed(last(), now=at(1))
+    assert ("a" in h.core.state.jobs) is not forgotten
+    assert h.core.state.running == {"a100": set()} and h.core.state.heads == {}
 
 
 def test_node_lost_is_not_used_and_new_nodes_wake_heads():
