@@ -56,8 +56,11 @@ class Stack:
         self.pg.start()
 
     def start_services(self, cluster: Path, epoch: float) -> None:
+        # Snapshots every 2,000 events: a service killed mid-run starts again from its latest
+        # snapshot and the tail after it, so the invariants hold across that path too.
         env = devstack.service_env(self.nats.env, self.pg.dsn, cluster=cluster, time_scale=TIME_SCALE, epoch=epoch,
-                                   extra={"GPUSCHED_TICK_S": "0.1"})
+                                   extra={"GPUSCHED_TICK_S": "0.1", "GPUSCHED_SNAPSHOT_EVERY": "2000",
+                                          "GPUSCHED_SNAPSHOT_MIN_INTERVAL_S": "0"})
         self.procs = devstack.ServiceProcesses(self.logs, env)
         self.procs.start_all()
 
