@@ -728,8 +728,7 @@ class SchedulerCore:
         job.waiting = event
         return [event]
 
-    # -- metrics -----------------------------------------------------------------------------
-    # -- snapshots (runtime/snapshot.py) ----------------------------------------------------
+    # -- snapshots (runtime/snapshot.py) -----------------------------------------------------
     def snapshot_state(self) -> SchedulerState:
         return self.state
 
@@ -750,6 +749,7 @@ class SchedulerCore:
             job.tried_generation = -1
         self._mark_all_dirty()
 
+    # -- metrics -----------------------------------------------------------------------------
     def fragmentation(self) -> list[FlavorFragmentation]:
         """The fragmentation index of every GPU flavor (docs/scheduling.md), counting the
         placements decided and not yet back from the log."""
