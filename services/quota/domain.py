@@ -640,8 +640,12 @@ class QuotaCore:
                 out.extend(self._reason(job, *held, position, None, now))
                 continue
             if turn.blocker is not None and turn.blocker.holds_back(job, flavors):
+                # It keeps the reason it had (quota short, most often): heads of higher priority
+                # come and go all the time, and a reason that followed them would be an event
+                # per waiting job each time. A job not told anything yet is told this.
                 turn.ahead += 1
-                out.extend(self._reason(job, *turn.blocker.reason(queue.name), position, None, now))
+                if job.waiting is None:
+                    out.extend(self._reason(job, *turn.blocker.reason(queue.name), position, None, now))
                 continue
             need = job.spec.total_gpus
             if need < turn.failed.get(flavors, NEVER_REFUSED) and (
