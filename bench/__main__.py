@@ -109,8 +109,9 @@ async def e2e(server: devstack.NatsServer, pg: devstack.Postgres, admin_js, n_jo
         cpu = {name: psutil.Process(p.pid) for name, p in procs.procs.items()}
         cpu["nats-server"], cpu["bench client"] = psutil.Process(server.proc.pid), psutil.Process()
         before = {name: sum(p.cpu_times()[:2]) for name, p in cpu.items()}
-        burst = await _phase(admin_js, ojs, f"{workdir.name}-tp", n_jobs, None)
-        cpu_s = {name: sum(p.cpu_times()[:2]) - before[name] for name, p in cpu.items()}
+        cpu_s: dict[str, float] = {}
+        burst = await _phase(admin_js, ojs, f"{workdir.name}-tp", n_jobs, None, on_done=lambda: cpu_s.update(
+            {name: sum(p.cpu_times()[:2]) - before[name] for name, p in cpu.items()}))
         # 3. accounting: how far behind the log the read models are when the burst ends
         last = await eventlog.last_sequence(admin_js)
         t = time.time()
@@ -133,7 +134,7 @@ async def e2e(server: devstack.NatsServer, pg: devstack.Postgres, admin_js, n_jo
         procs.stop_all()
 
 
-async def _phase(admin_js, ojs, prefix: str, n: int, rate: float | None) -> dict:
+async def _phase(admin_js, ojs, prefix: str, n: int, rate: float | None, on_done=None) -> dict:
     """Submit n one-GPU jobs of 50 ms (at ``rate`` per second, or in one burst) and wait until
     every one has succeeded and released its quota."""
     start_seq = await eventlog.last_sequence(admin_js) + 1
@@ -155,6 +156,8 @@ async def _phase(admin_js, ojs, prefix: str, n: int, rate: float | None) -> dict
         if time.time() - t0 > 300:
             raise TimeoutError(f"{prefix}: {done} of {n} jobs finished in 5 minutes")
         await asyncio.sleep(0.1)
+    if on_done is not None:  # the jobs are through: before the figures are read back from the log
+        on_done()
     scheduled, succeeded, events = {}, {}, 0
     async for m in eventlog.read(admin_js, from_seq=start_seq):
         e = parse_event(m.data)
