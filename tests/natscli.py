@@ -62,7 +62,8 @@ def run_nats(binary: str, server_url: str, user: str, password: str, *args: str,
         raise ValueError("run_nats: no command given (e.g. 'stream', 'ls')")
     if timeout <= 0:
         raise ValueError(f"run_nats: timeout {timeout!r} must be > 0 seconds")
-    command = [binary, "--no-context", "--server", server_url, "--user", user, "--password", password]
+    # flag=value: a generated password may begin with "-", which the CLI would take for a flag
+    command = [binary, "--no-context", f"--server={server_url}", f"--user={user}", f"--password={password}"]
     if inbox_prefix is not None:
         command += ["--inbox-prefix", inbox_prefix]
     env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}
