@@ -77,10 +77,10 @@ def spec_digest(spec: JobSpec) -> str:
 
 @dataclass
 class JobRecord:
-    """A job admission has seen. Once it is finished, its spec and submission are let go (None):
-    what a later command needs of it (its team, the spec's digest and the intake sequence, to
-    answer a reused id or key; finished, to answer a cancel) stays, so the state and its snapshot
-    hold the history's ids, not its specs."""
+    """A job admission has seen. Once it is decided and finished, its spec and submission are let
+    go (None): what a later command needs of it (its team, the spec's digest and the intake
+    sequence, to answer a reused id or key; finished, to answer a cancel) stays, so the state and
+    its snapshot hold the history's ids, not its specs."""
 
     team: str
     spec: JobSpec | None
@@ -169,8 +169,8 @@ class AdmissionCore:
             case JobCancelRequested():
                 if (job := s.jobs.get(event.aggregate_id)) is not None:
                     job.cancel_requested = True
-        if (job := s.jobs.get(event.aggregate_id)) is not None and job.finished:
-            job.spec = job.submitted = None
+        if (job := s.jobs.get(event.aggregate_id)) is not None and job.finished and job.decided:
+            job.spec = job.submitted = None  # an undecided job (cancelled early) still needs them
 
     # -- intake ------------------------------------------------------------------------------
     def handle_submit(self, raw: bytes, sender: Principal, intake_seq: int, now: datetime) -> list[Event]:

@@ -471,6 +471,18 @@ def test_a_cancel_while_a_failed_attempt_will_be_retried_is_taken():
     assert core.handle_cancel(cancel_raw(), sender("team-a"), T0) == []
 
 
+def test_a_job_cancelled_before_its_decision_is_still_decided():
+    """The executor may cancel a job before admission has decided it (JobCancelled with no
+    attempt): admission still decides it, with its spec (decide raised on a record whose spec a
+    finish had let go, every cycle, holding up every other decision)."""
+    core, job_id = submitted_core(*QUEUES)
+    core.evolve(cancelled(job_id))
+    (decision,) = core.decide(T0)
+    assert isinstance(decision, JobAdmitted)
+    core.evolve(decision)
+    assert core.decide(T0) == []
+
+
 def test_cancel_of_a_rejected_job_does_nothing():
     core, job_id = submitted_core(payload=submit_payload(spec_dict(queue="nope"), job_id="j1"))
     (rej,) = drive(core)
