@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from conftest import connect_as, eventually, service_settings
+from conftest import connect_as, eventually, reset_log, service_settings
 from runtime import eventlog, snapshot
 from runtime.loop import DecisionService
 from services.quota.domain import QuotaCore
@@ -34,7 +34,6 @@ class CountingCore(QuotaCore):
 @pytest.fixture
 async def fresh_bucket(nats_server, admin_js):
     """No snapshot left by an earlier test."""
-    ADMIN[:] = [admin_js]
     with contextlib.suppress(Exception):
         await admin_js.delete_object_store(snapshot.bucket("quota"))
     yield
@@ -42,10 +41,10 @@ async def fresh_bucket(nats_server, admin_js):
         await admin_js.delete_object_store(snapshot.bucket("quota"))
 
 
-async def run_until(service: DecisionService, done=None) -> None:
-    """Start the service, wait for ``done()`` and for it to have folded the log to its end, stop
-    it cleanly (which saves the snapshot)."""
-    end = await eventlog.last_sequence(service_js(service))
+async def run_until(js, service: DecisionService, done=None) -> None:
+    """Start the service, wait for ``done()`` and for it to have folded the log (read with
+    ``js``) to its end, stop it cleanly (which saves the snapshot)."""
+    end = await eventlog.last_sequence(js)
     task = asyncio.create_task(service.run())
     try:
         await eventually(lambda: service.applied_seq >= end, timeout_s=20)
@@ -73,16 +72,7 @@ async def full_fold(js) -> QuotaCore:
 
 def service(nats_server, core) -> DecisionService:
     # snapshot_every high: the only snapshot is the one a clean stop saves
-    svc = DecisionService("quota", core, service_settings(nats_server, "quota", snapshot_every=1_000_000))
-    svc.admin_js = ADMIN[0]
-    return svc
-
-
-ADMIN: list = []  # the admin's JetStream, for run_until to read the log's end
-
-
-def service_js(svc):
-    return svc.admin_js
+    return DecisionService("quota", core, service_settings(nats_server, "quota", snapshot_every=1_000_000))
 
 
 async def test_a_restart_loads_the_snapshot_and_folds_only_the_tail(nats_server, admin_js, fresh_bucket, caplog):
@@ -92,7 +82,7 @@ async def test_a_restart_loads_the_snapshot_and_folds_only_the_tail(nats_server,
         await log.append(submitted(f"j{i}", seq=i + 1))
         await log.append(admitted(f"j{i}"))
     first = CountingCore()
-    await run_until(service(nats_server, first), lambda: _count(admin_js, 20))
+    await run_until(admin_js, service(nats_server, first), lambda: _count(admin_js, 20))
     saved_at = await eventlog.last_sequence(admin_js)
     assert first.folded == saved_at  # the first start had no snapshot: it folded everything
 
@@ -102,7 +92,7 @@ async def test_a_restart_loads_the_snapshot_and_folds_only_the_tail(nats_server,
     tail = await eventlog.last_sequence(admin_js) - saved_at
     second = CountingCore()
     with caplog.at_level(logging.INFO, logger="runtime.loop"):
-        await run_until(service(nats_server, second), lambda: _count(admin_js, 25))
+        await run_until(admin_js, service(nats_server, second), lambda: _count(admin_js, 25))
     assert any(r.getMessage() == "state loaded from a snapshot" for r in caplog.records), [getattr(r, "error", "") for r in caplog.records]
     # it folded the tail and the five reservations it appended, nothing before the snapshot
     assert second.folded == tail + 5
@@ -116,31 +106,29 @@ async def test_a_snapshot_of_other_code_or_another_log_is_ignored(nats_server, a
     await log.append(queue(quotas={"a100": 64}))
     await log.append(submitted("j0"))
     await log.append(admitted("j0"))
-    await run_until(service(nats_server, QuotaCore()), lambda: _count(admin_js, 1))
+    await run_until(admin_js, service(nats_server, QuotaCore()), lambda: _count(admin_js, 1))
     end = await eventlog.last_sequence(admin_js)
 
     monkeypatch.setattr(snapshot, "code_version", lambda core: "another-version")
     other_code = CountingCore()
-    await run_until(service(nats_server, other_code), )
+    await run_until(admin_js, service(nats_server, other_code))
     assert other_code.folded == end  # the whole log
     monkeypatch.undo()
 
     # the same code, but the log provisioned again: the bucket's snapshot is of the old log
-    await run_until(service(nats_server, QuotaCore()), )  # a snapshot of this code
-    from conftest import reset_log
-
+    await run_until(admin_js, service(nats_server, QuotaCore()))  # a snapshot of this code
     await reset_log(admin_js)
     await eventlog.EventLog(admin_js).append(queue(quotas={"a100": 64}))
     other_log = CountingCore()
-    await run_until(service(nats_server, other_log), )
+    await run_until(admin_js, service(nats_server, other_log))
     assert other_log.folded == 1
     assert other_log.state.jobs == {}
 
 
 async def test_another_service_cannot_read_or_write_the_snapshot(nats_server, admin_js, fresh_bucket):
-    await run_until(service(nats_server, QuotaCore()), )
+    await run_until(admin_js, service(nats_server, QuotaCore()))
     await eventlog.EventLog(admin_js).append(queue())
-    await run_until(service(nats_server, QuotaCore()), )  # saves one: the log moved
+    await run_until(admin_js, service(nats_server, QuotaCore()))  # saves one: the log moved
     assert await (await admin_js.object_store(snapshot.bucket("quota"))).get_info(snapshot.OBJECT)
     nc = await connect_as(nats_server, "scheduler")
     try:
