@@ -410,7 +410,8 @@ class AdmissionCore:
 
     def _unsatisfiable(self, spec: JobSpec, flavors: tuple[str, ...]) -> tuple[str, str] | None:
         """Resource sanity against the inventory: could any known node shape ever host one gang
-        member, and are there enough such nodes for the gang? Free capacity is the scheduler's
+        member (a fraction of a GPU only on nodes whose GPUs are shared), and are there enough such
+        nodes for the gang? Free capacity is the scheduler's
         business. A flavor with no node registered yet is given the benefit of the doubt (its
         nodes may still be registering), so only a flavor whose nodes are all too small rejects.
         Returns (the field whose value rules the nodes out, the message), or None."""
@@ -419,6 +420,7 @@ class AdmissionCore:
             return None
         # Each requirement in turn narrows the nodes; the first that leaves too few is at fault.
         requirements = (
+            ("spec.gpu_milli", lambda n: spec.gpu_milli is None or n.gpu_sharable),
             ("spec.gpus", lambda n: n.gpu_count >= spec.gpus),
             ("spec.gpu_models", lambda n: not spec.gpu_models or n.gpu_product in spec.gpu_models),
             ("spec.node_features", lambda n: set(spec.node_features) <= set(n.features)),
@@ -436,6 +438,16 @@ class AdmissionCore:
             per_flavor = [sum(1 for n in nodes if n.gpu_flavor == f) for f in flavors]
             if max(per_flavor) >= spec.gang_size:
                 return None
+        if field_ == "spec.gpu_milli":
+            queue = self.state.queues.get(spec.queue)
+            quota_flavors = {q.flavor for q in queue.quotas} if queue is not None else set()
+            shared = sorted({n.gpu_flavor for n in self.state.nodes.values()
+                             if n.gpu_sharable and n.gpu_flavor in quota_flavors})
+            return field_, (
+                f"spec.gpu_milli: {spec.gpu_milli} thousandths of a GPU needs a node whose GPUs are shared, and none "
+                f"of the nodes of flavors {list(flavors)} shares its GPUs; accepted: whole GPUs (no gpu_milli), or "
+                f"gpu_flavors with shared GPUs on queue {spec.queue!r}: {', '.join(shared) or '(none)'}"
+            )
         shapes = "; ".join(self._largest_node(f) for f in sorted(flavors))
         return field_, (
             f"{field_}: spec.gpus {spec.gpus} × gang_size {spec.gang_size} with min_gpu_memory_mib "
