@@ -52,13 +52,16 @@ def demo_workload(n: int, seed: int = 7) -> list[tuple[float, SubmitJob]]:
     shapes = {
         "team-research": [("h100-80gb", 8, JobKind.TRAINING), ("a100-40gb", 4, JobKind.TRAINING),
                           ("a100-40gb", 1, JobKind.EVALUATION), ("h100-80gb", 2, JobKind.TRAINING)],
-        "team-product": [("l4", 1, JobKind.INFERENCE), ("l4", 2, JobKind.INFERENCE), ("h100-80gb", 4, JobKind.TRAINING)],
+        "team-product": [("l4", 1, JobKind.INFERENCE), ("l4", 2, JobKind.INFERENCE), ("h100-80gb", 4, JobKind.TRAINING),
+                         ("l4", 1, JobKind.INFERENCE, 250)],  # a quarter of one shared L4 (gpu_milli)
         "team-platform": [("a100-40gb", 2, JobKind.BATCH), ("l4", 1, JobKind.BATCH), ("a100-40gb", 8, JobKind.TRAINING)],
     }
     out = []
     for i in range(n):
         team = TEAMS[i % 3]
-        flavor, gpus, kind = rng.choice(shapes[team])
+        shape = rng.choice(shapes[team])
+        flavor, gpus, kind = shape[:3]
+        milli = shape[3] if len(shape) > 3 else None  # thousandths of one GPU
         annotations = {}
         if i % 17 == 5:  # a flaky job: first attempt fails on a lost node, the retry succeeds
             annotations = {"sim.gpusched.io/exit-code": "1", "sim.gpusched.io/fail-attempts": "1",
@@ -68,7 +71,7 @@ def demo_workload(n: int, seed: int = 7) -> list[tuple[float, SubmitJob]]:
             project=rng.choice(["llm", "vision", "ranking"]),
             priority_class="inference-sla" if kind == JobKind.INFERENCE else "training",
             image="registry.example/train:latest", command=("python", "train.py"),
-            gpus=gpus, gpu_flavors=(flavor,), expected_runtime_seconds=rng.choice([600, 1200, 1800, 3600]),
+            gpus=gpus, gpu_milli=milli, gpu_flavors=(flavor,), expected_runtime_seconds=rng.choice([600, 1200, 1800, 3600]),
             retry={"max_attempts": 3, "backoff_seconds": 60}, annotations=annotations,
         )
         out.append((rng.uniform(0.05, 0.6), SubmitJob(job_id=f"demo-{i:04d}", on_behalf_of=f"{team}-bot", spec=spec)))

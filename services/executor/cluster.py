@@ -13,6 +13,11 @@ Example::
         memory_mib: 1048576
         features: [rdma]
         labels: {topology.gpusched.io/rack: rack-1}
+      - prefix: l4
+        count: 2
+        gpu_flavor: l4
+        gpu_count: 4
+        gpu_sharable: true    # fractional jobs (gpu_milli) may share these GPUs
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from schemas.envelope import NAME_PATTERN
 from schemas.node import NodeInfo
@@ -39,6 +44,14 @@ class NodeGroup(BaseModel):
     memory_mib: int = Field(default=0, ge=0)
     features: tuple[str, ...] = ()
     labels: dict[str, str] = Field(default_factory=dict)
+    gpu_sharable: bool = False  # fractional requests (JobSpec.gpu_milli) may share the GPUs
+
+    @model_validator(mode="after")
+    def _sharable_gpus(self) -> "NodeGroup":
+        if self.gpu_sharable and (self.gpu_count == 0 or self.gpu_flavor is None):
+            raise ValueError(f"gpu_sharable needs GPUs to share: a gpu_flavor and gpu_count ≥ 1 (got gpu_flavor "
+                             f"{self.gpu_flavor}, gpu_count {self.gpu_count})")
+        return self
 
 
 class ClusterSpec(BaseModel):
