@@ -7,11 +7,19 @@ node by a required node affinity on ``kubernetes.io/hostname``. An Indexed Job h
 template for every index, so it cannot pin index *i* to the node the scheduler chose for member
 *i*, nor give members different GPU counts; separate Jobs can, at the price of creating N objects
 (not atomic: a restart mid-creation adopts the members that exist and creates the rest).
+
+GPUs come from NVIDIA's device plugin and GPU feature discovery (GFD) on each Node
+(:func:`gpu_offer`): whole GPUs as ``nvidia.com/gpu``; MIG devices of the ``single`` strategy as
+whole GPUs of a MIG flavor; time-sliced GPUs (``sharing.timeSlicing``) as sharable GPUs, which a
+fractional job (``JobSpec.gpu_milli``) asks for as one replica. ``mixed``-strategy MIG devices,
+MPS sharing and labels that contradict each other are left out of the inventory with a note the
+backend logs.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -21,6 +29,8 @@ from services.executor.gang import MemberStatus
 from services.executor.lifecycle import Phase, Workload, flavor_of, workload_name
 
 GPU_RESOURCE = "nvidia.com/gpu"
+GPU_SHARED_RESOURCE = "nvidia.com/gpu.shared"  # time-slicing with renameByDefault
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"  # mig.strategy mixed: nvidia.com/mig-<profile>
 LABEL_PREFIX = "gpusched.io/"
 L_MANAGED = "app.kubernetes.io/managed-by"
 MANAGED_BY = "gpusched-executor"
@@ -33,6 +43,11 @@ SELECTOR = f"{L_MANAGED}={MANAGED_BY}"
 GFD_PRODUCT = "nvidia.com/gpu.product"
 GFD_MEMORY = "nvidia.com/gpu.memory"  # MiB
 GFD_COUNT = "nvidia.com/gpu.count"
+GFD_REPLICAS = "nvidia.com/gpu.replicas"  # accesses handed out per GPU (> 1: shared)
+GFD_SHARING = "nvidia.com/gpu.sharing-strategy"  # none, time-slicing or mps
+GFD_MIG_STRATEGY = "nvidia.com/mig.strategy"  # none, single or mixed
+SHARED_SUFFIX = "-SHARED"  # GFD appends it to a shared GPU's product (unless the resource is renamed)
+MIG_INVALID_SUFFIX = "-MIG-INVALID"  # GFD's product for a node mig.strategy single cannot describe
 FLAVOR_LABEL = "gpusched.io/gpu-flavor"
 TOPOLOGY_PREFIXES = ("topology.kubernetes.io/", "topology.gpusched.io/", "nvidia.com/gpu.clique",
                      "kubernetes.io/hostname", "node.kubernetes.io/instance-type")
@@ -58,8 +73,11 @@ class JobOptions:
         return self.namespace.replace("{team}", team)
 
 
-def job_manifests(w: Workload, opts: JobOptions) -> list[dict]:
-    """One batch/v1 Job per gang member, in member order."""
+def job_manifests(w: Workload, opts: JobOptions, gpu_resources: Mapping[str, str] | None = None) -> list[dict]:
+    """One batch/v1 Job per gang member, in member order. ``gpu_resources``: the extended
+    resource each node's GPUs are requested by (:attr:`GpuOffer.resource`); a node not in it:
+    ``nvidia.com/gpu``. A fractional member (``gpu_milli``) asks for one GPU of that resource:
+    on a time-sliced node, one replica."""
     spec = w.spec
     ns = opts.namespace_for(spec.team)
     labels = {
@@ -75,6 +93,8 @@ def job_manifests(w: Workload, opts: JobOptions) -> list[dict]:
                        L_TEAM: spec.team, L_PCLASS: spec.priority_class, "gpusched.io/node": p.node,
                        "gpusched.io/flavor": w.flavor,
                        "gpusched.io/gpu-indices": ",".join(map(str, p.gpu_indices))}
+        if p.gpu_milli is not None:
+            annotations["gpusched.io/gpu-milli"] = str(p.gpu_milli)
         if w.priority is not None:
             annotations["gpusched.io/priority"] = str(w.priority)
         env = [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
@@ -90,8 +110,9 @@ def job_manifests(w: Workload, opts: JobOptions) -> list[dict]:
         resources = {"cpu": f"{spec.cpu_millis}m", "memory": f"{spec.memory_mib}Mi"}
         limits = dict(resources)
         if p.gpus:
-            limits[GPU_RESOURCE] = str(p.gpus)
-            resources = {**resources, GPU_RESOURCE: str(p.gpus)}
+            gpu = (gpu_resources or {}).get(p.node, GPU_RESOURCE)
+            limits[gpu] = str(p.gpus)
+            resources = {**resources, gpu: str(p.gpus)}
         container = {"name": "main", "image": spec.image, "env": env,
                      "resources": {"requests": resources, "limits": limits}}
         if spec.command:
@@ -249,25 +270,98 @@ def _quantity_millis(q: str | None) -> int:
     return int(q[:-1]) if q.endswith("m") else int(float(q) * 1000)
 
 
-def node_info(node: dict) -> NodeInfo:
-    """NodeInfo from a Node: GPU count from allocatable nvidia.com/gpu, product and memory from the
-    GPU feature discovery labels, topology labels, features, taints and cordon."""
+@dataclass(frozen=True)
+class GpuOffer:
+    """The GPUs a Node offers gpusched, read from the device plugin's allocatable resources and
+    the GFD labels."""
+
+    count: int  # GPUs to place on: physical GPUs, or MIG devices (mig.strategy single)
+    resource: str  # the extended resource a Pod requests them by
+    sharable: bool  # time-sliced: fractional requests share a GPU, each Pod holding one replica
+    product: str | None  # GFD's product, without the -SHARED suffix
+    note: str = ""  # what the node advertises that gpusched leaves out, and why ("" if nothing)
+
+
+def _whole(value) -> int | None:
+    """A label or quantity that must be a whole number ≥ 0; None when it is not one."""
+    text = str(value).strip() if value is not None else ""
+    return int(text) if text.isdigit() else None
+
+
+def gpu_offer(node: dict) -> GpuOffer:
+    """What the node's GPUs are to gpusched:
+
+    * no sharing (``nvidia.com/gpu.replicas`` absent or 1): ``count`` = allocatable
+      ``nvidia.com/gpu`` (with ``mig.strategy`` single these are MIG devices, and the product
+      names the profile, e.g. ``NVIDIA-A100-SXM4-40GB-MIG-1g.5gb``);
+    * time-slicing (replicas R > 1, ``sharing-strategy`` time-slicing or, from GFD versions
+      before that label, absent): sharable, ``count`` = allocatable ``nvidia.com/gpu`` (or
+      ``nvidia.com/gpu.shared`` with renameByDefault) // R, the physical GPUs;
+    * MPS sharing, an unknown strategy, a replicas label that is not a whole number, a renamed
+      resource without replicas, GFD's ``…-MIG-INVALID`` product: no GPUs, and a note;
+    * ``nvidia.com/mig-<profile>`` resources (mig.strategy mixed) are never offered: one node has
+      one GPU flavor, so the node is offered for its ``nvidia.com/gpu`` only, with a note.
+    """
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    alloc = (node.get("status") or {}).get("allocatable") or (node.get("status") or {}).get("capacity") or {}
+    notes = []
+    mig = sorted(f"{k}: {v}" for k, v in alloc.items() if k.startswith(MIG_RESOURCE_PREFIX) and _whole(v))
+    if mig:
+        notes.append(f"MIG devices ({', '.join(mig)}; mig.strategy {labels.get(GFD_MIG_STRATEGY) or 'unset'}) are "
+                     f"not offered: gpusched places whole GPUs, MIG devices of mig.strategy single and time-sliced "
+                     f"GPUs, one flavor per node")
+    renamed = GPU_SHARED_RESOURCE in alloc and GPU_RESOURCE not in alloc
+    resource = GPU_SHARED_RESOURCE if renamed else GPU_RESOURCE
+    advertised = _whole(alloc.get(resource)) or 0
+    product = labels.get(GFD_PRODUCT)
+
+    def none(why: str) -> GpuOffer:
+        return GpuOffer(0, resource, False, product, "; ".join([*notes, f"{why}: registered without GPUs"]))
+
+    raw = labels.get(GFD_REPLICAS)
+    replicas = _whole(raw) if raw is not None else 1
+    strategy = labels.get(GFD_SHARING) or ""
+    if advertised and replicas is None:
+        return none(f"label {GFD_REPLICAS}={raw!r} is not a whole number")
+    if product and product.endswith(MIG_INVALID_SUFFIX):
+        return none(f"GPU feature discovery reports an invalid MIG configuration ({GFD_PRODUCT}={product})")
+    if advertised and replicas > 1:
+        if strategy not in ("", "time-slicing"):
+            return none(f"GPUs shared by {strategy!r} ({GFD_REPLICAS}={replicas}): gpusched shares time-sliced "
+                        "GPUs only")
+        shared = product.removesuffix(SHARED_SUFFIX) if product else None
+        return GpuOffer(advertised // replicas, resource, True, shared, "; ".join(notes))
+    if advertised and renamed:
+        return none(f"{GPU_SHARED_RESOURCE} is advertised without a {GFD_REPLICAS} label above 1: the physical GPU "
+                    "count is unknown")
+    return GpuOffer(advertised, resource, False, product, "; ".join(notes))
+
+
+def node_info(node: dict, offer: GpuOffer | None = None) -> NodeInfo:
+    """NodeInfo from a Node: GPUs from :func:`gpu_offer` (``offer``, when the caller has it),
+    memory from the GFD label, the flavor from ``gpusched.io/gpu-flavor`` or the product (a
+    time-sliced node's with ``-shared``: its GPUs are not exclusive), topology labels,
+    features, taints and cordon."""
     meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
     labels = meta.get("labels") or {}
     alloc = status.get("allocatable") or status.get("capacity") or {}
-    gpus = int(alloc.get(GPU_RESOURCE, "0") or 0)
-    product = labels.get(GFD_PRODUCT)
+    offer = offer or gpu_offer(node)
+    gpus = offer.count
     mem = labels.get(GFD_MEMORY)
-    flavor = labels.get(FLAVOR_LABEL) or (flavor_of(product) if gpus else None)
+    derived = flavor_of(offer.product)
+    if derived and offer.sharable:
+        derived = f"{derived[:56].rstrip('-')}-shared"
+    flavor = labels.get(FLAVOR_LABEL) or derived
     features = tuple(sorted(k[len(FEATURE_PREFIX):] for k, v in labels.items()
                             if k.startswith(FEATURE_PREFIX) and v.lower() in ("true", "1", "yes")))
     kept = {k: v for k, v in labels.items() if k.startswith(TOPOLOGY_PREFIXES)}
     taints = tuple(f"{t['key']}={t.get('value', '')}:{t['effect']}" for t in spec.get("taints") or ())
     return NodeInfo(
-        name=meta["name"], gpu_flavor=flavor if gpus else None, gpu_product=product if gpus else None,
+        name=meta["name"], gpu_flavor=flavor if gpus else None, gpu_product=offer.product if gpus else None,
         gpu_count=min(gpus, 64), gpu_memory_mib=int(mem) if gpus and mem and mem.isdigit() and int(mem) > 0 else None,
         cpu_millis=_quantity_millis(alloc.get("cpu")), memory_mib=_quantity_mib(alloc.get("memory")),
         features=features, labels=kept, taints=taints, unschedulable=bool(spec.get("unschedulable")),
+        gpu_sharable=offer.sharable and gpus > 0,
     )
 
 

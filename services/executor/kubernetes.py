@@ -34,6 +34,7 @@ from services.executor.k8s_model import (
     L_MEMBER,
     SELECTOR,
     JobOptions,
+    gpu_offer,
     job_manifests,
     member_status,
     node_info,
@@ -204,6 +205,8 @@ class KubernetesBackend:
         self._failed_create: dict[tuple[str, int], Observation] = {}
         self._retry_at = 0.0
         self._backoff = BACKOFF_MIN_S
+        self._gpu_resources: dict[str, str] = {}  # node -> the resource its GPUs are requested by
+        self._notes: dict[str, str] = {}  # node -> what of it the inventory leaves out, as last logged
 
     def start(self) -> None:
         for c in (self.jobs, self.pods, self.nodes):
@@ -224,7 +227,18 @@ class KubernetesBackend:
     def inventory(self) -> list[NodeInfo] | None:
         if not self.synced():
             return None
-        return [node_info(n) for n in self.nodes.items()]
+        out, resources, notes = [], {}, {}
+        for n in self.nodes.items():
+            offer = gpu_offer(n)
+            info = node_info(n, offer)
+            out.append(info)
+            resources[info.name] = offer.resource
+            if offer.note:
+                notes[info.name] = offer.note
+                if self._notes.get(info.name) != offer.note:
+                    log.warning("node %s: %s", info.name, offer.note, extra={"node": info.name})
+        self._gpu_resources, self._notes = resources, notes
+        return out
 
     def create(self, plan: Plan, now: datetime) -> int:
         if time.monotonic() < self._retry_at:
@@ -318,7 +332,7 @@ class KubernetesBackend:
             if k in self._failed_create:
                 continue
             have = by_attempt.get(k, {})
-            for i, manifest in enumerate(job_manifests(w, self.opts)):
+            for i, manifest in enumerate(job_manifests(w, self.opts, self._gpu_resources)):
                 name = manifest["metadata"]["name"]
                 if i in have or name in self._seen:
                     continue  # exists (adopted), or existed and vanished: classification reports it
