@@ -44,12 +44,13 @@ PARAMETERS = {
     "node": "A node name with `.` written as `_`",
     "statement_id": "`<period>-<dimension>-<last sequence>`",
     "token_id": "An API token id (12 characters)",
+    "policy_id": "`cluster`: the one policy (priority classes and preemption rate limit)",
     "kind": "A notification kind (schemas.notify.NotificationKind)",
     "verb": "submit, cancel or checkpoint",
     "service": "The service that dead-lettered the message",
 }
 AGGREGATE_PARAMETER = {"job": "job_id", "queue": "name", "cohort": "name", "node": "node", "pricebook": "name",
-                       "statement": "statement_id", "team": "name", "token": "token_id"}
+                       "statement": "statement_id", "team": "name", "token": "token_id", "policy": "policy_id"}
 
 
 def _header(description: str, example: str | None = None) -> dict[str, Any]:

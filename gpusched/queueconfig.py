@@ -1,5 +1,10 @@
-"""Queue, cohort and team configuration as a file (queues.yaml): what the log has now, what a
-file changes, and the events that make the log equal the file (``gpusched apply``)."""
+"""Queue, cohort, team and policy configuration as a file (queues.yaml): what the log has now,
+what a file changes, and the events that make the log equal the file (``gpusched apply``).
+
+The policy (schemas.priority.PolicyConfigured) is two optional sections: ``priority_classes``
+(the whole list of classes: a class the file omits is retired) and ``preemption_limits`` (the
+global preemption rate limit). A file with neither leaves the policy as it is; a file with one
+keeps the other as the log has it."""
 
 from __future__ import annotations
 
@@ -14,7 +19,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpusched.userinput import CHECKED_AT, UserError, checked, field_path, read_document, validate
 from runtime import eventlog
-from schemas import CohortConfigured, Event, QueueConfigured, QueueDeleted, TeamConfigured, new_event, parse_event
+from schemas import (
+    DEFAULT_PRIORITY_CLASSES,
+    POLICY_ID,
+    CohortConfigured,
+    Event,
+    PolicyConfigured,
+    PreemptionRateLimit,
+    PriorityClass,
+    QueueConfigured,
+    QueueDeleted,
+    TeamConfigured,
+    new_event,
+    parse_event,
+)
 from schemas.registry import SUBJECT_PREFIX
 
 
@@ -59,8 +77,10 @@ class TeamSpec(BaseModel):
 
 class QueuesFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    priority_classes: list[PriorityClass] | None = Field(default=None, min_length=1, max_length=64)
+    preemption_limits: PreemptionRateLimit | None = None
     cohorts: list[CohortSpec] = Field(default_factory=list)
-    queues: list[QueueSpec]
+    queues: list[QueueSpec] = Field(default_factory=list)
     teams: list[TeamSpec] = Field(default_factory=list)
 
 
@@ -76,14 +96,23 @@ class QuotaConfig:
     queues: dict[str, QueueConfigured]
     cohorts: dict[str, CohortConfigured]
     teams: dict[str, TeamConfigured] = field(default_factory=dict)
+    policy: PolicyConfigured | None = None  # None: none applied yet (the built-in classes hold)
+
+    def classes(self) -> dict[str, PriorityClass]:
+        """The priority classes in force."""
+        if self.policy is None:
+            return dict(DEFAULT_PRIORITY_CLASSES)
+        return {pc.name: pc for pc in self.policy.priority_classes}
 
 
 async def current_queues(js: JetStreamContext) -> QuotaConfig:
     config = QuotaConfig({}, {})
-    subjects = [f"{SUBJECT_PREFIX}.queue.>", f"{SUBJECT_PREFIX}.cohort.>", f"{SUBJECT_PREFIX}.team.>"]
+    subjects = [f"{SUBJECT_PREFIX}.{aggregate}.>" for aggregate in ("queue", "cohort", "team", "policy")]
     async for msg in eventlog.read(js, subjects=subjects):
         event = parse_event(msg.data)
-        if isinstance(event, TeamConfigured):
+        if isinstance(event, PolicyConfigured):
+            config.policy = event
+        elif isinstance(event, TeamConfigured):
             config.teams[event.name] = event
         elif isinstance(event, QueueConfigured):
             config.queues[event.name] = event
@@ -98,6 +127,8 @@ def describe_change(event: Event, config: QuotaConfig) -> str:
     """What an apply event changes, field by field (quotas matched by flavor)."""
     if isinstance(event, QueueDeleted):
         return "deleted"
+    if isinstance(event, PolicyConfigured):
+        return _describe_policy(event, config)
     if isinstance(event, TeamConfigured):
         old = config.teams.get(event.name)
         return "new" if old is None else f"notify: {old.notify.model_dump(mode='json')} → {event.notify.model_dump(mode='json')}"
@@ -130,6 +161,27 @@ def describe_change(event: Event, config: QuotaConfig) -> str:
     return "; ".join(changes)
 
 
+def _describe_policy(event: PolicyConfigured, config: QuotaConfig) -> str:
+    before = {name: pc.model_dump(mode="json") for name, pc in config.classes().items()}
+    after = {pc.name: pc.model_dump(mode="json") for pc in event.priority_classes}
+    changes = []
+    for name in sorted(set(before) | set(after)):
+        if name not in after:
+            changes.append(f"priority_classes[{name}]: retired")
+        elif name not in before:
+            changes.append(f"priority_classes[{name}]: added {after[name]}")
+        else:
+            changes += [f"priority_classes[{name}].{k}: {before[name][k]} → {after[name][k]}"
+                        for k in after[name] if before[name].get(k) != after[name][k]]
+    old_limits = (config.policy.preemption if config.policy is not None else None)
+    if old_limits is None:
+        changes.append(f"preemption_limits: {event.preemption.model_dump(mode='json')}")
+    else:
+        changes += [f"preemption_limits.{k}: {getattr(old_limits, k)} → {getattr(event.preemption, k)}"
+                    for k in PreemptionRateLimit.model_fields if getattr(old_limits, k) != getattr(event.preemption, k)]
+    return "; ".join(changes) or "unchanged"
+
+
 def parse_queues(document: Any, source: str | Path) -> QueuesFile:
     """A queues file's document, checked down to the events it makes; UserError naming the file
     and the field."""
@@ -139,8 +191,13 @@ def parse_queues(document: Any, source: str | Path) -> QueuesFile:
         raise UserError(f"{source}: queues: name(s) {dupes} appear more than once; each queue once")
     for i, c in enumerate(parsed.cohorts):
         checked(lambda: _cohort_event(c, CHECKED_AT), f"{source}: cohorts[{i}] ({field_path([c.name])})")
+    if parsed.priority_classes is not None:
+        checked(lambda: _policy_event(parsed.priority_classes, PreemptionRateLimit(), CHECKED_AT),
+                f"{source}: priority_classes")
     for i, q in enumerate(parsed.queues):
         checked(lambda: _queue_probe(q, CHECKED_AT), f"{source}: queues[{i}] ({field_path([q.name])})")
+    if parsed.priority_classes is not None:
+        _check_allowed_classes(parsed.queues, {pc.name for pc in parsed.priority_classes}, f"{source}: queues")
     teams = [t.name for t in parsed.teams]
     if dupes := sorted({n for n in teams if teams.count(n) > 1}):
         raise UserError(f"{source}: teams: name(s) {dupes} appear more than once; each team once")
@@ -156,8 +213,16 @@ def read_queues(path: Path) -> QueuesFile:
 def plan(parsed: QueuesFile, config: QuotaConfig, now: datetime, prune: bool = False) -> list[Event]:
     """The events that make the log's queue and cohort configuration equal ``parsed``: changed
     or new cohorts first, then queues; with ``prune``, QueueDeleted for queues the file lacks."""
-    out: list[Event] = [_cohort_event(c, now) for c in parsed.cohorts
-                        if (old := config.cohorts.get(c.name)) is None or not c.same_as(old)]
+    out: list[Event] = []
+    if (policy := _planned_policy(parsed, config, now)) is not None:
+        out.append(policy)  # first: the queues below may name the classes it adds
+    classes = ({pc.name for pc in policy.priority_classes} if policy is not None else set(config.classes()))
+    _check_allowed_classes(parsed.queues, classes, "queues")
+    kept = [QueueSpec(name=q.name, allowed_priority_classes=list(q.allowed_priority_classes))
+            for name, q in sorted(config.queues.items()) if name not in {p.name for p in parsed.queues} and not prune]
+    _check_allowed_classes(kept, classes, "queues in the log that the file does not list")
+    out += [_cohort_event(c, now) for c in parsed.cohorts
+            if (old := config.cohorts.get(c.name)) is None or not c.same_as(old)]
     for q in parsed.queues:
         probe = _queue_probe(q, now)
         existing = config.queues.get(q.name)
@@ -180,6 +245,36 @@ def plan(parsed: QueuesFile, config: QuotaConfig, now: datetime, prune: bool = F
 def plan_queues(path: Path, config: QuotaConfig, now: datetime, prune: bool = False) -> list[Event]:
     """:func:`plan` for the queues file at ``path``."""
     return plan(read_queues(path), config, now, prune)
+
+
+def _policy_event(classes: list[PriorityClass], limits: PreemptionRateLimit, now: datetime) -> PolicyConfigured:
+    payload = {"priority_classes": [pc.model_dump(mode="json") for pc in classes],
+               "preemption": limits.model_dump(mode="json")}
+    return new_event(PolicyConfigured, aggregate_id=POLICY_ID, producer="config", occurred_at=now,
+                     key=f"{json.dumps(payload, sort_keys=True)}@{now.isoformat()}",
+                     priority_classes=tuple(classes), preemption=limits)
+
+
+def _planned_policy(parsed: QueuesFile, config: QuotaConfig, now: datetime) -> PolicyConfigured | None:
+    """The PolicyConfigured the file asks for, or None when it changes nothing: the file's
+    sections, and for a section it omits, what the log has (or the built-in default)."""
+    if parsed.priority_classes is None and parsed.preemption_limits is None:
+        return None
+    current = config.policy
+    classes = parsed.priority_classes or list(config.classes().values())
+    limits = parsed.preemption_limits or (current.preemption if current is not None else PreemptionRateLimit())
+    if current is not None and list(current.priority_classes) == classes and current.preemption == limits:
+        return None
+    return _policy_event(classes, limits, now)
+
+
+def _check_allowed_classes(queues: list[QueueSpec], classes: set[str], where: str) -> None:
+    """Every class a queue admits must be in force: a queue cannot admit a retired class."""
+    for q in queues:
+        if missing := sorted(set(q.allowed_priority_classes) - classes):
+            raise UserError(f"{where}: queue {q.name!r} allowed_priority_classes names {missing}, which the "
+                            f"priority classes in force do not define; accepted: {', '.join(sorted(classes))} "
+                            "(or add the class to priority_classes)")
 
 
 def _cohort_event(c: CohortSpec, now: datetime) -> CohortConfigured:

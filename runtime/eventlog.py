@@ -42,7 +42,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from runtime import observability
 from runtime.settings import Settings
 from schemas.envelope import Event
-from schemas.registry import SUBJECT_PREFIX, aggregate_subjects, dumps, event_subject, parse_event
+from schemas.registry import AGGREGATES, SUBJECT_PREFIX, aggregate_subjects, dumps, event_subject, parse_event
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,7 @@ EVENTS_STREAM = "GPUSCHED_EVENTS"
 INTAKE_STREAM = "GPUSCHED_INTAKE"
 DLQ_STREAM = "GPUSCHED_DLQ"
 
-EVENT_SUBJECTS = [f"{SUBJECT_PREFIX}.{family}.>"
-                  for family in ("job", "queue", "cohort", "node", "pricebook", "statement", "team", "token")]
+EVENT_SUBJECTS = [f"{SUBJECT_PREFIX}.{family}.>" for family in AGGREGATES]
 INTAKE_SUBJECTS = [f"{SUBJECT_PREFIX}.intake.>"]
 DLQ_SUBJECTS = [f"{SUBJECT_PREFIX}.deadletter.>"]
 TENANT_STREAM_PREFIX = "GPUSCHED_TENANT_"

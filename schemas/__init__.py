@@ -47,6 +47,7 @@ NodeRegistered/Updated/Lost executor     node inventory as the backend sees it
 NodeTelemetryReported       executor     GPU utilization, memory, power of a node over a window (NVML)
 QueueConfigured/Deleted     config       queue definitions (``gpusched apply``)
 CohortConfigured            config       cohort definitions
+PolicyConfigured            config       priority classes and the preemption rate limit in force
 PriceBookUpdated            config       prices per GPU-hour per flavor from a time on (``gpusched prices``)
 ChargebackStatementIssued   accounting   a period's chargeback totals, log range and checksum
 ApiTokenIssued/Revoked      admin        an HTTP API token (its hash, role, team) issued or revoked
@@ -96,7 +97,7 @@ from schemas.job import (
 )
 from schemas.node import GpuTelemetry, NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
 from schemas.notify import NotificationKind, NotifySpec, TeamConfigured, Webhook
-from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass
+from schemas.priority import DEFAULT_PRIORITY_CLASSES, POLICY_ID, PolicyConfigured, PreemptionRateLimit, PriorityClass
 from schemas.queue import CohortConfigured, FlavorQuota, QueueConfigured, QueueDeleted
 from schemas.registry import (
     ALL_EVENT_TYPES,

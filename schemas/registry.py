@@ -33,6 +33,7 @@ from schemas.job import (
 )
 from schemas.node import NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
 from schemas.notify import TeamConfigured
+from schemas.priority import PolicyConfigured
 from schemas.queue import CohortConfigured, QueueConfigured, QueueDeleted
 
 SUBJECT_PREFIX = "gpusched"
@@ -66,6 +67,7 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     QueueConfigured: ("config", "configured"),
     QueueDeleted: ("config", "deleted"),
     CohortConfigured: ("config", "configured"),
+    PolicyConfigured: ("config", "configured"),
     PriceBookUpdated: ("config", "updated"),
     TeamConfigured: ("config", "configured"),
     ChargebackStatementIssued: ("accounting", "issued"),
@@ -74,6 +76,8 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
 }
 
 ALL_EVENT_TYPES: tuple[type[Event], ...] = tuple(_TABLE)
+AGGREGATES: tuple[str, ...] = tuple(dict.fromkeys(cls.aggregate for cls in _TABLE))
+"""Every aggregate family, in table order: the stream of events holds ``<prefix>.<family>.>`` of each."""
 EVENT_TYPES_BY_NAME: dict[str, type[Event]] = {cls.model_fields["type"].default: cls for cls in _TABLE}
 PRODUCERS: dict[str, str] = {name: _TABLE[cls][0] for name, cls in EVENT_TYPES_BY_NAME.items()}
 

@@ -35,6 +35,7 @@ from schemas import (
     NodeRegistered,
     NodeTelemetryReported,
     NodeUpdated,
+    PolicyConfigured,
     QueueConfigured,
     QueueDeleted,
     QuotaPendingReasonChanged,
@@ -152,6 +153,11 @@ def _team(e: TeamConfigured, j: str, t, seq: int) -> list[Op]:
     return [Op("team", (e.name, e.notify.model_dump_json(), t, seq))]
 
 
+def _policy(e: PolicyConfigured, j: str, t, seq: int) -> list[Op]:
+    classes = json.dumps([pc.model_dump(mode="json") for pc in e.priority_classes])
+    return [Op("policy", (seq, t, classes, e.preemption.model_dump_json()))]
+
+
 def _token(e: ApiTokenIssued, j: str, t, seq: int) -> list[Op]:
     return [Op("api_token", (e.token_id, e.name, e.role.value, e.team, e.token_hash, e.issued_by, t, e.expires_at, seq))]
 
@@ -199,6 +205,7 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     PriceBookUpdated: _price_book,
     ChargebackStatementIssued: _statement,
     TeamConfigured: _team,
+    PolicyConfigured: _policy,
     ApiTokenIssued: _token,
     ApiTokenRevoked: lambda e, j, t, seq: [Op("api_token_revoked", (e.token_id, t, e.revoked_by))],
 }

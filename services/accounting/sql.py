@@ -85,6 +85,9 @@ SQL = {
                                  idle_quota, sequence)
         VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8) ON CONFLICT DO NOTHING""",
     "team": """
+    "policy": """
+        INSERT INTO policies (sequence, configured_at, priority_classes, preemption)
+        VALUES ($1, $2, $3::jsonb, $4::jsonb) ON CONFLICT (sequence) DO NOTHING""",
         INSERT INTO teams (name, notify, configured_at, last_sequence) VALUES ($1, $2::jsonb, $3, $4)
         ON CONFLICT (name) DO UPDATE SET notify = $2::jsonb, configured_at = $3, last_sequence = $4
         WHERE teams.last_sequence < $4""",

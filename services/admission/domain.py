@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 
 from pydantic import ValidationError
 
+from runtime.policy import PolicyBook
 from schemas import (
     DEFAULT_PRIORITY_CLASSES,
     CancelJob,
@@ -31,6 +32,7 @@ from schemas import (
     NodeLost,
     NodeRegistered,
     NodeUpdated,
+    PolicyConfigured,
     QueueConfigured,
     QueueDeleted,
     RejectReason,
@@ -101,6 +103,7 @@ class AdmissionState:
     jobs: dict[str, JobRecord] = field(default_factory=dict)
     keys: dict[tuple[str, str], str] = field(default_factory=dict)  # (team, key) -> job id
     undecided: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
+    policy: PolicyBook = field(default_factory=PolicyBook)
 
 
 def _field_path(loc: tuple) -> str:
@@ -120,8 +123,7 @@ def _validation_message(err: ValidationError) -> tuple[str, str]:
 
 class AdmissionCore:
     def __init__(self, priority_classes=DEFAULT_PRIORITY_CLASSES) -> None:
-        self.state = AdmissionState()
-        self.priority_classes = priority_classes
+        self.state = AdmissionState(policy=PolicyBook.starting_with(priority_classes))
 
     # -- evolve ------------------------------------------------------------------------------
     def evolve(self, event: Event) -> None:
@@ -131,6 +133,8 @@ class AdmissionCore:
                 s.queues[event.name] = event
             case QueueDeleted():
                 s.queues.pop(event.name, None)
+            case PolicyConfigured():
+                s.policy.apply(event)
             case NodeRegistered() | NodeUpdated():
                 s.nodes[event.node.name] = event.node
             case NodeLost():
@@ -381,8 +385,9 @@ class AdmissionCore:
                 f"{', '.join(queue.allowed_users)}",
                 "on_behalf_of" if job.submitted.on_behalf_of else "submitter", queue.allowed_users,
             )
-        pc = self.priority_classes.get(spec.priority_class)
-        allowed_classes = queue.allowed_priority_classes or tuple(self.priority_classes)
+        classes = self.state.policy.classes
+        pc = classes.get(spec.priority_class)
+        allowed_classes = [c for c in queue.allowed_priority_classes or classes if c in classes]
         if pc is None or spec.priority_class not in allowed_classes:
             return reject(
                 RejectReason.FORBIDDEN if pc is not None else RejectReason.SCHEMA_INVALID,

@@ -35,6 +35,7 @@ from datetime import datetime, timedelta
 
 from sortedcontainers import SortedList
 
+from runtime.policy import PolicyBook
 from runtime.victims import SubmittedJob, VictimPolicy
 from runtime.waits import throttle
 from schemas import (
@@ -61,7 +62,7 @@ from schemas import (
     ReclaimRequested,
     new_event,
 )
-from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass
+from schemas.priority import DEFAULT_PRIORITY_CLASSES, PolicyConfigured, PriorityClass
 from services.quota.capacity import Limits, Pool
 
 PRODUCER = "quota"
@@ -130,6 +131,7 @@ class QuotaState:
     pending: dict[str, SortedList] = field(default_factory=dict)
     holders: dict[str, set[str]] = field(default_factory=dict)  # queue -> job ids holding a reservation
     to_release: dict[str, None] = field(default_factory=dict)  # jobs whose attempt ended
+    policy: PolicyBook = field(default_factory=PolicyBook)
 
 
 @dataclass
@@ -198,8 +200,8 @@ Refused = tuple[QuotaJob, str, int, tuple[str, ...]]  # (job, queue, position, f
 
 class QuotaCore:
     def __init__(self, priority_classes: Mapping[str, PriorityClass] = DEFAULT_PRIORITY_CLASSES) -> None:
-        self.state = QuotaState()
-        self.victim_policy = VictimPolicy(priority_classes)
+        self.state = QuotaState(policy=PolicyBook.starting_with(dict(priority_classes)))
+        self.victim_policy = VictimPolicy(self.state.policy.known)
         self._dirty = True  # something changed that could let a pending job in
         self._wake_at: datetime | None = None  # the earliest time a waiting job's answer may change
 
@@ -225,6 +227,10 @@ class QuotaCore:
         s = self.state
         if isinstance(event, (QueueConfigured, QueueDeleted, CohortConfigured)):
             self._configure(event)
+        elif isinstance(event, PolicyConfigured):
+            s.policy.apply(event)
+            self.victim_policy = VictimPolicy(s.policy.known)
+            self._dirty = True
         elif isinstance(event, JobSubmitted):
             s.jobs[event.aggregate_id] = QuotaJob(spec=event.spec, submitted=event)
         elif (job := s.jobs.get(event.aggregate_id)) is not None:
@@ -339,6 +345,7 @@ class QuotaCore:
 
     def restore_state(self, state: QuotaState) -> None:
         self.state = state
+        self.victim_policy = VictimPolicy(state.policy.known)
         self._dirty, self._wake_at = True, None
         for job in state.jobs.values():
             job.flavors = None  # a cache the cycle fills

@@ -8,6 +8,9 @@ Environment (docs/scheduling.md):
 * ``GPUSCHED_PREEMPTION``: ``on`` (default) or ``off``;
 * ``GPUSCHED_PREEMPTION_MAX_PER_WINDOW`` (default 20) preemptions in any
   ``GPUSCHED_PREEMPTION_WINDOW_S`` (default 300) seconds.
+
+The three preemption variables are defaults: a PolicyConfigured in the log (``gpusched apply``)
+replaces them from its event on.
 """
 
 from __future__ import annotations

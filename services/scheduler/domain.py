@@ -30,12 +30,13 @@ capacity (whole GPUs to one, sharable GPUs up to 1000 thousandths in all).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from sortedcontainers import SortedList
 
+from runtime.policy import PolicyBook
 from runtime.victims import SubmittedJob, VictimPolicy
 from runtime.waits import throttle, told_recently
 from schemas import (
@@ -65,7 +66,7 @@ from schemas import (
     new_event,
 )
 from schemas.envelope import derive_event_id
-from schemas.priority import DEFAULT_PRIORITY_CLASSES, PriorityClass
+from schemas.priority import DEFAULT_PRIORITY_CLASSES, PolicyConfigured, PriorityClass
 from services.scheduler.fragmentation import FlavorFragmentation, measure
 from services.scheduler.inventory import MILLI, Inventory, Node, whole_free_of
 from services.scheduler.placement import (
@@ -142,6 +143,7 @@ class SchedulerState:
     # flavor -> (size class, CPU millicores, GPU models) -> attempts: fgd-spread/-balance's workload
     requests: dict[str | None, dict[tuple[int, int, frozenset[str]], int]] = field(default_factory=dict)
     preemption_times: list[datetime] = field(default_factory=list)  # of the latest PreemptionRequested
+    policy: PolicyBook = field(default_factory=PolicyBook)
 
     @property
     def nodes(self) -> dict[str, Node]:
@@ -207,9 +209,9 @@ class SchedulerCore:
         self.explain = explain
         self.policy = Policy(policy)
         self.flavor_policies = {f: Policy(p) for f, p in (flavor_policies or {}).items()}
-        self.priority_classes = priority_classes
-        self.victim_policy = VictimPolicy(priority_classes)
-        self.limits = preemption
+        self.state.policy = PolicyBook.starting_with(dict(priority_classes))
+        self._default_limits = preemption  # in force until a policy sets the rate limit
+        self._follow_policy()
         self._dirty: set[str] = set()  # groups to look at in the next cycle
         self._awaiting: dict[str, JobScheduled] = {}  # decided, not yet back from the log
         self._fresh: dict[str, dict[tuple, list[str]]] = {}  # heads added since the last cycle
@@ -221,6 +223,15 @@ class SchedulerCore:
         if group == CPU_GROUP:
             return sum(gens.values())
         return gens.get(group, 0)
+
+    def _follow_policy(self) -> None:
+        """The victim policy and preemption limits of the policy in the state."""
+        policy = self.state.policy
+        self.victim_policy = VictimPolicy(policy.known)
+        rate = policy.preemption
+        self.limits = self._default_limits if rate is None else replace(
+            self._default_limits, enabled=rate.enabled, max_per_window=rate.max_per_window,
+            window_seconds=rate.window_seconds)
 
     def _mark_all_dirty(self) -> None:
         self._dirty.update(self.state.groups)
@@ -275,6 +286,11 @@ class SchedulerCore:
                 return
             case JobSubmitted():
                 s.jobs[event.aggregate_id] = SchedJob(spec=event.spec, submitted=event, request=Request.of(event.spec))
+                return
+            case PolicyConfigured():
+                s.policy.apply(event)
+                self._follow_policy()
+                self._mark_all_dirty()
                 return
         job = s.jobs.get(event.aggregate_id)
         if job is not None:
@@ -737,6 +753,7 @@ class SchedulerCore:
         head new to its shape (told why it waits when its shape fails), every group to look at,
         nothing decided on its way to the log."""
         self.state = state
+        self._follow_policy()
         self._workloads.clear()
         self._awaiting.clear()
         self._wake_at = None

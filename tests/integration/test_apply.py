@@ -97,3 +97,65 @@ async def test_apply_configures_a_teams_webhooks(nats_server, admin_js, tmp_path
     events = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=["gpusched.team.>"])]
     assert [e.notify.webhooks[0].url for e in events] == ["https://hooks.example/a", "https://hooks.example/b"]
     assert events[1].notify.webhooks[0].kinds == ("preemption-notice", "failed")
+
+
+POLICY = """
+priority_classes:
+  - {name: inference-sla, value: 1000, preemptible: false}
+  - {name: training, value: 600, preemptible: true, protection_seconds: 900, max_preemptions: 3}
+  - {name: experiment, value: 250, preemptible: true, protection_seconds: 120}
+preemption_limits: {max_per_window: 10, window_seconds: 600}
+queues:
+  - {name: research, allowed_teams: [team-a], allowed_priority_classes: [training, experiment],
+     quotas: [{flavor: a100, nominal: 8}]}
+"""
+
+
+async def policies(js) -> list:
+    return [parse_event(m.data) async for m in eventlog.read(js, subjects=["gpusched.policy.>"])]
+
+
+async def test_apply_publishes_a_policy_that_admission_uses_from_then_on(nats_server, admin_js, tmp_path):
+    from conftest import connect_as, running, service_settings
+    from services.admission.__main__ import AdmissionService
+    from services.admission.domain import AdmissionCore
+    from tests.integration.test_admission import outcome, submit
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY)
+    rc, planned = apply(nats_server, path, "--dry-run")
+    assert rc == 0 and planned[0]["event"] == "PolicyConfigured" and planned[0]["name"] == "cluster"
+    assert "priority_classes[deadline-training]: retired" in planned[0]["change"]
+    assert "priority_classes[training].value: 500 → 600" in planned[0]["change"]
+    assert await policies(admin_js) == []
+    rc, changes = apply(nats_server, path)
+    assert rc == 0 and [c["event"] for c in changes] == ["PolicyConfigured", "QueueConfigured"]
+    assert apply(nats_server, path) == (0, [])  # the same policy again: nothing published
+    # a file with only the rate limit keeps the classes the log has
+    limits = tmp_path / "limits.yaml"
+    limits.write_text("preemption_limits: {enabled: false}\n")
+    rc, changes = apply(nats_server, limits)
+    assert rc == 0 and changes[0]["change"] == ("preemption_limits.enabled: True → False; "
+                                                "preemption_limits.max_per_window: 10 → 20; "
+                                                "preemption_limits.window_seconds: 600.0 → 300.0")
+    (first, second) = await policies(admin_js)
+    assert second.priority_classes == first.priority_classes and not second.preemption.enabled
+    # a class the log's queue admits cannot be retired while the queue admits it
+    retire = tmp_path / "retire.yaml"
+    retire.write_text("priority_classes: [{name: training, value: 600, preemptible: true}]\n")
+    rc, err = apply(nats_server, retire)
+    assert rc == 2 and "queue 'research' allowed_priority_classes names ['experiment']" in err
+    assert len(await policies(admin_js)) == 2
+
+    service = AdmissionService("admission", AdmissionCore(), service_settings(nats_server, "admission"))
+    async with running(service):
+        tenant_nc = await connect_as(nats_server, "team-a")
+        tenant = tenant_nc.jetstream()
+        job = {"kind": "training", "queue": "research", "team": "team-a", "image": "img", "gpus": 1}
+        await submit(tenant, {"job_id": "e1", "spec": {**job, "priority_class": "experiment"}})
+        await submit(tenant, {"job_id": "d1", "spec": {**job, "priority_class": "deadline-training"}})
+        admitted, rejected = await outcome(admin_js, "e1"), await outcome(admin_js, "d1")
+        await tenant_nc.close()
+    assert (admitted.type, admitted.priority) == ("JobAdmitted", 250)
+    assert rejected.type == "JobRejected" and rejected.field == "spec.priority_class"
+    assert "accepted: experiment, training" in rejected.message

@@ -68,6 +68,7 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
             never + pub(
                 f"gpusched.intake.{other}.submit", f"gpusched.intake.{team}.operator.submit",
                 f"gpusched.intake.{team}.user.mallory.submit", f"gpusched.job.x.admitted", "gpusched.queue.q.configured",
+                "gpusched.policy.cluster.configured",
                 f"gpusched.tenant.{team}.job.x.admitted", f"gpusched.tenant.{other}.notify.x.admitted",
                 f"_INBOX.{other}.reply", f"$JS.API.STREAM.INFO.{EV}", f"$JS.API.DIRECT.GET.{EV}",
                 f"$JS.API.STREAM.MSG.GET.{INTAKE}", f"$JS.API.STREAM.INFO.{theirs}",
@@ -88,7 +89,8 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                 f"$JS.API.CONSUMER.CREATE.{SNAP}-quota", f"$JS.FC.{SNAP}-quota.x")
             + sub("_INBOX.quota.>"),
             never + pub(
-                "gpusched.job.x.scheduled", "gpusched.job.x.admitted", f"gpusched.intake.{team}.submit",
+                "gpusched.job.x.scheduled", "gpusched.job.x.admitted", "gpusched.policy.cluster.configured",
+                f"gpusched.intake.{team}.submit",
                 f"gpusched.intake.{team}.operator.submit", "gpusched.deadletter.admission", f"gpusched.tenant.{team}.x",
                 f"$JS.API.CONSUMER.DELETE.{EV}.admission", f"$JS.API.CONSUMER.CREATE.{EV}.admission",
                 f"$JS.API.CONSUMER.INFO.{INTAKE}.admission-intake", f"$JS.API.CONSUMER.CREATE.{EV}.admission-r0",
@@ -110,7 +112,7 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                         f"$JS.API.DIRECT.GET.{SNAP}-scheduler"),
         ),
         "operator": (
-            pub(f"gpusched.intake.{team}.operator.submit", f"$JS.API.STREAM.INFO.{EV}",
+            pub(f"gpusched.intake.{team}.operator.submit", f"$JS.API.STREAM.INFO.{EV}", "gpusched.policy.cluster.configured",
                 f"$JS.API.CONSUMER.INFO.{DLQ}.operator-r0", f"$JS.API.CONSUMER.INFO.{mine}.operator-r1")
             + sub("_INBOX.operator.>"),
             never + pub(
@@ -129,7 +131,7 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                   "gpusched.deadletter.admission.intake", "gpusched.tenant.*.job.>"),
             never + pub(
                 f"gpusched.intake.{team}.submit", "gpusched.job.x.admitted", "gpusched.token.x.issued",
-                "gpusched.queue.q.configured", f"gpusched.tenant.{team}.job.x.admitted",
+                "gpusched.queue.q.configured", "gpusched.policy.cluster.configured", f"gpusched.tenant.{team}.job.x.admitted",
                 f"$JS.API.CONSUMER.CREATE.{EV}", f"$JS.API.CONSUMER.CREATE.{EV}.api-r0",
                 f"$JS.API.CONSUMER.CREATE.{mine}.spy", f"$JS.API.STREAM.INFO.{INTAKE}",
                 f"$JS.API.DIRECT.GET.{INTAKE}", f"$JS.API.STREAM.MSG.GET.{mine}", "gpusched.deadletter.api",

@@ -329,6 +329,17 @@ def team_configured(name: str = "team-a", urls: tuple[str, ...] = ("https://hook
                      notify=NotifySpec(webhooks=tuple(Webhook(url=u) for u in urls)))
 
 
+def policy_configured(*classes, when: datetime = T0, key: str = "1", **preemption):
+    """A PolicyConfigured: ``classes`` as PriorityClass or (name, value, preemptible, **fields)
+    tuples; the built-in classes when none are given; ``preemption``: the rate limit's fields."""
+    from schemas import DEFAULT_PRIORITY_CLASSES, POLICY_ID, PolicyConfigured, PreemptionRateLimit, PriorityClass
+
+    made = tuple(c if isinstance(c, PriorityClass) else PriorityClass(name=c[0], value=c[1], preemptible=c[2])
+                 for c in classes) or tuple(DEFAULT_PRIORITY_CLASSES.values())
+    return new_event(PolicyConfigured, aggregate_id=POLICY_ID, producer="config", occurred_at=when, key=key,
+                     priority_classes=made, preemption=PreemptionRateLimit(**preemption))
+
+
 def token_issued(token_id: str = "abcdefghijk1", name: str = "alice", role: str = "member", team: str | None = "team-a",
                  *, when: datetime = T0):
     from schemas import ApiTokenIssued

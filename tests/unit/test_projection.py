@@ -35,6 +35,7 @@ from tests.unit.builders import (
     released,
     pending_reason,
     price_book,
+    policy_configured,
     team_configured,
     token_issued,
     token_revoked,
@@ -128,6 +129,10 @@ CASES = [
     (token_revoked(when=at(4)), [Op("api_token_revoked", ("abcdefghijk1", at(4), "admin"))]),
     (team_configured("team-a", ("https://hooks.example/a",), when=at(2)),
      [Op("team", ("team-a", '{"webhooks":[{"url":"https://hooks.example/a","kinds":[]}]}', at(2), SEQ))]),
+    (policy_configured(("gold", 900, False), when=at(2), max_per_window=3),
+     [Op("policy", (SEQ, at(2), '[{"name": "gold", "value": 900, "preemptible": false, "protection_seconds": 0.0, '
+                                '"max_preemptions": null, "preemption_grace_seconds": 30.0}]',
+                    '{"enabled":true,"max_per_window":3,"window_seconds":300.0}'))]),
     (STATEMENT, [Op("statement", (STATEMENT.aggregate_id, "2026-01", "team", "sha256:" + "0" * 64, 1, 10, 3.0,
                                   STATEMENT.model_dump_json(include={"period", "group_by", "currency", "idle_quota",
                                                                      "lines", "total_gpu_seconds", "total_cost"}),

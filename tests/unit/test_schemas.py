@@ -49,6 +49,7 @@ from tests.unit.builders import (
     queue,
     pending_reason,
     price_book,
+    policy_configured,
     team_configured,
     token_issued,
     token_revoked,
@@ -121,6 +122,7 @@ def sample_events():
         new_event(CohortConfigured, aggregate_id="shared", producer="config", occurred_at=T0, key="x",
                   name="shared", parent="org"),
         team_configured("team-a", ("https://hooks.example/a", "http://10.0.0.1:8080/x?y=1")),
+        policy_configured(("gold", 900, False), ("bronze", 10, True), enabled=False, max_per_window=3),
         token_issued(), token_revoked(),
         price_book({"a100": 2.5, "h100-80gb": 6.0}, effective_from=at(-3600), cpu_core_hour=0.04,
                    memory_gib_hour=0.005, idle_quota="charge-owner", currency="EUR"),
@@ -132,7 +134,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 30
+    assert len(ALL_EVENT_TYPES) == 31
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -223,7 +225,7 @@ EXPECTED_PRODUCERS = {
     "JobCancelled": "executor", "NodeRegistered": "executor", "NodeUpdated": "executor", "NodeLost": "executor",
     "NodeTelemetryReported": "executor",
     "QueueConfigured": "config", "QueueDeleted": "config", "CohortConfigured": "config",
-    "PriceBookUpdated": "config", "TeamConfigured": "config", "ChargebackStatementIssued": "accounting",
+    "PriceBookUpdated": "config", "TeamConfigured": "config", "PolicyConfigured": "config", "ChargebackStatementIssued": "accounting",
     "ApiTokenIssued": "admin", "ApiTokenRevoked": "admin",
 }
 
@@ -249,7 +251,7 @@ def test_producer_subjects():
         "gpusched.job.*.preemption_requested", "gpusched.job.*.sched_pending", "gpusched.job.*.scheduled",
     ]
     assert producer_subjects("config") == [
-        "gpusched.cohort.*.configured", "gpusched.pricebook.*.updated", "gpusched.queue.*.configured",
+        "gpusched.cohort.*.configured", "gpusched.policy.*.configured", "gpusched.pricebook.*.updated", "gpusched.queue.*.configured",
         "gpusched.queue.*.deleted", "gpusched.team.*.configured",
     ]
     assert producer_subjects("executor") == [
