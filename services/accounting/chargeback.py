@@ -64,7 +64,8 @@ class QuotaVersion:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One usage-ledger row (an attempt that held GPUs)."""
+    """One usage-ledger row (an attempt that held GPUs; ``gpus`` and ``borrowed_gpus`` are GPUs
+    charged: a fraction for a job on a shared GPU)."""
 
     job_id: str
     attempt: int
@@ -72,8 +73,8 @@ class Attempt:
     project: str | None
     queue: str
     flavor: str
-    gpus: int
-    borrowed_gpus: int
+    gpus: float
+    borrowed_gpus: float
     started_at: datetime
     ended_at: datetime
     lost_gpu_seconds: float = 0.0

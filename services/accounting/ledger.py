@@ -1,12 +1,13 @@
 """The usage ledger's rules: what an attempt that ended is charged, from the facts the log gave
 about it before it ended. Pure: no database, no clock.
 
-An attempt's row (``usage_ledger``) needs its job's submission (team, project, queue, GPUs,
-CPU and memory per replica), the reservation quota made for the attempt (queue, flavor, GPUs,
-the borrowed part), when the attempt became eligible (admission or the retry decision), its
-checkpoints, the job's flavor as last set, and the event that ended it. Each fact's first
-occurrence stands (a re-decided submission or reservation under a new event id changes
-nothing), as in the read models, and only facts logged before the end count.
+An attempt's row (``usage_ledger``) needs its job's submission (team, project, queue, GPUs, the
+fraction of one GPU a member asks for, CPU and memory per replica), the reservation quota made
+for the attempt (queue, flavor, GPUs, the borrowed part), when the attempt became eligible
+(admission or the retry decision), its checkpoints, the job's flavor as last set, and the event
+that ended it. Each fact's first occurrence stands (a re-decided submission or reservation under
+a new event id changes nothing), as in the read models, and only facts logged before the end
+count.
 
 :class:`Book` collects these facts from one batch's operations in log order; the facts of
 earlier batches come from the read models (:class:`Prior`, read by the sink in the batch's
@@ -24,19 +25,28 @@ USAGE_COLUMNS = ("job_id", "attempt", "team", "project", "queue", "flavor", "gpu
                  "gpu_seconds", "outcome", "sequence", "borrowed_gpus", "borrowed_gpu_seconds", "lost_gpu_seconds",
                  "last_checkpoint_at", "queued_at", "wait_seconds", "cpu_core_seconds", "memory_gib_seconds")
 PREEMPTED = "JobPreempted"  # the outcome whose work since the last checkpoint is lost
+MILLI = 1000  # JobSpec.gpu_milli is in thousandths of one GPU
 
 
 class JobFacts(NamedTuple):
-    """What a job's submission says (``cpu_millis``/``memory_mib``: the whole gang's)."""
+    """What a job's submission says (``cpu_millis``/``memory_mib``: the whole gang's;
+    ``gpu_milli``: the thousandths of its one GPU each member asks for, None for whole GPUs)."""
     team: str
     project: str | None
     queue: str
     total_gpus: int
     cpu_millis: int | None
     memory_mib: int | None
+    gpu_milli: int | None = None
+
+    @property
+    def gpu_share(self) -> float:
+        """The part of each GPU held that is charged: 1, or the fraction a shared GPU's member asked for."""
+        return 1.0 if self.gpu_milli is None else self.gpu_milli / MILLI
 
 
 class Reservation(NamedTuple):
+    """Quota's reservation for the attempt (``gpus``, ``borrowed``: whole GPUs of quota)."""
     queue: str
     flavor: str
     gpus: int
@@ -73,15 +83,18 @@ class Facts(NamedTuple):
 
 def usage_row(facts: Facts, end: Ended) -> tuple | None:
     """The attempt's ledger row (columns :data:`USAGE_COLUMNS`), or None when it is not charged:
-    its job was never submitted, or no flavor is known (neither reserved nor set)."""
+    its job was never submitted, or no flavor is known (neither reserved nor set). A fractional
+    job is charged its fraction of each GPU it held (quota reserves it whole GPUs): ``gpus`` and
+    ``borrowed_gpus`` are GPUs charged, 0.25 for a quarter of one."""
     job, res = facts.job, facts.reservation
     if job is None:
         return None
     flavor = res.flavor if res is not None else facts.flavor
     if flavor is None:
         return None
-    gpus = res.gpus if res is not None else job.total_gpus
-    borrowed = res.borrowed if res is not None else 0
+    share = job.gpu_share
+    gpus = (res.gpus if res is not None else job.total_gpus) * share
+    borrowed = (res.borrowed if res is not None else 0) * share
     seconds = end.seconds
     checkpoint = max((at for at, seq in facts.checkpoints if seq < end.sequence and at <= end.ended_at),
                      default=None)
@@ -124,9 +137,9 @@ class Book:
 
 
 def _submitted(book: Book, args: tuple) -> None:
-    # (job, team, project, queue, kind, class, submitter, gpus, gang, total_gpus, at, seq, cpu, mem)
+    # (job, team, project, queue, kind, class, submitter, gpus, gang, total_gpus, at, seq, cpu, mem, gpu_milli)
     if args[0] not in book.jobs:
-        book.jobs[args[0]] = JobFacts(args[1], args[2], args[3], args[9], args[12], args[13])
+        book.jobs[args[0]] = JobFacts(args[1], args[2], args[3], args[9], args[12], args[13], args[14])
 
 
 def _reserved(book: Book, args: tuple) -> None:  # (job, attempt, queue, flavor, gpus, borrowed, at, seq)

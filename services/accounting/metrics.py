@@ -113,7 +113,8 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
             "SELECT gpu_flavor, sum(gpu_count) FROM nodes WHERE NOT lost AND NOT unschedulable "
             "AND gpu_flavor IS NOT NULL GROUP BY 1"))
         allocated = dict(await conn.fetch(
-            "SELECT flavor, sum(total_gpus) FROM jobs WHERE state IN ('scheduled', 'running', 'preempting', "
+            "SELECT flavor, sum(total_gpus * coalesce(gpu_milli, 1000) / 1000.0::float8) FROM jobs "
+            "WHERE state IN ('scheduled', 'running', 'preempting', "
             "'cancelling') AND flavor IS NOT NULL AND finished_at IS NULL GROUP BY 1"))
         waits = await conn.fetch(
             """SELECT queue, percentile_cont(0.5) WITHIN GROUP (ORDER BY wait_seconds) AS p50,

@@ -101,7 +101,7 @@ def _job_submitted(e: JobSubmitted, j: str, t, seq: int) -> list[Op]:
     s = e.spec
     return [Op("job_submitted", (j, s.team, s.project, s.queue, s.kind.value, s.priority_class, e.submitter, s.gpus,
                                  s.gang_size, s.total_gpus, t, seq, s.cpu_millis * s.gang_size,
-                                 s.memory_mib * s.gang_size))]
+                                 s.memory_mib * s.gang_size, s.gpu_milli))]
 
 
 def _ended(e: JobSucceeded | JobFailed | JobPreempted | JobCancelled, seq: int, state_op: Op) -> list[Op]:

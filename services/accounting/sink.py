@@ -249,7 +249,8 @@ def prepare(batch: list[Entry], skip: frozenset[str] | set[str] = frozenset()) -
 
 
 _PRIOR = """
-    SELECT k.job_id, k.attempt, j.team, j.project, j.queue, j.total_gpus, j.cpu_millis, j.memory_mib, j.flavor,
+    SELECT k.job_id, k.attempt, j.team, j.project, j.queue, j.total_gpus, j.cpu_millis, j.memory_mib, j.gpu_milli,
+           j.flavor,
            r.queue AS r_queue, r.flavor AS r_flavor, r.gpus AS r_gpus, r.borrowed AS r_borrowed, a.queued_at,
            ARRAY(SELECT c.checkpointed_at FROM checkpoints c
                  WHERE c.job_id = k.job_id AND c.attempt = k.attempt) AS checkpoints
@@ -270,7 +271,7 @@ async def prior_facts(conn: asyncpg.Connection, keys: list[tuple[str, int]]) -> 
         if r["team"] is None and r["r_flavor"] is None and r["queued_at"] is None and not r["checkpoints"]:
             continue  # no job row (so no flavor either), no reservation, queue time or checkpoint
         job = None if r["team"] is None else ledger.JobFacts(r["team"], r["project"], r["queue"], r["total_gpus"],
-                                                             r["cpu_millis"], r["memory_mib"])
+                                                             r["cpu_millis"], r["memory_mib"], r["gpu_milli"])
         reservation = None if r["r_flavor"] is None else ledger.Reservation(r["r_queue"], r["r_flavor"],
                                                                               r["r_gpus"], r["r_borrowed"])
         # every checkpoint written before this batch precedes its ends in the log (sequence 0)

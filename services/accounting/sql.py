@@ -30,7 +30,8 @@ JOB_UPDATE = "UPDATE jobs SET state = coalesce($2, state), last_sequence = $3" +
 # The columns of a new job row: the spec's (from JobSubmitted), then the state and the columns
 # job updates set, so that a job submitted and changed in one batch is written once.
 JOB_SPEC_COLUMNS = ("job_id", "team", "project", "queue", "kind", "priority_class", "submitter", "gpus_per_node",
-                     "gang_size", "total_gpus", "submitted_at", "last_sequence", "cpu_millis", "memory_mib")
+                     "gang_size", "total_gpus", "submitted_at", "last_sequence", "cpu_millis", "memory_mib",
+                     "gpu_milli")
 JOB_INSERT_COLUMNS = (*JOB_SPEC_COLUMNS, "state", *(c for c, _ in JOB_COLUMNS))
 JOB_DEFAULTS = tuple(1 if c == "attempt" else None for c, _ in JOB_COLUMNS)  # the table's defaults
 JOB_LAST_SEQUENCE = JOB_SPEC_COLUMNS.index("last_sequence")
@@ -84,10 +85,10 @@ SQL = {
         INSERT INTO price_books (name, effective_from, currency, gpu_prices, cpu_core_hour, memory_gib_hour,
                                  idle_quota, sequence)
         VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8) ON CONFLICT DO NOTHING""",
-    "team": """
     "policy": """
         INSERT INTO policies (sequence, configured_at, priority_classes, preemption)
         VALUES ($1, $2, $3::jsonb, $4::jsonb) ON CONFLICT (sequence) DO NOTHING""",
+    "team": """
         INSERT INTO teams (name, notify, configured_at, last_sequence) VALUES ($1, $2::jsonb, $3, $4)
         ON CONFLICT (name) DO UPDATE SET notify = $2::jsonb, configured_at = $3, last_sequence = $4
         WHERE teams.last_sequence < $4""",

@@ -54,6 +54,14 @@ CASES = [
     ("an end before its start: zero time, nothing negative",
      Facts(job=JOB, reservation=RES), end("JobPreempted", start=200, stop=150),
      {"gpu_seconds": 0.0, "lost_gpu_seconds": 0.0, "cpu_core_seconds": 0.0}),
+    ("a quarter of one GPU: charged a quarter of the GPU quota reserved, borrowed part and lost work alike",
+     Facts(job=JOB._replace(total_gpus=1, gpu_milli=250), reservation=RES._replace(gpus=1, borrowed=1)),
+     end("JobPreempted"),
+     {"gpus": 0.25, "gpu_seconds": 25.0, "borrowed_gpus": 0.25, "borrowed_gpu_seconds": 25.0,
+      "lost_gpu_seconds": 25.0}),
+    ("a gang of fractional members without a reservation: the fraction of each member's GPU",
+     Facts(job=JOB._replace(total_gpus=2, gpu_milli=500), flavor="l4"), end(),
+     {"gpus": 1.0, "gpu_seconds": 100.0, "borrowed_gpus": 0.0}),
     ("no CPU or memory in the spec: zero",
      Facts(job=JOB._replace(cpu_millis=None, memory_mib=None), reservation=RES), end(),
      {"cpu_core_seconds": 0.0, "memory_gib_seconds": 0.0}),
@@ -124,3 +132,16 @@ def test_facts_of_earlier_batches_come_first():
     got = dict(zip(ledger.USAGE_COLUMNS, r))
     assert (got["team"], got["gpus"], got["flavor"], got["queue"]) == ("team-a", 4, "a100", "borrowed-q")
     assert rows(book, {}) == []  # nothing says the job was submitted
+
+
+def test_a_fractional_attempt_is_charged_its_share_through_the_book():
+    """The submission's gpu_milli travels with the job's facts: a quarter of an L4 for an hour is
+    a quarter of a GPU-hour, though quota reserved the whole GPU."""
+    events = [
+        submitted("f1", spec(gpus=1, gpu_milli=250), when=at(0)), admitted("f1", when=at(0)),
+        reserved("f1", flavor="l4", gpus=1, when=at(5)), started("f1", when=at(10)),
+        succeeded("f1", started_at=at(10), when=at(3610)),
+    ]
+    (r,) = rows(book_of(events), {})
+    got = dict(zip(ledger.USAGE_COLUMNS, r))
+    assert (got["gpus"], got["gpu_seconds"], got["flavor"]) == (0.25, 900.0, "l4")

@@ -70,7 +70,10 @@ STATEMENT = statement(lines=[{"key": "team-a", "gpu_seconds": 3600.0, "borrowed_
 CASES = [
     (submitted("j1", spec(gpus=4, gang_size=2, project="vision"), submitter="bob", when=at(1)),
      [Op("job_submitted", ("j1", "team-a", "vision", "research", "training", "training", "bob", 4, 2, 8, at(1), SEQ,
-                             2000, 8192))]),
+                             2000, 8192, None))]),
+    (submitted("f1", spec(gpus=1, gpu_milli=250), submitter="bob", when=at(1)),
+     [Op("job_submitted", ("f1", "team-a", None, "research", "training", "training", "bob", 1, 1, 1, at(1), SEQ,
+                             1000, 4096, 250))]),
     (REJECTED, [Op("job_rejected", ("j1", "unknown-queue", "no queue 'x'", at(1), SEQ))]),
     (admitted("j1", when=at(2)), [Op("set_state:admitted_at", ("j1", "queued", SEQ, at(2))),
                                   Op("attempt_queued", ("j1", 1, at(2), SEQ))]),
