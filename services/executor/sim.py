@@ -20,6 +20,7 @@ A malformed value counts as absent.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -51,6 +52,12 @@ def planned_outcome(spec: JobSpec, attempt: int) -> tuple[float, FailureReason |
     return runtime, reason, exit_code
 
 
+Outcome = Callable[[str, JobSpec, int], tuple[float, FailureReason | None, int]]
+"""(job id, spec, attempt) -> (runtime seconds, failure reason or None, exit code): how an
+attempt ends. The default reads the spec (:func:`planned_outcome`); a what-if replay gives each
+attempt the runtime and outcome it had in the recorded log."""
+
+
 def _int_annotation(ann: dict[str, str], key: str, default: int) -> int:
     """A malformed value counts as absent: raising here would stall decide() for every job."""
     try:
@@ -71,8 +78,9 @@ class SimBackend:
     """A :class:`~services.executor.lifecycle.Backend` with nothing behind it. It remembers what
     it was told, so it takes partial plans, and reports only what changed since the last call."""
 
-    def __init__(self, nodes: list[NodeInfo]) -> None:
+    def __init__(self, nodes: list[NodeInfo], outcome: Outcome | None = None) -> None:
         self.nodes = nodes
+        self._outcome = outcome or (lambda job_id, spec, attempt: planned_outcome(spec, attempt))
         self._runs: dict[tuple[str, int], _Run] = {}  # attempts running now
         self._ends: list[tuple[datetime, str, int]] = []  # planned ends, a heap; stopped runs' entries are stale
         self._seen: list[Observation] = []  # what happened since the last observe()
@@ -104,7 +112,7 @@ class SimBackend:
             if key in self._runs:
                 continue
             started = w.started_at or now
-            runtime, reason, exit_code = planned_outcome(w.spec, w.attempt)
+            runtime, reason, exit_code = self._outcome(w.job_id, w.spec, w.attempt)
             run = _Run(started, started + timedelta(seconds=runtime), reason, exit_code)
             self._runs[key] = run
             heapq.heappush(self._ends, (run.ends, w.job_id, w.attempt))
@@ -166,8 +174,8 @@ class SimExecutorCore:
     of the lifecycle core's changes against the sim backend at ``now`` (none when neither has
     anything new), then the core's decisions. Pure: no I/O, no wall clock."""
 
-    def __init__(self, cluster: list[NodeInfo]) -> None:
-        self.backend = SimBackend(cluster)
+    def __init__(self, cluster: list[NodeInfo], outcome: Outcome | None = None) -> None:
+        self.backend = SimBackend(cluster, outcome)
         self.core = BackendCore(node_lost_reason=NOT_IN_SPEC)
         # The core's own methods: the trace simulator calls these for every event.
         self.evolve = self.core.evolve

@@ -340,6 +340,11 @@ class QuotaCore:
         """Some decisions were not recorded (conflict or transient error): decide again."""
         self._dirty = True
 
+    def next_wake(self) -> datetime | None:
+        """The earliest time a decision may change with no new event (a protection window or a
+        backoff ending): a driver on a virtual clock (``gpusched whatif``) steps to it."""
+        return self._wake_at
+
     def snapshot_state(self) -> QuotaState:
         return self.state
 

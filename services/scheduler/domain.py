@@ -744,6 +744,11 @@ class SchedulerCore:
         job.waiting = event
         return [event]
 
+    def next_wake(self) -> datetime | None:
+        """The earliest time a decision may change with no new event (a protection window or a
+        backoff ending): a driver on a virtual clock (``gpusched whatif``) steps to it."""
+        return self._wake_at
+
     # -- snapshots (runtime/snapshot.py) -----------------------------------------------------
     def snapshot_state(self) -> SchedulerState:
         return self.state
