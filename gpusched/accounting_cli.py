@@ -7,10 +7,9 @@ import csv
 import functools
 import io
 import json
-import re
 import sys
 import uuid
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -21,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from gpusched import pricebook
 from gpusched.connection import Connection
+from gpusched.points import check_range, parse_point, parse_time
 from gpusched.userinput import UserError, print_error
 from runtime import eventlog
 from schemas import ChargebackStatementIssued, parse_event
@@ -38,35 +38,6 @@ class MetricsFormat(str, Enum):
     table = "table"
     json = "json"
     prometheus = "prometheus"
-
-
-def parse_time(value: str, option: str) -> datetime:
-    """ISO 8601 with a zone, or a date (midnight UTC)."""
-    text = value.strip()
-    try:
-        if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
-            return datetime.combine(date.fromisoformat(text), datetime.min.time(), tzinfo=UTC)
-        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        t = None
-    if t is None or t.tzinfo is None:
-        raise UserError(f"{option} {value!r}: not a time with a zone; accepted: ISO 8601 such as "
-                        "2026-11-30T12:00:00Z or 2026-11-30T12:00:00+01:00, or a date 2026-11-30 (UTC midnight)")
-    return t
-
-
-def parse_from(value: str | None) -> tuple[int | None, datetime | None]:
-    if value is None:
-        return None, None
-    if value.isdigit():
-        if int(value) < 1:
-            raise UserError(f"--from {value!r}: stream sequences start at 1")
-        return int(value), None
-    try:
-        return None, parse_time(value, "--from")
-    except UserError:
-        raise UserError(f"--from {value!r}: accepted: a stream sequence (e.g. 1200) or a time with a zone "
-                        "(e.g. 2026-11-01T00:00:00Z)") from None
 
 
 def _dimensions(value: str) -> list[str]:
@@ -152,7 +123,8 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
     def usage(
         by: str = typer.Option("team,flavor", help="Roll-up dimensions, comma-separated: team, project, queue, flavor, day"),
         period: Optional[str] = typer.Option(None, help="Only the parts of attempts that ran in this month (YYYY-MM)"),
-        as_of: Optional[str] = typer.Option(None, "--as-of", help="Usage up to this time, running attempts included (ISO 8601)"),
+        as_of: Optional[str] = typer.Option(None, "--as-of", help="Usage up to this event time (platform clock; "
+                                            "ISO 8601 with a zone, or a date), running attempts included"),
         output: Output = output_option,
     ) -> None:
         """GPU-hours (guaranteed / borrowed / lost), wait p50/p95 and cost per group, from the usage ledger."""
@@ -228,10 +200,7 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
         if by not in chargeback.STATEMENT_DIMENSIONS:
             raise UserError_exit(err_console, f"--by {by!r} is not accepted; accepted: "
                                               f"{', '.join(chargeback.STATEMENT_DIMENSIONS)}")
-        async def compute(conn):
-            now = await queries.log_now(conn, datetime.now(UTC))
-            return now, await queries.statement(conn, period, by, as_of=now)
-        now, body = run(with_pg(compute))
+        now, body = run(_statement_now(period, by))
         body["statement_id"] = chargeback.statement_id(period, by, body["last_sequence"])
         body["provisional"] = chargeback.parse_period(period)[1] > now
         if fmt == Format.json:
@@ -248,25 +217,37 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
                     if isinstance(v, float):
                         r[k] = round(v, 4)
             emit(rows, Output.table, title=f"chargeback {period} by {by} ({body['idle_quota']})")
-            console.print(f"total {body['total_cost']:.2f} {body['currency']}; log 1..{body['last_sequence']}; "
+            console.print(f"total {body['total_cost']:.2f} {body['currency']}; "
+                          f"log {body['first_sequence']}..{body['last_sequence']}; "
                           f"{body['checksum']}" + (" (period still open: provisional)" if body["provisional"] else ""))
 
     @app.command("replay")
     @guarded
     def replay_cmd(
         projection: str = typer.Option("read-models", help=f"Projection to rebuild: {', '.join(replay_mod.PROJECTIONS)}"),
-        from_: Optional[str] = typer.Option(None, "--from", help="Start at a stream sequence or a time (ISO 8601)"),
+        from_: Optional[str] = typer.Option(None, "--from", metavar="SEQ|TIME",
+                                            help="Start at a stream sequence, or at the first event that happened "
+                                                 "at or after an event time (platform clock; ISO 8601 with a zone)"),
+        to: Optional[str] = typer.Option(None, "--to", metavar="SEQ|TIME",
+                                         help="With --into: the read models as of a past point: stop after a stream "
+                                              "sequence, or after the last event that happened at or before an "
+                                              "event time. No compare, no swap"),
         into: Optional[str] = typer.Option(None, "--into", help="Shadow schema to rebuild (e.g. shadow); default: live"),
-        compare: bool = typer.Option(True, help="Compare the shadow with live (row counts, checksums)"),
+        compare: Optional[bool] = typer.Option(None, "--compare/--no-compare",
+                                               help="Compare the shadow with live (row counts, checksums); "
+                                                    "default: on, off with --to"),
         swap: bool = typer.Option(False, help="Then make the shadow the live read models"),
         batch: int = typer.Option(20_000, min=1, max=100_000, help="Events per transaction"),
         output: Output = output_option,
     ) -> None:
-        """Rebuild read models from the log (with a progress bar), compare a shadow with live, swap them."""
+        """Rebuild read models from the log (with a progress bar), compare a shadow with live, swap
+        them, or build a shadow as of a past point (--to). A time is event time. Exits 1 when a
+        compare finds differences."""
         if projection not in replay_mod.PROJECTIONS:
             raise UserError_exit(err_console, f"--projection {projection!r} is not a projection; accepted: "
                                               f"{', '.join(replay_mod.PROJECTIONS)}")
-        from_seq, from_time = parse_from(from_) if from_ else (None, None)
+        start, end = parse_point(from_, "--from"), parse_point(to, "--to")
+        check_range(start, end)
         if into is not None:
             try:
                 replay_mod.check_schema(into)
@@ -274,18 +255,38 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
                 raise UserError_exit(err_console, str(err))
         if swap and into is None:
             raise UserError_exit(err_console, "--swap needs --into SHADOW (the schema to make live)")
-        result = run(_replay(into, from_seq, from_time, compare, swap, batch, err_console))
+        if to is not None:
+            past_point_options(into, compare, swap)
+        result = run(_replay(into, *start, compare if compare is not None else to is None, swap, batch, err_console,
+                             to_seq=end[0], to_time=end[1]))
+        differs = bool(result.get("compare")) and not all(r["equal"] for r in result["compare"]) and not swap
         if output == Output.json:
             print(json.dumps(result, indent=2, default=str))
-            return
-        console.print(f"replayed {result['applied']} events into {result['target']} "
-                      f"(now at {result['position']}) in {result['seconds']:.1f}s")
-        if result.get("compare"):
-            emit(result["compare"], Output.table, title=f"{result['target']} vs live")
-        if result.get("retired"):
-            console.print(f"swapped: live is the rebuilt models; the old ones are in schema {result['retired']}")
-        if result.get("compare") and not all(r["equal"] for r in result["compare"]) and not swap:
+        else:
+            at = f" {result['as_of']['describe']}" if result.get("as_of") else ""
+            console.print(f"replayed {result['applied']} events into {result['target']} "
+                          f"(now at {result['position']}{at}) in {result['seconds']:.1f}s")
+            if result.get("compare"):
+                emit(result["compare"], Output.table, title=f"{result['target']} vs live")
+            if result.get("retired"):
+                console.print(f"swapped: live is the rebuilt models; the old ones are in schema {result['retired']}")
+        if differs:
             raise typer.Exit(1)
+
+    def past_point_options(into: str | None, compare: bool | None, swap: bool) -> None:
+        """--to builds a shadow as of a past point: refused for live, with --swap and with --compare."""
+        if into is None:
+            raise UserError_exit(err_console, "--to needs --into SHADOW: the live read models cannot be moved back to "
+                                              "a past point; build a shadow as of it (e.g. --into shadow --to 1200) "
+                                              "and query that schema")
+        if swap:
+            raise UserError_exit(err_console, "--swap with --to: a shadow as of a past point cannot become the live "
+                                              "read models (live would move back in time); leave out --to to "
+                                              "rebuild a shadow that can be swapped in")
+        if compare:
+            raise UserError_exit(err_console, "--compare with --to: a shadow as of a past point differs from live by "
+                                              "everything logged since, so there is nothing to compare; leave out "
+                                              "--compare (it is off with --to)")
 
     @app.command("metrics")
     @guarded
@@ -316,7 +317,24 @@ def UserError_exit(err_console, message: str):  # noqa: N802 - reads as a raise
     return typer.Exit(2)
 
 
-async def _replay(into, from_seq, from_time, compare, swap, batch, err_console) -> dict[str, Any]:
+async def _statement_now(period: str, by: str) -> tuple[datetime, dict[str, Any]]:
+    """The period's statement from the read models now, its log range found in the log."""
+    nc = await Connection.resolve().nats()
+    try:
+        conn = await Connection.resolve().pg()
+        try:
+            now = await queries.log_now(conn, datetime.now(UTC))
+            return now, await queries.statement(conn, period, by, log=nc.jetstream(), as_of=now)
+        finally:
+            await conn.close()
+    finally:
+        await nc.close()
+
+
+async def _replay(into, from_seq, from_time, compare, swap, batch, err_console, *, to_seq: int | None = None,
+                  to_time: datetime | None = None) -> dict[str, Any]:
+    """Replay into live (``into`` None) or rebuild a shadow. ``to_seq``/``to_time`` (a shadow
+    only): as of that past point, recorded in the shadow."""
     import time
 
     dsn = _pg_dsn()
@@ -331,11 +349,19 @@ async def _replay(into, from_seq, from_time, compare, swap, batch, err_console) 
         finally:
             await live.close()
         target = into or "public"
-        end = live_pos if into is not None else await eventlog.last_sequence(js)
+        past = to_seq is not None or to_time is not None
+        if past:
+            last = await eventlog.last_sequence(js)
+            if to_seq is not None and to_seq > last:
+                raise UserError(f"--to {to_seq}: the log ends at sequence {last}; accepted: a sequence up to {last}, "
+                                "or an event time")
+            end = await replay_mod.resolve_end(js, to_seq, to_time)
+        else:
+            end = live_pos if into is not None else await eventlog.last_sequence(js)
         if into is not None:
             with _Bar(err_console, f"replay → {target}", from_seq or 1, end) as bar:
                 progress = await replay_mod.rebuild(nc, dsn, into, from_seq=from_seq, from_time=from_time,
-                                                    to_seq=end, batch=batch, on_batch=bar)
+                                                    to_seq=end, to_time=to_time, as_of=past, batch=batch, on_batch=bar)
         conn = await replay_mod.connect(dsn, target)
         try:
             if into is None:
@@ -344,14 +370,21 @@ async def _replay(into, from_seq, from_time, compare, swap, batch, err_console) 
                     progress = await replay_mod.replay(nc, conn, from_seq=from_seq, from_time=from_time, to_seq=end,
                                                        batch=batch, writer_process=(dsn, target), on_batch=bar)
             position = await sink.position(conn)
+            point = await replay_mod.point(conn, target)
         finally:
             await conn.close()
         result: dict[str, Any] = {"target": target, "applied": progress.applied, "position": position,
                                   "seconds": time.perf_counter() - t0}
+        if point is not None:
+            result["as_of"] = {"sequence": point.sequence, "to_time": point.to_time,
+                               "newest_event_time": point.newest_event_time, "describe": point.describe()}
         if into is not None and compare:
             result["compare"] = await replay_mod.compare(dsn, into)
         if swap:
-            result["retired"] = await replay_mod.swap(dsn, js, into)
+            try:
+                result["retired"] = await replay_mod.swap(dsn, js, into)
+            except replay_mod.ReplayError as err:
+                raise UserError(str(err)) from None
         return result
     finally:
         await nc.close()
@@ -375,7 +408,8 @@ async def _verify(statement_id: str, err_console) -> dict[str, Any]:
                 await replay_mod.rebuild(nc, dsn, scratch, to_seq=found.last_sequence, on_batch=bar)
             conn = await replay_mod.connect(dsn, scratch)
             try:
-                body = await queries.statement(conn, found.period, found.group_by, last_sequence=found.last_sequence)
+                body = await queries.statement(conn, found.period, found.group_by, log=js,
+                                               last_sequence=found.last_sequence)
             finally:
                 await conn.close()
         finally:

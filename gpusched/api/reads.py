@@ -172,8 +172,8 @@ async def usage(conn: asyncpg.Connection, team: str | None, by: list[str], perio
     return rows
 
 
-async def chargeback_statement(conn: asyncpg.Connection, period: str, group_by: str) -> dict[str, Any]:
-    return await queries.statement(conn, period, group_by)
+async def chargeback_statement(conn: asyncpg.Connection, js, period: str, group_by: str) -> dict[str, Any]:
+    return await queries.statement(conn, period, group_by, log=js)
 
 
 async def summary(conn: asyncpg.Connection, team: str | None) -> dict[str, Any]:

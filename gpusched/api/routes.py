@@ -409,7 +409,7 @@ async def chargeback(request: Request, me: Me,
     require(me, Role.CHARGEBACK, Role.OPERATOR, Role.ADMIN)
     try:
         async with _state(request).pool.acquire() as conn:
-            body = await reads.chargeback_statement(conn, period, group_by)
+            body = await reads.chargeback_statement(conn, _state(request).js, period, group_by)
     except ValueError as err:
         raise invalid([FieldError(field="query.period", message=str(err))]) from None
     if format == "csv":

@@ -10,8 +10,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
+from nats.js import JetStreamContext
 
-from services.accounting import chargeback
+from services.accounting import chargeback, eventtime
 from services.accounting.chargeback import Attempt, PriceVersion, QuotaVersion
 
 PRICE_BOOK = "default"
@@ -109,10 +110,11 @@ async def position(conn: asyncpg.Connection, projection: str = "read-models") ->
                                projection) or 0
 
 
-async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, as_of: datetime | None = None,
-                    last_sequence: int | None = None) -> dict[str, Any]:
+async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, log: JetStreamContext,
+                    as_of: datetime | None = None, last_sequence: int | None = None) -> dict[str, Any]:
     """A statement computed from the read models as they are now (position = last_sequence):
-    the ledger rows and the running attempts that overlap the period (up to ``as_of``)."""
+    the ledger rows and the running attempts that overlap the period (up to ``as_of``). Its log
+    range is :func:`period_first_sequence` .. last_sequence, found in ``log`` (the event log)."""
     start, end = chargeback.parse_period(period)
     until = min(end, as_of) if as_of is not None else end
     async with conn.transaction(isolation="repeatable_read", readonly=True):
@@ -121,8 +123,18 @@ async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, as_
         rows += await running_attempts(conn, until)
         prices = await price_versions(conn, max_sequence=seq)
         history = await quota_versions(conn, max_sequence=seq)
-    return chargeback.statement(rows, prices, history, period=period, group_by=group_by, first_sequence=1,
+    first = await period_first_sequence(log, period, seq)
+    return chargeback.statement(rows, prices, history, period=period, group_by=group_by, first_sequence=first,
                                 last_sequence=seq, as_of=as_of)
+
+
+async def period_first_sequence(log: JetStreamContext, period: str, last_sequence: int) -> int:
+    """The first sequence of a statement's log range: the first event of ``1..last_sequence``
+    that happened in the period or later (event time; :func:`eventtime.first_at`), or
+    ``last_sequence + 1`` (an empty range) when none did. Events before it count too (a job
+    submitted, a price or a quota set earlier), but none of them happened in the period."""
+    first = await eventtime.first_at(log, chargeback.parse_period(period)[0], hi=last_sequence)
+    return first if first is not None else last_sequence + 1
 
 
 async def rollup(conn: asyncpg.Connection, by: list[str], *, period: str | None = None,

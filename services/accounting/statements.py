@@ -108,7 +108,7 @@ class Issuer:
                 last = await self._last_issued(conn, period, dim)
                 if last is not None and (affected is None or end <= affected):
                     continue  # nothing logged since touches this period
-                body = await queries.statement(conn, period, dim)
+                body = await queries.statement(conn, period, dim, log=js)
                 if not body["lines"] or (last is not None and _same_content(body, last)):
                     continue
                 event = new_event(

@@ -553,17 +553,16 @@ async def test_a_rebuild_of_batches_larger_than_a_pipe_buffer_finishes(admin_js,
 async def test_writers_read_around_deleted_sequences_and_from_a_time(admin_js, admin_nc, pg_dsn):
     """Writer processes read their ranges straight from JetStream: a sequence deleted from the
     stream (in the middle of a range, and the log's last one) is skipped as the inline replay
-    skips it, and --from TIME starts at the first event stored at or after that time."""
+    skips it, and --from TIME starts at the first event that happened at or after that time (event time)."""
     await reset_log(admin_js, immutable=False)  # the platform's streams refuse message deletes
     log = eventlog.EventLog(admin_js)
     start = await eventlog.last_sequence(admin_js) + 1
     early = [e for i in range(3) for e in job(f"t{i}", "team-a", gpus=1, checkpoint_at=600)]
     for e in early:
         await log.append(e)
-    await asyncio.sleep(0.05)
-    between = datetime.now(UTC)
-    await asyncio.sleep(0.05)
-    late = job("t3", "team-a", gpus=2)
+    between = s(12 * 3600)
+    late = [e.model_copy(update={"occurred_at": e.occurred_at + timedelta(days=1)})
+            for e in job("t3", "team-a", gpus=2)]
     for e in late:
         await log.append(e)
     end = await eventlog.last_sequence(admin_js)
@@ -598,7 +597,7 @@ async def test_writers_read_around_deleted_sequences_and_from_a_time(admin_js, a
         assert await sink.position(conn) == end - 1
     finally:
         await conn.close()
-    future = await replay.rebuild(admin_nc, pg_dsn, "none", from_time=datetime.now(UTC) + timedelta(hours=1))
+    future = await replay.rebuild(admin_nc, pg_dsn, "none", from_time=between + timedelta(days=30))
     assert future.applied == 0
 
 
