@@ -20,8 +20,8 @@ from rich.markup import escape
 from rich.text import Text
 from rich.table import Table
 
-from gpusched import (accounting_cli, commands, history, permissions, pricebook, queueconfig, quota_usage, token_cli,
-                      userinput)
+from gpusched import (accounting_cli, commands, history, log_cli, permissions, pricebook, queueconfig, quota_usage,
+                      token_cli, userinput)
 from gpusched.connection import Connection
 from gpusched.userinput import UserError
 from runtime import eventlog, observability
@@ -398,6 +398,8 @@ accounting_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_j
                         output_enum=Output, console=console, err_console=err_console)
 token_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, guarded=guarded,
                    output_option=OutputOpt, output_enum=Output)
+log_cli.register(app, emit=emit, run=run, with_js=with_js, guarded=guarded, output_option=OutputOpt, output_enum=Output,
+                 console=console, err_console=err_console)
 
 
 @app.command("why")
