@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from gpusched import commands, connection, devstack, history, queueconfig
+from gpusched import commands, connection, devstack, history, pricebook, queueconfig
 from gpusched.api import tokens
 from runtime import eventlog
 from runtime.settings import Settings
@@ -234,6 +234,8 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     await eventlog.provision(js, eventlog.StreamLimits.from_settings(Settings.from_env()), teams=TEAMS)
     for event in queueconfig.plan_queues(example("queues.yaml"), await queueconfig.current_queues(js), datetime.now(UTC)):
         await eventlog.EventLog(js).append(event)
+    for event in pricebook.plan(pricebook.read(example("pricebook.yaml")), await pricebook.current(js), datetime.now(UTC)):
+        await eventlog.EventLog(js).append(event)  # so that usage, chargeback and what-if have prices
 
     metrics_ports = {name: devstack.free_port() for name in devstack.PROCESSES}
     api_port = _api_port()

@@ -79,6 +79,8 @@ class Task:
     models: tuple[str, ...]
     created: float  # seconds from the trace start
     runtime: float | None  # None: never ran in the trace
+    scheduled: float | None = None  # seconds from the trace start; None: never ran
+    qos: str = ""  # the trace's class of service (LS, BE, Burstable, Guaranteed), when it has one
 
     @property
     def milli(self) -> int:
@@ -170,17 +172,18 @@ def load_trace(directory: Path | None = None, *, nodes: Path | None = None, pods
         if gpus < 0:
             raise TraceError(f"{where}: column 'num_gpu' is {gpus}; accepted: 0 or more")
         milli = _int(row, "gpu_milli", where, default=MILLI)
-        runtime, created = None, 0.0
+        runtime, created, scheduled = None, 0.0, None
         if timed:
             created = float(_int(row, "creation_time", where))
             if (row.get("scheduled_time") or "").strip() and (row.get("deletion_time") or "").strip():
-                runtime = float(max(1, _int(row, "deletion_time", where) - _int(row, "scheduled_time", where)))
+                scheduled = float(_int(row, "scheduled_time", where))
+                runtime = float(max(1, _int(row, "deletion_time", where) - scheduled))
         tasks.append(Task(
             name=row["name"].strip(), cpu_milli=max(1, _int(row, "cpu_milli", where)),
             memory_mib=max(1, _int(row, "memory_mib", where)), gpus=gpus,
             gpu_milli=milli if gpus == 1 and 0 < milli < MILLI else None,
             models=tuple(m.strip() for m in (row.get("gpu_spec") or "").split("|") if m.strip()),
-            created=created, runtime=runtime,
+            created=created, runtime=runtime, scheduled=scheduled, qos=(row.get("qos") or "").strip(),
         ))
     if timed:
         tasks.sort(key=lambda t: (t.created, t.name))

@@ -1,0 +1,203 @@
+"""``gpusched whatif``: the recorded log (or an Alibaba-format trace) replayed under a changed
+configuration, beside what actually happened (gpusched/whatif.py; docs/whatif.md)."""
+
+
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+
+from gpusched import queueconfig, userinput, whatif
+from gpusched.accounting_cli import parse_time
+from gpusched.userinput import UserError
+from runtime import eventlog
+from runtime.settings import ConfigError, env_choice, env_number, env_value
+from schemas import CohortConfigured, PolicyConfigured, QueueConfigured, QueueDeleted, parse_event
+from schemas.registry import SUBJECT_PREFIX
+from services.scheduler.domain import PreemptionLimits
+from services.scheduler.placement import Policy
+
+P = SUBJECT_PREFIX
+RECORDED_SUBJECTS = [
+    *(f"{P}.job.*.{token}" for token in ("submitted", "admitted", "rejected", "cancel_requested", "quota_reserved",
+                                         "scheduled", "preemption_requested", "started", "succeeded", "failed",
+                                         "preempted", "cancelled")),
+    f"{P}.queue.>", f"{P}.cohort.>", f"{P}.policy.>", f"{P}.pricebook.>",
+    f"{P}.node.*.registered", f"{P}.node.*.updated",
+]
+"""What the what-if reads of the log: a job's decisions and ends, configuration, nodes and prices
+(not the wait reasons, telemetry, statements or tokens)."""
+
+
+def parse_range(text: str) -> tuple[int | datetime | None, int | datetime | None]:
+    """``FROM..TO``, either end a stream sequence or an event time (ISO 8601 with a zone, or a
+    date), either end may be empty; ``..`` or empty: the whole log."""
+    if text.strip() in ("", ".."):
+        return None, None
+    if ".." not in text:
+        raise UserError(f"--log {text!r}: not a range; accepted: FROM..TO, FROM.., ..TO or .., each end a stream "
+                        "sequence (e.g. 1200) or an event time (e.g. 2026-11-01T00:00:00Z)")
+    lo, hi = (part.strip() for part in text.split("..", 1))
+
+    def end(part: str, which: str) -> int | datetime | None:
+        if not part:
+            return None
+        if part.isdigit():
+            if int(part) < 1:
+                raise UserError(f"--log {text!r}: {which} {part}: stream sequences start at 1")
+            return int(part)
+        try:
+            return parse_time(part, f"--log {which}")
+        except UserError:
+            raise UserError(f"--log {text!r}: {which} {part!r} is neither a stream sequence nor a time with a zone; "
+                            "accepted: e.g. 1200 or 2026-11-01T00:00:00Z") from None
+    first, last = end(lo, "FROM"), end(hi, "TO")
+    if first is not None and last is not None and type(first) is type(last) and first > last:  # type: ignore[operator]
+        raise UserError(f"--log {text!r}: FROM is after TO; accepted: FROM <= TO")
+    return first, last
+
+
+async def record(js, first: int | datetime | None, last: int | datetime | None,
+                 progress: Callable[[int], None] | None = None) -> whatif.Recording:
+    """The recorded log as a :class:`whatif.Recording`, its window from ``first`` to ``last``
+    (a sequence bound is the event time of the event at that sequence)."""
+    rec = whatif.Recording(start=first if isinstance(first, datetime) else None,
+                           end=last if isinstance(last, datetime) else None)
+    read = 0
+    async for batch in eventlog.read_batches(js, subjects=RECORDED_SUBJECTS, client=eventlog.client_of(js),
+                                             payloads=True, batch=4096):
+        for seq, payload in batch:
+            event = parse_event(payload)
+            if isinstance(first, int) and rec.start is None and seq >= first:
+                rec.start = event.occurred_at
+            if isinstance(last, int) and seq > last and rec.end is None:
+                rec.end = rec.last  # the window ends with the last event read at or before TO
+            rec.add(seq, event)
+        read += len(batch)
+        if progress is not None:
+            progress(read)
+    if isinstance(first, int) and rec.start is None:
+        raise UserError(f"--log: FROM {first} is past the log's last sequence")
+    return rec
+
+
+def config_at(events: list) -> queueconfig.QuotaConfig:
+    """The queue, cohort and policy configuration that ``events`` (in log order) leave."""
+    config = queueconfig.QuotaConfig({}, {})
+    for e in events:
+        if isinstance(e, QueueConfigured):
+            config.queues[e.name] = e
+        elif isinstance(e, QueueDeleted):
+            config.queues.pop(e.name, None)
+        elif isinstance(e, CohortConfigured):
+            config.cohorts[e.name] = e
+        elif isinstance(e, PolicyConfigured):
+            config.policy = e
+    return config
+
+
+def options_from_env(policy: str | None) -> whatif.Options:
+    """The scheduler's placement policy and default preemption limits, from the variables the
+    scheduler reads (docs/scheduling.md), so the replay places as the live scheduler does."""
+    from services.scheduler.__main__ import flavor_policies  # the variable's one parser
+
+    accepted = tuple(p.value for p in Policy)
+    chosen = policy or env_choice("GPUSCHED_SCHEDULER_POLICY", Policy.BEST_FIT.value, accepted)
+    if chosen not in accepted:
+        raise UserError(f"--policy {chosen!r}: accepted: {', '.join(accepted)}")
+    try:
+        limits = PreemptionLimits(
+            enabled=env_choice("GPUSCHED_PREEMPTION", "on", ("on", "off")) == "on",
+            max_per_window=int(env_number("GPUSCHED_PREEMPTION_MAX_PER_WINDOW", 20, minimum=0, maximum=100_000,
+                                          integer=True)),
+            window_seconds=env_number("GPUSCHED_PREEMPTION_WINDOW_S", 300.0, minimum=1, maximum=86_400),
+        )
+        by_flavor = flavor_policies(env_value("GPUSCHED_SCHEDULER_POLICY_BY_FLAVOR", "") or "")
+    except ConfigError as err:
+        raise UserError(str(err)) from None
+    return whatif.Options(policy=Policy(chosen), flavor_policies=by_flavor, limits=limits)
+
+
+def changes_of(path: Path | None, recording: whatif.Recording) -> tuple[list, list[dict[str, str]]]:
+    """The events a changes file makes against the configuration at the window's start, and
+    their descriptions (as ``gpusched apply --dry-run`` gives them)."""
+    if path is None:
+        return [], []
+    parsed = queueconfig.parse_queues(userinput.read_document(path), path)
+    config = config_at(whatif.at_start(recording))
+    start, _ = recording.window
+    events = [e for e in queueconfig.plan(parsed, config, start) if isinstance(e, whatif.CONFIG_TYPES)]
+    return events, [{"event": e.type, "name": e.aggregate_id, "change": queueconfig.describe_change(e, config)}
+                    for e in events]
+
+
+def render(result: dict[str, Any], console) -> None:
+    """The report as tables: per group, each figure actual → what-if."""
+    from rich.table import Table
+
+    w, d = result["window"], result["decisions"]
+    console.print(f"window {w['from']} .. {w['to']} ({w['seconds'] / 3600:.1f} h), {w['capacity_gpus']:g} GPUs, "
+                  f"{w['log_events']} events read")
+    for c in result["changes"]:
+        console.print(f"  {c['event']} {c['name']}: {c['change']}")
+    if d is not None:
+        console.print(f"decisions: {d['same']} of {d['jobs']} jobs decided the same ({d['same_with_times']} at the "
+                      "same times)")
+    for title, groups in (("team", result["teams"]), ("queue", result["queues"])):
+        table = Table(title=f"per {title}: actual → what-if")
+        table.add_column(title)
+        for f in whatif.FIGURES:
+            table.add_column(f, justify="right")
+        for name, cols in groups.items():
+            table.add_row(name, *(_cell(cols["actual"][f], cols["whatif"][f]) for f in whatif.FIGURES))
+        console.print(table)
+
+
+def _cell(a, b) -> str:
+    if a == b:
+        return "–" if a is None else f"{a:g}"
+    return f"{'–' if a is None else f'{a:g}'} → {'–' if b is None else f'{b:g}'}"
+
+
+def register(app: typer.Typer, *, run: Callable, with_js: Callable, guarded: Callable, output_option, output_enum,
+             console, err_console) -> None:
+    Output = output_enum
+
+    @app.command("whatif")
+    @guarded
+    def whatif_cmd(
+        log_range: str = typer.Option("..", "--log", help="The recorded log's window: FROM..TO (stream sequences or "
+                                                          "event times; either end may be left out); default: all"),
+        apply: Optional[Path] = typer.Option(None, "--apply", help="Changes: a queues file (gpusched apply's format: "
+                                                                   "priority_classes, preemption_limits, cohorts, "
+                                                                   "queues); none: replay as configured"),
+        trace: Optional[Path] = typer.Option(None, "--trace", help="An Alibaba-format trace directory to replay "
+                                                                   "instead of the log"),
+        policy: Optional[str] = typer.Option(None, help="Placement policy (default: GPUSCHED_SCHEDULER_POLICY, "
+                                                        "as the scheduler)"),
+        limit: Optional[int] = typer.Option(None, min=1, help="With --trace: only the first N tasks"),
+        output: Output = output_option,
+    ) -> None:
+        """Replay recorded history through the real decision cores under changed priority classes,
+        preemption limits and quotas, and compare per team and per queue with what happened."""
+        options = options_from_env(policy)
+        began = time.monotonic()
+        if trace is not None:
+            from gpusched import tracesim, whatif_trace
+            try:
+                recording = whatif_trace.recording(trace, limit)
+            except tracesim.TraceError as err:
+                raise UserError(str(err)) from None
+        else:
+            first, last = parse_range(log_range)
+            recording = run(with_js(lambda js: record(js, first, last)))
+        changes, described = changes_of(apply, recording)
+        result, _ = whatif.whatif(recording, changes, whatif.overridden_by(changes), options, described)
+        if output == Output.json:
+            print(json.dumps(result, indent=2, sort_keys=True))
+        else:
+            render(result, console)
+        err_console.print(f"[dim]replayed {recording.events} events in {time.monotonic() - began:.1f} s[/dim]")
