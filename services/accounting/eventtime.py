@@ -30,11 +30,12 @@ The answers, exact under those two bounds (a brute-force scan gives the same):
   prefix of the log cannot hold it without everything logged before it).
 
 How: a binary search over sequences, each probe reading ``LATE_RUN`` consecutive events and
-taking the newest time among them (one late event cannot mislead it), then a step over the events
-within ``SKEW`` of the answer to find it exactly, which stops after ``LATE_RUN`` events in a row
-older than T − ``SKEW`` (every event before those is older than T). Cost: about
-``LATE_RUN × log2(N)`` reads by sequence plus one per event within ``SKEW`` of T. Reads by
-sequence need only the stream read permission that every reader of the log has (the API's
+taking the newest time among them (one late event cannot mislead it), then a step back over the
+events within ``SKEW`` of the answer to find it exactly, which stops after ``LATE_RUN`` events in
+a row older than T − ``SKEW`` (every event before those is older than T). The reads are batched
+direct gets (one request answers up to ``BATCH`` messages from a sequence): about log2(N)
+requests for the search, and the events within ``SKEW`` of T read a thousand at a time. Direct
+gets need only the stream read permission that every reader of the log has (the API's
 credential, which creates no consumers, too).
 
 The module reads the log through nats-py's JetStream context and belongs beside
@@ -43,14 +44,17 @@ The module reads the log through nats-py's JetStream context and belongs beside
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta
 
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from runtime.eventlog import EVENTS_STREAM
+from runtime.eventlog import EVENTS_STREAM, client_of
 from schemas.registry import SUBJECT_PREFIX
 
 SKEW = timedelta(minutes=5)
@@ -58,6 +62,12 @@ SKEW = timedelta(minutes=5)
 
 LATE_RUN = 16
 """Late events in a row that the lookups pass over: fewer than this many."""
+
+BATCH = 1000
+"""Messages one batched direct get asks for."""
+
+TIMEOUT_S = 10.0
+"""How long a batched direct get may take to complete."""
 
 _EVERY_EVENT = f"{SUBJECT_PREFIX}.>"
 
@@ -93,14 +103,16 @@ async def first_at(js: JetStreamContext, when: datetime, *, hi: int | None = Non
     window_end = await _crossing(js, lo, hi, reached)
     # The first event that reached ``when`` is in the window found or before it: step back until
     # LATE_RUN events in a row are older than ``when - skew`` (every event before them is older than ``when``).
-    found, older, seq = None, 0, hi if window_end is None else window_end
-    while seq >= lo and older < LATE_RUN:
-        at = await event_time(js, seq)
-        if at is not None:
+    found, older = None, 0
+    async with contextlib.aclosing(_backward(js, lo, hi if window_end is None else window_end)) as stamps:
+        async for seq, at in stamps:
+            if at is None:
+                continue
             if reached(at):
                 found = seq
             older = older + 1 if at < when - skew else 0
-        seq -= 1
+            if older == LATE_RUN:
+                break
     return found
 
 
@@ -110,12 +122,11 @@ async def last_at(js: JetStreamContext, when: datetime, *, hi: int | None = None
     time passed ``when + skew``; 0 when none did (see the module's docstring)."""
     lo, hi = await _span(js, hi)
     passed = await first_at(js, when + skew, hi=hi, skew=skew, strictly=True)
-    seq = hi if passed is None else passed - 1
-    while seq >= lo:  # over the events after ``when`` (within ``skew`` of it) back to the last before
-        at = await event_time(js, seq)
-        if at is not None and at <= when:
-            return seq
-        seq -= 1
+    # back over the events after ``when`` (within ``skew`` of it) to the last one before
+    async with contextlib.aclosing(_backward(js, lo, hi if passed is None else passed - 1)) as stamps:
+        async for seq, at in stamps:
+            if at is not None and at <= when:
+                return seq
     return 0
 
 
@@ -126,25 +137,52 @@ async def _span(js: JetStreamContext, hi: int | None) -> tuple[int, int]:
     return max(1, state.first_seq), last
 
 
+async def _read(js: JetStreamContext, seq: int, hi: int, count: int) -> list[tuple[int, datetime | None]]:
+    """Up to ``count`` messages stored from ``seq`` up to ``hi``, in order, as (sequence, event
+    time or None): one batched direct get, answered by the messages and then a status (204 at
+    the batch's end, 404 when none is stored from ``seq``)."""
+    if seq > hi:
+        return []
+    nc = client_of(js)
+    inbox = nc.new_inbox()
+    found: list[tuple[int, datetime | None]] = []
+    complete = asyncio.Event()
+
+    async def take(msg: Msg) -> None:
+        headers = msg.headers or {}
+        if "Status" in headers:
+            complete.set()
+        else:
+            found.append((int(headers["Nats-Sequence"]), occurred_at(msg.data)))
+    sub = await nc.subscribe(inbox, cb=take)
+    try:
+        request = {"seq": seq, "batch": min(count, hi - seq + 1), "next_by_subj": _EVERY_EVENT}
+        await nc.publish(f"$JS.API.DIRECT.GET.{EVENTS_STREAM}", json.dumps(request).encode(), reply=inbox)
+        await asyncio.wait_for(complete.wait(), TIMEOUT_S)
+    finally:
+        await sub.unsubscribe()
+    return [(s, at) for s, at in found if s <= hi]
+
+
+async def _backward(js: JetStreamContext, lo: int, start: int) -> AsyncIterator[tuple[int, datetime | None]]:
+    """The messages from ``start`` back to ``lo``, newest first, read ``BATCH`` at a time."""
+    while start >= lo:
+        first = max(lo, start - BATCH + 1)
+        for stamp in reversed(await _read(js, first, start, BATCH)):
+            yield stamp
+        start = first - 1
+
+
 async def _window(js: JetStreamContext, seq: int, hi: int) -> tuple[int, int, datetime] | None:
-    """The first ``LATE_RUN`` events with a time stored from ``seq`` up to ``hi``: (sequence of the
-    first, of the last, the newest time among them); None when there is none."""
-    first, last, newest, taken = 0, 0, None, 0
-    while seq <= hi and taken < LATE_RUN:
-        try:
-            msg = await js.get_msg(EVENTS_STREAM, seq=seq, subject=_EVERY_EVENT, next=True)
-        except NotFoundError:
-            break
-        if msg.seq > hi:
-            break
-        seq = msg.seq + 1
-        at = occurred_at(msg.data)
-        if at is None:
-            continue
-        taken += 1
-        first, last = first or msg.seq, msg.seq
-        newest = at if newest is None or at > newest else newest
-    return None if newest is None else (first, last, newest)
+    """The first ``LATE_RUN`` messages stored from ``seq`` up to ``hi`` that hold an event with a
+    time among them: (sequence of the first and of the last event, the newest time among them);
+    None when no event is stored there."""
+    while (stamps := await _read(js, seq, hi, LATE_RUN)):
+        timed = [(s, at) for s, at in stamps if at is not None]
+        if timed:
+            return timed[0][0], timed[-1][0], max(at for _, at in timed)
+        seq = stamps[-1][0] + 1  # messages that are not events: the window starts after them
+    return None
 
 
 async def _crossing(js: JetStreamContext, lo: int, hi: int, reached: Callable[[datetime], bool]) -> int | None:

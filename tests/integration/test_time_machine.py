@@ -85,7 +85,7 @@ async def fetch(dsn: str, sql: str, *args):
 async def test_event_time_lookups_agree_with_a_scan_of_the_log(admin_js):
     """At every time around the events, and up to two ends: the first sequence at or after T and
     the end of the log as of T agree with a brute-force scan, in a log out of time order by up to
-    40 s (the skew given: 45 s), with a message that is not an event and a run of three late
+    40 s (the skew given: 45 s), with a run of messages that are not events and a run of three late
     events (stamped 10 hours earlier, as `gpusched apply` stamps config events with the wall clock
     while the demo's platform runs ahead), all stamped 10 hours ahead of JetStream's stamps."""
     import random
@@ -97,8 +97,9 @@ async def test_event_time_lookups_agree_with_a_scan_of_the_log(admin_js):
     stamps[50:50] = [base - timedelta(hours=10, minutes=m) for m in (3, 2, 1)]
     times: dict[int, datetime] = {}
     for i, when in enumerate(stamps):
-        if i == 30:
-            await admin_js.publish("gpusched.job.poison.submitted", b"not an event")
+        if i == 30:  # more messages in a row than a search's probe reads
+            for _ in range(eventtime.LATE_RUN + 4):
+                await admin_js.publish("gpusched.job.poison.submitted", b"not an event")
         (seq,) = await append(admin_js, [b.submitted(f"e{i}", when=when)])
         times[seq] = when
 
