@@ -21,7 +21,7 @@ from rich.text import Text
 from rich.table import Table
 
 from gpusched import (accounting_cli, commands, history, log_cli, permissions, pricebook, queueconfig, quota_usage,
-                      token_cli, userinput)
+                      token_cli, userinput, whatif_cli)
 from gpusched.connection import Connection
 from gpusched.userinput import UserError
 from runtime import eventlog, observability
@@ -400,6 +400,8 @@ token_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, gu
                    output_option=OutputOpt, output_enum=Output)
 log_cli.register(app, emit=emit, run=run, with_js=with_js, guarded=guarded, output_option=OutputOpt, output_enum=Output,
                  console=console, err_console=err_console)
+whatif_cli.register(app, run=run, with_js=with_js, guarded=guarded, output_option=OutputOpt, output_enum=Output,
+                    console=console, err_console=err_console)
 
 
 @app.command("why")

@@ -3,6 +3,7 @@ configuration, beside what actually happened (gpusched/whatif.py; docs/whatif.md
 
 
 import json
+import re
 import time
 from datetime import datetime
 from pathlib import Path
@@ -16,20 +17,25 @@ from gpusched.userinput import UserError
 from runtime import eventlog
 from runtime.settings import ConfigError, env_choice, env_number, env_value
 from schemas import CohortConfigured, PolicyConfigured, QueueConfigured, QueueDeleted, parse_event
-from schemas.registry import SUBJECT_PREFIX
 from services.scheduler.domain import PreemptionLimits
 from services.scheduler.placement import Policy
 
-P = SUBJECT_PREFIX
-RECORDED_SUBJECTS = [
-    *(f"{P}.job.*.{token}" for token in ("submitted", "admitted", "rejected", "cancel_requested", "quota_reserved",
-                                         "scheduled", "preemption_requested", "started", "succeeded", "failed",
-                                         "preempted", "cancelled")),
-    f"{P}.queue.>", f"{P}.cohort.>", f"{P}.policy.>", f"{P}.pricebook.>",
-    f"{P}.node.*.registered", f"{P}.node.*.updated",
-]
+RECORDED_TYPES = frozenset({
+    "JobSubmitted", "JobAdmitted", "JobRejected", "JobCancelRequested", "QuotaReserved", "JobScheduled",
+    "PreemptionRequested", "JobStarted", "JobSucceeded", "JobFailed", "JobPreempted", "JobCancelled",
+    "QueueConfigured", "QueueDeleted", "CohortConfigured", "PolicyConfigured", "PriceBookUpdated",
+    "NodeRegistered", "NodeUpdated",
+})
 """What the what-if reads of the log: a job's decisions and ends, configuration, nodes and prices
-(not the wait reasons, telemetry, statements or tokens)."""
+(not the wait reasons, telemetry, statements or tokens). The log is read whole and each
+payload's type looked at before it is parsed: a consumer filtered on these types' subjects makes
+the server deliver in bursts (measured: 14× slower on a 27,000-event log)."""
+_TYPE = re.compile(rb'"type":"(\w+)"')  # the envelope's: the first "type" key of an event's JSON
+
+
+def recorded_type(payload: bytes) -> bool:
+    found = _TYPE.search(payload)
+    return found is not None and found.group(1).decode() in RECORDED_TYPES
 
 
 def parse_range(text: str) -> tuple[int | datetime | None, int | datetime | None]:
@@ -67,9 +73,10 @@ async def record(js, first: int | datetime | None, last: int | datetime | None,
     rec = whatif.Recording(start=first if isinstance(first, datetime) else None,
                            end=last if isinstance(last, datetime) else None)
     read = 0
-    async for batch in eventlog.read_batches(js, subjects=RECORDED_SUBJECTS, client=eventlog.client_of(js),
-                                             payloads=True, batch=4096):
+    async for batch in eventlog.read_batches(js, client=eventlog.client_of(js), payloads=True, batch=4096):
         for seq, payload in batch:
+            if not recorded_type(payload):
+                continue
             event = parse_event(payload)
             if isinstance(first, int) and rec.start is None and seq >= first:
                 rec.start = event.occurred_at
