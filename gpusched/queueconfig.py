@@ -52,6 +52,8 @@ class QueueSpec(BaseModel):
     quotas: list[dict[str, Any]] = Field(default_factory=list)
     strict_fifo: bool = False
     budget: dict[str, Any] | None = None
+    weighted_limit: float | None = None
+    class_limits: list[dict[str, Any]] = Field(default_factory=list)
     preemption: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -78,6 +78,8 @@ class QuotaWaitReason(StrEnum):
     NOMINAL_LENT = "nominal-lent"  # its own unused quota is lent to borrowers (reclaim applies)
     BLOCKED_BY_HEAD = "blocked-by-head"  # behind a refused head: of a strict-FIFO queue, or of a higher priority
     BUDGET_EXHAUSTED = "budget-exhausted"  # the queue's GPU-hour budget for this period is spent
+    WEIGHTED_LIMIT = "weighted-limit"  # it would take the queue over its weighted limit
+    CLASS_LIMIT = "class-limit"  # it would take its priority class over the class's share of the queue
     RETRY_BACKOFF = "retry-backoff"  # a retry waiting out its backoff
     QUEUE_MISSING = "queue-missing"  # the queue was deleted after admission
     NO_QUOTA_FOR_FLAVOR = "no-quota-for-flavor"  # none of the job's flavors has quota in the queue

@@ -26,6 +26,16 @@ class GpuHourBudget(Contract):
     period: Literal["day", "week", "month"] = "month"
 
 
+class ClassLimit(Contract):
+    """The most the attempts of one priority class may hold in a queue, per flavor:
+    ``floor(max_share × nominal)`` GPUs of each flavor, borrowed GPUs included. A limit naming a
+    class no job of the queue has (one no policy defines, say) limits nobody."""
+
+    priority_class: str = Field(pattern=NAME_PATTERN, description="A priority class (spec.priority_class)")
+    max_share: float = Field(gt=0, le=1, allow_inf_nan=False,
+                             description="Share of the queue's nominal of each flavor the class may hold, in (0, 1]")
+
+
 class PreemptionPolicy(Contract):
     """What a queue's waiting jobs may preempt to get quota (Kueue's ClusterQueue preemption)."""
 
@@ -51,6 +61,13 @@ class QueueConfigured(Event):
     quotas: tuple[FlavorQuota, ...] = Field(default=(), max_length=64)
     strict_fifo: bool = Field(default=False, description="A head that does not fit blocks the queue")
     budget: GpuHourBudget | None = Field(default=None, description="GPU-hour budget per period; None: unlimited")
+    weighted_limit: float | None = Field(
+        default=None, ge=0, le=1e12, allow_inf_nan=False,
+        description="Most the queue may hold in weighted units: Σ GPUs held × the flavor's weight, borrowed "
+                    "GPUs included; None: unlimited",
+    )
+    class_limits: tuple[ClassLimit, ...] = Field(default=(), max_length=64,
+                                                 description="Per priority class: its share of the nominal")
     preemption: PreemptionPolicy = Field(default_factory=PreemptionPolicy)
 
     @model_validator(mode="after")
@@ -59,6 +76,9 @@ class QueueConfigured(Event):
         dupes = sorted({f for f in flavors if flavors.count(f) > 1})
         if dupes:
             raise ValueError(f"quotas lists flavor(s) {dupes} more than once")
+        classes = [c.priority_class for c in self.class_limits]
+        if dupes := sorted({c for c in classes if classes.count(c) > 1}):
+            raise ValueError(f"class_limits lists priority class(es) {dupes} more than once; each class once")
         return self
 
 
