@@ -10,13 +10,19 @@ borrowing limit ``B`` (default: unlimited) and usage ``u``:
 
 A request fits when the tree stays consistent with it added. A queue outside any cohort can
 only use its own nominal. Nested cohorts share one pool: the whole tree under the root cohort.
+
+A queue's limits across its flavors (:func:`check_limits`) come on top of the pools: its
+weighted limit (``Σ GPUs held × the flavor's weight``) and each priority class's share of its
+nominal (``floor(max_share × nominal)`` GPUs of each flavor), borrowed GPUs counted in both.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from schemas import QuotaWaitReason
+from schemas import QueueConfigured, QuotaWaitReason
 
 
 @dataclass(frozen=True)
@@ -139,3 +145,43 @@ class Pool:
         self.used[q] = self.used.get(q, 0) + request
         self._totals = (borrowed - before_b + self.borrowed(q), lendable - before_l + self.lendable(q))
         self._borrowers = None
+
+
+# -- a queue's limits across flavors ----------------------------------------------------------------
+
+
+def class_cap(max_share: float, nominal: int) -> int:
+    """GPUs of a flavor a priority class may hold in a queue: ``floor(max_share × nominal)``
+    (rounded first, so 0.29 × 100 is 29, not 28)."""
+    return math.floor(round(max_share * nominal, 9))
+
+
+def weighted_use(queue: QueueConfigured, held: Mapping[str, int]) -> float:
+    """The queue's holding in weighted units: GPUs held of each flavor (flavor -> GPUs) times its weight."""
+    return sum(held.get(fq.flavor, 0) * fq.weight for fq in queue.quotas)
+
+
+def check_limits(queue: QueueConfigured, flavor: str, request: int, priority_class: str,
+                 held: Mapping[str, int], class_held: int) -> Verdict:
+    """Whether ``request`` GPUs of ``flavor`` for a job of ``priority_class`` stay within the
+    queue's weighted limit and the class's limit, given what the queue holds (flavor -> GPUs)
+    and what the class holds of ``flavor`` in it. Pools are checked apart (:meth:`Pool.check`)."""
+    fq = next(fq for fq in queue.quotas if fq.flavor == flavor)
+    if request == 0:  # takes nothing: fits even where a lowered limit is already exceeded
+        return Verdict(True)
+    if queue.weighted_limit is not None:
+        use, more = weighted_use(queue, held), request * fq.weight
+        if use + more > queue.weighted_limit and not math.isclose(use + more, queue.weighted_limit):
+            return Verdict(False, reason=QuotaWaitReason.WEIGHTED_LIMIT, message=(
+                f"queue {queue.name} holds {use:g} weighted units of its weighted_limit {queue.weighted_limit:g}; "
+                f"needs {request} {flavor} × weight {fq.weight:g} = {more:g} more: would hold {use + more:g}"))
+    for limit in queue.class_limits:
+        if limit.priority_class != priority_class:
+            continue
+        cap = class_cap(limit.max_share, fq.nominal)
+        if class_held + request > cap:
+            return Verdict(False, reason=QuotaWaitReason.CLASS_LIMIT, message=(
+                f"priority class {priority_class} holds {class_held} {flavor} in queue {queue.name}; needs {request}: "
+                f"would hold {class_held + request}, above its class limit {cap} "
+                f"({limit.max_share:g} × nominal {fq.nominal})"))
+    return Verdict(True)

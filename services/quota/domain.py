@@ -4,7 +4,9 @@ A job holds quota for one attempt from QuotaReserved until its attempt ends; the
 own event (QuotaReleased), so usage is a fold over the log. A queue uses its own nominal
 (guaranteed) quota first, then borrows unused quota of its cohort within its borrowing limit and
 the lenders' lending limits (:mod:`services.quota.capacity`). A job that allows several flavors
-takes the first of them, in its order, that fits (flavor fungibility).
+takes the first of them, in its order, that fits (flavor fungibility). On top of the pools, a
+queue may cap its holding in weighted units across flavors and each priority class's share of its
+nominal (:func:`services.quota.capacity.check_limits`).
 
 Order inside a queue: priority (higher first), then the time the attempt was queued, then job
 id. A strict-FIFO queue stops at a head that does not fit; otherwise smaller jobs behind it may go.
@@ -63,7 +65,7 @@ from schemas import (
     new_event,
 )
 from schemas.priority import DEFAULT_PRIORITY_CLASSES, PolicyConfigured, PriorityClass
-from services.quota.capacity import Limits, Pool
+from services.quota.capacity import Limits, Pool, check_limits
 
 PRODUCER = "quota"
 NEVER_REFUSED = 1 << 62  # "no request of this size was refused yet"
@@ -127,6 +129,8 @@ class QuotaState:
     spent: dict[str, tuple[datetime, float]] = field(default_factory=dict)
     jobs: dict[str, QuotaJob] = field(default_factory=dict)
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (queue, flavor) -> GPUs
+    # (queue, priority class, flavor) -> GPUs its attempts hold: what a queue's class limits count
+    class_used: dict[tuple[str, str, str], int] = field(default_factory=dict)
     # queue -> (order key, job id) of the jobs waiting for quota, kept in queue order
     pending: dict[str, SortedList] = field(default_factory=dict)
     holders: dict[str, set[str]] = field(default_factory=dict)  # queue -> job ids holding a reservation
@@ -146,6 +150,8 @@ class Snapshot:
     # queue of it waits for its own lent-out quota (pass 1 adds those).
     no_borrowing: set[tuple[str, str]]
     spent: dict[str, float] = field(default_factory=dict)  # budget used this period, per queue
+    # (queue, priority class, flavor) -> GPUs, copied and charged like ``used``
+    class_used: dict[tuple[str, str, str], int] = field(default_factory=dict)
     taken: set[str] = field(default_factory=set)  # jobs reserved in this cycle
     charged_in: set[tuple[str, str]] = field(default_factory=set)  # (pool key, flavor) this cycle reserved in
 
@@ -196,6 +202,7 @@ class ReclaimRound:
 
 
 Refused = tuple[QuotaJob, str, int, tuple[str, ...]]  # (job, queue, position, flavors)
+Held = tuple[QuotaWaitReason, str, str | None]  # why a job waits whatever the quota: (reason, message, flavor)
 
 
 class QuotaCore:
@@ -272,6 +279,8 @@ class QuotaCore:
                 key = (event.queue, event.flavor)
                 self._age_history(event.queue, event.occurred_at)
                 self.state.used[key] = self.state.used.get(key, 0) + event.gpus
+                by_class = (event.queue, job.spec.priority_class, event.flavor)
+                self.state.class_used[by_class] = self.state.class_used.get(by_class, 0) + event.gpus
                 self.state.holders.setdefault(event.queue, set()).add(job_id)
                 self._dequeue(job_id, job)
             case QuotaReleased():
@@ -308,6 +317,8 @@ class QuotaCore:
             self._age_history(event.queue, event.occurred_at)
             self._charge_budget(job.reserved, event.occurred_at)
             s.used[key] = s.used.get(key, 0) - event.gpus
+            by_class = (event.queue, job.spec.priority_class, event.flavor)
+            s.class_used[by_class] = s.class_used.get(by_class, 0) - event.gpus
             s.holders.get(event.queue, set()).discard(job_id)
             job.reserved = None
             self._dirty = True
@@ -569,7 +580,7 @@ class QuotaCore:
         used = dict(self.state.used)
         no_borrowing = {(self.pool_key(j.reserved.queue), j.reserved.flavor)
                         for j in self._holding() if j.reclaim is not None and j.reserved.queue in self.state.queues}
-        return Snapshot(used, self.pools(used), no_borrowing)
+        return Snapshot(used, self.pools(used), no_borrowing, class_used=dict(self.state.class_used))
 
     def _reserve_nominal(self, snap: Snapshot, heads: dict[str, list[QuotaJob]], now: datetime) -> list[Event]:
         """Phase 3 (pass 1): own nominal quota only. Within a queue the smallest request that did
@@ -582,8 +593,8 @@ class QuotaCore:
             failed: dict[tuple[str, ...], int] = {}
             blocker: Blocker | None = None
             for job in heads[queue_name]:
-                flavors = self._flavors_of(job, queue)
-                if self._held_back(snap, job, queue, flavors, now) is not None:
+                flavors, held = self._admissible(snap, job, queue, now)
+                if held is not None:
                     continue
                 if blocker is not None and blocker.holds_back(job, flavors):
                     continue
@@ -646,10 +657,10 @@ class QuotaCore:
             if job.submitted.aggregate_id in snap.taken:
                 continue
             position = turn.ahead + 1
-            flavors = self._flavors_of(job, queue)
-            if (held := self._held_back(snap, job, queue, flavors, now)) is not None:
+            flavors, held = self._admissible(snap, job, queue, now)
+            if held is not None:
                 turn.ahead += 1
-                out.extend(self._reason(job, *held, position, None, now))
+                out.extend(self._reason(job, held[0], held[1], position, held[2], now))
                 continue
             if turn.blocker is not None and turn.blocker.holds_back(job, flavors):
                 # It keeps the reason it had (quota short, most often): heads of higher priority
@@ -693,18 +704,32 @@ class QuotaCore:
             job.flavors = (queue, tuple(f for f in (job.spec.gpu_flavors or nominal) if f in nominal))
         return job.flavors[1]
 
-    def _held_back(self, snap: Snapshot, job: QuotaJob, queue: QueueConfigured, flavors: tuple[str, ...],
-                   now: datetime) -> tuple[QuotaWaitReason, str] | None:
-        """A retry in its backoff or a queue over its budget: the job waits whatever the quota."""
+    def _admissible(self, snap: Snapshot, job: QuotaJob, queue: QueueConfigured,
+                    now: datetime) -> tuple[tuple[str, ...], Held | None]:
+        """The job's flavors it may take now and, when it waits whatever the quota, why: a retry
+        in its backoff, a queue over its budget, or each of its flavors over the queue's weighted
+        limit or its class's limit (told by its first flavor). A job held back holds nobody
+        back: these limits are the job's own (a smaller job, or one of another class, may fit),
+        so it neither stops a strict-FIFO queue nor becomes its queue's blocker."""
+        flavors = self._flavors_of(job, queue)
         if job.not_before is not None and job.not_before > now:
             self._wake(job.not_before)
-            return (QuotaWaitReason.RETRY_BACKOFF,
-                    f"retry of attempt {job.attempt - 1} waits until {job.not_before.isoformat()}")
+            return flavors, (QuotaWaitReason.RETRY_BACKOFF,
+                             f"retry of attempt {job.attempt - 1} waits until {job.not_before.isoformat()}", None)
         if queue.budget is not None and flavors:
             spent = snap.spent.setdefault(queue.name, self.budget_spent(queue, now))
             if (over := self._over_budget(queue, job, self._weight(queue.name, flavors[0]), spent, now)):
-                return QuotaWaitReason.BUDGET_EXHAUSTED, over
-        return None
+                return flavors, (QuotaWaitReason.BUDGET_EXHAUSTED, over, None)
+        if not flavors or (queue.weighted_limit is None and not queue.class_limits):
+            return flavors, None
+        held = {fq.flavor: snap.used.get((queue.name, fq.flavor), 0) for fq in queue.quotas}
+        cls = job.spec.priority_class
+        verdicts = [check_limits(queue, f, job.spec.total_gpus, cls, held, snap.class_used.get((queue.name, cls, f), 0))
+                    for f in flavors]
+        within = tuple(f for f, v in zip(flavors, verdicts) if v.fits)
+        if within:
+            return within, None
+        return flavors, (verdicts[0].reason, verdicts[0].message, flavors[0])
 
     def _try_reserve(self, snap: Snapshot, job: QuotaJob, queue: QueueConfigured, flavors: tuple[str, ...],
                      borrow: bool, now: datetime) -> QuotaReserved | None:
@@ -718,6 +743,8 @@ class QuotaCore:
                 continue
             pool.charge(queue.name, need)
             snap.used[(queue.name, flavor)] = snap.used.get((queue.name, flavor), 0) + need
+            by_class = (queue.name, job.spec.priority_class, flavor)
+            snap.class_used[by_class] = snap.class_used.get(by_class, 0) + need
             snap.charged_in.add((self.pool_key(queue.name), flavor))
             if queue.name in snap.spent:  # the budget check of the next head counts this one's plan
                 snap.spent[queue.name] += need * self._weight(queue.name, flavor) * (
