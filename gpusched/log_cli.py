@@ -24,7 +24,7 @@ from gpusched.userinput import UserError
 from runtime import eventlog
 from schemas.envelope import NAME_PATTERN, Event
 from schemas.registry import EVENT_TYPES_BY_NAME, SUBJECT_PREFIX, parse_event, subject_suffix, subject_token
-from services.accounting import eventtime
+from runtime import eventtime
 
 AGGREGATES: tuple[str, ...] = tuple(sorted({cls.aggregate for cls in EVENT_TYPES_BY_NAME.values()}))
 """The aggregate families of the log (the second subject token)."""

@@ -4,7 +4,7 @@ A time is event time: the platform clock's ``occurred_at`` that producers stamp 
 (runtime/clock.py), in every command that takes one. It is never JetStream's stamp of when a
 message was stored, which runs on the wall clock: at the demo's time scale (120) the two are
 hours apart. A point in the log is a stream sequence or such a time;
-:mod:`services.accounting.eventtime` finds the sequences a time falls between."""
+:mod:`runtime.eventtime` finds the sequences a time falls between."""
 
 from __future__ import annotations
 

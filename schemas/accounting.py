@@ -80,7 +80,9 @@ class ChargebackStatementIssued(Event):
     lines: tuple[StatementLine, ...] = Field(max_length=10_000)
     total_gpu_seconds: float = Field(ge=0)
     total_cost: float = Field(ge=0)
-    first_sequence: int = Field(ge=0, description="First stream sequence of the log range (1: the whole log)")
+    first_sequence: int = Field(ge=0, description="First stream sequence of the log range: the first event that happened in the "
+                                                 "period or later (last_sequence + 1 when none did); earlier events count too "
+                                                 "(a job submitted, a price set before the period)")
     last_sequence: int = Field(ge=0, description="Read models were at this sequence when it was computed")
     checksum: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="Of the canonical statement body")
     supersedes: str | None = Field(default=None, max_length=200,

@@ -12,7 +12,8 @@ from typing import Any
 import asyncpg
 from nats.js import JetStreamContext
 
-from services.accounting import chargeback, eventtime
+from runtime import eventtime
+from services.accounting import chargeback
 from services.accounting.chargeback import Attempt, PriceVersion, QuotaVersion
 
 PRICE_BOOK = "default"

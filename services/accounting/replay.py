@@ -25,7 +25,8 @@ import asyncpg
 from nats.aio.client import Client as NatsClient
 
 from runtime import eventlog
-from services.accounting import eventtime, pipeline, sink
+from runtime import eventtime
+from services.accounting import pipeline, sink
 from services.accounting.bulk import indexes, writers
 from services.accounting.bulk.collector import BatchCollector
 from services.accounting.compare import compare, table_checksums

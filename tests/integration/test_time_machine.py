@@ -26,7 +26,8 @@ from runtime import eventlog
 from runtime.clock import ScaledClock
 from schemas import JobRejected, RejectReason, new_event, parse_event
 from services.accounting import __main__ as accounting
-from services.accounting import eventtime, queries, replay
+from runtime import eventtime
+from services.accounting import queries, replay
 from tests.unit import builders as b
 
 REPO = Path(__file__).resolve().parents[2]

@@ -38,8 +38,8 @@ requests for the search, and the events within ``SKEW`` of T read a thousand at 
 gets need only the stream read permission that every reader of the log has (the API's
 credential, which creates no consumers, too).
 
-The module reads the log through nats-py's JetStream context and belongs beside
-``runtime.eventlog`` (whose ``first_sequence_at`` uses JetStream's stamp instead).
+``runtime.eventlog.first_sequence_at`` answers a different question: where JetStream's storage
+stamp falls (what a reader's ``from_time`` start means).
 """
 
 from __future__ import annotations
