@@ -459,10 +459,15 @@ def logs(job_id: str, attempt: Optional[int] = typer.Option(None, help="Only thi
 
 @app.command()
 def queues(output: Output = OutputOpt) -> None:
-    """Quota per queue and flavor: nominal, used, borrowed, lent, pending."""
-    emit(run(with_pg(quota_usage.queue_usage)), output, columns=None if output == Output.json else
-         ["queue", "cohort", "flavor", "nominal", "borrowing_limit", "lending_limit", "used", "borrowed", "lent",
-          "pending_jobs"])
+    """Quota per queue and flavor: nominal, limits, used, borrowed, lent, pending; the queue's
+    weighted use and limit, its classes' use and limits, its budget."""
+    rows = run(with_pg(quota_usage.queue_usage))
+    if output == Output.json:
+        emit(rows, output)
+        return
+    emit([{**r, **quota_usage.table_cells(r)} for r in rows], output, columns=[
+        "queue", "cohort", "flavor", "nominal", "borrowing_limit", "lending_limit", "used", "borrowed", "lent",
+        "pending_jobs", "weight", "weighted", "classes", "budget"])
 
 
 @app.command()

@@ -1,21 +1,26 @@
-"""Per queue and flavor: guaranteed quota, limits, use, what is borrowed and what is lent, from
-the read models (:func:`services.accounting.queries.queue_quotas`) with the quota service's own
-arithmetic (:class:`services.quota.capacity.Pool`), so the report and the decisions agree."""
+"""Per queue and flavor, each quota dimension: guaranteed quota, limits, use, what is borrowed and
+what is lent; the queue's weighted limit and weighted use, its priority classes' limits and use,
+and its GPU-hour budget. From the read models (:mod:`services.accounting.queries`) with the quota
+service's own arithmetic (:mod:`services.quota.capacity`), so the report and the decisions agree."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 
+from schemas import QueueConfigured
 from services.accounting import queries
-from services.quota.capacity import Limits, Pool
+from services.quota.capacity import Limits, Pool, class_cap, weighted_use
+from services.quota.domain import QuotaCore
 
 
 async def queue_usage(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     """Rows of :func:`queries.queue_quotas` with ``borrowed``, ``lendable`` and ``lent``. ``lent``
     attributes a cohort tree's borrowing to its lenders' unused quota in queue-name order (the
-    platform constrains only the totals); a queue outside any cohort lends nothing."""
+    platform constrains only the totals); a queue outside any cohort lends nothing. Then the
+    dimensions across flavors (:func:`_add_dimensions`)."""
     rows = await queries.queue_quotas(conn)
     pools: dict[tuple[str, str], Pool] = {}
     for r in rows:
@@ -28,12 +33,70 @@ async def queue_usage(conn: asyncpg.Connection) -> list[dict[str, Any]]:
         r["borrowed"] = pool.borrowed(r["queue"])
         r["lendable"] = pool.lendable(r["queue"])
         r["lent"] = lent[_pool_of(r)].get(r["queue"], 0)
+    await _add_dimensions(conn, rows)
     return rows
+
+
+async def _add_dimensions(conn: asyncpg.Connection, rows: list[dict[str, Any]]) -> None:
+    """Each row's flavor ``weight``; its queue's ``weighted_limit`` and ``weighted_used`` (GPUs
+    held, borrowed ones too, × weight); ``class_limits`` on this flavor (each class's
+    ``max_share``, ``limit`` in GPUs and ``used``); and ``budget_gpu_hours``, ``budget_period``
+    and ``budget_used_gpu_hours``: weighted GPU-hours held this period up to now (the quota
+    service also counts a held job's declared runtime as committed, which the read models lack)."""
+    configs = await queries.queue_configs(conn)
+    by_class = await queries.class_holdings(conn)
+    held: dict[str, dict[str, int]] = {}
+    for r in rows:
+        held.setdefault(r["queue"], {})[r["flavor"]] = r["used"]
+    budget_used = await _budget_used(conn, configs)
+    for r in rows:
+        queue = configs.get(r["queue"])
+        if queue is None:  # configured after the rows were read: its dimensions next time
+            continue
+        fq = next((fq for fq in queue.quotas if fq.flavor == r["flavor"]), None)
+        r["weight"] = fq.weight if fq is not None else None
+        r["weighted_limit"] = queue.weighted_limit
+        r["weighted_used"] = round(weighted_use(queue, held[r["queue"]]), 3)
+        r["class_limits"] = [{"priority_class": c.priority_class, "max_share": c.max_share,
+                              "limit": class_cap(c.max_share, r["nominal"]),
+                              "used": by_class.get((r["queue"], r["flavor"], c.priority_class), 0)}
+                             for c in queue.class_limits]
+        r["budget_gpu_hours"] = queue.budget.gpu_hours if queue.budget else None
+        r["budget_period"] = queue.budget.period if queue.budget else None
+        r["budget_used_gpu_hours"] = budget_used.get(r["queue"])
+
+
+async def _budget_used(conn: asyncpg.Connection, configs: dict[str, QueueConfigured]) -> dict[str, float]:
+    """Queue -> weighted GPU-hours its reservations held this budget period, up to now on the
+    log's clock (:func:`queries.log_now`); only queues with a budget."""
+    now = await queries.log_now(conn, datetime.now(UTC))
+    out: dict[str, float] = {}
+    for period in sorted({q.budget.period for q in configs.values() if q.budget is not None}):
+        hours = await queries.held_gpu_hours(conn, QuotaCore.period_start(period, now), now)
+        for queue in (q for q in configs.values() if q.budget is not None and q.budget.period == period):
+            out[queue.name] = round(sum(hours.get((queue.name, fq.flavor), 0.0) * fq.weight for fq in queue.quotas), 3)
+    return out
 
 
 def _pool_of(row: dict[str, Any]) -> tuple[str, str]:
     """A cohort tree shares one pool per flavor; a queue outside any cohort has its own."""
     return (row["cohort_root"] or f"queue {row['queue']}", row["flavor"])
+
+
+def table_cells(row: dict[str, Any]) -> dict[str, str]:
+    """A row's dimensions beyond GPUs as table cells: the flavor's ``weight``, ``weighted``
+    (used/limit, or used), ``classes`` (each class's used/limit on this flavor) and ``budget``
+    (used/limit GPU-hours per period)."""
+    weight, weighted, limit = row.get("weight"), row.get("weighted_used"), row.get("weighted_limit")
+    cells = {"weight": "" if weight is None else f"{weight:g}",
+             "weighted": "" if weighted is None else f"{weighted:g}" + ("" if limit is None else f"/{limit:g}"),
+             "classes": ", ".join(f"{c['priority_class']} {c['used']}/{c['limit']}"
+                                  for c in row.get("class_limits", ())),
+             "budget": ""}
+    if row.get("budget_gpu_hours") is not None:
+        cells["budget"] = (f"{row['budget_used_gpu_hours']:g}/{row['budget_gpu_hours']:g} GPU-h "
+                           f"per {row['budget_period']}")
+    return cells
 
 
 async def queue_now(conn: asyncpg.Connection, queue: str) -> dict[str, Any]:

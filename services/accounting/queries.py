@@ -13,6 +13,7 @@ import asyncpg
 from nats.js import JetStreamContext
 
 from runtime import eventtime
+from schemas import QueueConfigured
 from services.accounting import chargeback
 from services.accounting.chargeback import Attempt, PriceVersion, QuotaVersion
 
@@ -229,6 +230,33 @@ async def queue_quotas(conn: asyncpg.Connection) -> list[dict[str, Any]]:
         r["cohort_root"] = _cohort_root(r["cohort"], parents)
         r["pending_jobs"] = pending.get(r["queue"], 0)
     return rows
+
+
+async def queue_configs(conn: asyncpg.Connection) -> dict[str, QueueConfigured]:
+    """Each live queue's configuration: its last QueueConfigured."""
+    configs = [QueueConfigured.model_validate_json(r["config"])
+               for r in await conn.fetch("SELECT config FROM queues WHERE NOT deleted")]
+    return {c.name: c for c in configs}
+
+
+async def class_holdings(conn: asyncpg.Connection) -> dict[tuple[str, str, str], int]:
+    """GPUs unreleased reservations hold per (queue, flavor, the job's priority class)."""
+    rows = await conn.fetch(
+        """SELECT r.queue, r.flavor, j.priority_class, sum(r.gpus)::int AS gpus
+           FROM reservations r JOIN jobs j USING (job_id) WHERE r.released_at IS NULL
+           GROUP BY r.queue, r.flavor, j.priority_class""")
+    return {(r["queue"], r["flavor"], r["priority_class"]): r["gpus"] for r in rows}
+
+
+async def held_gpu_hours(conn: asyncpg.Connection, since: datetime, until: datetime) -> dict[tuple[str, str], float]:
+    """GPU-hours per (queue, flavor) that reservations held between ``since`` and ``until``
+    (a reservation still held: up to ``until``)."""
+    rows = await conn.fetch(
+        """SELECT queue, flavor, sum(extract(epoch FROM least(coalesce(released_at, $2), $2)
+                                             - greatest(reserved_at, $1)) * gpus) / 3600.0 AS hours
+           FROM reservations WHERE reserved_at < $2 AND (released_at IS NULL OR released_at > $1)
+           GROUP BY queue, flavor""", since, until)
+    return {(r["queue"], r["flavor"]): float(r["hours"]) for r in rows}
 
 
 def _cohort_root(cohort: str | None, parents: dict[str, str | None]) -> str | None:
