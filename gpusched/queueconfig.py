@@ -220,7 +220,8 @@ def plan(parsed: QueuesFile, config: QuotaConfig, now: datetime, prune: bool = F
         out.append(policy)  # first: the queues below may name the classes it adds
     classes = ({pc.name for pc in policy.priority_classes} if policy is not None else set(config.classes()))
     _check_allowed_classes(parsed.queues, classes, "queues")
-    kept = [QueueSpec(name=q.name, allowed_priority_classes=list(q.allowed_priority_classes))
+    kept = [QueueSpec(name=q.name, allowed_priority_classes=list(q.allowed_priority_classes),
+                      class_limits=[limit.model_dump() for limit in q.class_limits])
             for name, q in sorted(config.queues.items()) if name not in {p.name for p in parsed.queues} and not prune]
     _check_allowed_classes(kept, classes, "queues in the log that the file does not list")
     out += [_cohort_event(c, now) for c in parsed.cohorts
@@ -271,12 +272,15 @@ def _planned_policy(parsed: QueuesFile, config: QuotaConfig, now: datetime) -> P
 
 
 def _check_allowed_classes(queues: list[QueueSpec], classes: set[str], where: str) -> None:
-    """Every class a queue admits must be in force: a queue cannot admit a retired class."""
+    """Every class a queue admits or limits must be in force: a queue cannot name a retired class."""
     for q in queues:
-        if missing := sorted(set(q.allowed_priority_classes) - classes):
-            raise UserError(f"{where}: queue {q.name!r} allowed_priority_classes names {missing}, which the "
-                            f"priority classes in force do not define; accepted: {', '.join(sorted(classes))} "
-                            "(or add the class to priority_classes)")
+        named = {"allowed_priority_classes": set(q.allowed_priority_classes),
+                 "class_limits": {str(limit.get("priority_class")) for limit in q.class_limits}}
+        for field_name, names in named.items():
+            if missing := sorted(names - classes):
+                raise UserError(f"{where}: queue {q.name!r} {field_name} names {missing}, which the priority "
+                                f"classes in force do not define; accepted: {', '.join(sorted(classes))} "
+                                "(or add the class to priority_classes)")
 
 
 def _cohort_event(c: CohortSpec, now: datetime) -> CohortConfigured:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from datetime import timedelta
 
 import pytest
@@ -164,3 +165,27 @@ def test_quota_reclaims_with_the_protection_window_in_force():
     assert fresh.victim_policy.classes["batch-low"].protection_seconds == 3600
     drive(core, [], T0 + timedelta(seconds=3600), log=log)
     assert _reclaims(log) == {"b": "mine"}
+
+
+# -- gpusched apply ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("queue_fields, message", [
+    ("allowed_priority_classes: [training, gold]", "allowed_priority_classes names ['gold']"),
+    ("class_limits: [{priority_class: gold, max_share: 0.25}]", "class_limits names ['gold']"),
+])
+def test_apply_refuses_a_queue_that_names_a_class_not_in_force(queue_fields, message):
+    import yaml
+
+    from gpusched import queueconfig
+    from gpusched.userinput import UserError
+
+    document = yaml.safe_load(f"queues:\n  - {{name: research, allowed_teams: [team-a], {queue_fields},\n"
+                              "     quotas: [{flavor: a100, nominal: 8}]}\n")
+    parsed = queueconfig.parse_queues(document, "queues.yaml")
+    with pytest.raises(UserError, match=re.escape(message)):
+        queueconfig.plan(parsed, queueconfig.QuotaConfig({}, {}), T0)
+    document["priority_classes"] = [{"name": "gold", "value": 900, "preemptible": False},
+                                    {"name": "training", "value": 500, "preemptible": True}]
+    events = queueconfig.plan(queueconfig.parse_queues(document, "queues.yaml"), queueconfig.QuotaConfig({}, {}), T0)
+    assert [e.type for e in events] == ["PolicyConfigured", "QueueConfigured"]
