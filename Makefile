@@ -56,6 +56,7 @@ bench: setup ## Benchmarks (~33 min): e2e beside the raw JetStream ceiling, the 
 	$(BIN)/python -m bench.kueue
 	$(BIN)/python -m bench.accounting
 	$(BIN)/python -m bench.api
+	$(BIN)/python -m bench.whatif
 
 promtool: ## Install Debian's promtool into .cache/promtool (apt-get download + dpkg -x; for the metrics lint test)
 	@sh scripts/promtool.sh
