@@ -94,30 +94,32 @@ class Run:
 class Recording:
     """A recorded log as the what-if needs it: fold its events in log order with :meth:`add`.
 
-    ``start`` / ``end`` bound the report's window (event time; None: the log's first / last
-    event); the replay itself runs from the log's first event."""
+    The report's window: from ``start`` (an event time) or ``from_seq`` (the event at that stream
+    sequence), to ``end`` or ``to_seq``; an open end is the log's first or last event. The
+    replay itself runs from the log's first event."""
 
     start: datetime | None = None
     end: datetime | None = None
+    from_seq: int | None = None
+    to_seq: int | None = None
     first: datetime | None = None  # the log's first event time
     last: datetime | None = None  # its last, within the window
     inputs: list[tuple[datetime, int, Event]] = field(default_factory=list)  # fed to the cores
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     runs: dict[str, list[Run]] = field(default_factory=dict)
-    actual: list[Event] = field(default_factory=list)  # the recorded job events, for the report
+    actual: Outcomes = field(default_factory=lambda: Outcomes())  # what happened, for the report
     prices: list[PriceVersion] = field(default_factory=list)
     events: int = 0
-    # A trace gives what happened as jobs, not events (gpusched/whatif_trace.py), and records no
-    # decisions to compare with.
-    actual_jobs: dict[str, JobOutcome] = field(default_factory=dict)
-    decisions_recorded: bool = True
+    decisions_recorded: bool = True  # False: a trace (gpusched/whatif_trace.py), no decisions to compare
     _started: dict[tuple[str, int], datetime] = field(default_factory=dict)
 
     def add(self, seq: int, event: Event) -> None:
         at = event.occurred_at
         self._learn_run(event)  # past the window too: a job's runtime does not end with it
-        if self.end is not None and at > self.end:
+        if self._past_end(seq, at):
             return
+        if self.from_seq is not None and self.start is None and seq >= self.from_seq:
+            self.start = at
         self.events += 1
         self.first = at if self.first is None else min(self.first, at)
         self.last = at if self.last is None else max(self.last, at)
@@ -137,7 +139,20 @@ class Recording:
             case JobSubmitted() | JobCancelRequested():
                 self.inputs.append((at, seq, event))
         if event.aggregate == "job":
-            self.actual.append(event)
+            self.actual.add(event, counted=self._opened(seq, at))
+
+    def _past_end(self, seq: int, at: datetime) -> bool:
+        """A sequence bound is the event time of the event there (the latest up to it): events
+        logged after it at that same time are in the window, as they are in the replay's."""
+        if self.to_seq is not None and seq > self.to_seq and self.end is None:
+            self.end = self.last
+        return self.end is not None and at > self.end
+
+    def _opened(self, seq: int, at: datetime) -> bool:
+        """Whether a job submitted here is in the window."""
+        if self.from_seq is not None:
+            return seq >= self.from_seq
+        return self.start is None or at >= self.start
 
     def _learn_run(self, event: Event) -> None:
         match event:
@@ -173,8 +188,9 @@ class Replay:
     """The four cores and the log between them on a virtual clock (the sim executor runs each
     attempt for its recorded run)."""
 
-    def __init__(self, recording: Recording, options: Options) -> None:
+    def __init__(self, recording: Recording, options: Options, keep_log: bool = False) -> None:
         self.recording = recording
+        self.window = recording.window
         self.admission = AdmissionCore()
         self.quota = QuotaCore()
         self.scheduler = SchedulerCore(options.policy, preemption=options.limits,
@@ -182,7 +198,8 @@ class Replay:
         nodes = [recording.nodes[name] for name in sorted(recording.nodes)]
         self.executor = SimExecutorCore(nodes, outcome=self._outcome)
         self.cores = (self.admission, self.quota, self.scheduler, self.executor)
-        self.log: list[Event] = []
+        self.outcomes = Outcomes()
+        self.log: list[Event] | None = [] if keep_log else None  # every event the replay made (tests)
         self.failures: dict[str, int] = {}  # job -> JobFailed in the replay so far
         self.ended: set[str] = set()  # jobs that ended for good in the replay
 
@@ -195,14 +212,18 @@ class Replay:
             return runs[i].seconds, runs[i].reason, runs[i].exit_code
         if spec.expected_runtime_seconds is not None:
             return float(spec.expected_runtime_seconds), None, 0
-        start, end = self.recording.window
+        start, end = self.window
         return (end - start).total_seconds() + 86_400.0, None, 0  # still running when the window ends
 
     def feed(self, events: Iterable[Event]) -> None:
+        start, end = self.window
         for event in events:
-            self.log.append(event)
+            if self.log is not None:
+                self.log.append(event)
             for core in self.cores:
                 core.evolve(event)
+            if event.aggregate == "job" and event.occurred_at <= end:
+                self.outcomes.add(event, counted=event.occurred_at >= start)
             match event:
                 case JobSucceeded() | JobCancelled() | JobRejected():
                     self.ended.add(event.aggregate_id)
@@ -231,7 +252,7 @@ class Replay:
         """Feed the recorded inputs in time order (ties: log order), the ``changes`` at the
         window's start, and let the cores decide at every instant something happens, up to the
         window's end."""
-        start, end = self.recording.window
+        start, end = self.window
         inputs = [(at, seq, e) for at, seq, e in self.recording.inputs
                   if not (at >= start and isinstance(e, CONFIG_TYPES) and (e.aggregate, e.aggregate_id) in overridden)]
         inputs.sort(key=lambda x: (x[0], x[1]))
@@ -290,19 +311,22 @@ class JobOutcome:
         return self.attempts.setdefault(n, AttemptOutcome())
 
 
-def _fold_jobs(events: Iterable[Event], start: datetime, end: datetime) -> dict[str, JobOutcome]:
-    """The jobs submitted within [start, end] and what happened to them, from a log's job events."""
-    jobs: dict[str, JobOutcome] = {}
-    for e in events:
-        if e.occurred_at > end:
-            continue
+class Outcomes:
+    """What happened to the jobs submitted in the window, folded one job event at a time: the
+    report reads only this, so neither the recording nor the replay keeps its events."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobOutcome] = {}
+
+    def add(self, e: Event, *, counted: bool = True) -> None:
+        """``counted``: a JobSubmitted here is in the window (its job is followed from then on)."""
         if isinstance(e, JobSubmitted):
-            if start <= e.occurred_at:
-                jobs[e.aggregate_id] = JobOutcome(e.spec.team, e.spec.queue, e.occurred_at)
-            continue
-        job = jobs.get(e.aggregate_id)
+            if counted:
+                self.jobs[e.aggregate_id] = JobOutcome(e.spec.team, e.spec.queue, e.occurred_at)
+            return
+        job = self.jobs.get(e.aggregate_id)
         if job is None:
-            continue
+            return
         match e:
             case JobAdmitted():
                 job.decision = ("admitted", e.queue, e.priority, e.preemptible)
@@ -329,7 +353,15 @@ def _fold_jobs(events: Iterable[Event], start: datetime, end: datetime) -> dict[
                     a = job.attempts[e.attempt]
                     a.ended_at = e.occurred_at
                     a.preempted = isinstance(e, JobPreempted)
-    return jobs
+
+
+def fold_jobs(events: Iterable[Event], start: datetime, end: datetime) -> dict[str, JobOutcome]:
+    """The jobs submitted within [start, end] and what happened to them up to ``end``."""
+    outcomes = Outcomes()
+    for e in events:
+        if e.occurred_at <= end:
+            outcomes.add(e, counted=start <= e.occurred_at)
+    return outcomes.jobs
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -394,15 +426,15 @@ def _timed(job: JobOutcome) -> tuple:
     return (_decisions(job), tuple((n, a.started_at, a.ended_at) for n, a in sorted(job.attempts.items())))
 
 
-def report(recording: Recording, replayed: list[Event], *, changes: list[dict[str, str]] | None = None) -> dict[str, Any]:
+def report(recording: Recording, replayed: dict[str, JobOutcome], *,
+           changes: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """Per team, per queue and in all: the recorded figures beside the replay's, and how many of
     the jobs got the same decisions."""
     start, end = recording.window
     span_s = (end - start).total_seconds()
     capacity = float(sum(n.gpu_count for n in recording.nodes.values()))
     prices = PriceBook(recording.prices)
-    actual = recording.actual_jobs or _fold_jobs(recording.actual, start, end)
-    whatif = _fold_jobs(replayed, start, end)
+    actual, whatif = recording.actual.jobs, replayed
 
     def columns(key) -> dict[str, dict[str, Any]]:
         groups: dict[str, tuple[list[JobOutcome], list[JobOutcome]]] = {}
@@ -429,12 +461,13 @@ def report(recording: Recording, replayed: list[Event], *, changes: list[dict[st
 
 
 def whatif(recording: Recording, changes: list[Event], overridden: set[tuple[str, str]], options: Options,
-           described: list[dict[str, str]] | None = None) -> tuple[dict[str, Any], list[Event]]:
-    """Replay the recording under ``changes`` (applied at the window's start); the report and the
-    replay's log."""
-    replay = Replay(recording, options)
+           described: list[dict[str, str]] | None = None, *,
+           keep_log: bool = False) -> tuple[dict[str, Any], list[Event] | None]:
+    """Replay the recording under ``changes`` (applied at the window's start); the report and,
+    with ``keep_log``, every event the replay made."""
+    replay = Replay(recording, options, keep_log)
     replay.run(changes, overridden)
-    return report(recording, replay.log, changes=described), replay.log
+    return report(recording, replay.outcomes.jobs, changes=described), replay.log
 
 
 def overridden_by(events: Iterable[Event]) -> set[tuple[str, str]]:

@@ -66,26 +66,17 @@ def parse_range(text: str) -> tuple[int | datetime | None, int | datetime | None
     return first, last
 
 
-async def record(js, first: int | datetime | None, last: int | datetime | None,
-                 progress: Callable[[int], None] | None = None) -> whatif.Recording:
+async def record(js, first: int | datetime | None, last: int | datetime | None) -> whatif.Recording:
     """The recorded log as a :class:`whatif.Recording`, its window from ``first`` to ``last``
     (a sequence bound is the event time of the event at that sequence)."""
     rec = whatif.Recording(start=first if isinstance(first, datetime) else None,
-                           end=last if isinstance(last, datetime) else None)
-    read = 0
+                           end=last if isinstance(last, datetime) else None,
+                           from_seq=first if isinstance(first, int) else None,
+                           to_seq=last if isinstance(last, int) else None)
     async for batch in eventlog.read_batches(js, client=eventlog.client_of(js), payloads=True, batch=4096):
         for seq, payload in batch:
-            if not recorded_type(payload):
-                continue
-            event = parse_event(payload)
-            if isinstance(first, int) and rec.start is None and seq >= first:
-                rec.start = event.occurred_at
-            if isinstance(last, int) and seq > last and rec.end is None:
-                rec.end = rec.last  # the window ends with the last event read at or before TO
-            rec.add(seq, event)
-        read += len(batch)
-        if progress is not None:
-            progress(read)
+            if recorded_type(payload):
+                rec.add(seq, parse_event(payload))
     if isinstance(first, int) and rec.start is None:
         raise UserError(f"--log: FROM {first} is past the log's last sequence")
     return rec

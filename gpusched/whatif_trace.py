@@ -58,7 +58,7 @@ def recording(directory: Path, limit: int | None = None) -> Recording:
         attempt.flavor, attempt.gpus = tracesim.FLAVOR, task.demand
         attempt.started_at, attempt.ended_at = started, started + timedelta(seconds=task.runtime)  # type: ignore[arg-type]
         job.first_start = started
-        rec.actual_jobs[job_id] = job
+        rec.actual.jobs[job_id] = job
         rec.last = max(rec.last or created, attempt.ended_at)
     rec.decisions_recorded = False
     return rec

@@ -88,7 +88,8 @@ def test_the_window_cuts_the_report_not_a_jobs_runtime():
     rec = recording_of(events, end=at(100))
     assert rec.runs["j1"] == [whatif.Run(4990.0, None, 0)]  # known past the window
     assert rec.window == (T0, at(100))
-    assert [e.type for e in rec.actual] == ["JobSubmitted", "JobStarted"]
+    (job,) = rec.actual.jobs.values()
+    assert job.first_start == at(10) and job.attempts[1].ended_at is None  # it ended after the window
 
 
 # -- the replay --------------------------------------------------------------------------------
@@ -120,7 +121,8 @@ def test_a_change_takes_effect_at_the_windows_start_and_the_file_wins_for_what_i
     assert described == [{"event": "QueueConfigured", "name": "research",
                           "change": "quotas[a100-40gb].nominal: 8 → 2; quotas[h100-80gb].borrowing_limit: 8 → None; "
                                     "quotas[h100-80gb].nominal: 8 → 2"}]
-    report, log = whatif.whatif(rec, changes, whatif.overridden_by(changes), whatif.Options(), described)
+    report, log = whatif.whatif(rec, changes, whatif.overridden_by(changes), whatif.Options(), described,
+                                keep_log=True)
     research = [e for e in log if e.type == "QueueConfigured" and e.name == "research"]
     assert [q.quotas[0].nominal for q in research] == [2]  # the recorded definition was left out
     r = report["teams"]["team-research"]
@@ -137,7 +139,7 @@ def test_a_policy_change_changes_the_priority_admission_gives(recorded, tmp_path
     rec = recording_of(recorded)
     changes, described = whatif_cli.changes_of(changes_file, rec)
     assert "priority_classes[experiment].value: 200 → 650" in described[0]["change"]
-    _, log = whatif.whatif(rec, changes, whatif.overridden_by(changes), whatif.Options())
+    _, log = whatif.whatif(rec, changes, whatif.overridden_by(changes), whatif.Options(), keep_log=True)
     experiments = {e.aggregate_id for e in recorded if e.type == "JobSubmitted" and e.spec.priority_class == "experiment"}
     values = {e.priority for e in log if e.type == "JobAdmitted" and e.aggregate_id in experiments}
     assert values == {650}
@@ -147,7 +149,7 @@ def test_a_recorded_cancel_of_a_job_that_ended_sooner_in_the_replay_is_not_sent(
     events = [node("n1", gpus=8), queue(), submitted("j1", spec(gpus=1, expected_runtime_seconds=30), when=at(0)),
               admitted("j1", when=at(0)), reserved("j1", gpus=1, when=at(0)),
               cancel_requested("j1", when=at(500)), cancelled("j1", when=at(500))]
-    replay = whatif.Replay(recording_of(events), whatif.Options())
+    replay = whatif.Replay(recording_of(events), whatif.Options(), keep_log=True)
     replay.run([], set())
     assert "JobSucceeded" in [e.type for e in replay.log if e.aggregate_id == "j1"]
     assert not any(e.type == "JobCancelRequested" for e in replay.log)
@@ -169,7 +171,7 @@ def test_figures_from_a_small_log():
                preempted("b", when=at(1900)),
                succeeded("c", started_at=at(300), when=at(3900))]
     rec = recording_of(events)
-    jobs = whatif._fold_jobs(rec.actual, T0, at(3900))
+    jobs = whatif.fold_jobs(events, T0, at(3900))
     figures = whatif._figures(list(jobs.values()), at(3900), 8.0, 3900.0, whatif.PriceBook(rec.prices))
     assert figures["wait_p50_s"] == 100.0 and figures["wait_p95_s"] == 300.0
     assert figures["preemptions"] == 1 and figures["work_lost_gpu_h"] == round(4 * 1800 / 3600, 3)
@@ -189,7 +191,7 @@ def test_a_trace_replays_with_its_qos_as_teams(tmp_path):
     report, _ = whatif.whatif(rec, [], set(), whatif.Options())
     assert report["decisions"] is None  # a trace records no decisions
     be = report["teams"]["be"]
-    assert be["actual"]["jobs"] == be["whatif"]["jobs"] == sum(1 for _ in rec.actual_jobs)
+    assert be["actual"]["jobs"] == be["whatif"]["jobs"] == len(rec.actual.jobs)
     assert be["actual"]["wait_p95_s"] == 0  # the synthetic trace starts every task when it arrives
     assert be["whatif"]["started"] > 0
 
@@ -207,3 +209,13 @@ def test_the_example_queues_file_is_a_changes_file(recorded):
     rec = recording_of(recorded)
     changes, described = whatif_cli.changes_of(Path("gpusched/examples/queues.yaml"), rec)
     assert changes == [] and described == []  # the history was configured from it: nothing changes
+
+
+def test_a_window_by_sequences_counts_the_jobs_submitted_between_them(recorded):
+    submitted_at = [i for i, e in enumerate(recorded, start=1) if e.type == "JobSubmitted"]
+    lo, hi = submitted_at[20], submitted_at[49]
+    rec = recording_of(recorded, from_seq=lo, to_seq=hi)
+    assert len(rec.actual.jobs) == 30
+    assert rec.window == (recorded[lo - 1].occurred_at, max(e.occurred_at for e in recorded[:hi]))
+    report, _ = whatif.whatif(rec, [], set(), whatif.Options())
+    assert report["decisions"]["jobs"] == 30 and report["decisions"]["same"] == 30
