@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from gpusched.userinput import UserError
 from schemas import (
     CohortConfigured,
     Event,
@@ -74,8 +75,8 @@ MAX_ROUNDS = 1_000
 """Decide-and-feed rounds at one instant before the replay gives up (a core that never settles)."""
 
 
-class WhatIfError(ValueError):
-    """A what-if that cannot be run; says why and what is accepted."""
+class WhatIfError(UserError):
+    """A what-if that cannot be run; says why and what is accepted (the CLI shows it as is)."""
 
 
 # -- the recording -----------------------------------------------------------------------------

@@ -99,3 +99,8 @@ async def test_whatif_window_and_bad_input(nats_server, admin_js, recorded_log, 
     broken.write_text("priority_classes: [{name: gold, value: -1, preemptible: true}]\n")
     refused = cli(nats_server, "whatif", "--apply", str(broken))
     assert refused.returncode == 2 and "priority_classes.0.value" in refused.stderr
+
+
+async def test_whatif_on_an_empty_log_says_so(nats_server, admin_js):
+    empty = cli(nats_server, "whatif")
+    assert empty.returncode == 2 and "the log holds no event in the range" in empty.stderr
