@@ -48,7 +48,7 @@ else
 	GPUSCHED_K8S_TESTS=1 $(BIN)/python -m pytest -q tests/executor $(ARGS)
 endif
 
-bench: setup ## Benchmarks (~33 min): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, restarts after 100k/1M events, Kueue's baseline, accounting replay
+bench: setup ## Benchmarks (~1 h): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, restarts after 100k/1M events, Kueue's baseline, accounting replay, the API, what-if over 100k jobs
 	$(BIN)/python -m bench $(ARGS)
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.scheduler

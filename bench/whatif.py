@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,24 +55,27 @@ queues:
 
 
 def timed_cli(server: devstack.NatsServer, *args: str) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS MiB, stdout) of one `gpusched` process."""
+    """(wall seconds, peak RSS MiB, stdout) of one `gpusched` process; its resident memory is
+    sampled every 0.2 s while it runs (its own, not the largest of this process's children)."""
     env = {**os.environ, **server.env("operator")}
     began = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "gpusched.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate()
+    peak = 0
+    watched = psutil.Process(proc.pid)
+    out_parts: list[str] = []
+    reader = threading.Thread(target=lambda: out_parts.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            peak = max(peak, watched.memory_info().rss)
+        time.sleep(0.2)
     wall = time.perf_counter() - began
+    reader.join()
+    err = proc.stderr.read()
     if proc.returncode != 0:
         raise RuntimeError(f"gpusched {' '.join(args)} failed: {err}")
-    rss = _peak_rss_mib(proc.pid)
-    return wall, rss, out
-
-
-def _peak_rss_mib(pid: int) -> float:
-    """The finished child's peak resident memory (ru_maxrss of the reaped children is the largest
-    of them all; each bench child is measured right after it ends, the largest so far wins)."""
-    import resource
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return wall, peak / 2**20, "".join(out_parts)
 
 
 async def read_only(server: devstack.NatsServer) -> tuple[float, int]:

@@ -134,13 +134,14 @@ def changes_of(path: Path | None, recording: whatif.Recording) -> tuple[list, li
 
 def render(result: dict[str, Any], console) -> None:
     """The report as tables: per group, each figure actual → what-if."""
+    from rich.markup import escape
     from rich.table import Table
 
     w, d = result["window"], result["decisions"]
     console.print(f"window {w['from']} .. {w['to']} ({w['seconds'] / 3600:.1f} h), {w['capacity_gpus']:g} GPUs, "
                   f"{w['log_events']} events read")
     for c in result["changes"]:
-        console.print(f"  {c['event']} {c['name']}: {c['change']}")
+        console.print(escape(f"  {c['event']} {c['name']}: {c['change']}"))  # [name] is not markup
     if d is not None:
         console.print(f"decisions: {d['same']} of {d['jobs']} jobs decided the same ({d['same_with_times']} at the "
                       "same times)")
