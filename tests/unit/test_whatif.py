@@ -219,3 +219,19 @@ def test_a_window_by_sequences_counts_the_jobs_submitted_between_them(recorded):
     assert rec.window == (recorded[lo - 1].occurred_at, max(e.occurred_at for e in recorded[:hi]))
     report, _ = whatif.whatif(rec, [], set(), whatif.Options())
     assert report["decisions"]["jobs"] == 30 and report["decisions"]["same"] == 30
+
+
+def test_the_table_prints_what_a_change_names(recorded, tmp_path):
+    from rich.console import Console
+
+    changes_file = tmp_path / "changes.yaml"
+    changes_file.write_text("preemption_limits: {max_per_window: 5}\nqueues:\n  - name: research\n    cohort: shared\n"
+                            "    allowed_teams: [team-research]\n    quotas: [{flavor: h100-80gb, nominal: 2}]\n")
+    rec = recording_of(recorded)
+    changes, described = whatif_cli.changes_of(changes_file, rec)
+    result, _ = whatif.whatif(rec, changes, whatif.overridden_by(changes), whatif.Options(), described)
+    console = Console(record=True, width=200)
+    whatif_cli.render(result, console)
+    text = console.export_text()
+    assert "quotas[h100-80gb].nominal: 8 → 2" in text and "quotas[a100-40gb]: removed" in text
+    assert "per team: actual → what-if" in text and "team-research" in text
