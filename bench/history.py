@@ -25,7 +25,6 @@ from datetime import UTC, datetime, timedelta
 
 from gpusched import pricebook, queueconfig
 from gpusched.devrun import example
-from runtime import eventlog
 from schemas import Event, dumps
 from schemas.commands import Principal
 from schemas.registry import event_subject
