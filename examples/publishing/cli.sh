@@ -9,8 +9,8 @@ JOB="$1"; QUEUE="$2"; KEY="${3:-$1}"
 TEAM="$GPUSCHED_NATS_USER"      # a team's credential is named after the team
 STREAM="GPUSCHED_TENANT_$TEAM"
 nats() {
-  "${NATS:-nats}" --no-context --server "$GPUSCHED_NATS_URL" --user "$TEAM" --password "$GPUSCHED_NATS_PASSWORD" \
-    --inbox-prefix "_INBOX.$TEAM" "$@"   # the only inbox this credential may use
+  "${NATS:-nats}" --no-context --server="$GPUSCHED_NATS_URL" --user="$TEAM" --password="$GPUSCHED_NATS_PASSWORD" \
+    --inbox-prefix="_INBOX.$TEAM" "$@"   # the only inbox this credential may use; flag=value: a password may start with "-"
 }
 # Follow the job on the team's stream first, so that no answer can come before we listen.
 CONSUMER="follow-$JOB-$$"   # a new one per run: a consumer remembers what it delivered
