@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 
 from gpusched import pricebook, queueconfig
 from gpusched.devrun import example
+from gpusched.tracesim import decide_until_quiet
 from schemas import Event, dumps
 from schemas.commands import Principal
 from schemas.registry import event_subject
@@ -104,16 +105,8 @@ def record(jobs: int = 2000, seed: int = 11, scale: int = 4, mean_gap_s: float |
                 core.evolve(e)
 
     def settle(now):
-        for _ in range(1000):
-            decided = False
-            for core in cores.all():
-                out = core.decide(now)
-                if out:
-                    decided = True
-                    feed(out)
-            if not decided:
-                return
-        raise RuntimeError(f"still deciding at {now}")
+        if not decide_until_quiet(cores.all(), feed, now, 1000):
+            raise RuntimeError(f"still deciding at {now}")
 
     parsed = queueconfig.read_queues(example("queues.yaml"))
     for q in parsed.queues:  # the example's quotas, for a cluster ``scale`` times the example's

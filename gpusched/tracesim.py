@@ -214,6 +214,22 @@ def cpu_workload_of(tasks: Iterable[Task]) -> Workload:
 # -- the replay loop ---------------------------------------------------------------------------
 
 
+def decide_until_quiet(cores, feed: Callable[[list[Event]], None], now: datetime, max_rounds: int) -> bool:
+    """Let each core decide at ``now`` and ``feed`` its decisions to all of them, until none
+    decides anything new (the log's duplicate window is not needed: each core decides only what
+    is not yet in its state). False when they still decide after ``max_rounds`` rounds."""
+    for _ in range(max_rounds):
+        decided = False
+        for core in cores:
+            out = core.decide(now)
+            if out:
+                decided = True
+                feed(out)
+        if not decided:
+            return True
+    return False
+
+
 @dataclass
 class Platform:
     """The three cores and the log between them, on a virtual clock."""
@@ -239,18 +255,8 @@ class Platform:
                 self.finished_at[event.aggregate_id] = event.occurred_at
 
     def settle(self, now: datetime, max_rounds: int = 100) -> None:
-        """Decide and feed back until no core decides anything new (the log's duplicate window
-        is not needed: each core decides only what is not yet in its state)."""
-        for _ in range(max_rounds):
-            decided = False
-            for core in self.cores():
-                out = core.decide(now)
-                if out:
-                    decided = True
-                    self.feed(out)
-            if not decided:
-                return
-        raise RuntimeError(f"the cores are still deciding at {now.isoformat()} after {max_rounds} rounds")
+        if not decide_until_quiet(self.cores(), self.feed, now, max_rounds):
+            raise RuntimeError(f"the cores are still deciding at {now.isoformat()} after {max_rounds} rounds")
 
     def next_end(self) -> datetime | None:
         return self.executor.next_end()

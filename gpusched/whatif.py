@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from gpusched.tracesim import decide_until_quiet
 from gpusched.userinput import UserError
 from schemas import (
     CohortConfigured,
@@ -232,16 +233,8 @@ class Replay:
                     self.failures[event.aggregate_id] = self.failures.get(event.aggregate_id, 0) + 1
 
     def settle(self, now: datetime) -> None:
-        for _ in range(MAX_ROUNDS):
-            decided = False
-            for core in self.cores:
-                out = core.decide(now)
-                if out:
-                    decided = True
-                    self.feed(out)
-            if not decided:
-                return
-        raise WhatIfError(f"the cores are still deciding at {now.isoformat()} after {MAX_ROUNDS} rounds")
+        if not decide_until_quiet(self.cores, self.feed, now, MAX_ROUNDS):
+            raise WhatIfError(f"the cores are still deciding at {now.isoformat()} after {MAX_ROUNDS} rounds")
 
     def next_step(self, now: datetime) -> datetime | None:
         """The next instant a core may decide something without a new input."""

@@ -15,9 +15,8 @@ from gpusched import queueconfig, userinput, whatif
 from gpusched.accounting_cli import parse_time
 from gpusched.userinput import UserError
 from runtime import eventlog
-from runtime.settings import ConfigError, env_choice, env_number, env_value
+from runtime.settings import ConfigError, env_choice, env_value
 from schemas import CohortConfigured, PolicyConfigured, QueueConfigured, QueueDeleted, parse_event
-from services.scheduler.domain import PreemptionLimits
 from services.scheduler.placement import Policy
 
 RECORDED_TYPES = frozenset({
@@ -100,19 +99,14 @@ def config_at(events: list) -> queueconfig.QuotaConfig:
 def options_from_env(policy: str | None) -> whatif.Options:
     """The scheduler's placement policy and default preemption limits, from the variables the
     scheduler reads (docs/scheduling.md), so the replay places as the live scheduler does."""
-    from services.scheduler.__main__ import flavor_policies  # the variable's one parser
+    from services.scheduler.__main__ import flavor_policies, preemption_limits  # the variables' one parser
 
     accepted = tuple(p.value for p in Policy)
-    chosen = policy or env_choice("GPUSCHED_SCHEDULER_POLICY", Policy.BEST_FIT.value, accepted)
-    if chosen not in accepted:
-        raise UserError(f"--policy {chosen!r}: accepted: {', '.join(accepted)}")
     try:
-        limits = PreemptionLimits(
-            enabled=env_choice("GPUSCHED_PREEMPTION", "on", ("on", "off")) == "on",
-            max_per_window=int(env_number("GPUSCHED_PREEMPTION_MAX_PER_WINDOW", 20, minimum=0, maximum=100_000,
-                                          integer=True)),
-            window_seconds=env_number("GPUSCHED_PREEMPTION_WINDOW_S", 300.0, minimum=1, maximum=86_400),
-        )
+        chosen = policy or env_choice("GPUSCHED_SCHEDULER_POLICY", Policy.BEST_FIT.value, accepted)
+        if chosen not in accepted:
+            raise UserError(f"--policy {chosen!r}: accepted: {', '.join(accepted)}")
+        limits = preemption_limits()
         by_flavor = flavor_policies(env_value("GPUSCHED_SCHEDULER_POLICY_BY_FLAVOR", "") or "")
     except ConfigError as err:
         raise UserError(str(err)) from None

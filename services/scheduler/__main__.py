@@ -62,12 +62,16 @@ class ObservedSchedulerCore(SchedulerCore):
 def build_core(settings, clock) -> SchedulerCore:
     policy = Policy(env_choice("GPUSCHED_SCHEDULER_POLICY", Policy.BEST_FIT.value, tuple(p.value for p in Policy)))
     by_flavor = flavor_policies(env_value("GPUSCHED_SCHEDULER_POLICY_BY_FLAVOR", "") or "")
-    limits = PreemptionLimits(
+    return ObservedSchedulerCore(policy, preemption=preemption_limits(), flavor_policies=by_flavor)
+
+
+def preemption_limits() -> PreemptionLimits:
+    """The preemption limits the environment gives: in force until a PolicyConfigured sets them."""
+    return PreemptionLimits(
         enabled=env_choice("GPUSCHED_PREEMPTION", "on", ("on", "off")) == "on",
         max_per_window=int(env_number("GPUSCHED_PREEMPTION_MAX_PER_WINDOW", 20, minimum=0, maximum=100_000, integer=True)),
         window_seconds=env_number("GPUSCHED_PREEMPTION_WINDOW_S", 300.0, minimum=1, maximum=86_400),
     )
-    return ObservedSchedulerCore(policy, preemption=limits, flavor_policies=by_flavor)
 
 
 def flavor_policies(text: str) -> dict[str, Policy]:
