@@ -81,8 +81,7 @@ class Platform:
                                              quotas=(FlavorQuota(flavor="a100", nominal=nominal),)))
         cluster = self.work / "cluster.yaml"
         cluster.write_text(CLUSTER)
-        port = devstack.free_port()
-        self.metrics_port = devstack.free_port()
+        port, self.metrics_port = devstack.free_ports(2)
         env = devstack.service_env(self.server.env, self.pg.dsn, cluster=cluster, time_scale=1.0, epoch=time.time(),
                                    api_port=port, extra={"GPUSCHED_TICK_S": "0.02", "GPUSCHED_LOG_LEVEL": "WARNING",
                                                          "GPUSCHED_API_STREAM_MAX_S": "600"})

@@ -237,7 +237,7 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     for event in pricebook.plan(pricebook.read(example("pricebook.yaml")), await pricebook.current(js), datetime.now(UTC)):
         await eventlog.EventLog(js).append(event)  # so that usage, chargeback and what-if have prices
 
-    metrics_ports = {name: devstack.free_port() for name in devstack.PROCESSES}
+    metrics_ports = dict(zip(devstack.PROCESSES, devstack.free_ports(len(devstack.PROCESSES))))
     api_port = _api_port()
     # Local NATS: each service its own user. External NATS: the credentials in the environment.
     nats_env = nats_server.env if nats_server else (lambda name: external_nats_env)

@@ -7,6 +7,7 @@ Not used in a cluster deployment (k8s/), where NATS and Postgres are provided.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -49,9 +50,17 @@ PROCESSES = (*SERVICES, permissions.API_USER)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: every socket stays bound until all are chosen, so that the kernel
+    cannot hand the same port out twice (one port at a time, two services once got the same)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def wait_for_port(port: int, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:

@@ -59,8 +59,8 @@ class ApiStack:
         asyncio.run(self._provision())
         cluster = self.root / "cluster.yaml"
         cluster.write_text(CLUSTER)
-        port = devstack.free_port()
-        self.metrics_ports = {name: devstack.free_port() for name in devstack.PROCESSES}
+        port, *metrics = devstack.free_ports(1 + len(devstack.PROCESSES))
+        self.metrics_ports = dict(zip(devstack.PROCESSES, metrics))
         env = devstack.service_env(self.nats_server.env, self.dsn, cluster=cluster, time_scale=TIME_SCALE,
                                    epoch=time.time(), api_port=port, metrics_ports=self.metrics_ports,
                                    extra={"GPUSCHED_TICK_S": "0.05", "GPUSCHED_API_STREAM_MAX_S": "2"})

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gpusched.devstack import free_port, free_ports
 
 HERE = Path(__file__).parent
 STAGES = HERE.parent / "kwok-pod-stages.yaml"
@@ -28,12 +29,6 @@ NAMESPACE = "gpusched-workloads"
 """Where the executor creates the teams' Jobs (k8s/base/namespace.yaml)."""
 EXECUTOR_SA = "gpusched-executor"
 REPO = HERE.parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -177,7 +172,7 @@ def start() -> ControlPlane:
     try:
         pki = w / "pki"
         make_pki(pki)
-        etcd_port, peer_port, api_port = _free_port(), _free_port(), _free_port()
+        etcd_port, peer_port, api_port = free_ports(3)
 
         def launch(name: str, argv: list[str]) -> None:
             log = open(w / f"{name}.log", "wb")
@@ -219,7 +214,7 @@ def start() -> ControlPlane:
         launch("kube-controller-manager", [
             str(bin_dir / "kube-controller-manager"), f"--kubeconfig={plane.kubeconfig}",
             f"--authentication-kubeconfig={plane.kubeconfig}", f"--authorization-kubeconfig={plane.kubeconfig}",
-            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={_free_port()}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
             f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
             "--controllers=*",
             "--node-monitor-grace-period=20s", "--concurrent-job-syncs=20", "--v=0",
@@ -227,7 +222,7 @@ def start() -> ControlPlane:
         launch("kube-scheduler", [
             str(bin_dir / "kube-scheduler"), f"--kubeconfig={plane.kubeconfig}",
             f"--authentication-kubeconfig={plane.kubeconfig}", f"--authorization-kubeconfig={plane.kubeconfig}",
-            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={_free_port()}", "--v=0",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}", "--v=0",
         ])
         configs = [str(p) for p in [*node_stage_files(bin_dir), STAGES]]
         launch("kwok", [
