@@ -12,29 +12,36 @@ import asyncpg
 
 from schemas import QueueConfigured
 from services.accounting import queries
-from services.quota.capacity import Limits, Pool, class_cap, weighted_use
+from services.quota.capacity import MILLI, Limits, Pool, class_cap, weighted_use
 from services.quota.domain import QuotaCore
 
 
 async def queue_usage(conn: asyncpg.Connection) -> list[dict[str, Any]]:
-    """Rows of :func:`queries.queue_quotas` with ``borrowed``, ``lendable`` and ``lent``. ``lent``
-    attributes a cohort tree's borrowing to its lenders' unused quota in queue-name order (the
-    platform constrains only the totals); a queue outside any cohort lends nothing. Then the
-    dimensions across flavors (:func:`_add_dimensions`)."""
+    """Rows of :func:`queries.queue_quotas` with ``used``, ``borrowed``, ``lendable`` and ``lent``,
+    in GPUs (fractions where fractional jobs hold quota: 2.25). ``lent`` attributes a cohort tree's
+    borrowing to its lenders' unused quota in queue-name order (the platform constrains only the
+    totals); a queue outside any cohort lends nothing. Then the dimensions across flavors
+    (:func:`_add_dimensions`)."""
     rows = await queries.queue_quotas(conn)
     pools: dict[tuple[str, str], Pool] = {}
     for r in rows:
         pool = pools.setdefault(_pool_of(r), Pool(flavor=r["flavor"], cohort=r["cohort_root"]))
-        pool.limits[r["queue"]] = Limits(r["nominal"], r["borrowing_limit"], r["lending_limit"])
-        pool.used[r["queue"]] = r["used"]
+        pool.limits[r["queue"]] = Limits.in_milli(r["nominal"], r["borrowing_limit"], r["lending_limit"])
+        pool.used[r["queue"]] = r["used_milli"]
     lent = {key: pool.lent_by() if pool.cohort is not None else {} for key, pool in pools.items()}
     for r in rows:
         pool = pools[_pool_of(r)]
-        r["borrowed"] = pool.borrowed(r["queue"])
-        r["lendable"] = pool.lendable(r["queue"])
-        r["lent"] = lent[_pool_of(r)].get(r["queue"], 0)
+        r["used"] = gpus(r.pop("used_milli"))
+        r["borrowed"] = gpus(pool.borrowed(r["queue"]))
+        r["lendable"] = gpus(pool.lendable(r["queue"]))
+        r["lent"] = gpus(lent[_pool_of(r)].get(r["queue"], 0))
     await _add_dimensions(conn, rows)
     return rows
+
+
+def gpus(milli: int) -> int | float:
+    """Thousandths of a GPU as GPUs: a whole number stays an integer (8, not 8.0)."""
+    return milli // MILLI if milli % MILLI == 0 else milli / MILLI
 
 
 async def _add_dimensions(conn: asyncpg.Connection, rows: list[dict[str, Any]]) -> None:
@@ -45,9 +52,9 @@ async def _add_dimensions(conn: asyncpg.Connection, rows: list[dict[str, Any]]) 
     service also counts a held job's declared runtime as committed, which the read models lack)."""
     configs = await queries.queue_configs(conn)
     by_class = await queries.class_holdings(conn)
-    held: dict[str, dict[str, int]] = {}
+    held: dict[str, dict[str, int]] = {}  # queue -> flavor -> thousandths
     for r in rows:
-        held.setdefault(r["queue"], {})[r["flavor"]] = r["used"]
+        held.setdefault(r["queue"], {})[r["flavor"]] = round(r["used"] * MILLI)
     budget_used = await _budget_used(conn, configs)
     for r in rows:
         queue = configs.get(r["queue"])
@@ -58,8 +65,8 @@ async def _add_dimensions(conn: asyncpg.Connection, rows: list[dict[str, Any]]) 
         r["weighted_limit"] = queue.weighted_limit
         r["weighted_used"] = round(weighted_use(queue, held[r["queue"]]), 3)
         r["class_limits"] = [{"priority_class": c.priority_class, "max_share": c.max_share,
-                              "limit": class_cap(c.max_share, r["nominal"]),
-                              "used": by_class.get((r["queue"], r["flavor"], c.priority_class), 0)}
+                              "limit": gpus(class_cap(c.max_share, r["nominal"])),
+                              "used": gpus(by_class.get((r["queue"], r["flavor"], c.priority_class), 0))}
                              for c in queue.class_limits]
         r["budget_gpu_hours"] = queue.budget.gpu_hours if queue.budget else None
         r["budget_period"] = queue.budget.period if queue.budget else None

@@ -329,7 +329,7 @@ class Outcomes:
                 job.ended = True
             case QuotaReserved():
                 a = job.attempt(e.attempt)
-                a.borrowed_share = e.borrowed / e.gpus if e.gpus else 0.0
+                a.borrowed_share = e.milli_borrowed / e.milli_held if e.milli_held else 0.0
             case JobScheduled():
                 a = job.attempt(e.attempt)
                 a.flavor = e.flavor

@@ -215,6 +215,11 @@ class JobSpec(Contract):
     def total_gpus(self) -> int:
         return self.gpus * self.gang_size
 
+    @property
+    def total_milli(self) -> int:
+        """What the job takes, in thousandths of a GPU: what quota counts (a fraction as itself)."""
+        return (self.gpu_milli if self.gpu_milli is not None else self.gpus * 1000) * self.gang_size
+
 
 class NodeAssignment(Contract):
     """One node's share of a placement."""
@@ -277,8 +282,25 @@ class QuotaReserved(_JobEvent):
     attempt: int = Field(ge=1)
     queue: Name
     flavor: Name
-    gpus: int = Field(ge=0, description="GPUs held for the attempt (per node × gang)")
-    borrowed: int = Field(default=0, ge=0, description="Part of gpus borrowed from the cohort")
+    gpus: int = Field(ge=0, description="GPUs held for the attempt (per node × gang), rounded up to whole GPUs")
+    borrowed: int = Field(default=0, ge=0, description="Part of gpus borrowed from the cohort, rounded up")
+    gpu_milli: int | None = Field(
+        default=None, ge=0,
+        description="What a fractional job (JobSpec.gpu_milli) holds, in thousandths of a GPU, all its members' "
+                    "shares; None: gpus × 1000 (whole GPUs; reservations written before this field held whole "
+                    "GPUs for fractional jobs too)")
+    borrowed_milli: int | None = Field(
+        default=None, ge=0,
+        description="The borrowed part in thousandths of a GPU, for a fractional job or where it is not whole "
+                    "GPUs; None: borrowed × 1000")
+
+    @property
+    def milli_held(self) -> int:
+        return self.gpus * 1000 if self.gpu_milli is None else self.gpu_milli
+
+    @property
+    def milli_borrowed(self) -> int:
+        return self.borrowed * 1000 if self.borrowed_milli is None else self.borrowed_milli
 
 
 class QuotaPendingReasonChanged(_JobEvent):
@@ -334,8 +356,13 @@ class QuotaReleased(_JobEvent):
     attempt: int = Field(ge=1)
     queue: Name
     flavor: Name
-    gpus: int = Field(ge=0)
+    gpus: int = Field(ge=0, description="As its QuotaReserved: whole GPUs, rounded up")
+    gpu_milli: int | None = Field(default=None, ge=0, description="As its QuotaReserved; None: gpus × 1000")
     reason: str = Field(max_length=64, description="The terminal event type that released it")
+
+    @property
+    def milli_released(self) -> int:
+        return self.gpus * 1000 if self.gpu_milli is None else self.gpu_milli
 
 
 class JobRetryScheduled(_JobEvent):

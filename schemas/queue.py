@@ -28,7 +28,8 @@ class GpuHourBudget(Contract):
 
 class ClassLimit(Contract):
     """The most the attempts of one priority class may hold in a queue, per flavor:
-    ``floor(max_share × nominal)`` GPUs of each flavor, borrowed GPUs included. A limit naming a
+    ``max_share × nominal`` of each flavor, to the thousandth of a GPU (so ``floor(max_share ×
+    nominal)`` whole-GPU jobs), borrowed GPUs included. A limit naming a
     class no job of the queue has (one no policy defines, say) limits nobody."""
 
     priority_class: str = Field(pattern=NAME_PATTERN, description="A priority class (spec.priority_class)")

@@ -46,11 +46,14 @@ class JobFacts(NamedTuple):
 
 
 class Reservation(NamedTuple):
-    """Quota's reservation for the attempt (``gpus``, ``borrowed``: whole GPUs of quota)."""
+    """Quota's reservation for the attempt: ``gpus``, ``borrowed`` in whole GPUs, and for a
+    fractional job ``gpu_milli``, ``borrowed_milli`` in thousandths (QuotaReserved)."""
     queue: str
     flavor: str
     gpus: int
     borrowed: int
+    gpu_milli: int | None = None
+    borrowed_milli: int | None = None
 
 
 class Ended(NamedTuple):
@@ -84,8 +87,9 @@ class Facts(NamedTuple):
 def usage_row(facts: Facts, end: Ended) -> tuple | None:
     """The attempt's ledger row (columns :data:`USAGE_COLUMNS`), or None when it is not charged:
     its job was never submitted, or no flavor is known (neither reserved nor set). A fractional
-    job is charged its fraction of each GPU it held (quota reserves it whole GPUs): ``gpus`` and
-    ``borrowed_gpus`` are GPUs charged, 0.25 for a quarter of one."""
+    job is charged its fraction of each GPU it held: ``gpus`` and ``borrowed_gpus`` are GPUs
+    charged, 0.25 for a quarter of one (what its reservation holds in thousandths; reservations
+    written before they were counted so held whole GPUs, and are charged the job's fraction of them)."""
     job, res = facts.job, facts.reservation
     if job is None:
         return None
@@ -93,8 +97,11 @@ def usage_row(facts: Facts, end: Ended) -> tuple | None:
     if flavor is None:
         return None
     share = job.gpu_share
-    gpus = (res.gpus if res is not None else job.total_gpus) * share
-    borrowed = (res.borrowed if res is not None else 0) * share
+    if res is None:
+        gpus, borrowed = job.total_gpus * share, 0.0
+    else:
+        gpus = res.gpus * share if res.gpu_milli is None else res.gpu_milli / 1000
+        borrowed = res.borrowed * share if res.borrowed_milli is None else res.borrowed_milli / 1000
     seconds = end.seconds
     checkpoint = max((at for at, seq in facts.checkpoints if seq < end.sequence and at <= end.ended_at),
                      default=None)
@@ -144,7 +151,7 @@ def _submitted(book: Book, args: tuple) -> None:
 
 def _reserved(book: Book, args: tuple) -> None:  # (job, attempt, queue, flavor, gpus, borrowed, at, seq)
     if (key := (args[0], args[1])) not in book.reservations:
-        book.reservations[key] = Reservation(args[2], args[3], args[4], args[5])
+        book.reservations[key] = Reservation(*args[2:8])
 
 
 def _queued(book: Book, args: tuple) -> None:  # (job, attempt, at, seq)

@@ -179,7 +179,7 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     SchedulingPendingReasonChanged: lambda e, j, t, seq: [Op("wait_reason", (j, e.reason.value, e.message, seq))],
     QuotaReserved: lambda e, j, t, seq: [
         _RESERVED(j, seq, t, e.attempt, e.flavor, None, None),
-        Op("reservation", (j, e.attempt, e.queue, e.flavor, e.gpus, e.borrowed, t, seq))],
+        Op("reservation", (j, e.attempt, e.queue, e.flavor, e.gpus, e.borrowed, e.gpu_milli, e.borrowed_milli, t, seq))],
     QuotaReleased: lambda e, j, t, seq: [Op("reservation_released", (j, e.attempt, t, seq))],
     ReclaimRequested: lambda e, j, t, seq: [_PREEMPTING(j, seq, e.message)],
     PreemptionRequested: lambda e, j, t, seq: [_PREEMPTING(j, seq, e.message)],

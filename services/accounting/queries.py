@@ -214,13 +214,14 @@ async def state_counts(conn: asyncpg.Connection) -> list[dict[str, Any]]:
 
 async def queue_quotas(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     """One row per live queue and flavor: its cohort, the root of that cohort's tree
-    (``cohort_root``; None outside any cohort), nominal and limits, the GPUs its unreleased
-    reservations hold (``used``) and its waiting jobs (``pending_jobs``)."""
+    (``cohort_root``; None outside any cohort), nominal and limits (GPUs), the thousandths of a
+    GPU its unreleased reservations hold (``used_milli``) and its waiting jobs (``pending_jobs``)."""
     rows = [dict(r) for r in await conn.fetch(
         """SELECT q.name AS queue, q.cohort, fq->>'flavor' AS flavor, (fq->>'nominal')::int AS nominal,
                   (fq->>'borrowing_limit')::int AS borrowing_limit, (fq->>'lending_limit')::int AS lending_limit,
-                  coalesce((SELECT sum(r.gpus) FROM reservations r WHERE r.queue = q.name
-                            AND r.flavor = fq->>'flavor' AND r.released_at IS NULL), 0)::int AS used
+                  coalesce((SELECT sum(coalesce(r.gpu_milli, r.gpus * 1000)) FROM reservations r
+                            WHERE r.queue = q.name AND r.flavor = fq->>'flavor' AND r.released_at IS NULL),
+                           0)::bigint AS used_milli
            FROM queues q, jsonb_array_elements(q.config->'quotas') fq
            WHERE NOT q.deleted ORDER BY q.name, fq->>'flavor'""")]
     parents = dict(await conn.fetch("SELECT name, parent FROM cohorts"))
@@ -240,12 +241,12 @@ async def queue_configs(conn: asyncpg.Connection) -> dict[str, QueueConfigured]:
 
 
 async def class_holdings(conn: asyncpg.Connection) -> dict[tuple[str, str, str], int]:
-    """GPUs unreleased reservations hold per (queue, flavor, the job's priority class)."""
+    """Thousandths of a GPU unreleased reservations hold per (queue, flavor, the job's priority class)."""
     rows = await conn.fetch(
-        """SELECT r.queue, r.flavor, j.priority_class, sum(r.gpus)::int AS gpus
+        """SELECT r.queue, r.flavor, j.priority_class, sum(coalesce(r.gpu_milli, r.gpus * 1000))::bigint AS milli
            FROM reservations r JOIN jobs j USING (job_id) WHERE r.released_at IS NULL
            GROUP BY r.queue, r.flavor, j.priority_class""")
-    return {(r["queue"], r["flavor"], r["priority_class"]): r["gpus"] for r in rows}
+    return {(r["queue"], r["flavor"], r["priority_class"]): r["milli"] for r in rows}
 
 
 async def held_gpu_hours(conn: asyncpg.Connection, since: datetime, until: datetime) -> dict[tuple[str, str], float]:
@@ -253,7 +254,8 @@ async def held_gpu_hours(conn: asyncpg.Connection, since: datetime, until: datet
     (a reservation still held: up to ``until``)."""
     rows = await conn.fetch(
         """SELECT queue, flavor, sum(extract(epoch FROM least(coalesce(released_at, $2), $2)
-                                             - greatest(reserved_at, $1)) * gpus) / 3600.0 AS hours
+                                             - greatest(reserved_at, $1))
+                                     * coalesce(gpu_milli, gpus * 1000)) / 3600000.0 AS hours
            FROM reservations WHERE reserved_at < $2 AND (released_at IS NULL OR released_at > $1)
            GROUP BY queue, flavor""", since, until)
     return {(r["queue"], r["flavor"]): float(r["hours"]) for r in rows}

@@ -170,8 +170,9 @@ async def _fold(conn: asyncpg.Connection, groups: list[tuple[str, list[tuple]]])
                 if key in exists:
                     continue
                 _, _, released_at, seq = release_of[key]
-                # (job, attempt, queue, flavor, gpus, borrowed, reserved_at) + the release's sequence and time
-                reservations[i] = (*reservations[i][:7], seq, released_at)
+                # (job, attempt, queue, flavor, gpus, borrowed, gpu_milli, borrowed_milli, reserved_at)
+                # + the release's sequence and time
+                reservations[i] = (*reservations[i][:9], seq, released_at)
                 folded.add(key)
             releases[:] = [r for r in releases if (r[0], r[1]) not in folded]
     return [(name, rows) for name, rows in groups if rows]
@@ -251,7 +252,8 @@ def prepare(batch: list[Entry], skip: frozenset[str] | set[str] = frozenset()) -
 _PRIOR = """
     SELECT k.job_id, k.attempt, j.team, j.project, j.queue, j.total_gpus, j.cpu_millis, j.memory_mib, j.gpu_milli,
            j.flavor,
-           r.queue AS r_queue, r.flavor AS r_flavor, r.gpus AS r_gpus, r.borrowed AS r_borrowed, a.queued_at,
+           r.queue AS r_queue, r.flavor AS r_flavor, r.gpus AS r_gpus, r.borrowed AS r_borrowed,
+           r.gpu_milli AS r_gpu_milli, r.borrowed_milli AS r_borrowed_milli, a.queued_at,
            ARRAY(SELECT c.checkpointed_at FROM checkpoints c
                  WHERE c.job_id = k.job_id AND c.attempt = k.attempt) AS checkpoints
     FROM unnest($1::text[], $2::integer[]) AS k(job_id, attempt)
@@ -272,8 +274,8 @@ async def prior_facts(conn: asyncpg.Connection, keys: list[tuple[str, int]]) -> 
             continue  # no job row (so no flavor either), no reservation, queue time or checkpoint
         job = None if r["team"] is None else ledger.JobFacts(r["team"], r["project"], r["queue"], r["total_gpus"],
                                                              r["cpu_millis"], r["memory_mib"], r["gpu_milli"])
-        reservation = None if r["r_flavor"] is None else ledger.Reservation(r["r_queue"], r["r_flavor"],
-                                                                              r["r_gpus"], r["r_borrowed"])
+        reservation = None if r["r_flavor"] is None else ledger.Reservation(
+            r["r_queue"], r["r_flavor"], r["r_gpus"], r["r_borrowed"], r["r_gpu_milli"], r["r_borrowed_milli"])
         # every checkpoint written before this batch precedes its ends in the log (sequence 0)
         out[(r["job_id"], r["attempt"])] = ledger.Facts(job=job, flavor=r["flavor"], reservation=reservation,
                                                         queued_at=r["queued_at"],

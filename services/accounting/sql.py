@@ -60,8 +60,9 @@ SQL = {
         ON CONFLICT (name) DO UPDATE SET gpu_flavor = $2, gpu_product = $3, gpu_count = $4,
             gpu_memory_mib = $5, labels = $6::jsonb, unschedulable = $7, last_sequence = $8, lost = false""",
     "reservation": """
-        INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, reserved_at, sequence, released_at)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (job_id, attempt) DO NOTHING""",
+        INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, gpu_milli, borrowed_milli,
+                                  reserved_at, sequence, released_at)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (job_id, attempt) DO NOTHING""",
     "reservation_released": """
         UPDATE reservations SET released_at = $3, sequence = $4 WHERE job_id = $1 AND attempt = $2
             AND released_at IS NULL""",

@@ -13,7 +13,11 @@ only use its own nominal. Nested cohorts share one pool: the whole tree under th
 
 A queue's limits across its flavors (:func:`check_limits`) come on top of the pools: its
 weighted limit (``Σ GPUs held × the flavor's weight``) and each priority class's share of its
-nominal (``floor(max_share × nominal)`` GPUs of each flavor), borrowed GPUs counted in both.
+nominal (``max_share × nominal`` of each flavor, to the thousandth of a GPU), borrowed GPUs
+counted in both.
+
+Every amount here is in thousandths of a GPU (``milli``): a quarter-GPU job takes 250 of a
+queue's nominal of 8 GPUs (8,000), not a whole GPU. Messages say GPUs (:func:`gpus_text`).
 """
 
 from __future__ import annotations
@@ -24,12 +28,27 @@ from dataclasses import dataclass, field
 
 from schemas import QueueConfigured, QuotaWaitReason
 
+MILLI = 1000
+"""Thousandths of a GPU in one GPU: the unit of every amount in this module."""
+
+
+def gpus_text(milli: int | float) -> str:
+    """An amount in thousandths of a GPU, told in GPUs: 8000 -> '8', 7750 -> '7.75'."""
+    return f"{milli / MILLI:g}"
+
 
 @dataclass(frozen=True)
 class Limits:
     nominal: int
     borrowing_limit: int | None = None
     lending_limit: int | None = None
+
+    @classmethod
+    def in_milli(cls, nominal: int, borrowing_limit: int | None, lending_limit: int | None) -> Limits:
+        """A queue's quota for one flavor, configured in GPUs, in thousandths."""
+        def milli(gpus: int | None) -> int | None:
+            return None if gpus is None else gpus * MILLI
+        return cls(nominal * MILLI, milli(borrowing_limit), milli(lending_limit))
 
     @property
     def lendable_cap(self) -> int:
@@ -81,7 +100,7 @@ class Pool:
     def borrowers(self) -> str:
         if self._borrowers is None:
             self._borrowers = ", ".join(
-                f"{p} {self.borrowed(p)}" + (f" (borrowingLimit {self.limits[p].borrowing_limit})"
+                f"{p} {gpus_text(self.borrowed(p))}" + (f" (borrowingLimit {gpus_text(self.limits[p].borrowing_limit)})"
                                             if self.limits[p].borrowing_limit is not None else "")
                 for p in sorted(self.limits) if self.borrowed(p) > 0
             ) or "none"
@@ -112,16 +131,18 @@ class Pool:
         used = self.used.get(q, 0)
         after = used + request
         borrowed_after = self.borrowed(q, after)
-        head = f"queue {q} nominal {self.flavor} {lim.nominal}, used {used}"
+        head = f"queue {q} nominal {self.flavor} {gpus_text(lim.nominal)}, used {gpus_text(used)}"
+        need = gpus_text(request)
         if self.cohort is None:
             if borrowed_after == 0:
                 return Verdict(True)
             return Verdict(False, reason=QuotaWaitReason.NOMINAL_EXHAUSTED,
-                           message=f"{head}; needs {request} more; no cohort to borrow from")
+                           message=f"{head}; needs {need} more; no cohort to borrow from")
         if lim.borrowing_limit is not None and borrowed_after > lim.borrowing_limit:
             return Verdict(False, reason=QuotaWaitReason.BORROWING_LIMIT,
-                           message=f"{head} (borrowed {self.borrowed(q)}); needs {request}: would borrow "
-                                   f"{borrowed_after}, above its borrowingLimit {lim.borrowing_limit}")
+                           message=f"{head} (borrowed {gpus_text(self.borrowed(q))}); needs {need}: would borrow "
+                                   f"{gpus_text(borrowed_after)}, above its borrowingLimit "
+                                   f"{gpus_text(lim.borrowing_limit)}")
         # Even within its own nominal a queue must find that quota unlent: what others borrowed
         # has to stay covered by what is still lendable.
         total_borrowed, total_lendable = self.totals()
@@ -132,11 +153,11 @@ class Pool:
         borrowers = self.borrowers()
         if borrowed_after == 0:
             return Verdict(False, reason=QuotaWaitReason.NOMINAL_LENT,
-                           message=f"{head}; needs {request}; its unused quota is lent out in cohort {self.cohort}; "
+                           message=f"{head}; needs {need}; its unused quota is lent out in cohort {self.cohort}; "
                                    f"borrowed by: {borrowers}")
         free = max(0, (total_lendable - self.lendable(q)) - (total_borrowed - self.borrowed(q)))
         return Verdict(False, reason=QuotaWaitReason.COHORT_EXHAUSTED,
-                       message=f"{head}; needs {request}; cohort {self.cohort} has {free} free {self.flavor} "
+                       message=f"{head}; needs {need}; cohort {self.cohort} has {gpus_text(free)} free {self.flavor} "
                                f"to lend; borrowed by: {borrowers}")
 
     def charge(self, q: str, request: int) -> None:
@@ -151,37 +172,41 @@ class Pool:
 
 
 def class_cap(max_share: float, nominal: int) -> int:
-    """GPUs of a flavor a priority class may hold in a queue: ``floor(max_share × nominal)``
-    (rounded first, so 0.29 × 100 is 29, not 28)."""
-    return math.floor(round(max_share * nominal, 9))
+    """Thousandths of a GPU of a flavor a priority class may hold in a queue whose nominal is
+    ``nominal`` GPUs: ``floor(max_share × nominal × 1000)`` (rounded first, so 0.29 × 100 GPUs is
+    29 GPUs, not 28.999). Whole-GPU jobs fit ``floor(max_share × nominal)`` of them, as before."""
+    return math.floor(round(max_share * nominal * MILLI, 6))
 
 
 def weighted_use(queue: QueueConfigured, held: Mapping[str, int]) -> float:
-    """The queue's holding in weighted units: GPUs held of each flavor (flavor -> GPUs) times its weight."""
-    return sum(held.get(fq.flavor, 0) * fq.weight for fq in queue.quotas)
+    """The queue's holding in weighted units: GPUs held of each flavor (flavor -> thousandths)
+    times its weight."""
+    return sum(held.get(fq.flavor, 0) * fq.weight for fq in queue.quotas) / MILLI
 
 
 def check_limits(queue: QueueConfigured, flavor: str, request: int, priority_class: str,
                  held: Mapping[str, int], class_held: int) -> Verdict:
-    """Whether ``request`` GPUs of ``flavor`` for a job of ``priority_class`` stay within the
+    """Whether ``request`` (thousandths of a GPU) of ``flavor`` for a job of ``priority_class`` stay within the
     queue's weighted limit and the class's limit, given what the queue holds (flavor -> GPUs)
     and what the class holds of ``flavor`` in it. Pools are checked apart (:meth:`Pool.check`)."""
     fq = next(fq for fq in queue.quotas if fq.flavor == flavor)
     if request == 0:  # takes nothing: fits even where a lowered limit is already exceeded
         return Verdict(True)
     if queue.weighted_limit is not None:
-        use, more = weighted_use(queue, held), request * fq.weight
+        use, more = weighted_use(queue, held), request * fq.weight / MILLI
         if use + more > queue.weighted_limit and not math.isclose(use + more, queue.weighted_limit):
             return Verdict(False, reason=QuotaWaitReason.WEIGHTED_LIMIT, message=(
                 f"queue {queue.name} holds {use:g} weighted units of its weighted_limit {queue.weighted_limit:g}; "
-                f"needs {request} {flavor} × weight {fq.weight:g} = {more:g} more: would hold {use + more:g}"))
+                f"needs {gpus_text(request)} {flavor} × weight {fq.weight:g} = {more:g} more: "
+                f"would hold {use + more:g}"))
     for limit in queue.class_limits:
         if limit.priority_class != priority_class:
             continue
         cap = class_cap(limit.max_share, fq.nominal)
         if class_held + request > cap:
             return Verdict(False, reason=QuotaWaitReason.CLASS_LIMIT, message=(
-                f"priority class {priority_class} holds {class_held} {flavor} in queue {queue.name}; needs {request}: "
-                f"would hold {class_held + request}, above its class limit {cap} "
+                f"priority class {priority_class} holds {gpus_text(class_held)} {flavor} in queue {queue.name}; "
+                f"needs {gpus_text(request)}: would hold {gpus_text(class_held + request)}, above its class limit "
+                f"{gpus_text(cap)} "
                 f"({limit.max_share:g} × nominal {fq.nominal})"))
     return Verdict(True)

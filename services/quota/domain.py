@@ -6,7 +6,8 @@ own event (QuotaReleased), so usage is a fold over the log. A queue uses its own
 the lenders' lending limits (:mod:`services.quota.capacity`). A job that allows several flavors
 takes the first of them, in its order, that fits (flavor fungibility). On top of the pools, a
 queue may cap its holding in weighted units across flavors and each priority class's share of its
-nominal (:func:`services.quota.capacity.check_limits`).
+nominal (:func:`services.quota.capacity.check_limits`). Usage and requests are counted in
+thousandths of a GPU, so a fractional job (``gpu_milli``) holds its fraction of the quota.
 
 Order inside a queue: priority (higher first), then the time the attempt was queued, then job
 id. A strict-FIFO queue stops at a head that does not fit; otherwise smaller jobs behind it may go.
@@ -65,7 +66,7 @@ from schemas import (
     new_event,
 )
 from schemas.priority import DEFAULT_PRIORITY_CLASSES, PolicyConfigured, PriorityClass
-from services.quota.capacity import Limits, Pool, check_limits
+from services.quota.capacity import MILLI, Limits, Pool, check_limits, gpus_text
 
 PRODUCER = "quota"
 NEVER_REFUSED = 1 << 62  # "no request of this size was refused yet"
@@ -106,7 +107,7 @@ class QuotaJob(SubmittedJob):
 
     @property
     def held_gpus(self) -> float:
-        return self.reserved.gpus  # type: ignore[union-attr]
+        return self.reserved.milli_held / MILLI  # type: ignore[union-attr]
 
     @property
     def held_since(self) -> datetime:
@@ -128,8 +129,8 @@ class QuotaState:
     # queue -> (period start, weighted GPU-seconds of reservations released within the period)
     spent: dict[str, tuple[datetime, float]] = field(default_factory=dict)
     jobs: dict[str, QuotaJob] = field(default_factory=dict)
-    used: dict[tuple[str, str], int] = field(default_factory=dict)  # (queue, flavor) -> GPUs
-    # (queue, priority class, flavor) -> GPUs its attempts hold: what a queue's class limits count
+    used: dict[tuple[str, str], int] = field(default_factory=dict)  # (queue, flavor) -> thousandths of a GPU
+    # (queue, priority class, flavor) -> thousandths its attempts hold: what a queue's class limits count
     class_used: dict[tuple[str, str, str], int] = field(default_factory=dict)
     # queue -> (order key, job id) of the jobs waiting for quota, kept in queue order
     pending: dict[str, SortedList] = field(default_factory=dict)
@@ -144,13 +145,13 @@ class Snapshot:
     charged with each reservation the cycle makes (the state changes only when the log returns
     them), the pools over that usage, and what the cycle learns on the way."""
 
-    used: dict[tuple[str, str], int]  # (queue, flavor) -> GPUs
+    used: dict[tuple[str, str], int]  # (queue, flavor) -> thousandths of a GPU
     pools: dict[tuple[str, str], Pool]  # (pool key, flavor) -> Pool over ``used``
     # (pool key, flavor) where nobody borrows this cycle: quota is being preempted there, or a
     # queue of it waits for its own lent-out quota (pass 1 adds those).
     no_borrowing: set[tuple[str, str]]
     spent: dict[str, float] = field(default_factory=dict)  # budget used this period, per queue
-    # (queue, priority class, flavor) -> GPUs, copied and charged like ``used``
+    # (queue, priority class, flavor) -> thousandths, copied and charged like ``used``
     class_used: dict[tuple[str, str, str], int] = field(default_factory=dict)
     taken: set[str] = field(default_factory=set)  # jobs reserved in this cycle
     charged_in: set[tuple[str, str]] = field(default_factory=set)  # (pool key, flavor) this cycle reserved in
@@ -173,7 +174,7 @@ class Blocker:
         head = self.job
         return (QuotaWaitReason.BLOCKED_BY_HEAD,
                 f"job {head.submitted.aggregate_id} of queue {queue_name} (priority {head.priority}, "
-                f"{head.spec.total_gpus} GPUs) waits for quota first: jobs of lower priority on its flavors "
+                f"{gpus_text(head.spec.total_milli)} GPUs) waits for quota first: jobs of lower priority on its flavors "
                 "wait behind it")
 
 
@@ -278,9 +279,9 @@ class QuotaCore:
                 job.reserved = event
                 key = (event.queue, event.flavor)
                 self._age_history(event.queue, event.occurred_at)
-                self.state.used[key] = self.state.used.get(key, 0) + event.gpus
+                self.state.used[key] = self.state.used.get(key, 0) + event.milli_held
                 by_class = (event.queue, job.spec.priority_class, event.flavor)
-                self.state.class_used[by_class] = self.state.class_used.get(by_class, 0) + event.gpus
+                self.state.class_used[by_class] = self.state.class_used.get(by_class, 0) + event.milli_held
                 self.state.holders.setdefault(event.queue, set()).add(job_id)
                 self._dequeue(job_id, job)
             case QuotaReleased():
@@ -316,9 +317,9 @@ class QuotaCore:
             key = (event.queue, event.flavor)
             self._age_history(event.queue, event.occurred_at)
             self._charge_budget(job.reserved, event.occurred_at)
-            s.used[key] = s.used.get(key, 0) - event.gpus
+            s.used[key] = s.used.get(key, 0) - event.milli_released
             by_class = (event.queue, job.spec.priority_class, event.flavor)
-            s.class_used[by_class] = s.class_used.get(by_class, 0) - event.gpus
+            s.class_used[by_class] = s.class_used.get(by_class, 0) - event.milli_released
             s.holders.get(event.queue, set()).discard(job_id)
             job.reserved = None
             self._dirty = True
@@ -391,7 +392,7 @@ class QuotaCore:
                 new_event(
                     QuotaReleased, aggregate_id=job_id, producer=PRODUCER, occurred_at=now,
                     key=f"{r.attempt}", cause=ended, attempt=r.attempt, queue=r.queue, flavor=r.flavor,
-                    gpus=r.gpus, reason=ended.type if ended is not None else "unknown",
+                    gpus=r.gpus, gpu_milli=r.gpu_milli, reason=ended.type if ended is not None else "unknown",
                 )
             )
         if ended is not None and not job.finished and isinstance(ended, (JobFailed, JobPreempted)):
@@ -425,7 +426,7 @@ class QuotaCore:
             key = root if root is not None else f"queue:{name}"
             for fq in queue.quotas:
                 pool = pools.setdefault((key, fq.flavor), Pool(fq.flavor, root))
-                pool.limits[name] = Limits(fq.nominal, fq.borrowing_limit, fq.lending_limit)
+                pool.limits[name] = Limits.in_milli(fq.nominal, fq.borrowing_limit, fq.lending_limit)
                 pool.used[name] = used.get((name, fq.flavor), 0)
         return pools
 
@@ -470,7 +471,8 @@ class QuotaCore:
         if prev_start != start:
             spent = 0.0
         held = (released_at - max(r.occurred_at, start)).total_seconds()
-        self.state.spent[r.queue] = (start, spent + max(0.0, held) * r.gpus * self._weight(r.queue, r.flavor))
+        gpus = r.milli_held / MILLI
+        self.state.spent[r.queue] = (start, spent + max(0.0, held) * gpus * self._weight(r.queue, r.flavor))
 
     def budget_spent(self, queue: QueueConfigured, now: datetime) -> float:
         """Weighted GPU-hours the queue has used or committed this period: released reservations,
@@ -482,13 +484,13 @@ class QuotaCore:
             r = j.reserved
             if r is not None:
                 held = max((now - max(r.occurred_at, start)).total_seconds(), j.spec.expected_runtime_seconds or 0)
-                seconds += max(0.0, held) * r.gpus * self._weight(r.queue, r.flavor)
+                seconds += max(0.0, held) * r.milli_held / MILLI * self._weight(r.queue, r.flavor)
         return seconds / 3600
 
     def _over_budget(self, queue: QueueConfigured, job: QuotaJob, flavor_weight: float, spent: float,
                      now: datetime) -> str | None:
         b = queue.budget
-        planned = job.spec.total_gpus * flavor_weight * (job.spec.expected_runtime_seconds or 0) / 3600
+        planned = job.spec.total_milli / MILLI * flavor_weight * (job.spec.expected_runtime_seconds or 0) / 3600
         if spent + planned <= b.gpu_hours and spent < b.gpu_hours:
             return None
         start = self.period_start(b.period, now)
@@ -504,7 +506,7 @@ class QuotaCore:
         return (config.usage_half_life_seconds, config.history_weight) if config is not None else (None, 0.0)
 
     def _weighted_usage(self, queue: QueueConfigured, used: dict[tuple[str, str], int]) -> float:
-        return sum(used.get((queue.name, fq.flavor), 0) * fq.weight for fq in queue.quotas)
+        return sum(used.get((queue.name, fq.flavor), 0) * fq.weight for fq in queue.quotas) / MILLI
 
     def _decayed(self, queue: QueueConfigured, at: datetime) -> float:
         """The decayed average of the queue's weighted usage, brought forward to ``at`` with the
@@ -598,7 +600,7 @@ class QuotaCore:
                     continue
                 if blocker is not None and blocker.holds_back(job, flavors):
                     continue
-                need = job.spec.total_gpus
+                need = job.spec.total_milli
                 if need < failed.get(flavors, NEVER_REFUSED):
                     if (reserved := self._try_reserve(snap, job, queue, flavors, False, now)) is not None:
                         out.append(reserved)
@@ -614,7 +616,7 @@ class QuotaCore:
     def _blocker(self, snap: Snapshot, job: QuotaJob, queue_name: str, flavors: tuple[str, ...]) -> Blocker | None:
         """The refused job as its queue's blocker, if some flavor could ever hold it (a job too
         large for any holds nobody back)."""
-        need = job.spec.total_gpus
+        need = job.spec.total_milli
         if job.spec.gpus == 0 or not any(self.pool_of(snap.pools, queue_name, f).ceiling(queue_name) >= need
                                          for f in flavors):
             return None
@@ -670,7 +672,7 @@ class QuotaCore:
                 if job.waiting is None:
                     out.extend(self._reason(job, *turn.blocker.reason(queue.name), position, None, now))
                 continue
-            need = job.spec.total_gpus
+            need = job.spec.total_milli
             if need < turn.failed.get(flavors, NEVER_REFUSED) and (
                     reserved := self._try_reserve(snap, job, queue, flavors, True, now)) is not None:
                 out.append(reserved)
@@ -688,7 +690,7 @@ class QuotaCore:
                         now: datetime) -> list[Event]:
         out: list[Event] = []
         message = (f"queue {queue_name} is strict FIFO and its head {head.submitted.aggregate_id} "
-                   f"({head.spec.total_gpus} GPUs) does not fit")
+                   f"({gpus_text(head.spec.total_milli)} GPUs) does not fit")
         for other in turn.waiting[turn.cursor:]:
             if other.submitted.aggregate_id in snap.taken:
                 continue
@@ -724,7 +726,7 @@ class QuotaCore:
             return flavors, None
         held = {fq.flavor: snap.used.get((queue.name, fq.flavor), 0) for fq in queue.quotas}
         cls = job.spec.priority_class
-        verdicts = [check_limits(queue, f, job.spec.total_gpus, cls, held, snap.class_used.get((queue.name, cls, f), 0))
+        verdicts = [check_limits(queue, f, job.spec.total_milli, cls, held, snap.class_used.get((queue.name, cls, f), 0))
                     for f in flavors]
         within = tuple(f for f, v in zip(flavors, verdicts) if v.fits)
         if within:
@@ -735,7 +737,7 @@ class QuotaCore:
                      borrow: bool, now: datetime) -> QuotaReserved | None:
         """The reservation of the first of the job's flavors that fits (without borrowing unless
         ``borrow``), charged to the snapshot; None if none fits."""
-        need = job.spec.total_gpus
+        need = job.spec.total_milli
         for flavor in flavors:
             pool = self.pool_of(snap.pools, queue.name, flavor)
             v = pool.check(queue.name, need)
@@ -747,13 +749,13 @@ class QuotaCore:
             snap.class_used[by_class] = snap.class_used.get(by_class, 0) + need
             snap.charged_in.add((self.pool_key(queue.name), flavor))
             if queue.name in snap.spent:  # the budget check of the next head counts this one's plan
-                snap.spent[queue.name] += need * self._weight(queue.name, flavor) * (
+                snap.spent[queue.name] += need / MILLI * self._weight(queue.name, flavor) * (
                     job.spec.expected_runtime_seconds or 0) / 3600
             snap.taken.add(job.submitted.aggregate_id)
             return new_event(
                 QuotaReserved, aggregate_id=job.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
                 key=f"{job.attempt}", cause=job.submitted, attempt=job.attempt, queue=queue.name,
-                flavor=flavor, gpus=need, borrowed=v.borrowed,
+                flavor=flavor, **_amounts(need, v.borrowed, fractional=job.spec.gpu_milli is not None),
             )
         return None
 
@@ -780,7 +782,7 @@ class QuotaCore:
             flavors = (lent_flavor,)
         elif policy.within_queue != "lower-priority":
             return []
-        root, need = self.pool_key(queue_name), job.spec.total_gpus
+        root, need = self.pool_key(queue_name), job.spec.total_milli
         for flavor in flavors:
             kind = "reclaim" if flavor == lent_flavor else "priority"
             # One that found too few victims: a request as large, of no higher priority, would too.
@@ -828,12 +830,12 @@ class QuotaCore:
             for j in (self.state.jobs[i] for i in self.state.holders.get(q, ())):
                 if j.reclaim is None or j.reserved.flavor != flavor:
                     continue
-                trial.charge(q, -j.reserved.gpus)
+                trial.charge(q, -j.reserved.milli_held)
                 for_job = self.state.jobs.get(j.reclaim.for_job)
                 if (for_job is not None and j.reclaim.for_job not in served and for_job.reserved is None
                         and not for_job.finished and for_job.queue in pool.limits):
                     served.add(j.reclaim.for_job)
-                    trial.charge(for_job.queue, for_job.spec.total_gpus)
+                    trial.charge(for_job.queue, for_job.spec.total_milli)
         return trial
 
     def _preempt_for(self, waiting: QuotaJob, queue_name: str, flavor: str, pool: Pool, trial: Pool,
@@ -842,14 +844,14 @@ class QuotaCore:
         lets ``waiting`` fit in ``trial``, and ``trial`` as it will be then (victims gone,
         ``waiting`` holding its request); no events if it fits there already; None if all of
         them together would not be enough."""
-        need = waiting.spec.total_gpus
+        need = waiting.spec.total_milli
         after = trial.copy()
         chosen: list[QuotaJob] = []
         if not after.check(queue_name, need).fits:
             for j in candidates:
                 if kind == "reclaim" and after.borrowed(j.reserved.queue) == 0:
                     continue  # its queue no longer borrows: what it holds now is its own guaranteed quota
-                after.charge(j.reserved.queue, -j.reserved.gpus)
+                after.charge(j.reserved.queue, -j.reserved.milli_held)
                 chosen.append(j)
                 if after.check(queue_name, need).fits:
                     break
@@ -863,10 +865,10 @@ class QuotaCore:
         job_id, holder = waiting.submitted.aggregate_id, victim.reserved.queue  # type: ignore[union-attr]
         if kind == "reclaim":
             why = (f"queue {queue_name} needs its guaranteed {flavor} back for job {job_id}; {holder} borrowed "
-                   f"{pool.borrowed(holder)}")
+                   f"{gpus_text(pool.borrowed(holder))}")
         else:
             why = (f"job {job_id} (priority {waiting.priority}) of queue {queue_name} needs {flavor} quota "
-                   f"held by lower-priority work of the same queue; {holder} holds {pool.used.get(holder, 0)} "
+                   f"held by lower-priority work of the same queue; {holder} holds {gpus_text(pool.used.get(holder, 0))} "
                    f"(priority {victim.priority} here)")
         return new_event(
             ReclaimRequested, aggregate_id=victim.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
@@ -880,7 +882,7 @@ class QuotaCore:
         """The job's reason event (if it changed), and the flavor whose guaranteed quota is lent
         out when that is why it waits (a reclaim candidate). ``cache`` holds the verdicts of this
         cycle's pools by (queue, flavors, request): jobs of the same shape share one."""
-        shape = (queue_name, flavors, job.spec.total_gpus)
+        shape = (queue_name, flavors, job.spec.total_milli)
         found = cache.get(shape)
         if found is None:
             found = cache[shape] = self._verdict(queue_name, flavors, job.spec, pools)
@@ -895,7 +897,7 @@ class QuotaCore:
             return (QuotaWaitReason.NO_QUOTA_FOR_FLAVOR,
                     f"queue {queue_name} has no quota for flavors {list(spec.gpu_flavors)}", None, None)
         flavor = flavors[0]
-        v = self.pool_of(pools, queue_name, flavor).check(queue_name, spec.total_gpus)
+        v = self.pool_of(pools, queue_name, flavor).check(queue_name, spec.total_milli)
         if not v.fits:
             return v.reason, v.message, flavor, (flavor if v.reason == QuotaWaitReason.NOMINAL_LENT else None)
         # It fits the usage but was refused: borrowing is closed while quota is reclaimed there.
@@ -920,6 +922,15 @@ class QuotaCore:
                 attempt=job.attempt, reason=reason, message=message, position=position, flavor=flavor,
             )
         ]
+
+
+def _amounts(held: int, borrowed: int, fractional: bool) -> dict:
+    """QuotaReserved's amounts from thousandths: whole GPUs, rounded up (what readers of gpus and
+    borrowed have always summed), and the thousandths themselves for a fractional job, or where
+    the borrowed part is not whole (a whole-GPU job can borrow what fractional ones left)."""
+    return {"gpus": -(-held // MILLI), "borrowed": -(-borrowed // MILLI),
+            "gpu_milli": held if fractional else None,
+            "borrowed_milli": borrowed if fractional or borrowed % MILLI else None}
 
 
 def _candidates(victims: list[QuotaJob], job: QuotaJob, queue_name: str, kind: str, any_priority: bool,

@@ -10,9 +10,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from schemas import (
-    JobAdmitted, JobScheduled, JobSpec, JobStarted, JobSubmitted, JobSucceeded, NodeAssignment, QuotaReserved,
+    JobAdmitted, JobScheduled, JobSpec, JobStarted, JobSubmitted, JobSucceeded, NodeAssignment, QuotaReleased,
+    QuotaReserved,
     new_event,
 )
+from gpusched import quota_usage
 from services.accounting import chargeback, metrics, projection, queries, replay, sink
 from services.accounting.bulk import copy
 from tests.unit.builders import price_book, queue
@@ -25,17 +27,18 @@ def at(seconds: float) -> datetime:
 
 
 def run(job_id: str, *, milli: int | None, start: float = 0, end: float | None = 3600, gpus: int = 1,
-        borrowed: int = 0) -> list:
-    """A job's events from submission to its end (None: still running)."""
+        borrowed: int = 0, counted: bool = False) -> list:
+    """A job's events from submission to its end (None: still running). ``counted``: quota holds
+    the fraction (gpu_milli on QuotaReserved), else a whole GPU, as logs written before it did."""
     spec = JobSpec(kind="inference", queue="q", team="team-a", image="img", gpus=gpus, gpu_milli=milli)
     ev = [
         new_event(JobSubmitted, aggregate_id=job_id, producer="admission", occurred_at=at(start), key="1", spec=spec,
                   submitter="u", intake_sequence=1),
         new_event(JobAdmitted, aggregate_id=job_id, producer="admission", occurred_at=at(start), key="d", queue="q",
                   priority=500, preemptible=True),
-        # quota reserves a fractional job one whole GPU
         new_event(QuotaReserved, aggregate_id=job_id, producer="quota", occurred_at=at(start), key="1", attempt=1,
-                  queue="q", flavor="l4", gpus=gpus, borrowed=borrowed),
+                  queue="q", flavor="l4", gpus=gpus, borrowed=borrowed,
+                  gpu_milli=milli if counted else None, borrowed_milli=(borrowed * (milli or 0)) if counted else None),
         new_event(JobScheduled, aggregate_id=job_id, producer="scheduler", occurred_at=at(start), key="1", attempt=1,
                   flavor="l4", placement=(NodeAssignment(node="l4-0", gpus=gpus, gpu_indices=tuple(range(gpus)),
                                                          gpu_milli=milli),)),
@@ -112,5 +115,29 @@ async def test_a_batch_written_by_copy_charges_fractions_too(pg_dsn):
         assert await conn.fetchval("SELECT count(*) FROM jobs WHERE gpu_milli = 250") == n
         assert await conn.fetchval("SELECT sum(gpu_seconds) FROM usage_ledger") == pytest.approx(
             sum(0.25 * (3600 - i) for i in range(n)))
+    finally:
+        await conn.close()
+
+
+async def test_quota_held_in_thousandths_in_the_read_models_and_the_queue_report(pg_dsn):
+    """Three quarter-GPU jobs running hold 0.75 of the queue's L4 quota; a released one holds
+    nothing and is charged its quarter; GPU-hours held count quarters."""
+    conn = await fresh(pg_dsn)
+    try:
+        setup = [queue("q", ("team-a",), {"l4": 8}, when=at(-60))]
+        done = run("done", milli=250, counted=True)
+        done.append(new_event(QuotaReleased, aggregate_id="done", producer="quota", occurred_at=at(3600), key="1",
+                              attempt=1, queue="q", flavor="l4", gpus=1, gpu_milli=250, reason="JobSucceeded"))
+        running = [e for i in range(3) for e in run(f"r{i}", milli=250, end=None, counted=True, borrowed=int(i == 0))]
+        await apply(conn, setup + done + running)
+
+        rows = {r["job_id"]: (r["gpus"], r["gpu_milli"], r["borrowed_milli"])
+                for r in await conn.fetch("SELECT * FROM reservations")}
+        assert rows == {"done": (1, 250, 0), "r0": (1, 250, 250), "r1": (1, 250, 0), "r2": (1, 250, 0)}
+        (row,) = await quota_usage.queue_usage(conn)
+        assert (row["nominal"], row["used"], row["borrowed"], row["lendable"]) == (8, 0.75, 0, 7.25)
+        assert (await conn.fetchrow("SELECT gpus, borrowed_gpus FROM usage_ledger WHERE job_id = 'done'")) == (0.25, 0.0)
+        hours = await queries.held_gpu_hours(conn, at(0), at(3600))
+        assert hours[("q", "l4")] == pytest.approx(4 * 0.25)
     finally:
         await conn.close()

@@ -185,3 +185,31 @@ async def test_priority_preemption_requeues_the_victim_and_runs_the_urgent_job(n
     assert victims["batch-1"][:9] == ["JobSubmitted", "JobAdmitted", "QuotaReserved", "JobScheduled", "JobStarted",
                                       "PreemptionRequested", "JobPreempted", "QuotaReleased", "JobRetryScheduled"]
     assert "JobFailed" not in victims["batch-1"] and "PreemptionRequested" not in victims["batch-0"]
+
+
+async def test_four_quarter_gpu_jobs_share_one_gpu_of_quota_and_one_gpu(nats_server, admin_js, log):
+    """A queue with one L4 of quota and one time-sliced L4: four quarter-GPU jobs hold a quarter of
+    the quota each and run side by side on the one GPU; a fifth waits for quota, and says so."""
+    l4 = [NodeInfo(name="l4-0", gpu_flavor="l4", gpu_count=1, gpu_memory_mib=23034, gpu_sharable=True)]
+    await log.append(new_event(QueueConfigured, aggregate_id="shared", producer="config", occurred_at=NOW, key="1",
+                               name="shared", allowed_teams=("team-a",), quotas=(FlavorQuota(flavor="l4", nominal=1),)))
+    core = {"quota": QuotaCore(), "scheduler": SchedulerCore(), "executor": SimExecutorCore(l4)}
+    quota, scheduler, executor = (DecisionService(n, c, service_settings(nats_server, n), CLOCK) for n, c in core.items())
+    async with running(quota), running(scheduler), running(executor):
+        for i in range(5):
+            await admit(log, f"quarter-{i}", queue="shared", kind="inference", gpus=1, gpu_milli=250,
+                        expected_runtime_seconds=100_000.0)
+        for i in range(4):
+            await eventually(ends_with(admin_js, f"quarter-{i}", "JobStarted"), timeout_s=20)
+        why = await eventually(lambda: _reason(admin_js, "quarter-4"), timeout_s=20)
+    reserved = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=["gpusched.job.*.quota_reserved"])]
+    assert sorted((e.aggregate_id, e.gpus, e.gpu_milli) for e in reserved) == [
+        (f"quarter-{i}", 1, 250) for i in range(4)]
+    scheduled = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=["gpusched.job.*.scheduled"])]
+    assert {(p.node, p.gpu_indices, p.gpu_milli) for e in scheduled for p in e.placement} == {("l4-0", (0,), 250)}
+    assert why.message == "queue shared nominal l4 1, used 1; needs 0.25 more; no cohort to borrow from"
+
+
+async def _reason(js, job_id):
+    found = [parse_event(m.data) async for m in eventlog.read(js, subjects=[f"gpusched.job.{job_id}.quota_pending"])]
+    return found[-1] if found else None

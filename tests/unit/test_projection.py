@@ -79,7 +79,7 @@ CASES = [
                                   Op("attempt_queued", ("j1", 1, at(2), SEQ))]),
     (reserved("j1", flavor="h100", attempt=2, when=at(3)),
      [Op("set_state:attempt,flavor,message,reason,reserved_at", ("j1", "reserved", SEQ, 2, "h100", None, None, at(3))),
-      Op("reservation", ("j1", 2, "research", "h100", 1, 0, at(3), SEQ))]),
+      Op("reservation", ("j1", 2, "research", "h100", 1, 0, None, None, at(3), SEQ))]),
     (pending_reason("j1", message="queue q nominal a100 8, used 8"),
      [Op("wait_reason", ("j1", "nominal-exhausted", "queue q nominal a100 8, used 8", SEQ))]),
     (scheduled("j1", {"n1": (0,), "n2": (1,)}, flavor="a100", when=at(4)),

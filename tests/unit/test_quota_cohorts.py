@@ -117,7 +117,7 @@ def test_weights_rank_queues_in_weighted_units():
     core = QuotaCore()
     a = cq("a", "c", h100=(4, None, None, 4.0), l4=(4, None, None, 1.0))
     core.evolve(a)
-    used = {("a", "h100"): 2}
+    used = {("a", "h100"): 2000}  # thousandths of a GPU
     assert core.share(a, used) == pytest.approx(2 * 4.0 / (4 * 4.0 + 4 * 1.0))
 
 

@@ -79,7 +79,7 @@ def test_reservation_within_nominal():
         "j1", "research", "a100", 4, 1, 0)
     assert event.occurred_at == at(2)
     assert event.causation_id == sub[0].event_id
-    assert h.core.state.used == {("research", "a100"): 4}
+    assert h.core.state.used == {("research", "a100"): 4000}
 
 
 def test_gang_reserves_gpus_times_gang_size():
@@ -101,7 +101,7 @@ def test_job_exceeding_remaining_nominal_waits_until_release():
     assert (rel.aggregate_id, rel.gpus, rel.flavor, rel.attempt, rel.reason) == ("j1", 6, "a100", 1, "JobSucceeded")
     assert rel.occurred_at == at(200)
     assert (res.aggregate_id, res.gpus) == ("j2", 4)
-    assert h.core.state.used == {("research", "a100"): 4}
+    assert h.core.state.used == {("research", "a100"): 4000}
 
 
 def test_zero_nominal_admits_only_cpu_jobs():
@@ -143,7 +143,7 @@ def test_strict_fifo_blocks_behind_a_head_that_does_not_fit(strict, expected):
     # when the head fits it goes first, and in the strict queue the small one follows
     out = h.feed(succeeded("running", when=at(10)), now=at(10))
     assert reserved_ids(out) == (["big"] if strict else [])
-    assert h.core.state.used[("research", "a100")] == (8 if strict else 2)
+    assert h.core.state.used[("research", "a100")] == (8000 if strict else 2000)
 
 
 def test_cancelling_the_blocked_head_of_a_strict_fifo_queue_unblocks_it():
@@ -314,7 +314,7 @@ def test_failure_classification(reason, retryable, retry, attempts_failed_before
     assert out[0].attempt == attempt
     # a finished job, its quota given back, leaves the state; a retried one waits in it
     assert ("j1" in h.core.state.jobs) is expect_retry
-    assert h.core.state.used == {("research", "a100"): 2 if expect_retry else 0}
+    assert h.core.state.used == {("research", "a100"): 2000 if expect_retry else 0}
     assert h.tick(at(now + 1000)) == []
 
 
@@ -325,7 +325,7 @@ def test_failure_of_a_stale_attempt_is_ignored():
     assert h.core.state.jobs["j1"].attempt == 2
     assert h.feed(failed("j1", FailureReason.NODE_LOST, attempt=1, when=at(2), message="again"), now=at(2)) == []
     assert h.feed(succeeded("j1", attempt=1, when=at(3)), now=at(3)) == []
-    assert h.core.state.used == {("research", "a100"): 2}
+    assert h.core.state.used == {("research", "a100"): 2000}
 
 
 def test_preemption_requeues_without_using_an_attempt():
@@ -436,7 +436,7 @@ def run_scenario(queues, jobs, steps):
                 held[(e.queue, e.flavor)] -= e.gpus
         for key, gpus in held.items():
             assert 0 <= gpus <= nominal[key], (key, gpus, nominal[key])
-        assert {k: v for k, v in core.state.used.items() if v} == {k: v for k, v in held.items() if v}
+        assert {k: v for k, v in core.state.used.items() if v} == {k: v * 1000 for k, v in held.items() if v}
         return live
 
     live = step(*queues)

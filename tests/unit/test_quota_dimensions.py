@@ -1,7 +1,8 @@
 """Quota dimensions beyond GPUs per flavor: a queue's weighted limit (Σ GPUs held × the flavor's
-weight) and its per-priority-class limits (floor(max_share × nominal) per flavor), borrowed GPUs
-counted in both — table-driven cases of fits and waits at the boundary, the explanations, and
-that a job refused by them holds nobody back."""
+weight) and its per-priority-class limits (max_share × nominal per flavor), borrowed GPUs counted
+in both — table-driven cases of fits and waits at the boundary, the explanations, and that a job
+refused by them holds nobody back; and fractions of a GPU (gpu_milli), which every dimension
+counts in thousandths."""
 
 from __future__ import annotations
 
@@ -156,9 +157,10 @@ def test_class_limits(config, batches, expect_reserved, expect_waits):
     assert waits(log) == expect_waits
 
 
-@pytest.mark.parametrize("share, nominal, cap", [(0.25, 8, 2), (0.25, 7, 1), (0.29, 100, 29), (0.1, 30, 3),
-                                                (1.0, 5, 5), (0.3, 3, 0), (0.7, 10, 7)])
-def test_class_cap_is_the_floor_of_share_times_nominal(share, nominal, cap):
+@pytest.mark.parametrize("share, nominal, cap", [(0.25, 8, 2000), (0.25, 7, 1750), (0.29, 100, 29000),
+                                                (0.1, 30, 3000), (1.0, 5, 5000), (0.3, 3, 900), (0.7, 10, 7000),
+                                                (0.0003, 1, 0)])
+def test_class_cap_is_share_times_nominal_in_thousandths(share, nominal, cap):
     assert class_cap(share, nominal) == cap
 
 
@@ -201,7 +203,7 @@ def test_a_release_reopens_the_class_limit():
     done = T0 + timedelta(seconds=10)
     drive(core, [succeeded("e1", started_at=T0, when=done)], done, log=log)
     assert reserved(log)["e2"] == ("a100", 2)
-    assert core.state.class_used == {("q", "experiment", "a100"): 2}
+    assert core.state.class_used == {("q", "experiment", "a100"): 2000}
 
 
 def test_a_lowered_limit_holds_new_jobs_and_leaves_holders_alone():
@@ -217,9 +219,66 @@ def test_the_class_usage_travels_in_a_snapshot():
     core, log = run([q(classes={"experiment": 0.25}, a100=8)], [job("e1", 2, cls="experiment")])
     restored = QuotaCore()
     restored.restore_state(pickle.loads(pickle.dumps(core.snapshot_state())))
-    assert restored.state.class_used == {("q", "experiment", "a100"): 2}
+    assert restored.state.class_used == {("q", "experiment", "a100"): 2000}
     later = T0 + timedelta(seconds=5)
     assert drive(restored, job("e2", 1, cls="experiment", at_s=5), later, log=log)[-1].reason.value == "class-limit"
+
+
+# -- fractions of a GPU ---------------------------------------------------------------------------
+
+
+def quarter(job_id: str, **fields):
+    return job(job_id, 1, gpu_milli=250, gpu_flavors=["l4"], **fields)
+
+
+def test_four_quarter_gpu_jobs_take_one_gpu_of_quota():
+    core, log = run([q(l4=1)], [quarter(f"f{i}", at_s=i) for i in range(5)])
+    held = {e.aggregate_id: (e.gpus, e.gpu_milli, e.borrowed, e.borrowed_milli)
+            for e in log.events if isinstance(e, QuotaReserved)}
+    assert held == {f"f{i}": (1, 250, 0, 0) for i in range(4)}
+    assert waits(log) == {"f4": ("nominal-exhausted", "queue q nominal l4 1, used 1; needs 0.25 more; "
+                                                      "no cohort to borrow from")}
+    assert core.state.used == {("q", "l4"): 1000}
+    done = T0 + timedelta(seconds=10)
+    drive(core, [succeeded("f0", started_at=T0, when=done)], done, log=log)
+    assert "f4" in reserved(log) and core.state.used == {("q", "l4"): 1000}
+
+
+def test_whole_gpu_jobs_get_what_fractions_leave():
+    _, log = run([q(l4=2)], [quarter(f"f{i}", at_s=i) for i in range(3)],
+                 [job("two", 2, gpu_flavors=["l4"]), job("one", 1, gpu_flavors=["l4"], at_s=1)])
+    assert set(reserved(log)) == {"f0", "f1", "f2", "one"}
+    assert waits(log)["two"][1].startswith("queue q nominal l4 2, used 1.75; needs 2 more")
+
+
+def test_a_whole_gpu_job_borrows_a_fraction_and_a_fractional_job_borrows_its_share():
+    _, log = run([cohort("c"), q("a", cohort="c", l4=1), q("b", cohort="c", l4=2)],
+                 [quarter("f1", queue="a"), job("w", 1, queue="a", gpu_flavors=["l4"], at_s=1)],
+                 [quarter("f2", queue="a")])
+    got = {e.aggregate_id: e for e in log.events if isinstance(e, QuotaReserved)}
+    assert (got["f1"].milli_held, got["f1"].milli_borrowed) == (250, 0)
+    assert (got["w"].gpus, got["w"].gpu_milli, got["w"].borrowed, got["w"].borrowed_milli) == (1, None, 1, 250)
+    assert (got["f2"].milli_held, got["f2"].milli_borrowed, got["f2"].borrowed) == (250, 250, 1)
+
+
+def test_a_class_limit_counts_fractions():
+    # 0.3 × 3 GPUs: 0.9 of a GPU for experiments; three quarters fit, a fourth would hold 1
+    _, log = run([q(classes={"experiment": 0.3}, l4=3)], [quarter(f"e{i}", cls="experiment", at_s=i) for i in range(4)])
+    assert set(reserved(log)) == {"e0", "e1", "e2"}
+    assert waits(log)["e3"] == ("class-limit", "priority class experiment holds 0.75 l4 in queue q; needs 0.25: "
+                                               "would hold 1, above its class limit 0.9 (0.3 × nominal 3)")
+
+
+def test_a_reservation_written_before_fractions_were_counted_holds_a_whole_gpu():
+    """Logs written before hold fractional jobs' reservations as whole GPUs (no gpu_milli); a
+    replay keeps them so: history is not rewritten."""
+    core, log = run([q(l4=1)], [quarter("new")])
+    old = core.state.jobs["new"].reserved.model_copy(update={"gpu_milli": None, "borrowed_milli": None})
+    assert old.milli_held == 1000
+    fresh = QuotaCore()
+    for e in log.events:
+        fresh.evolve(old if isinstance(e, QuotaReserved) else e)
+    assert fresh.state.used == {("q", "l4"): 1000}
 
 
 # -- the contract --------------------------------------------------------------------------------

@@ -44,8 +44,8 @@ _DIRECT: dict[str, tuple[str, tuple[str, ...], tuple[int, ...]]] = {
     "job_submitted": ("jobs", JOB_INSERT_COLUMNS, (0,)),
     "attempt_queued": ("attempts", ("job_id", "attempt", "queued_at", "sequence"), (0, 1)),
     "checkpoint": ("checkpoints", ("job_id", "attempt", "checkpointed_at", "sequence"), (0, 1, 3)),
-    "reservation": ("reservations", ("job_id", "attempt", "queue", "flavor", "gpus", "borrowed", "reserved_at",
-                                     "sequence", "released_at"), (0, 1)),
+    "reservation": ("reservations", ("job_id", "attempt", "queue", "flavor", "gpus", "borrowed", "gpu_milli",
+                                     "borrowed_milli", "reserved_at", "sequence", "released_at"), (0, 1)),
     "usage": ("usage_ledger", USAGE_COLUMNS, (0, 1)),
 }
 
