@@ -28,14 +28,23 @@ from pydantic import BaseModel
 
 from gpusched.api import bus
 from runtime.settings import Settings
-from schemas.commands import INTAKE_VERBS, CancelJob, ReportCheckpoint, SubmitJob
+from schemas.commands import (
+    INTAKE_VERBS,
+    CancelJob,
+    DeleteService,
+    DeployService,
+    ReportCheckpoint,
+    ScaleService,
+    SubmitJob,
+)
 from schemas.export import ContractSchema, write_or_check
 from schemas.registry import ALL_EVENT_TYPES, PRODUCERS, SUBJECT_PREFIX, subject_suffix
 from schemas.tenant import JobNotification, NotificationDelivery
 
 OUT = Path(__file__).resolve().parents[1] / "schemas" / "asyncapi.json"
 P = SUBJECT_PREFIX
-COMMANDS: dict[str, type[BaseModel]] = {"submit": SubmitJob, "cancel": CancelJob, "checkpoint": ReportCheckpoint}
+COMMANDS: dict[str, type[BaseModel]] = {"submit": SubmitJob, "cancel": CancelJob, "checkpoint": ReportCheckpoint,
+                                        "deploy": DeployService, "scale": ScaleService, "delete": DeleteService}
 PARAMETERS = {
     "team": "A team name (a DNS label); a tenant credential may use only its own",
     "user": "A user of the team (a DNS label): the credential `<team>.<user>`, or the API's authenticated caller",
@@ -50,7 +59,8 @@ PARAMETERS = {
     "service": "The service that dead-lettered the message",
 }
 AGGREGATE_PARAMETER = {"job": "job_id", "queue": "name", "cohort": "name", "node": "node", "pricebook": "name",
-                       "statement": "statement_id", "team": "name", "token": "token_id", "policy": "policy_id"}
+                       "statement": "statement_id", "team": "name", "token": "token_id", "policy": "policy_id",
+                       "service": "name"}
 
 
 def _header(description: str, example: str | None = None) -> dict[str, Any]:

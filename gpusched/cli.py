@@ -21,7 +21,7 @@ from rich.text import Text
 from rich.table import Table
 
 from gpusched import (accounting_cli, commands, history, log_cli, permissions, pricebook, queueconfig, quota_usage,
-                      token_cli, userinput, whatif_cli)
+                      service_cli, token_cli, userinput, whatif_cli)
 from gpusched.connection import Connection
 from gpusched.userinput import UserError
 from runtime import eventlog, observability
@@ -398,6 +398,8 @@ accounting_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_j
                         output_enum=Output, console=console, err_console=err_console)
 token_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, guarded=guarded,
                    output_option=OutputOpt, output_enum=Output)
+service_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, guarded=guarded,
+                     output_option=OutputOpt, output_enum=Output, on_behalf_option=OnBehalfOpt)
 log_cli.register(app, emit=emit, run=run, with_js=with_js, guarded=guarded, output_option=OutputOpt, output_enum=Output,
                  console=console, err_console=err_console)
 whatif_cli.register(app, run=run, with_js=with_js, guarded=guarded, output_option=OutputOpt, output_enum=Output,

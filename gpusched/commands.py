@@ -21,7 +21,18 @@ from gpusched.userinput import UserError, checked, first_error, read_document
 from runtime import eventlog, observability
 from schemas import (CancelJob, Event, JobAdmitted, JobCancelled, JobCancelRequested, JobCheckpointed, JobRejected,
                      JobSubmitted, JobSucceeded, ReportCheckpoint, SubmitJob, parse_event)
-from schemas.commands import OPERATOR, MalformedCommand, Principal, job_id_for_key, load_command, parse_command
+from schemas.commands import (
+    OPERATOR,
+    DeleteService,
+    DeployService,
+    MalformedCommand,
+    Principal,
+    ScaleService,
+    job_id_for_key,
+    load_command,
+    parse_command,
+)
+from schemas.service import ServiceDeployed, ServiceSpec, ServiceUpdated
 from schemas.job import rejection_id
 from schemas.registry import SUBJECT_PREFIX
 
@@ -88,7 +99,7 @@ def default_on_behalf_of() -> str:
     return os.environ.get("USER") or "cli"
 
 
-async def publish_command(js: JetStreamContext, team: str, verb: str, command: SubmitJob | CancelJob | ReportCheckpoint,
+async def publish_command(js: JetStreamContext, team: str, verb: str, command: BaseModel,
                           headers: dict[str, str] | None = None, on_behalf_of: str | None = None) -> int:
     """Publish ``command`` on the intake subject of the connection's credential (:func:`sender`).
     As the operator it names the user it acts for: ``on_behalf_of``, the command's own, or
@@ -178,13 +189,16 @@ class CheckpointAnswers:
         return None
 
 
-async def wait_for_answer(js: JetStreamContext, job_ids: list[str], intake_seq: int, answers,
+def job_subjects(*job_ids: str) -> list[str]:
+    return [f"{SUBJECT_PREFIX}.job.{j}.>" for j in job_ids]
+
+
+async def wait_for_answer(js: JetStreamContext, subjects: list[str], intake_seq: int, answers,
                           timeout_s: float = WAIT_S) -> Answer | None:
-    """The first answer to the command at ``intake_seq``: an event on the jobs' subjects that
-    ``answers`` accepts, or the intake's dead-letter record for that sequence; None after
-    ``timeout_s``. Two following readers (the jobs' subjects, the intake's dead letters), each
-    from the first message, so an answer written before they start is found too."""
-    subjects = [f"{SUBJECT_PREFIX}.job.{j}.>" for j in job_ids]
+    """The first answer to the command at ``intake_seq``: an event on ``subjects`` (a job's, a
+    service's) that ``answers`` accepts, or the intake's dead-letter record for that sequence;
+    None after ``timeout_s``. Two following readers (the subjects, the intake's dead letters),
+    each from the first message, so an answer written before they start is found too."""
     readers = [asyncio.create_task(_follow_events(js, subjects, answers)),
                asyncio.create_task(_follow_dead_letters(js, intake_seq))]
     try:
@@ -225,14 +239,14 @@ async def _follow_dead_letters(js: JetStreamContext, intake_seq: int) -> Answer:
 async def wait_for_decision(js: JetStreamContext, job_id: str, intake_seq: int,
                             timeout_s: float = WAIT_S) -> Answer | None:
     """The answer to the SubmitJob at ``intake_seq`` (see :class:`SubmitAnswers`), or its dead letter."""
-    return await wait_for_answer(js, [job_id, rejection_id(intake_seq)], intake_seq, SubmitAnswers(intake_seq),
+    return await wait_for_answer(js, job_subjects(job_id, rejection_id(intake_seq)), intake_seq, SubmitAnswers(intake_seq),
                                  timeout_s)
 
 
 async def wait_for_cancel(js: JetStreamContext, job_id: str, intake_seq: int,
                           timeout_s: float = WAIT_S) -> Answer | None:
     """The answer to the CancelJob at ``intake_seq`` (see :class:`CancelAnswers`), or its dead letter."""
-    return await wait_for_answer(js, [job_id], intake_seq, CancelAnswers(), timeout_s)
+    return await wait_for_answer(js, job_subjects(job_id), intake_seq, CancelAnswers(), timeout_s)
 
 
 def refused(what: str, answer: Answer | None, job_id: str, intake_seq: int, timeout_s: float = WAIT_S) -> None:
@@ -271,6 +285,73 @@ async def wait_for_checkpoint(js: JetStreamContext, job_id: str, intake_seq: int
                               timeout_s: float = WAIT_S) -> JobCheckpointed:
     """The JobCheckpointed admission recorded for the report at ``intake_seq``; UserError with
     admission's reason when it dead-lettered the report instead, or when neither came in time."""
-    answer = await wait_for_answer(js, [job_id], intake_seq, CheckpointAnswers(intake_seq), timeout_s)
+    answer = await wait_for_answer(js, job_subjects(job_id), intake_seq, CheckpointAnswers(intake_seq), timeout_s)
     refused("checkpoint report", answer, job_id, intake_seq, timeout_s)
     return answer.event
+
+
+# -- inference services (docs/serving.md) ----------------------------------------------------------
+
+
+def deploy_command_from_file(path: Path) -> DeployService:
+    """A service file is a DeployService (with ``spec:``) or a bare service spec, checked as
+    admission checks the command; UserError names the file and the field."""
+    raw = read_document(path)
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: (root): expected a mapping with the service spec, got {type(raw).__name__}")
+    if "spec" not in raw:
+        raw = {"spec": raw}
+    return checked(lambda: parse_command(DeployService, _as_command(raw, path)), path)
+
+
+class ServiceAnswers:
+    """The event admission recorded for the service command at ``intake_seq``. A deploy of the
+    spec the service already has records nothing: ``unchanged`` is that spec, and the service's
+    latest deploy or update with it answers once nothing else came."""
+
+    def __init__(self, intake_seq: int, unchanged: ServiceSpec | None = None) -> None:
+        self.intake_seq, self.unchanged = intake_seq, unchanged
+        self.latest: tuple[Event, float] | None = None
+
+    def take(self, event: Event, now: float) -> Answer | None:
+        if getattr(event, "intake_sequence", None) == self.intake_seq:
+            return Answer(event)
+        if isinstance(event, (ServiceDeployed, ServiceUpdated)):
+            self.latest = (event, now)
+        return None
+
+    def quiet(self, now: float) -> Answer | None:
+        if (self.unchanged is not None and self.latest is not None and self.latest[0].spec == self.unchanged
+                and now - self.latest[1] >= REPEAT_SETTLE_S):
+            return Answer(self.latest[0], repeat=True)
+        return None
+
+
+async def service_command(js: JetStreamContext, team: str, verb: str, command: BaseModel, service: str,
+                          on_behalf_of: str | None = None, timeout_s: float = WAIT_S) -> Answer:
+    """Publish a service command and wait for admission's answer; UserError when it refuses
+    the command (with its reason) or does not answer in time."""
+    seq = await publish_command(js, team, verb, command, on_behalf_of=on_behalf_of)
+    unchanged = command.spec if isinstance(command, DeployService) else None
+    answer = await wait_for_answer(js, [f"{SUBJECT_PREFIX}.service.{service}.>"], seq,
+                                   ServiceAnswers(seq, unchanged), timeout_s)
+    if answer is None:
+        raise UserError(f"no answer to the {verb} of service {service} (intake sequence {seq}) within "
+                        f"{timeout_s:.0f} s; see `gpusched dlq`")
+    if answer.dead_letter is not None:
+        raise UserError(f"the platform refused the {verb} of service {service}: {answer.dead_letter}")
+    return answer
+
+
+def scale_command(service: str, replicas: int) -> ScaleService:
+    try:
+        return ScaleService(service=service, replicas=replicas)
+    except ValidationError as err:
+        raise UserError(first_error(err, "scale")) from None
+
+
+def delete_command(service: str) -> DeleteService:
+    try:
+        return DeleteService(service=service)
+    except ValidationError as err:
+        raise UserError(first_error(err, "delete-service")) from None

@@ -79,20 +79,24 @@ def demo_workload(n: int, seed: int = 7) -> list[tuple[float, SubmitJob]]:
 
 
 async def _submit_demo(js, workload, stop: asyncio.Event) -> None:
+    # the example inference service, once (a second run's deploy of the same spec records nothing)
+    deploy = commands.deploy_command_from_file(example("service.yaml"))
+    await _publish_until_stored(js, deploy.model_copy(update={"on_behalf_of": "team-product-bot"}), stop,
+                                team=deploy.spec.team, verb="deploy", msg_id="demo-deploy:chat")
     for delay, command in workload:
         if stop.is_set():
             return
         await asyncio.sleep(delay)
-        await _publish_until_stored(js, command, stop)
+        await _publish_until_stored(js, command, stop, team=command.spec.team, verb="submit",
+                                    msg_id=f"demo-submit:{command.job_id}")
 
 
-async def _publish_until_stored(js, command: SubmitJob, stop: asyncio.Event) -> None:
+async def _publish_until_stored(js, command, stop: asyncio.Event, *, team: str, verb: str, msg_id: str) -> None:
     """Publish, again while NATS is away; the message id makes a repeat of a stored one a no-op."""
     failures = 0
     while not stop.is_set():
         try:
-            await commands.publish_command(js, command.spec.team, "submit", command,
-                                           headers={"Nats-Msg-Id": f"demo-submit:{command.job_id}"})
+            await commands.publish_command(js, team, verb, command, headers={"Nats-Msg-Id": msg_id})
             return
         except eventlog.BROKER_ERRORS:
             failures += 1
@@ -257,7 +261,7 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     try:
         console.print(f"NATS {admin.nats_url}   Postgres {dsn}   logs {data_dir / 'logs'}")
         console.print("metrics: " + "  ".join(f"{n} :{p}" for n, p in metrics_ports.items()))
-        console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage   "
+        console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage | services [chat]   "
                       "(reads .data/run/connection.json; from elsewhere ~/.local/state/gpusched/)")
         console.print(f"[bold]console {api_url}/console[/bold]   API {api_url}/docs   demo token "
                       f"({TEAMS[0]} member 'demo'): [bold]{api_tokens['demo']}[/bold]   operator token in "

@@ -5,7 +5,7 @@ Roles (docs/events.md, "Credentials and permissions"):
 - **admin**: everything; provisions, deletes and repairs streams (`gpusched init`). Nothing runs as admin.
 - **operator** (the CLI): configuration events, commands on behalf of a user of any team (the
   operator intake subject, with ``on_behalf_of``), and reading every stream through its own readers.
-- **service** (admission, quota, scheduler, executor, accounting, notifier): publishes only the
+- **service** (admission, quota, scheduler, executor, accounting, notifier, serving): publishes only the
   event types it produces and its own dead letters; creates, reads and deletes only its own durables
   and readers; admission, quota and scheduler also write and read their own snapshot bucket.
 - **api** (the HTTP API, gpusched.api): commands of any team's users and the operator's, each
@@ -38,7 +38,7 @@ from schemas.registry import SUBJECT_PREFIX, producer_subjects, subject_suffix
 P = SUBJECT_PREFIX
 API = "$JS.API"
 
-SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifier")
+SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifier", "serving")
 """Every service credential; gpusched.devstack starts the ones deploy/Procfile lists."""
 
 DURABLES: dict[str, dict[str, list[str]]] = {
@@ -48,12 +48,14 @@ DURABLES: dict[str, dict[str, list[str]]] = {
     "executor": {EVENTS_STREAM: ["executor"]},
     "accounting": {},
     "notifier": {EVENTS_STREAM: ["notifier"]},
+    "serving": {EVENTS_STREAM: ["serving"]},
 }
 """Service -> stream -> the durable consumers it owns there."""
 
 READS: dict[str, list[str]] = {
     "admission": [EVENTS_STREAM], "quota": [EVENTS_STREAM], "scheduler": [EVENTS_STREAM],
     "executor": [EVENTS_STREAM], "accounting": [EVENTS_STREAM], "notifier": [EVENTS_STREAM],
+    "serving": [EVENTS_STREAM],
 }
 """Service -> the streams it reads with ephemeral readers (runtime.eventlog.read_batches)."""
 

@@ -99,6 +99,19 @@ from schemas.node import GpuTelemetry, NodeLost, NodeRegistered, NodeTelemetryRe
 from schemas.notify import NotificationKind, NotifySpec, TeamConfigured, Webhook
 from schemas.priority import DEFAULT_PRIORITY_CLASSES, POLICY_ID, PolicyConfigured, PreemptionRateLimit, PriorityClass
 from schemas.queue import CohortConfigured, FlavorQuota, QueueConfigured, QueueDeleted
+from schemas.service import (
+    ReplicaLost,
+    ReplicaReady,
+    ReplicaRequested,
+    ReplicaRetired,
+    ReplicaScheduled,
+    ScaledTo,
+    ScaleRequested,
+    ServiceDeleted,
+    ServiceDeployed,
+    ServiceSpec,
+    ServiceUpdated,
+)
 from schemas.registry import (
     ALL_EVENT_TYPES,
     PRODUCERS,

@@ -12,6 +12,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from schemas.envelope import NAME_PATTERN, Contract, Timestamp
 from schemas.job import JobSpec
+from schemas.service import REPLICA_PREFIX, MAX_REPLICAS, ServiceName, ServiceSpec
 
 MAX_COMMAND_BYTES = 64 * 1024
 """Admission rejects larger commands (PAYLOAD_TOO_LARGE); the intake stream refuses > 1 MiB."""
@@ -23,7 +24,8 @@ RESERVED_JOB_ID_PREFIX = "rejected-"
 """Aggregate ids of rejections filed by intake sequence (schemas.job.rejection_id)."""
 
 
-INTAKE_VERBS = ("submit", "cancel", "checkpoint")
+INTAKE_VERBS = ("submit", "cancel", "checkpoint", "deploy", "scale", "delete")
+"""submit, cancel, checkpoint: jobs; deploy, scale, delete: inference services (schemas.service)."""
 OPERATOR = "operator"
 """The user name of the operator credential, recorded as the submitter of what it sends."""
 
@@ -111,6 +113,8 @@ class SubmitJob(_Identified):
     def _not_reserved(cls, value: str | None) -> str | None:
         if value is not None and value.startswith(RESERVED_JOB_ID_PREFIX):
             raise ValueError(f"job ids starting with {RESERVED_JOB_ID_PREFIX!r} are reserved for rejections")
+        if value is not None and value.startswith(REPLICA_PREFIX):
+            raise ValueError(f"job ids starting with {REPLICA_PREFIX!r} are reserved for the replicas of services")
         return value
 
 
@@ -142,11 +146,31 @@ class ReportCheckpoint(_Identified):
     )
 
 
-def identity_problem(command: SubmitJob | CancelJob | ReportCheckpoint, principal: Principal) -> tuple[str, str] | None:
+class DeployService(_Identified):
+    """Published to a ``deploy`` intake subject of the service's team: a new service, or a new
+    spec for one of the team's (a changed replica template rolls out)."""
+
+    spec: ServiceSpec
+
+
+class ScaleService(_Identified):
+    """Published to a ``scale`` intake subject of the service's team."""
+
+    service: ServiceName
+    replicas: int = Field(ge=0, le=MAX_REPLICAS)
+
+
+class DeleteService(_Identified):
+    """Published to a ``delete`` intake subject of the service's team: its replicas are retired."""
+
+    service: ServiceName
+
+
+def identity_problem(command: Contract, principal: Principal) -> tuple[str, str] | None:
     """(field, message) when the document contradicts who sent it: it names another user than
     the authenticated one, or an operator command lacks ``on_behalf_of``, or another sender gives one."""
-    claimed_field = {SubmitJob: "submitter", CancelJob: "requested_by", ReportCheckpoint: "reported_by"}[type(command)]
-    claimed = getattr(command, claimed_field)
+    claimed_field = {SubmitJob: "submitter", CancelJob: "requested_by", ReportCheckpoint: "reported_by"}.get(type(command))
+    claimed = getattr(command, claimed_field) if claimed_field else None
     if claimed is not None and claimed != principal.user:
         return claimed_field, (
             f"{claimed_field} {claimed!r} is not the sender: this intake subject authenticates {principal.user!r}; "

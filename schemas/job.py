@@ -245,7 +245,10 @@ class JobSubmitted(_JobEvent):
         default=None, min_length=1, max_length=253,
         description="The user an operator submitted for (operator intake subject only); null otherwise",
     )
-    intake_sequence: int = Field(ge=1, description="Stream sequence of the SubmitJob command")
+    intake_sequence: int | None = Field(
+        default=None, ge=1,
+        description="Stream sequence of the SubmitJob command; null for a job no command submitted: a service's "
+                    "replica, which admission submits for the service's ReplicaRequested (docs/serving.md)")
 
 
 class JobAdmitted(_JobEvent):

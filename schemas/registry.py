@@ -35,6 +35,18 @@ from schemas.node import NodeLost, NodeRegistered, NodeTelemetryReported, NodeUp
 from schemas.notify import TeamConfigured
 from schemas.priority import PolicyConfigured
 from schemas.queue import CohortConfigured, QueueConfigured, QueueDeleted
+from schemas.service import (
+    ReplicaLost,
+    ReplicaReady,
+    ReplicaRequested,
+    ReplicaRetired,
+    ReplicaScheduled,
+    ScaledTo,
+    ScaleRequested,
+    ServiceDeleted,
+    ServiceDeployed,
+    ServiceUpdated,
+)
 
 SUBJECT_PREFIX = "gpusched"
 
@@ -73,6 +85,16 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     ChargebackStatementIssued: ("accounting", "issued"),
     ApiTokenIssued: ("admin", "issued"),
     ApiTokenRevoked: ("admin", "revoked"),
+    ServiceDeployed: ("admission", "deployed"),
+    ServiceUpdated: ("admission", "updated"),
+    ScaleRequested: ("admission", "scale_requested"),
+    ServiceDeleted: ("admission", "deleted"),
+    ScaledTo: ("serving", "scaled"),
+    ReplicaRequested: ("serving", "replica_requested"),
+    ReplicaRetired: ("serving", "replica_retired"),
+    ReplicaScheduled: ("serving", "replica_scheduled"),
+    ReplicaReady: ("serving", "replica_ready"),
+    ReplicaLost: ("serving", "replica_lost"),
 }
 
 ALL_EVENT_TYPES: tuple[type[Event], ...] = tuple(_TABLE)

@@ -36,6 +36,16 @@ from schemas import (
     NodeTelemetryReported,
     NodeUpdated,
     PolicyConfigured,
+    ReplicaLost,
+    ReplicaReady,
+    ReplicaRequested,
+    ReplicaRetired,
+    ReplicaScheduled,
+    ScaledTo,
+    ScaleRequested,
+    ServiceDeleted,
+    ServiceDeployed,
+    ServiceUpdated,
     QueueConfigured,
     QueueDeleted,
     QuotaPendingReasonChanged,
@@ -158,6 +168,23 @@ def _policy(e: PolicyConfigured, j: str, t, seq: int) -> list[Op]:
     return [Op("policy", (seq, t, classes, e.preemption.model_dump_json()))]
 
 
+def _service_deployed(e: ServiceDeployed, j: str, t, seq: int) -> list[Op]:
+    s = e.spec
+    return [Op("service_deployed", (j, s.team, s.queue, s.model_dump_json(), e.generation, s.replicas.desired,
+                                    e.deployed_by, t, seq))]
+
+
+def _replica(state: str) -> Callable[..., list[Op]]:
+    """A replica's change: (job, state, attempt, nodes, reason, time, sequence). A lost replica
+    whose job will not run again is ``replaced``."""
+    def convert(e, j: str, t, seq: int) -> list[Op]:
+        nodes = list(e.nodes) if isinstance(e, ReplicaScheduled) else None
+        now = "replaced" if getattr(e, "replaced", False) else state
+        return [Op("replica_state", (e.job_id, now, getattr(e, "attempt", None), nodes, getattr(e, "reason", None),
+                                     t, seq))]
+    return convert
+
+
 def _token(e: ApiTokenIssued, j: str, t, seq: int) -> list[Op]:
     return [Op("api_token", (e.token_id, e.name, e.role.value, e.team, e.token_hash, e.issued_by, t, e.expires_at, seq))]
 
@@ -208,6 +235,18 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     PolicyConfigured: _policy,
     ApiTokenIssued: _token,
     ApiTokenRevoked: lambda e, j, t, seq: [Op("api_token_revoked", (e.token_id, t, e.revoked_by))],
+    ServiceDeployed: _service_deployed,
+    ServiceUpdated: lambda e, j, t, seq: [
+        Op("service_updated", (j, e.spec.model_dump_json(), e.generation, e.spec.replicas.desired, t, seq))],
+    ScaleRequested: lambda e, j, t, seq: [Op("service_scale_requested", (j, e.replicas, e.requested_by, t, seq))],
+    ScaledTo: lambda e, j, t, seq: [Op("service_scaled", (j, e.replicas, seq))],
+    ServiceDeleted: lambda e, j, t, seq: [Op("service_deleted", (j, t, seq))],
+    ReplicaRequested: lambda e, j, t, seq: [
+        Op("replica_requested", (e.job_id, j, e.generation, e.index, e.reason, t, seq))],
+    ReplicaScheduled: _replica("scheduled"),
+    ReplicaReady: _replica("ready"),
+    ReplicaLost: _replica("lost"),
+    ReplicaRetired: _replica("retired"),
 }
 
 

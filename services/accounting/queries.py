@@ -267,3 +267,27 @@ def _cohort_root(cohort: str | None, parents: dict[str, str | None]) -> str | No
         seen.add(cohort)
         cohort = parents[cohort]
     return cohort
+
+
+async def services(conn: asyncpg.Connection, team: str | None = None) -> list[dict[str, Any]]:
+    """Each live service (``team``: only that team's) with its replicas counted by state: ``ready``,
+    ``starting`` (placed, not ready yet), ``pending`` (asked for, or lost and retrying)."""
+    rows = await conn.fetch(
+        """SELECT s.name AS service, s.team, s.queue, s.generation, s.desired, s.requested, s.requested_by,
+                  count(*) FILTER (WHERE r.state = 'ready') AS ready,
+                  count(*) FILTER (WHERE r.state = 'scheduled') AS starting,
+                  count(*) FILTER (WHERE r.state IN ('requested', 'lost')) AS pending,
+                  s.spec->'replicas' AS replicas, s.deployed_by, s.updated_at
+           FROM services s LEFT JOIN service_replicas r ON r.service = s.name
+           WHERE NOT s.deleted AND ($1::text IS NULL OR s.team = $1)
+           GROUP BY s.name ORDER BY s.name""", team)
+    return [{**dict(r), "replicas": json.loads(r["replicas"])} for r in rows]
+
+
+async def service_replicas(conn: asyncpg.Connection, service: str) -> list[dict[str, Any]]:
+    """The service's replicas that have not been retired or replaced, and the last ones that were."""
+    rows = await conn.fetch(
+        """SELECT job_id, generation, replica_index, state, attempt, nodes, reason, requested_at, ready_at, changed_at
+           FROM service_replicas WHERE service = $1
+           ORDER BY state IN ('retired', 'replaced'), generation DESC, replica_index""", service)
+    return [dict(r) for r in rows]

@@ -86,6 +86,33 @@ SQL = {
         INSERT INTO price_books (name, effective_from, currency, gpu_prices, cpu_core_hour, memory_gib_hour,
                                  idle_quota, sequence)
         VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8) ON CONFLICT DO NOTHING""",
+    "service_deployed": """
+        INSERT INTO services (name, team, queue, spec, generation, desired, deployed_by, deployed_at, updated_at,
+                              last_sequence)
+        VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8, $8, $9)
+        ON CONFLICT (name) DO UPDATE SET team = $2, queue = $3, spec = $4::jsonb, generation = $5, desired = $6,
+            requested = NULL, requested_by = NULL, requested_at = NULL, deployed_by = $7, deployed_at = $8,
+            updated_at = $8, deleted = false, last_sequence = $9
+        WHERE services.last_sequence < $9""",
+    "service_updated": """
+        UPDATE services SET spec = $2::jsonb, generation = $3, desired = $4, updated_at = $5, last_sequence = $6
+        WHERE name = $1 AND last_sequence < $6""",
+    "service_scale_requested": """
+        UPDATE services SET requested = $2, requested_by = $3, requested_at = $4, last_sequence = $5
+        WHERE name = $1 AND last_sequence < $5""",
+    "service_scaled": """
+        UPDATE services SET desired = $2, last_sequence = $3 WHERE name = $1 AND last_sequence < $3""",
+    "service_deleted": """
+        UPDATE services SET deleted = true, updated_at = $2, last_sequence = $3 WHERE name = $1 AND last_sequence < $3""",
+    "replica_requested": """
+        INSERT INTO service_replicas (job_id, service, generation, replica_index, state, reason, requested_at,
+                                      changed_at, last_sequence)
+        VALUES ($1, $2, $3, $4, 'requested', $5, $6, $6, $7) ON CONFLICT (job_id) DO NOTHING""",
+    "replica_state": """
+        UPDATE service_replicas SET state = $2, attempt = coalesce($3, attempt), nodes = coalesce($4, nodes),
+            reason = coalesce($5, reason), changed_at = $6,
+            ready_at = CASE WHEN $2 = 'ready' THEN $6 ELSE ready_at END, last_sequence = $7
+        WHERE job_id = $1 AND last_sequence < $7""",
     "policy": """
         INSERT INTO policies (sequence, configured_at, priority_classes, preemption)
         VALUES ($1, $2, $3::jsonb, $4::jsonb) ON CONFLICT (sequence) DO NOTHING""",

@@ -74,6 +74,12 @@ class AdmissionService(DecisionService):
                     events = core.handle_submit(msg.data, sender, seq, now)
                 elif sender.verb == "checkpoint":
                     events = core.handle_checkpoint(msg.data, sender, seq, now)
+                elif sender.verb == "deploy":
+                    events = core.handle_deploy(msg.data, sender, seq, now)
+                elif sender.verb == "scale":
+                    events = core.handle_scale(msg.data, sender, seq, now)
+                elif sender.verb == "delete":
+                    events = core.handle_delete(msg.data, sender, seq, now)
                 else:
                     events = core.handle_cancel(msg.data, sender, now)
             except PoisonCommand as err:

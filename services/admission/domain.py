@@ -4,6 +4,12 @@ ever run? No I/O, no clock.
 Intake commands become events in two steps, so that a crash between them loses nothing:
 ``handle_submit`` turns a raw SubmitJob into JobSubmitted (or a JobRejected when it is malformed);
 ``decide`` then admits or rejects every submitted job that has no decision yet.
+
+Inference services (docs/serving.md): ``handle_deploy``, ``handle_scale`` and ``handle_delete``
+validate the service commands into ServiceDeployed, ServiceUpdated, ScaleRequested and
+ServiceDeleted; ``decide`` also submits the replica jobs the serving controller asks for
+(ReplicaRequested -> JobSubmitted) and cancels the ones it retires (ReplicaRetired ->
+JobCancelRequested). A replica job is then admitted like any other.
 """
 
 from __future__ import annotations
@@ -48,8 +54,18 @@ from schemas.commands import (
     parse_command,
     validate_command,
 )
+from schemas.commands import DeleteService, DeployService, ScaleService
 from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
 from schemas.node import NodeInfo
+from schemas.service import (
+    ReplicaRequested,
+    ReplicaRetired,
+    ScaleRequested,
+    ServiceDeleted,
+    ServiceDeployed,
+    ServiceSpec,
+    ServiceUpdated,
+)
 
 PRODUCER = "admission"
 CHECKPOINT_CLOCK_SKEW = timedelta(seconds=60)
@@ -87,7 +103,7 @@ class JobRecord:
     team: str
     spec: JobSpec | None
     digest: str
-    intake_sequence: int
+    intake_sequence: int | None  # None: a service's replica (no command)
     submitted: JobSubmitted | None
     decided: bool = False
     finished: bool = False
@@ -104,6 +120,22 @@ class AdmissionState:
     keys: dict[tuple[str, str], str] = field(default_factory=dict)  # (team, key) -> job id
     undecided: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
     policy: PolicyBook = field(default_factory=PolicyBook)
+    services: dict[str, ServiceRecord] = field(default_factory=dict)
+    # replica jobs the serving controller asked for and that are not submitted yet; and the ones
+    # it retired whose job is not cancelled yet (job id -> the request)
+    replicas_to_submit: dict[str, ReplicaRequested] = field(default_factory=dict)
+    replicas_to_cancel: dict[str, ReplicaRetired] = field(default_factory=dict)
+
+
+@dataclass
+class ServiceRecord:
+    team: str
+    spec: ServiceSpec
+    generation: int
+    deployed: ServiceDeployed | ServiceUpdated
+    deleted: bool = False
+    scales: int = 0  # ScaleRequested events so far (the next one's key)
+    updates: int = 0  # ServiceUpdated events so far
 
 
 def _field_path(loc: tuple) -> str:
@@ -173,6 +205,28 @@ class AdmissionCore:
             case JobCancelRequested():
                 if (job := s.jobs.get(event.aggregate_id)) is not None:
                     job.cancel_requested = True
+                s.replicas_to_cancel.pop(event.aggregate_id, None)
+            case ServiceDeployed():
+                s.services[event.aggregate_id] = ServiceRecord(event.spec.team, event.spec, event.generation, event)
+            case ServiceUpdated():
+                if (svc := s.services.get(event.aggregate_id)) is not None:
+                    svc.spec, svc.generation, svc.deployed = event.spec, event.generation, event
+                    svc.updates += 1
+            case ScaleRequested():
+                if (svc := s.services.get(event.aggregate_id)) is not None:
+                    svc.scales += 1
+            case ServiceDeleted():
+                if (svc := s.services.get(event.aggregate_id)) is not None:
+                    svc.deleted = True
+            case ReplicaRequested():
+                if event.job_id not in s.jobs:
+                    s.replicas_to_submit[event.job_id] = event
+            case ReplicaRetired():
+                if s.replicas_to_submit.pop(event.job_id, None) is None and (
+                        (job := s.jobs.get(event.job_id)) is not None and not job.finished and not job.cancel_requested):
+                    s.replicas_to_cancel[event.job_id] = event
+        if isinstance(event, JobSubmitted):
+            s.replicas_to_submit.pop(event.aggregate_id, None)
         if (job := s.jobs.get(event.aggregate_id)) is not None and job.finished and job.decided:
             job.spec = job.submitted = None  # an undecided job (cancelled early) still needs them
 
@@ -334,6 +388,61 @@ class AdmissionCore:
             )
         ]
 
+    # -- inference services --------------------------------------------------------------------
+    def handle_deploy(self, raw: bytes, sender: Principal, seq: int, now: datetime) -> list[Event]:
+        """ServiceDeployed for a new service (or one deleted before: a new generation), or
+        ServiceUpdated with the next generation when the spec changed; nothing for the same spec.
+        PoisonCommand when the team may not deploy it: its replica would not be admitted."""
+        command = _parse_service_command(DeployService, raw, sender)
+        spec = command.spec
+        if spec.team != sender.team:
+            raise PoisonCommand(f"DeployService: spec.team {spec.team!r} does not match the intake subject's team "
+                                f"{sender.team!r}; accepted: {sender.team!r}")
+        existing = self.state.services.get(spec.name)
+        if existing is not None and existing.team != sender.team:
+            raise PoisonCommand(f"DeployService: spec.name {spec.name!r} is a service of another team; "
+                                "accepted: a name no other team uses")
+        user = command.on_behalf_of or sender.user
+        if (refused := self._refusal(spec.replica, user, "on_behalf_of" if command.on_behalf_of else "(sender)")):
+            _, message, field_, _ = refused
+            raise PoisonCommand(f"DeployService: its replicas would not be admitted: "
+                                f"{field_.replace('spec.', 'spec.replica.', 1)}: {message}")
+        if existing is None or existing.deleted:
+            generation = 1 if existing is None else existing.generation + 1
+            return [new_event(ServiceDeployed, aggregate_id=spec.name, producer=PRODUCER, occurred_at=now,
+                              key=f"deploy/{generation}", spec=spec, deployed_by=user, generation=generation,
+                              intake_sequence=seq)]
+        if existing.spec == spec:
+            return []  # redelivered, or deployed again unchanged
+        template_changed = existing.spec.replica != spec.replica
+        generation = existing.generation + 1 if template_changed else existing.generation
+        return [new_event(ServiceUpdated, aggregate_id=spec.name, producer=PRODUCER, occurred_at=now,
+                          key=f"update/{existing.generation}/{existing.updates + 1}", cause=existing.deployed, spec=spec,
+                          generation=generation, updated_by=user, intake_sequence=seq)]
+
+    def handle_scale(self, raw: bytes, sender: Principal, seq: int, now: datetime) -> list[Event]:
+        command = _parse_service_command(ScaleService, raw, sender)
+        svc = self._team_service("ScaleService", command.service, sender.team)
+        return [new_event(ScaleRequested, aggregate_id=command.service, producer=PRODUCER, occurred_at=now,
+                          key=f"scale/{svc.generation}/{svc.scales + 1}", cause=svc.deployed, replicas=command.replicas,
+                          by="operator" if sender.operator else "user",
+                          requested_by=command.on_behalf_of or sender.user, intake_sequence=seq)]
+
+    def handle_delete(self, raw: bytes, sender: Principal, seq: int, now: datetime) -> list[Event]:
+        command = _parse_service_command(DeleteService, raw, sender)
+        svc = self._team_service("DeleteService", command.service, sender.team)
+        return [new_event(ServiceDeleted, aggregate_id=command.service, producer=PRODUCER, occurred_at=now,
+                          key=f"delete/{svc.generation}", cause=svc.deployed,
+                          deleted_by=command.on_behalf_of or sender.user, intake_sequence=seq)]
+
+    def _team_service(self, command: str, name: str, team: str) -> ServiceRecord:
+        svc = self.state.services.get(name)
+        if svc is None or svc.deleted:
+            raise PoisonCommand(f"{command}: service {name!r} does not exist")
+        if svc.team != team:
+            raise PoisonCommand(f"{command}: service {name} belongs to team {svc.team!r}, not {team!r}")
+        return svc
+
     # -- decide ------------------------------------------------------------------------------
     def decisions_refused(self) -> None:
         """Undecided jobs stay undecided until their decision is in the log: nothing to do."""
@@ -349,18 +458,41 @@ class AdmissionCore:
         for job_id in list(self.state.undecided):
             job = self.state.jobs[job_id]
             out.append(self._decide_one(job_id, job, now))
+        for job_id, request in self.state.replicas_to_submit.items():
+            out.append(new_event(
+                JobSubmitted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key="replica", cause=request,
+                spec=request.spec, submitter=request.submitter))
+        for job_id, retired in self.state.replicas_to_cancel.items():
+            out.append(new_event(
+                JobCancelRequested, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key="cancel",
+                cause=retired, requested_by="serving", reason=f"replica of service {retired.aggregate_id} retired: "
+                                                              f"{retired.reason}"))
         return out
 
     def _decide_one(self, job_id: str, job: JobRecord, now: datetime) -> Event:
-        spec = job.spec
-        cause = job.submitted
-
-        def reject(reason: RejectReason, message: str, field_: str, accepted=()) -> Event:
+        spec, cause = job.spec, job.submitted
+        user = cause.on_behalf_of or cause.submitter  # the operator acts for on_behalf_of
+        refused = self._refusal(spec, user, "on_behalf_of" if cause.on_behalf_of else "submitter")
+        if refused is not None:
+            reason, message, field_, accepted = refused
             return new_event(
                 JobRejected, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key="decision",
                 cause=cause, reason=reason, message=message, field=field_, accepted=tuple(sorted(accepted)),
                 intake_sequence=job.intake_sequence,
             )
+        pc = self.state.policy.classes[spec.priority_class]
+        return new_event(
+            JobAdmitted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key="decision", cause=cause,
+            queue=spec.queue, priority=pc.value, preemptible=pc.preemptible,
+        )
+
+    def _refusal(self, spec: JobSpec, user: str, user_field: str
+                 ) -> tuple[RejectReason, str, str, tuple[str, ...] | list[str]] | None:
+        """Why this job may not be admitted for ``user`` (reason, message, field, accepted), or
+        None: its queue, team, user, priority class, flavors and whether it could ever run."""
+
+        def reject(reason: RejectReason, message: str, field_: str, accepted=()):
+            return reason, message, field_, tuple(accepted)
 
         queue = self.state.queues.get(spec.queue)
         if queue is None:
@@ -377,13 +509,12 @@ class AdmissionCore:
                 f"{', '.join(queue.allowed_teams) or '(none)'}",
                 "spec.team", queue.allowed_teams,
             )
-        user = job.submitted.on_behalf_of or job.submitted.submitter  # the operator acts for on_behalf_of
         if queue.allowed_users and user not in queue.allowed_users:
             return reject(
                 RejectReason.FORBIDDEN,
                 f"user {user!r} may not submit to queue {queue.name!r}; accepted users: "
                 f"{', '.join(queue.allowed_users)}",
-                "on_behalf_of" if job.submitted.on_behalf_of else "submitter", queue.allowed_users,
+                user_field, queue.allowed_users,
             )
         classes = self.state.policy.classes
         pc = classes.get(spec.priority_class)
@@ -408,10 +539,7 @@ class AdmissionCore:
         if spec.gpus > 0 and (problem := self._unsatisfiable(spec, wanted)):
             field_, message = problem
             return reject(RejectReason.UNSATISFIABLE, message, field_)
-        return new_event(
-            JobAdmitted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key="decision", cause=cause,
-            queue=queue.name, priority=pc.value, preemptible=pc.preemptible,
-        )
+        return None
 
     def _unsatisfiable(self, spec: JobSpec, flavors: tuple[str, ...]) -> tuple[str, str] | None:
         """Resource sanity against the inventory: could any known node shape ever host one gang
@@ -469,3 +597,16 @@ class AdmissionCore:
         models = sorted({n.gpu_product for n in nodes if n.gpu_product})
         return (f"{flavor}: {max(n.gpu_count for n in nodes)} GPUs, {memory} MiB each, features {features}, "
                 f"models {models}")
+
+
+def _parse_service_command(model, raw: bytes, sender: Principal):
+    """A service command in strict mode, or PoisonCommand naming the field and what is accepted."""
+    try:
+        command = parse_command(model, raw)
+    except MalformedCommand as err:
+        raise PoisonCommand(f"invalid {model.__name__}: {err.message}") from None
+    except ValidationError as err:
+        raise PoisonCommand(f"invalid {model.__name__}: {_validation_message(err)[1]}") from None
+    if (problem := identity_problem(command, sender)) is not None:
+        raise PoisonCommand(f"{model.__name__}: {problem[1]}")
+    return command

@@ -14,7 +14,8 @@ Annotations a job can carry to rehearse failures:
 * ``sim.gpusched.io/fail-attempts``: only the first N attempts fail (default: all of them);
 * ``sim.gpusched.io/failure-reason``: a :class:`FailureReason` (default ``exit-code``).
 
-A malformed value counts as absent.
+A malformed value counts as absent. A service's replica (annotated ``gpusched.io/service``, with
+no expected runtime) runs until it is stopped: scaled down, preempted or its node lost.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from datetime import datetime, timedelta
 
 from schemas import Event, FailureReason, JobSpec
 from schemas.node import NodeInfo
+from schemas.service import SERVICE_ANNOTATION
 from services.executor.lifecycle import BackendCore, Observation, Phase, Plan, TelemetryReport, reconcile
 
 DEFAULT_RUNTIME_S = 60.0
+SERVICE_RUNTIME_S = 10 * 365 * 86_400.0
+"""A replica of a service runs this long unless stopped: for as long as the platform runs."""
 ANN_EXIT = "sim.gpusched.io/exit-code"
 ANN_FAIL_ATTEMPTS = "sim.gpusched.io/fail-attempts"
 ANN_REASON = "sim.gpusched.io/failure-reason"
@@ -37,7 +41,8 @@ NOT_IN_SPEC = "not in the cluster spec"
 
 def planned_outcome(spec: JobSpec, attempt: int) -> tuple[float, FailureReason | None, int]:
     """(runtime seconds, failure reason or None, exit code) of one attempt."""
-    runtime = spec.expected_runtime_seconds or DEFAULT_RUNTIME_S
+    default = SERVICE_RUNTIME_S if SERVICE_ANNOTATION in spec.annotations else DEFAULT_RUNTIME_S
+    runtime = spec.expected_runtime_seconds or default
     if spec.max_runtime_seconds is not None and runtime > spec.max_runtime_seconds:
         return float(spec.max_runtime_seconds), FailureReason.DEADLINE_EXCEEDED, 137
     ann = spec.annotations

@@ -61,12 +61,15 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
     ]
     return {
         team: (
-            pub(f"gpusched.intake.{team}.submit", f"$JS.API.STREAM.INFO.{mine}", f"$JS.API.CONSUMER.CREATE.{mine}.mine",
+            pub(f"gpusched.intake.{team}.submit", f"gpusched.intake.{team}.deploy", f"gpusched.intake.{team}.scale",
+                f"gpusched.intake.{team}.delete", f"$JS.API.STREAM.INFO.{mine}", f"$JS.API.CONSUMER.CREATE.{mine}.mine",
                 f"$JS.API.CONSUMER.CREATE.{mine}.mine.gpusched.tenant.{team}.notify.>",
                 f"$JS.API.CONSUMER.MSG.NEXT.{mine}.mine", f"$JS.API.CONSUMER.DELETE.{mine}.mine")
             + sub(f"_INBOX.{team}.>", f"gpusched.tenant.{team}.>"),
             never + pub(
                 f"gpusched.intake.{other}.submit", f"gpusched.intake.{team}.operator.submit",
+                f"gpusched.intake.{other}.deploy", f"gpusched.intake.{other}.scale",
+                "gpusched.service.chat.deployed", "gpusched.service.chat.replica_requested",
                 f"gpusched.intake.{team}.user.mallory.submit", f"gpusched.job.x.admitted", "gpusched.queue.q.configured",
                 "gpusched.policy.cluster.configured",
                 f"gpusched.tenant.{team}.job.x.admitted", f"gpusched.tenant.{other}.notify.x.admitted",
@@ -110,6 +113,16 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                         # the executor keeps no snapshot
                         "$O.snapshots-executor.C.x", f"$JS.API.STREAM.CREATE.{SNAP}-executor",
                         f"$JS.API.DIRECT.GET.{SNAP}-scheduler"),
+        ),
+        "serving": (  # the serving controller: its service events, its durable; never a job or a command
+            pub("gpusched.service.chat.replica_requested", "gpusched.service.chat.scaled",
+                "gpusched.service.chat.replica_ready", f"$JS.API.CONSUMER.INFO.{EV}.serving")
+            + sub("_INBOX.serving.>"),
+            never + pub("gpusched.job.x.submitted", "gpusched.job.x.cancel_requested", "gpusched.service.chat.deployed",
+                        "gpusched.service.chat.scale_requested", f"gpusched.intake.{team}.submit",
+                        f"gpusched.intake.{team}.operator.deploy", f"$JS.API.CONSUMER.DELETE.{EV}.quota",
+                        "$O.snapshots-serving.C.x", f"$JS.API.STREAM.CREATE.{SNAP}-serving")
+            + sub(f"gpusched.tenant.{team}.>"),
         ),
         "operator": (
             pub(f"gpusched.intake.{team}.operator.submit", f"$JS.API.STREAM.INFO.{EV}", "gpusched.policy.cluster.configured",

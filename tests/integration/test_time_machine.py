@@ -297,7 +297,7 @@ async def test_a_statements_first_sequence_is_the_first_event_of_its_period(nats
         async def issued():  # October's and November's
             found = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=["gpusched.statement.>"])]
             return {s.period: s for s in found} if len(found) == 2 else None
-        statements = await eventually(issued)
+        statements = await eventually(issued, timeout_s=60)  # a loaded box once took over 15 s
         assert statements["2026-10"].first_sequence == 1
         st = statements["2026-11"]
         assert st.first_sequence == first_of_november and st.last_sequence == seqs[-1] + 1

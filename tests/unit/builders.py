@@ -376,3 +376,52 @@ def statement(period: str = "2026-01", group_by: str = "team", *, lines: Iterabl
                      total_gpu_seconds=sum(line["gpu_seconds"] for line in lines),
                      total_cost=sum(line["total_cost"] for line in lines), first_sequence=1,
                      last_sequence=last_sequence, checksum="sha256:" + "0" * 64)
+
+
+# -- inference services ---------------------------------------------------------------------------
+
+
+def service_spec(desired=2, lo=1, hi=4, image="srv:1", delay=10.0, surge=1, unavailable=0, name="chat",
+                 queue_="research", team="team-a", **replica):
+    from schemas import ServiceSpec
+
+    return ServiceSpec(name=name, team=team, queue=queue_, replicas={"min": lo, "max": hi, "desired": desired},
+                       replica=spec(**{"kind": "inference", "priority_class": "inference-sla", "image": image,
+                                       "queue": queue_, "team": team, "gpus": 1, **replica}),
+                       readiness={"delay_seconds": delay}, rollout={"max_surge": surge, "max_unavailable": unavailable})
+
+
+def service_deployed(s=None, *, when: datetime = T0, by: str = "alice"):
+    from schemas import ServiceDeployed
+
+    s = s or service_spec()
+    return new_event(ServiceDeployed, aggregate_id=s.name, producer="admission", occurred_at=when, key="deploy/1",
+                     spec=s, deployed_by=by, intake_sequence=1)
+
+
+def service_samples() -> list[Event]:
+    """One event of every service type (schemas.service)."""
+    from schemas import (
+        ReplicaLost, ReplicaReady, ReplicaRequested, ReplicaRetired, ReplicaScheduled, ScaledTo, ScaleRequested,
+        ServiceDeleted, ServiceUpdated,
+    )
+
+    def make(cls, key, **fields):
+        producer = "serving" if cls in (ScaledTo, ReplicaRequested, ReplicaRetired, ReplicaScheduled, ReplicaReady,
+                                        ReplicaLost) else "admission"
+        return new_event(cls, aggregate_id="chat", producer=producer, occurred_at=T0, key=key, **fields)
+
+    job = "replica-chat-2-0"
+    return [
+        service_deployed(),
+        make(ServiceUpdated, "u", spec=service_spec(image="srv:2"), generation=2, updated_by="alice", intake_sequence=2),
+        make(ScaleRequested, "s", replicas=3, by="autoscaler", requested_by="hpa", intake_sequence=3),
+        make(ServiceDeleted, "d", deleted_by="bob", intake_sequence=4),
+        make(ScaledTo, "t", replicas=4, requested=9, message="9 replicas asked; the spec allows 1 to 4: scaled to 4"),
+        make(ReplicaRequested, "r", job_id=job, generation=2, index=0, spec=service_spec().replica, submitter="alice",
+             reason="rollout"),
+        make(ReplicaRetired, "x", job_id=job, reason="scale-down"),
+        make(ReplicaScheduled, "p", job_id=job, attempt=2, nodes=("n1",)),
+        make(ReplicaReady, "y", job_id=job, attempt=2),
+        make(ReplicaLost, "l", job_id=job, attempt=2, reason="JobFailed: node-lost", replaced=True),
+    ]

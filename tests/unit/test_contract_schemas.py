@@ -21,12 +21,13 @@ from hypothesis import strategies as st
 from tests.unit.schema_strategy import documents as from_schema
 from pydantic import ValidationError
 
-from schemas.commands import CancelJob, ReportCheckpoint, SubmitJob
+from schemas.commands import CancelJob, DeleteService, DeployService, ReportCheckpoint, ScaleService, SubmitJob
 from schemas.export import rendered
 from schemas.registry import ALL_EVENT_TYPES, check_no_nul
 from schemas.tenant import JobNotification, NotificationDelivery
 
-MODELS = {m.__name__: m for m in (SubmitJob, CancelJob, ReportCheckpoint, *ALL_EVENT_TYPES, JobNotification,
+MODELS = {m.__name__: m for m in (SubmitJob, CancelJob, ReportCheckpoint, DeployService, ScaleService,
+                                   DeleteService, *ALL_EVENT_TYPES, JobNotification,
                                    NotificationDelivery)}
 SCHEMAS = {name.removesuffix(".json"): json.loads(text) for name, text in rendered().items()}
 
@@ -36,6 +37,8 @@ MODEL_ONLY_RULES = (
     "exceeds memory_total_mib", "exceeds samples", "allocated_utilization must be set exactly",  # GpuTelemetry
     "differs from aggregate_id", "window_end - window_start", "entries but the node has gpu_count",
     "out of range for gpu_count", "listed more than once",  # NodeTelemetryReported
+    "replica.kind must be inference", "replica.queue and replica.team must be the service's",
+    "replica.gang_size must be 1", "min <= desired <= max", "rollout needs max_surge",  # ServiceSpec
 )
 """Rules JSON Schema cannot state (they compare two values); docs/events.md lists them."""
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_procfile_lists_every_service_as_a_module_and_the_api():
     procs = devstack.read_procfile()
-    assert list(procs) == ["admission", "quota", "scheduler", "executor", "accounting", "notifier", "api"]
+    assert list(procs) == ["admission", "quota", "scheduler", "executor", "accounting", "notifier", "serving", "api"]
     assert tuple(procs) == devstack.PROCESSES == (*permissions.SERVICES, permissions.API_USER)
     for name, argv in procs.items():
         assert argv[1:] == ["-m", "gpusched.api" if name == "api" else f"services.{name}"]

@@ -187,6 +187,9 @@ def test_runtime_past_max_runtime_is_deadline_exceeded():
         ({"annotations": {ANN_EXIT: "1", ANN_REASON: "image-pull"}}, 1, (60.0, FailureReason.IMAGE_PULL, 1)),
         # a deadline wins over the annotations
         ({"max_runtime_seconds": 5, "annotations": {ANN_EXIT: "3"}}, 1, (5.0, FailureReason.DEADLINE_EXCEEDED, 137)),
+        # a service's replica runs until stopped, unless it declares a runtime
+        ({"annotations": {"gpusched.io/service": "chat"}}, 1, (10 * 365 * 86_400.0, None, 0)),
+        ({"annotations": {"gpusched.io/service": "chat"}, "expected_runtime_seconds": 8}, 1, (8, None, 0)),
     ],
 )
 def test_planned_outcome(fields, attempt, expected):

@@ -28,11 +28,11 @@ NAMESPACE = "gpusched"
 WORKLOADS = "gpusched-workloads"
 """The teams' Jobs run here, away from the platform's Secrets (in NAMESPACE)."""
 
-SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifier", "api")
+SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifier", "serving", "api")
 MODULES = {"api": "gpusched.api"}
 """The module a Deployment runs, where it is not services.<name>."""
 READS_PG = {"accounting", "api"}
-SINGLE_ACTIVE = {"quota", "scheduler", "executor", "accounting", "notifier"}
+SINGLE_ACTIVE = {"quota", "scheduler", "executor", "accounting", "notifier", "serving"}
 IN_WORKLOADS = {("ServiceAccount", "default"), ("Role", "gpusched-executor"), ("RoleBinding", "gpusched-executor")}
 
 # (apiGroup, resource, verb) triples the executor may use, and nothing more.

@@ -21,6 +21,7 @@ from services.accounting import projection
 from services.accounting.projection import IGNORED, Op, convert
 from tests.unit.builders import (
     T0,
+    service_samples,
     admitted,
     at,
     cancel_requested,
@@ -67,6 +68,7 @@ STATEMENT = statement(lines=[{"key": "team-a", "gpu_seconds": 3600.0, "borrowed_
                               "lost_gpu_seconds": 0.0, "idle_gpu_seconds": 0.0, "usage_cost": 3.0, "idle_cost": 0.0,
                               "total_cost": 3.0}])
 
+SERVICE = service_samples()
 CASES = [
     (submitted("j1", spec(gpus=4, gang_size=2, project="vision"), submitter="bob", when=at(1)),
      [Op("job_submitted", ("j1", "team-a", "vision", "research", "training", "training", "bob", 4, 2, 8, at(1), SEQ,
@@ -140,6 +142,19 @@ CASES = [
                                   STATEMENT.model_dump_json(include={"period", "group_by", "currency", "idle_quota",
                                                                      "lines", "total_gpu_seconds", "total_cost"}),
                                   SEQ))]),
+    *zip(SERVICE, [
+        [Op("service_deployed", ("chat", "team-a", "research", SERVICE[0].spec.model_dump_json(), 1, 2, "alice", T0,
+                                 SEQ))],
+        [Op("service_updated", ("chat", SERVICE[1].spec.model_dump_json(), 2, 2, T0, SEQ))],
+        [Op("service_scale_requested", ("chat", 3, "hpa", T0, SEQ))],
+        [Op("service_deleted", ("chat", T0, SEQ))],
+        [Op("service_scaled", ("chat", 4, SEQ))],
+        [Op("replica_requested", ("replica-chat-2-0", "chat", 2, 0, "rollout", T0, SEQ))],
+        [Op("replica_state", ("replica-chat-2-0", "retired", None, None, "scale-down", T0, SEQ))],
+        [Op("replica_state", ("replica-chat-2-0", "scheduled", 2, ["n1"], None, T0, SEQ))],
+        [Op("replica_state", ("replica-chat-2-0", "ready", 2, None, None, T0, SEQ))],
+        [Op("replica_state", ("replica-chat-2-0", "replaced", 2, None, "JobFailed: node-lost", T0, SEQ))],
+    ]),
 ]
 
 

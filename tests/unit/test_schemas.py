@@ -36,6 +36,7 @@ from schemas.export import OUT, rendered
 from schemas.registry import EVENT_TYPES_BY_NAME, aggregate_subjects, producer_subjects
 from tests.unit.builders import (
     T0,
+    service_samples,
     admitted,
     at,
     cancel_requested,
@@ -129,12 +130,13 @@ def sample_events():
         statement("2026-11", "project", lines=[{
             "key": "vision", "gpu_seconds": 7200.0, "borrowed_gpu_seconds": 3600.0, "lost_gpu_seconds": 60.0,
             "idle_gpu_seconds": 10.0, "usage_cost": 5.0, "idle_cost": 0.25, "total_cost": 5.25}]),
+        *service_samples(),
     ]
 
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 31
+    assert len(ALL_EVENT_TYPES) == 41
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -227,6 +229,9 @@ EXPECTED_PRODUCERS = {
     "QueueConfigured": "config", "QueueDeleted": "config", "CohortConfigured": "config",
     "PriceBookUpdated": "config", "TeamConfigured": "config", "PolicyConfigured": "config", "ChargebackStatementIssued": "accounting",
     "ApiTokenIssued": "admin", "ApiTokenRevoked": "admin",
+    "ServiceDeployed": "admission", "ServiceUpdated": "admission", "ScaleRequested": "admission",
+    "ServiceDeleted": "admission", "ScaledTo": "serving", "ReplicaRequested": "serving", "ReplicaRetired": "serving",
+    "ReplicaScheduled": "serving", "ReplicaReady": "serving", "ReplicaLost": "serving",
 }
 
 
@@ -312,7 +317,9 @@ def test_committed_json_schemas_match_the_models():
     assert sorted(files) == sorted(committed)
     for name, text in files.items():
         assert committed[name] == text, f"schemas/json/{name} is stale; run `make schemas`"
-    assert len(files) == len(ALL_EVENT_TYPES) + 5  # + SubmitJob, CancelJob, ReportCheckpoint; JobNotification, NotificationDelivery
+    # + SubmitJob, CancelJob, ReportCheckpoint, DeployService, ScaleService, DeleteService; JobNotification,
+    # NotificationDelivery
+    assert len(files) == len(ALL_EVENT_TYPES) + 8
 
 
 def test_export_check_exits_zero():

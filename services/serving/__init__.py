@@ -1,0 +1,1 @@
+"""Serving: keeps inference services at their desired replicas (docs/serving.md)."""

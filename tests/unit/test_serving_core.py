@@ -1,0 +1,185 @@
+"""The serving controller's pure core: replicas asked for up to desired, scale requests clamped,
+what happened to each replica told once, lost replicas replaced only when their job ended for
+good, rollouts within surge and unavailability, deletion, and a restart deciding nothing new."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from schemas import FailureReason, JobRejected, RejectReason, new_event
+from schemas.service import (
+    SERVICE_ANNOTATION,
+    ReplicaLost,
+    ReplicaReady,
+    ReplicaRequested,
+    ReplicaRetired,
+    ReplicaScheduled,
+    ScaledTo,
+    ScaleRequested,
+    ServiceDeleted,
+    ServiceDeployed,
+    ServiceSpec,
+    ServiceUpdated,
+    replica_job_id,
+)
+from services.serving.domain import REPLICA_RETRY, ServingCore, service_of
+from tests.unit.builders import (
+    T0, Log, cancelled, drive, failed, preempted, retry_scheduled, scheduled, service_deployed, service_spec, started,
+    succeeded,
+)
+
+
+def deployed(s: ServiceSpec | None = None) -> ServiceDeployed:
+    return service_deployed(s)
+
+
+def scale(n: int, key: str = "1", name: str = "chat") -> ScaleRequested:
+    return new_event(ScaleRequested, aggregate_id=name, producer="admission", occurred_at=T0, key=f"scale/{key}",
+                     replicas=n, by="user", requested_by="alice", intake_sequence=9)
+
+
+def of(events, cls) -> list:
+    return [e for e in events if isinstance(e, cls)]
+
+
+def job(i: int, generation: int = 1) -> str:
+    return replica_job_id("chat", generation, i)
+
+
+def up(core, log, *indexes, generation: int = 1, at_s: float = 0):
+    """Replicas placed and started at ``at_s``, then the clock past their readiness delay."""
+    when = T0 + timedelta(seconds=at_s)
+    events = [e for i in indexes for e in (scheduled(job(i, generation), when=when),
+                                          started(job(i, generation), when=when))]
+    return drive(core, events, when + timedelta(seconds=10), log=log)
+
+
+def test_a_deployed_service_asks_for_its_desired_replicas():
+    core, log = ServingCore(), Log()
+    out = drive(core, [deployed()], T0, log=log)
+    requests = of(out, ReplicaRequested)
+    assert [(r.job_id, r.generation, r.index, r.reason) for r in requests] == [
+        (job(0), 1, 0, "scale-up"), (job(1), 1, 1, "scale-up")]
+    r = requests[0]
+    assert (r.submitter, r.spec.annotations[SERVICE_ANNOTATION], r.spec.retry) == ("alice", "chat", REPLICA_RETRY)
+    assert r.spec.expected_runtime_seconds is None and service_of(r.job_id) == "chat"
+
+
+def test_replicas_are_told_scheduled_then_ready_after_the_delay():
+    core, log = ServingCore(), Log()
+    drive(core, [deployed()], T0, log=log)
+    out = drive(core, [scheduled(job(0), {"n7": (0,)}), started(job(0))], T0 + timedelta(seconds=5), log=log)
+    assert [(e.type, e.nodes) for e in of(out, ReplicaScheduled)] == [("ReplicaScheduled", ("n7",))]
+    assert not of(out, ReplicaReady) and core.next_wake() == T0 + timedelta(seconds=10)
+    out = drive(core, [], T0 + timedelta(seconds=10), log=log)
+    assert [(e.job_id, e.occurred_at) for e in of(out, ReplicaReady)] == [(job(0), T0 + timedelta(seconds=10))]
+
+
+@pytest.mark.parametrize("asked, got, message", [
+    (3, 3, ""),
+    (9, 4, "9 replicas asked; the spec allows 1 to 4: scaled to 4"),
+    (0, 1, "0 replicas asked; the spec allows 1 to 4: scaled to 1"),
+])
+def test_a_scale_request_is_clamped_to_min_and_max(asked, got, message):
+    core, log = ServingCore(), Log()
+    drive(core, [deployed()], T0, log=log)
+    out = drive(core, [scale(asked)], T0, log=log)
+    (scaled,) = of(out, ScaledTo)
+    assert (scaled.replicas, scaled.requested, scaled.message) == (got, asked, message)
+    live = [r for r in core.services["chat"].replicas.values() if r.live]
+    assert len(live) == got
+
+
+def test_scale_down_retires_replicas_not_ready_first_then_the_newest():
+    core, log = ServingCore(), Log()
+    drive(core, [deployed(service_spec(desired=4))], T0, log=log)
+    up(core, log, 0, 1, 3)
+    out = drive(core, [scale(1)], T0 + timedelta(seconds=20), log=log)
+    assert [(e.job_id, e.reason) for e in of(out, ReplicaRetired)] == [
+        (job(2), "scale-down"), (job(3), "scale-down"), (job(1), "scale-down")]
+
+
+def test_a_preempted_replica_is_lost_and_comes_back_as_its_own_job():
+    core, log = ServingCore(), Log()
+    drive(core, [deployed(service_spec(desired=1))], T0, log=log)
+    up(core, log, 0)
+    out = drive(core, [preempted(job(0), when=T0 + timedelta(seconds=30))], T0 + timedelta(seconds=30), log=log)
+    assert [(e.job_id, e.replaced) for e in of(out, ReplicaLost)] == [(job(0), False)]
+    assert not of(out, ReplicaRequested)
+    out = drive(core, [retry_scheduled(job(0)), scheduled(job(0), attempt=2), started(job(0), attempt=2)],
+                T0 + timedelta(seconds=60), log=log)
+    assert [(e.type, e.attempt) for e in out] == [("ReplicaScheduled", 2), ("ReplicaReady", 2)]
+
+
+@pytest.mark.parametrize("ending", [
+    lambda j: [succeeded(j)],
+    lambda j: [cancelled(j, reason="by hand")],
+    lambda j: [failed(j, FailureReason.EXIT_CODE, attempt=a, retryable=True) if a == REPLICA_RETRY.max_attempts
+               else e for a in range(1, REPLICA_RETRY.max_attempts + 1)
+               for e in ([failed(j, FailureReason.EXIT_CODE, attempt=a, retryable=True)]
+                         + ([retry_scheduled(j, a)] if a < REPLICA_RETRY.max_attempts else []))],
+], ids=["succeeded", "cancelled-not-by-the-controller", "failed-20-times"])
+def test_a_replica_whose_job_ends_for_good_is_replaced(ending):
+    core, log = ServingCore(), Log()
+    drive(core, [deployed(service_spec(desired=1))], T0, log=log)
+    up(core, log, 0)
+    out = drive(core, ending(job(0)), T0 + timedelta(seconds=60), log=log)
+    lost = of(out, ReplicaLost)
+    assert lost[-1].job_id == job(0) and lost[-1].replaced
+    assert [(r.job_id, r.reason) for r in of(out, ReplicaRequested)] == [(job(1), "scale-up")]
+
+
+def test_a_rejected_replica_is_not_asked_for_again_until_the_template_changes():
+    core, log = ServingCore(), Log()
+    drive(core, [deployed(service_spec(desired=1))], T0, log=log)
+    rejected = new_event(JobRejected, aggregate_id=job(0), producer="admission", occurred_at=T0, key="decision",
+                         reason=RejectReason.UNSATISFIABLE, message="no node fits", field="spec.gpus")
+    out = drive(core, [rejected], T0, log=log)
+    assert [e.type for e in out] == ["ReplicaLost"] and out[0].reason == "JobRejected: no node fits"
+    update = new_event(ServiceUpdated, aggregate_id="chat", producer="admission", occurred_at=T0, key="update/1/1",
+                       spec=service_spec(desired=1, image="srv:2"), generation=2, updated_by="alice", intake_sequence=9)
+    out = drive(core, [update], T0, log=log)
+    assert [r.job_id for r in of(out, ReplicaRequested)] == [job(0, 2)]
+
+
+def test_a_rollout_keeps_desired_ready_and_stays_within_the_surge():
+    core, log = ServingCore(), Log()
+    drive(core, [deployed(service_spec(desired=2, surge=1, unavailable=0))], T0, log=log)
+    up(core, log, 0, 1)
+    update = new_event(ServiceUpdated, aggregate_id="chat", producer="admission", occurred_at=T0, key="update/1/1",
+                       spec=service_spec(desired=2, image="srv:2", surge=1, unavailable=0), generation=2,
+                       updated_by="alice", intake_sequence=9)
+    out = drive(core, [update], T0 + timedelta(seconds=20), log=log)
+    assert [e.type for e in out] == ["ReplicaRequested"] and out[0].job_id == job(0, 2)  # one above desired
+    out = up(core, log, 0, generation=2, at_s=30)
+    assert [(e.type, getattr(e, "job_id", None)) for e in out] == [
+        ("ReplicaScheduled", job(0, 2)), ("ReplicaReady", job(0, 2)),
+        ("ReplicaRetired", job(0)), ("ReplicaRequested", job(1, 2))]
+    drive(core, [cancelled(job(0))], T0 + timedelta(seconds=41), log=log)
+    out = up(core, log, 1, generation=2, at_s=50)
+    assert [e.job_id for e in of(out, ReplicaRetired)] == [job(1)]
+    assert sorted(r.job_id for r in core.services["chat"].live()) == [job(0, 2), job(1, 2)]
+
+
+def test_a_deleted_service_retires_every_replica():
+    core, log = ServingCore(), Log()
+    drive(core, [deployed()], T0, log=log)
+    up(core, log, 0)
+    deleted = new_event(ServiceDeleted, aggregate_id="chat", producer="admission", occurred_at=T0, key="delete/1",
+                        deleted_by="alice", intake_sequence=9)
+    out = drive(core, [deleted], T0 + timedelta(seconds=20), log=log)
+    assert sorted((e.job_id, e.reason) for e in out) == [(job(0), "service deleted"), (job(1), "service deleted")]
+    assert drive(core, [cancelled(job(0)), cancelled(job(1))], T0 + timedelta(seconds=30), log=log) == []
+
+
+def test_a_restarted_controller_decides_nothing_new():
+    core, log = ServingCore(), Log()
+    drive(core, [deployed(service_spec(desired=3))], T0, log=log)
+    up(core, log, 0, 1)
+    drive(core, [scale(4), preempted(job(1), when=T0 + timedelta(seconds=30))], T0 + timedelta(seconds=30), log=log)
+    fresh = ServingCore()
+    for e in log.events:
+        fresh.evolve(e)
+    assert [e for e in fresh.decide(T0 + timedelta(seconds=30)) if e.event_id not in log.ids] == []
