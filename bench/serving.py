@@ -1,0 +1,150 @@
+"""Urgent scale-up of an SLA service in a cluster full of preemptible training.
+
+    python -m bench.serving [--nodes 8] [--start 2] [--to 32] [--victim-gpus 2]
+
+The platform's decision cores — admission, quota, scheduler, the sim executor and the serving
+controller — on a virtual clock (no service lag: what is measured is the decisions' own delays):
+``nodes`` × 8 A100 in one queue whose nominal is the whole cluster (preemption of lower
+priorities within the queue allowed); an inference service at ``start`` replicas (inference-sla,
+readiness 30 s); the rest of the cluster full of ``training`` jobs of ``victim-gpus`` GPUs each
+(protection 600 s, grace 60 s), running for an hour; then one ``gpusched scale`` to ``to``
+replicas. Run twice: the training never checkpointed, and each job checkpointed 10 minutes
+before the scale-up.
+
+Prints, per run: the scale-up latency per new replica (request → ReplicaReady) p50 / p99 / max
+beside its floor (the readiness delay: the sim stops a victim at once, without the grace period a
+kubernetes Pod gets, so no replica can be ready sooner), the victims chosen against the fewest
+that free enough GPUs, and the GPU-seconds of work they lost. All times are virtual seconds; the
+run itself takes under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from datetime import UTC, datetime, timedelta
+
+from gpusched.tracesim import decide_until_quiet
+from schemas import Event, JobPreempted, QueueConfigured, new_event
+from schemas.node import NodeInfo
+from schemas.commands import Principal
+from schemas.queue import FlavorQuota, PreemptionPolicy
+from schemas.service import ReplicaReady, ScaleRequested
+from services.admission.domain import AdmissionCore
+from services.executor.sim import SimExecutorCore
+from services.quota.domain import QuotaCore
+from services.scheduler.domain import SchedulerCore
+from services.serving.domain import ServingCore
+
+T0 = datetime(2026, 12, 1, tzinfo=UTC)
+TEAM = Principal(team="team-a", user="alice", verb="submit")
+READINESS_S = 30.0
+RUN_FOR = timedelta(hours=1)  # the training runs this long before the scale-up
+CHECKPOINT_BEFORE = timedelta(minutes=10)
+
+
+def command(verb: str) -> Principal:
+    return Principal(team=TEAM.team, user=TEAM.user, verb=verb)
+
+
+def service(replicas: int, most: int) -> bytes:
+    return json.dumps({"spec": {
+        "name": "chat", "team": "team-a", "queue": "prod", "replicas": {"min": 1, "max": most, "desired": replicas},
+        "replica": {"kind": "inference", "queue": "prod", "team": "team-a", "image": "srv", "gpus": 1,
+                    "priority_class": "inference-sla"},
+        "readiness": {"delay_seconds": READINESS_S}}}).encode()
+
+
+def run(nodes: int, start: int, to: int, victim_gpus: int, checkpoints: bool) -> dict:
+    cluster = [NodeInfo(name=f"n{i}", gpu_flavor="a100", gpu_count=8, gpu_memory_mib=81920) for i in range(nodes)]
+    admission, quota, scheduler = AdmissionCore(), QuotaCore(), SchedulerCore()
+    executor, serving = SimExecutorCore(cluster), ServingCore()
+    cores = (admission, quota, scheduler, executor, serving)
+    log: list[Event] = []
+
+    def feed(events):
+        for e in events:
+            log.append(e)
+            for core in cores:
+                core.evolve(e)
+
+    def settle(now):
+        if not decide_until_quiet(cores, feed, now, 1000):
+            raise RuntimeError(f"the cores still decide at {now}")
+
+    seq = iter(range(1, 1_000_000))
+    feed([new_event(QueueConfigured, aggregate_id="prod", producer="config", occurred_at=T0, key="1", name="prod",
+                    allowed_teams=("team-a",), quotas=(FlavorQuota(flavor="a100", nominal=nodes * 8),),
+                    preemption=PreemptionPolicy(within_queue="lower-priority"))])
+    settle(T0)  # the executor registers the nodes
+    feed(admission.handle_deploy(service(start, max(to, start)), command("deploy"), next(seq), T0))
+    settle(T0)
+    training = (nodes * 8 - start) // victim_gpus
+    for i in range(training):
+        job = {"job_id": f"train-{i}", "spec": {"kind": "training", "queue": "prod", "team": "team-a", "image": "t",
+                                                "gpus": victim_gpus, "priority_class": "training",
+                                                "expected_runtime_seconds": 86_400}}
+        feed(admission.handle_submit(json.dumps(job).encode(), TEAM, next(seq), T0))
+    now = T0
+    settle(now)
+    if checkpoints:
+        now = T0 + RUN_FOR - CHECKPOINT_BEFORE
+        for i in range(training):
+            report = {"job_id": f"train-{i}", "attempt": 1, "checkpointed_at": now.isoformat(), "step": 1000}
+            feed(admission.handle_checkpoint(json.dumps(report).encode(), command("checkpoint"), next(seq), now))
+    now = T0 + RUN_FOR
+    settle(now)
+    scale_at = now
+    feed(admission.handle_scale(json.dumps({"service": "chat", "replicas": to}).encode(), command("scale"),
+                                next(seq), now))
+    step = timedelta(seconds=1)
+    ready: dict[str, datetime] = {}
+    while len(ready) < to - start and now - scale_at < timedelta(hours=2):
+        settle(now)
+        ready = {e.job_id: e.occurred_at for e in log if isinstance(e, ReplicaReady)
+                 and not e.job_id.endswith(tuple(f"-{k}" for k in range(start))) and e.occurred_at >= scale_at}
+        now += step
+    latencies = sorted((at - scale_at).total_seconds() for at in ready.values())
+    victims = [e for e in log if isinstance(e, JobPreempted)]
+    lost = 0.0
+    for v in victims:
+        since = v.started_at if not checkpoints else max(v.started_at, T0 + RUN_FOR - CHECKPOINT_BEFORE)
+        lost += victim_gpus * (v.occurred_at - since).total_seconds()
+    free = nodes * 8 - start - training * victim_gpus  # GPUs no training job fits in
+    needed = max(0, to - start - free)
+    return {
+        "checkpoints": checkpoints, "replicas_ready": len(ready), "asked": to - start,
+        "latency_p50_s": statistics.median(latencies) if latencies else None,
+        "latency_p99_s": latencies[min(len(latencies) - 1, math.ceil(0.99 * len(latencies)) - 1)] if latencies else None,
+        "latency_max_s": latencies[-1] if latencies else None,
+        "latency_floor_s": READINESS_S,
+        "victims": len({v.aggregate_id for v in victims}), "victims_minimum": math.ceil(needed / victim_gpus),
+        "work_lost_gpu_s": lost, "scale_requests": sum(isinstance(e, ScaleRequested) for e in log),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=8)
+    p.add_argument("--start", type=int, default=2)
+    p.add_argument("--to", type=int, default=32)
+    p.add_argument("--victim-gpus", type=int, default=2)
+    args = p.parse_args()
+    print(f"urgent scale-up {args.start} -> {args.to} replicas of an SLA service on {args.nodes} x 8 A100 full of "
+          f"{args.victim_gpus}-GPU training jobs (virtual seconds; pure cores, no service lag)")
+    for checkpoints in (False, True):
+        r = run(args.nodes, args.start, args.to, args.victim_gpus, checkpoints)
+        def ratio(v):
+            return f"{v / r['latency_floor_s']:.2f}x floor" if v is not None else "-"
+        print(f"  {'checkpointed 10 min before' if checkpoints else 'never checkpointed'}: "
+              f"{r['replicas_ready']}/{r['asked']} new replicas ready; latency p50 {r['latency_p50_s']} s "
+              f"({ratio(r['latency_p50_s'])}), p99 {r['latency_p99_s']} s ({ratio(r['latency_p99_s'])}), "
+              f"max {r['latency_max_s']} s ({ratio(r['latency_max_s'])}); floor {r['latency_floor_s']:.0f} s "
+              f"(readiness); victims {r['victims']} (fewest possible {r['victims_minimum']}); "
+              f"work lost {r['work_lost_gpu_s']:.0f} GPU-s")
+
+
+if __name__ == "__main__":
+    main()

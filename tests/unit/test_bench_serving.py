@@ -1,0 +1,17 @@
+"""bench.serving on a small cluster: the scale-up it measures happens, with the victims and the
+work lost the scenario implies."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.serving import READINESS_S, run
+
+
+@pytest.mark.parametrize("checkpoints, lost", [(False, 2 * 2 * 3600.0), (True, 2 * 2 * 600.0)])
+def test_a_small_urgent_scale_up(checkpoints, lost):
+    r = run(nodes=2, start=2, to=6, victim_gpus=2, checkpoints=checkpoints)
+    assert (r["replicas_ready"], r["asked"]) == (4, 4)
+    assert r["latency_max_s"] == READINESS_S == r["latency_floor_s"]
+    assert (r["victims"], r["victims_minimum"]) == (2, 2)
+    assert r["work_lost_gpu_s"] == lost
