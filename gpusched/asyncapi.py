@@ -34,6 +34,7 @@ from schemas.commands import (
     DeleteService,
     DeployService,
     ReportCheckpoint,
+    ReportServiceLoad,
     ScaleService,
     SubmitJob,
 )
@@ -44,7 +45,8 @@ from schemas.tenant import JobNotification, NotificationDelivery
 OUT = Path(__file__).resolve().parents[1] / "schemas" / "asyncapi.json"
 P = SUBJECT_PREFIX
 COMMANDS: dict[str, type[BaseModel]] = {"submit": SubmitJob, "cancel": CancelJob, "checkpoint": ReportCheckpoint,
-                                        "deploy": DeployService, "scale": ScaleService, "delete": DeleteService}
+                                        "deploy": DeployService, "scale": ScaleService, "delete": DeleteService,
+                                        "load": ReportServiceLoad}
 PARAMETERS = {
     "team": "A team name (a DNS label); a tenant credential may use only its own",
     "user": "A user of the team (a DNS label): the credential `<team>.<user>`, or the API's authenticated caller",

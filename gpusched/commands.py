@@ -27,6 +27,7 @@ from schemas.commands import (
     DeployService,
     MalformedCommand,
     Principal,
+    ReportServiceLoad,
     ScaleService,
     job_id_for_key,
     load_command,
@@ -348,6 +349,13 @@ def scale_command(service: str, replicas: int) -> ScaleService:
         return ScaleService(service=service, replicas=replicas)
     except ValidationError as err:
         raise UserError(first_error(err, "scale")) from None
+
+
+def load_command_for(service: str, requests_per_second: float) -> ReportServiceLoad:
+    try:
+        return ReportServiceLoad(service=service, requests_per_second=requests_per_second)
+    except ValidationError as err:
+        raise UserError(first_error(err, "report-load")) from None
 
 
 def delete_command(service: str) -> DeleteService:

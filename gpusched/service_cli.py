@@ -60,6 +60,17 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
         answer = run(with_js(lambda js: commands.service_command(js, team, "scale", command, service, on_behalf_of)))
         emit({"service": service, **_answered(answer)}, output)
 
+    @app.command("report-load")
+    @guarded
+    def report_load(service: str, requests_per_second: float = typer.Argument(..., min=0),
+                    team: str = typer.Option(..., help="Team owning the service"),
+                    on_behalf_of: Optional[str] = on_behalf_option, output: Output = output_option) -> None:
+        """Report SERVICE's load, as its ingress would: what a requests_per_replica autoscaling rule reads."""
+        command = commands.load_command_for(service, requests_per_second)
+        _nats_only("report-load")
+        answer = run(with_js(lambda js: commands.service_command(js, team, "load", command, service, on_behalf_of)))
+        emit({"service": service, **_answered(answer)}, output)
+
     @app.command("delete-service")
     @guarded
     def delete_service(service: str, team: str = typer.Option(..., help="Team owning the service"),

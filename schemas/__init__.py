@@ -109,6 +109,7 @@ from schemas.service import (
     ScaleRequested,
     ServiceDeleted,
     ServiceDeployed,
+    ServiceLoadReported,
     ServiceSpec,
     ServiceUpdated,
 )

@@ -24,8 +24,8 @@ RESERVED_JOB_ID_PREFIX = "rejected-"
 """Aggregate ids of rejections filed by intake sequence (schemas.job.rejection_id)."""
 
 
-INTAKE_VERBS = ("submit", "cancel", "checkpoint", "deploy", "scale", "delete")
-"""submit, cancel, checkpoint: jobs; deploy, scale, delete: inference services (schemas.service)."""
+INTAKE_VERBS = ("submit", "cancel", "checkpoint", "deploy", "scale", "delete", "load")
+"""submit, cancel, checkpoint: jobs; deploy, scale, delete, load: inference services (schemas.service)."""
 OPERATOR = "operator"
 """The user name of the operator credential, recorded as the submitter of what it sends."""
 
@@ -158,6 +158,14 @@ class ScaleService(_Identified):
 
     service: ServiceName
     replicas: int = Field(ge=0, le=MAX_REPLICAS)
+
+
+class ReportServiceLoad(_Identified):
+    """Published to a ``load`` intake subject of the service's team, by its ingress: the load the
+    ``requests_per_replica`` autoscaling rule reads."""
+
+    service: ServiceName
+    requests_per_second: float = Field(ge=0, le=1e9, allow_inf_nan=False)
 
 
 class DeleteService(_Identified):

@@ -12,7 +12,15 @@ from pathlib import Path
 
 from pydantic.json_schema import GenerateJsonSchema
 
-from schemas.commands import CancelJob, DeleteService, DeployService, ReportCheckpoint, ScaleService, SubmitJob
+from schemas.commands import (
+    CancelJob,
+    DeleteService,
+    DeployService,
+    ReportCheckpoint,
+    ReportServiceLoad,
+    ScaleService,
+    SubmitJob,
+)
 from schemas.envelope import RFC3339
 from schemas.registry import ALL_EVENT_TYPES
 from schemas.tenant import JobNotification, NotificationDelivery
@@ -40,7 +48,8 @@ OUT = Path(__file__).parent / "json"
 
 
 def rendered() -> dict[str, str]:
-    models = [SubmitJob, CancelJob, ReportCheckpoint, DeployService, ScaleService, DeleteService, *ALL_EVENT_TYPES, JobNotification, NotificationDelivery]
+    models = [SubmitJob, CancelJob, ReportCheckpoint, DeployService, ScaleService, DeleteService, ReportServiceLoad,
+              *ALL_EVENT_TYPES, JobNotification, NotificationDelivery]
     out = {}
     for model in models:
         schema = model.model_json_schema(schema_generator=ContractSchema)

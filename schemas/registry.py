@@ -45,6 +45,7 @@ from schemas.service import (
     ScaleRequested,
     ServiceDeleted,
     ServiceDeployed,
+    ServiceLoadReported,
     ServiceUpdated,
 )
 
@@ -89,6 +90,7 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     ServiceUpdated: ("admission", "updated"),
     ScaleRequested: ("admission", "scale_requested"),
     ServiceDeleted: ("admission", "deleted"),
+    ServiceLoadReported: ("admission", "load_reported"),
     ScaledTo: ("serving", "scaled"),
     ReplicaRequested: ("serving", "replica_requested"),
     ReplicaRetired: ("serving", "replica_retired"),

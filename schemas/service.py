@@ -74,6 +74,31 @@ class Rollout(Contract):
         return self
 
 
+class Autoscaling(Contract):
+    """Replicas from load, within [min, max] (the controller's rule, docs/serving.md):
+
+    * ``requests_per_replica``: ``ceil(requests per second / target)``, from the service's load
+      reports (ReportServiceLoad, which an ingress publishes on the team's ``load`` subject);
+    * ``gpu_utilization``: ``ceil(ready replicas × their mean GPU utilization / target)``, from the
+      executor's telemetry of the GPUs the ready replicas hold.
+
+    A higher recommendation takes effect once every recommendation of the last
+    ``scale_up_stabilization_seconds`` agrees (the lowest of them), a lower one once every one of
+    the last ``scale_down_stabilization_seconds`` does (the highest of them)."""
+
+    metric: Literal["requests_per_replica", "gpu_utilization"]
+    target: float = Field(gt=0, le=1_000_000, allow_inf_nan=False,
+                          description="Requests per second per replica, or GPU utilization per replica in (0, 1]")
+    scale_up_stabilization_seconds: float = Field(default=0, ge=0, le=3600)
+    scale_down_stabilization_seconds: float = Field(default=300, ge=0, le=3600)
+
+    @model_validator(mode="after")
+    def _utilization_is_a_fraction(self) -> "Autoscaling":
+        if self.metric == "gpu_utilization" and self.target > 1:
+            raise ValueError(f"a gpu_utilization target is a fraction in (0, 1], got {self.target}")
+        return self
+
+
 class ServiceSpec(Contract):
     """What a team deploys. ``replica`` is one replica's job: its resources, image, command,
     flavors and priority class (``inference-sla`` by default: never a victim, first in order).
@@ -86,6 +111,7 @@ class ServiceSpec(Contract):
     replica: JobSpec = Field(description="One replica's job; kind inference, queue and team the service's")
     readiness: Readiness = Field(default_factory=Readiness)
     rollout: Rollout = Field(default_factory=Rollout)
+    autoscaling: Autoscaling | None = Field(default=None, description="None: replicas change only when asked")
 
     @model_validator(mode="after")
     def _replica_is_the_services(self) -> "ServiceSpec":
@@ -138,17 +164,28 @@ class ScaleRequested(_Commanded):
     requested_by: str = Field(min_length=1, max_length=253)
 
 
+class ServiceLoadReported(_Commanded):
+    """The service's load, as its ingress reported it (ReportServiceLoad): what the
+    ``requests_per_replica`` autoscaling rule reads."""
+
+    type: Literal["ServiceLoadReported"] = "ServiceLoadReported"
+    requests_per_second: float = Field(ge=0, le=1e9, allow_inf_nan=False)
+    reported_by: str = Field(min_length=1, max_length=253)
+
+
 class ServiceDeleted(_Commanded):
     type: Literal["ServiceDeleted"] = "ServiceDeleted"
     deleted_by: str = Field(min_length=1, max_length=253)
 
 
 class ScaledTo(_ServiceEvent):
-    """The controller's desired replicas after a request, clamped to [min, max]."""
+    """The controller's desired replicas: a scale request answered (clamped to [min, max]), or
+    the autoscaling rule's recommendation taking effect."""
 
     type: Literal["ScaledTo"] = "ScaledTo"
     replicas: int = Field(ge=0, le=MAX_REPLICAS)
-    requested: int = Field(ge=0, le=MAX_REPLICAS)
+    requested: int = Field(ge=0, le=MAX_REPLICAS, description="What was asked, or recommended, before clamping")
+    by: Literal["user", "operator", "autoscaler"] = "user"
     message: str = Field(default="", max_length=1024)
 
 
@@ -197,5 +234,5 @@ class ReplicaLost(_ServiceEvent):
     replaced: bool = False
 
 
-SERVICE_EVENTS = (ServiceDeployed, ServiceUpdated, ScaleRequested, ServiceDeleted, ScaledTo, ReplicaRequested,
-                  ReplicaRetired, ReplicaScheduled, ReplicaReady, ReplicaLost)
+SERVICE_EVENTS = (ServiceDeployed, ServiceUpdated, ScaleRequested, ServiceLoadReported, ServiceDeleted, ScaledTo,
+                  ReplicaRequested, ReplicaRetired, ReplicaScheduled, ReplicaReady, ReplicaLost)

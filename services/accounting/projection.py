@@ -45,6 +45,7 @@ from schemas import (
     ScaleRequested,
     ServiceDeleted,
     ServiceDeployed,
+    ServiceLoadReported,
     ServiceUpdated,
     QueueConfigured,
     QueueDeleted,
@@ -240,6 +241,7 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
         Op("service_updated", (j, e.spec.model_dump_json(), e.generation, e.spec.replicas.desired, t, seq))],
     ScaleRequested: lambda e, j, t, seq: [Op("service_scale_requested", (j, e.replicas, e.requested_by, t, seq))],
     ScaledTo: lambda e, j, t, seq: [Op("service_scaled", (j, e.replicas, seq))],
+    ServiceLoadReported: lambda e, j, t, seq: [Op("service_load", (j, e.requests_per_second, t, seq))],
     ServiceDeleted: lambda e, j, t, seq: [Op("service_deleted", (j, t, seq))],
     ReplicaRequested: lambda e, j, t, seq: [
         Op("replica_requested", (e.job_id, j, e.generation, e.index, e.reason, t, seq))],

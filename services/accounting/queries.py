@@ -277,7 +277,7 @@ async def services(conn: asyncpg.Connection, team: str | None = None) -> list[di
                   count(*) FILTER (WHERE r.state = 'ready') AS ready,
                   count(*) FILTER (WHERE r.state = 'scheduled') AS starting,
                   count(*) FILTER (WHERE r.state IN ('requested', 'lost')) AS pending,
-                  s.spec->'replicas' AS replicas, s.deployed_by, s.updated_at
+                  s.spec->'replicas' AS replicas, s.load_rps, s.load_at, s.deployed_by, s.updated_at
            FROM services s LEFT JOIN service_replicas r ON r.service = s.name
            WHERE NOT s.deleted AND ($1::text IS NULL OR s.team = $1)
            GROUP BY s.name ORDER BY s.name""", team)

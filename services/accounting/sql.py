@@ -100,6 +100,8 @@ SQL = {
     "service_scale_requested": """
         UPDATE services SET requested = $2, requested_by = $3, requested_at = $4, last_sequence = $5
         WHERE name = $1 AND last_sequence < $5""",
+    "service_load": """
+        UPDATE services SET load_rps = $2, load_at = $3, last_sequence = $4 WHERE name = $1 AND last_sequence < $4""",
     "service_scaled": """
         UPDATE services SET desired = $2, last_sequence = $3 WHERE name = $1 AND last_sequence < $3""",
     "service_deleted": """

@@ -80,6 +80,8 @@ class AdmissionService(DecisionService):
                     events = core.handle_scale(msg.data, sender, seq, now)
                 elif sender.verb == "delete":
                     events = core.handle_delete(msg.data, sender, seq, now)
+                elif sender.verb == "load":
+                    events = core.handle_load(msg.data, sender, seq, now)
                 else:
                     events = core.handle_cancel(msg.data, sender, now)
             except PoisonCommand as err:

@@ -54,7 +54,7 @@ from schemas.commands import (
     parse_command,
     validate_command,
 )
-from schemas.commands import DeleteService, DeployService, ScaleService
+from schemas.commands import DeleteService, DeployService, ReportServiceLoad, ScaleService
 from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
 from schemas.node import NodeInfo
 from schemas.service import (
@@ -63,6 +63,7 @@ from schemas.service import (
     ScaleRequested,
     ServiceDeleted,
     ServiceDeployed,
+    ServiceLoadReported,
     ServiceSpec,
     ServiceUpdated,
 )
@@ -427,6 +428,14 @@ class AdmissionCore:
                           key=f"scale/{svc.generation}/{svc.scales + 1}", cause=svc.deployed, replicas=command.replicas,
                           by="operator" if sender.operator else "user",
                           requested_by=command.on_behalf_of or sender.user, intake_sequence=seq)]
+
+    def handle_load(self, raw: bytes, sender: Principal, seq: int, now: datetime) -> list[Event]:
+        """A ReportServiceLoad of the team's service: ServiceLoadReported, stamped now."""
+        command = _parse_service_command(ReportServiceLoad, raw, sender)
+        svc = self._team_service("ReportServiceLoad", command.service, sender.team)
+        return [new_event(ServiceLoadReported, aggregate_id=command.service, producer=PRODUCER, occurred_at=now,
+                          key=f"load/{seq}", cause=svc.deployed, requests_per_second=command.requests_per_second,
+                          reported_by=command.on_behalf_of or sender.user, intake_sequence=seq)]
 
     def handle_delete(self, raw: bytes, sender: Principal, seq: int, now: datetime) -> list[Event]:
         command = _parse_service_command(DeleteService, raw, sender)

@@ -11,7 +11,9 @@ retries itself; or its job ended for good, when another replica is asked for in 
 
 Each cycle, per service:
 
-1. answer a scale request: ScaledTo, the request clamped to the spec's [min, max];
+1. answer a scale request: ScaledTo, the request clamped to the spec's [min, max]; or, for a
+   service with an autoscaling rule, ScaledTo when its recommendation (from the load reports or
+   the GPU telemetry of its replicas) has held for the stabilization window;
 2. tell what happened to the replicas (scheduled, ready, lost);
 3. reconcile: replicas of the current template (generation) up to ``desired``, at most
    ``rollout.max_surge`` above it while older ones remain; older replicas retired while at least
@@ -24,6 +26,7 @@ controller re-derives what it had not written and nothing else. docs/serving.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -39,6 +42,7 @@ from schemas import (
     JobStarted,
     JobSubmitted,
     JobSucceeded,
+    NodeTelemetryReported,
     new_event,
 )
 from schemas.job import RetryPolicy
@@ -54,6 +58,7 @@ from schemas.service import (
     ScaleRequested,
     ServiceDeleted,
     ServiceDeployed,
+    ServiceLoadReported,
     ServiceSpec,
     ServiceUpdated,
     replica_job_id,
@@ -74,6 +79,8 @@ class Replica:
     attempt: int = 1
     failures: int = 0
     placed: tuple[int, tuple[str, ...]] | None = None  # (attempt, nodes) of the current attempt
+    gpus: tuple[int, ...] = ()  # device indices of the current attempt on its node
+    utilization: float | None = None  # of its GPUs, the latest telemetry while it was ready
     started_at: datetime | None = None  # of the current attempt
     lost: tuple[int, str, bool] | None = None  # (attempt, reason, for good) not yet told
     told: set[tuple[str, int]] = field(default_factory=set)  # (event type, attempt) recorded
@@ -99,6 +106,9 @@ class Service:
     replicas: dict[str, Replica] = field(default_factory=dict)
     next_index: dict[int, int] = field(default_factory=dict)  # generation -> next replica index
     broken_generation: int | None = None  # a replica of it was rejected: ask for no more until an update
+    # the autoscaling rule's recommendations, (time, replicas), within the longer stabilization window
+    recommendations: list[tuple[datetime, int]] = field(default_factory=list)
+    observed: int = 0  # recommendations so far (the autoscaler's event keys)
 
     def live(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.live]
@@ -134,11 +144,18 @@ class ServingCore:
                     svc.scale_requests.append(event)
             case ScaledTo():
                 if (svc := self.services.get(event.aggregate_id)) is not None:
-                    svc.scales_answered += 1
+                    svc.scales_answered += event.by != "autoscaler"
                     svc.desired = event.replicas
             case ServiceDeleted():
                 if (svc := self.services.get(event.aggregate_id)) is not None:
                     svc.deleted = True
+            case ServiceLoadReported():
+                svc = self.services.get(event.aggregate_id)
+                rule = svc.spec.autoscaling if svc is not None else None
+                if rule is not None and rule.metric == "requests_per_replica":
+                    self._recommend(svc, event.occurred_at, math.ceil(event.requests_per_second / rule.target))
+            case NodeTelemetryReported():
+                self._telemetry(event)
             case ReplicaRequested():
                 if (svc := self.services.get(event.aggregate_id)) is not None:
                     svc.replicas[event.job_id] = Replica(event.job_id, event.generation, event.index)
@@ -164,6 +181,7 @@ class ServingCore:
         match event:
             case JobScheduled() if event.attempt == r.attempt:
                 r.placed = (event.attempt, tuple(p.node for p in event.placement))
+                r.gpus = tuple(i for p in event.placement for i in p.gpu_indices)
             case JobStarted() if event.attempt == r.attempt:
                 r.started_at = event.occurred_at
             case JobPreempted() if event.attempt == r.attempt:
@@ -182,9 +200,37 @@ class ServingCore:
             case JobSubmitted():
                 pass
 
+    def _telemetry(self, report: NodeTelemetryReported) -> None:
+        """The utilization of the GPUs ready replicas hold on the node; for each service whose
+        rule reads it, a recommendation: ready replicas × their mean utilization / target."""
+        by_index = {g.index: (g.allocated_utilization if g.allocated_utilization is not None else g.utilization)
+                    for g in report.gpus}
+        for svc in self.services.values():
+            rule = svc.spec.autoscaling
+            if rule is None or rule.metric != "gpu_utilization" or svc.deleted:
+                continue
+            touched = False
+            for r in svc.replicas.values():
+                seen = [by_index[i] for i in r.gpus if i in by_index]
+                if r.ready and r.live and r.placed is not None and r.placed[1] == (report.node,) and seen:
+                    r.utilization, touched = sum(seen) / len(seen), True
+            ready = [r.utilization for r in svc.replicas.values() if r.ready and r.live and r.utilization is not None]
+            if touched and ready:
+                self._recommend(svc, report.occurred_at, math.ceil(len(ready) * (sum(ready) / len(ready)) / rule.target
+                                                                   - 1e-9))
+
+    @staticmethod
+    def _recommend(svc: Service, at: datetime, replicas: int) -> None:
+        rule = svc.spec.autoscaling
+        lo, hi = svc.spec.replicas.min, svc.spec.replicas.max
+        keep = timedelta(seconds=max(rule.scale_up_stabilization_seconds, rule.scale_down_stabilization_seconds))
+        svc.recommendations = [(t, n) for t, n in svc.recommendations if t > at - keep]
+        svc.recommendations.append((at, min(max(replicas, lo), hi)))
+        svc.observed += 1
+
     def _lose(self, r: Replica, attempt: int, reason: str, *, for_good: bool) -> None:
         was_serving = r.started_at is not None
-        r.started_at, r.ready = None, False
+        r.started_at, r.ready, r.utilization = None, False, None
         if for_good:
             r.ended = True
         if not r.retired and (was_serving or r.placed is not None or for_good):
@@ -203,6 +249,7 @@ class ServingCore:
         for name in sorted(self.services):
             svc = self.services[name]
             scaled = self._scale(name, svc, now)
+            scaled += self._autoscale(name, svc, scaled[-1].replicas if scaled else svc.desired, now)
             out += scaled
             out += self._tell(name, svc, now)
             out += self._reconcile(name, svc, scaled[-1].replicas if scaled else svc.desired, now)
@@ -217,8 +264,35 @@ class ServingCore:
             message = "" if replicas == request.replicas else (
                 f"{request.replicas} replicas asked; the spec allows {lo} to {hi}: scaled to {replicas}")
             out.append(new_event(ScaledTo, aggregate_id=name, producer=PRODUCER, occurred_at=now, key=f"scaled/{n}",
-                                 cause=request, replicas=replicas, requested=request.replicas, message=message))
+                                 cause=request, replicas=replicas, requested=request.replicas, by=request.by,
+                                 message=message))
         return out
+
+    def _autoscale(self, name: str, svc: Service, desired: int, now: datetime) -> list[ScaledTo]:
+        """ScaledTo when the rule's latest recommendation differs from ``desired`` and has held
+        for the stabilization window: up to the lowest recommendation of the up window, down to
+        the highest of the down window. Wakes when a recommendation leaves a window."""
+        rule, recs = svc.spec.autoscaling, svc.recommendations
+        if rule is None or svc.deleted or not recs:
+            return []
+        latest = recs[-1][1]
+        if latest == desired:
+            return []
+        up = latest > desired
+        window = timedelta(seconds=rule.scale_up_stabilization_seconds if up else rule.scale_down_stabilization_seconds)
+        held = [(t, n) for t, n in recs if t > now - window] or [recs[-1]]
+        target = min(n for _, n in held) if up else max(n for _, n in held)
+        blocking = [t + window for t, n in held if (n < latest if up else n > latest)]
+        if blocking:
+            wake = min(blocking)
+            self.wake_at = wake if self.wake_at is None else min(self.wake_at, wake)
+        if (target > desired) if up else (target < desired):
+            what = ("requests per second" if rule.metric == "requests_per_replica" else "GPU utilization")
+            return [new_event(ScaledTo, aggregate_id=name, producer=PRODUCER, occurred_at=now,
+                              key=f"auto/{svc.observed}/{target}", replicas=target, requested=latest, by="autoscaler",
+                              message=f"autoscaler: {what} recommend {latest} replicas (target {rule.target:g} per "
+                                      f"replica); {target} held for the {window.total_seconds():g} s window")]
+        return []
 
     def _tell(self, name: str, svc: Service, now: datetime) -> list[Event]:
         """What happened to the replicas, each told once per attempt."""

@@ -160,3 +160,17 @@ async def _replaced_on(js, replicas: set[str], lost_node: str) -> bool:
     again = {e.job_id for e in await events(js, "gpusched.service.chat.replica_scheduled")
              if e.attempt > 1 and e.nodes[0] != lost_node}
     return replicas <= lost and replicas <= again
+
+
+async def test_load_reports_from_the_ingress_scale_the_service(platform):
+    admin, tenant, _ = platform
+    doc = service_doc(1)
+    doc["spec"]["autoscaling"] = {"metric": "requests_per_replica", "target": 10, "scale_down_stabilization_seconds": 60}
+    await publish(tenant, "deploy", doc)
+    await eventually(lambda: _count(ready_replicas(admin), 1), timeout_s=20)
+    await publish(tenant, "load", {"service": "chat", "requests_per_second": 45})
+    await eventually(lambda: _count(ready_replicas(admin), 5, exact=True), timeout_s=20)
+    await publish(tenant, "load", {"service": "chat", "requests_per_second": 12})  # 2 replicas, after 60 s (0.6 s)
+    await eventually(lambda: _count(ready_replicas(admin), 2, exact=True), timeout_s=20)
+    scaled = [(e.by, e.replicas) for e in await events(admin, "gpusched.service.chat.scaled")]
+    assert scaled == [("autoscaler", 5), ("autoscaler", 2)]

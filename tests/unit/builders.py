@@ -403,7 +403,7 @@ def service_samples() -> list[Event]:
     """One event of every service type (schemas.service)."""
     from schemas import (
         ReplicaLost, ReplicaReady, ReplicaRequested, ReplicaRetired, ReplicaScheduled, ScaledTo, ScaleRequested,
-        ServiceDeleted, ServiceUpdated,
+        ServiceDeleted, ServiceLoadReported, ServiceUpdated,
     )
 
     def make(cls, key, **fields):
@@ -417,7 +417,9 @@ def service_samples() -> list[Event]:
         make(ServiceUpdated, "u", spec=service_spec(image="srv:2"), generation=2, updated_by="alice", intake_sequence=2),
         make(ScaleRequested, "s", replicas=3, by="autoscaler", requested_by="hpa", intake_sequence=3),
         make(ServiceDeleted, "d", deleted_by="bob", intake_sequence=4),
-        make(ScaledTo, "t", replicas=4, requested=9, message="9 replicas asked; the spec allows 1 to 4: scaled to 4"),
+        make(ServiceLoadReported, "lr", requests_per_second=120.5, reported_by="ingress", intake_sequence=5),
+        make(ScaledTo, "t", replicas=4, requested=9, by="operator",
+             message="9 replicas asked; the spec allows 1 to 4: scaled to 4"),
         make(ReplicaRequested, "r", job_id=job, generation=2, index=0, spec=service_spec().replica, submitter="alice",
              reason="rollout"),
         make(ReplicaRetired, "x", job_id=job, reason="scale-down"),

@@ -137,3 +137,17 @@ def test_a_submitted_job_id_may_not_take_the_replicas_prefix():
     raw = json.dumps({"job_id": "replica-chat-1-0", "spec": service_spec().replica.model_dump(mode="json")}).encode()
     (rejected,) = core_with().handle_submit(raw, sender("team-a"), 5, T0)
     assert rejected.type == "JobRejected" and "reserved for the replicas of services" in rejected.message
+
+
+def test_a_load_report_of_the_teams_service_is_recorded_with_the_reporter():
+    core = core_with()
+    deploy(core)
+    who = sender("team-a", "ingress", verb="load")
+    (e,) = core.handle_load(json.dumps({"service": "chat", "requests_per_second": 42.5}).encode(), who, 7, T0)
+    assert (e.type, e.requests_per_second, e.reported_by, e.intake_sequence) == ("ServiceLoadReported", 42.5,
+                                                                                 "ingress", 7)
+    with pytest.raises(PoisonCommand, match="requests_per_second"):
+        core.handle_load(json.dumps({"service": "chat", "requests_per_second": -1}).encode(), who, 8, T0)
+    with pytest.raises(PoisonCommand, match="belongs to team 'team-a'"):
+        core.handle_load(json.dumps({"service": "chat", "requests_per_second": 1}).encode(),
+                         sender("team-b", verb="load"), 9, T0)

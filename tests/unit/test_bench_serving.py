@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serving import READINESS_S, run
+from bench.serving import READINESS_S, diurnal, run
 
 
 @pytest.mark.parametrize("checkpoints, lost", [(False, 2 * 2 * 3600.0), (True, 2 * 2 * 600.0)])
@@ -15,3 +15,9 @@ def test_a_small_urgent_scale_up(checkpoints, lost):
     assert r["latency_max_s"] == READINESS_S == r["latency_floor_s"]
     assert (r["victims"], r["victims_minimum"]) == (2, 2)
     assert r["work_lost_gpu_s"] == lost
+
+
+def test_the_diurnal_run_autoscales_below_the_fixed_size_without_more_breach():
+    fixed, auto = diurnal(3, False), diurnal(3, True)
+    assert fixed["breach_s"] == auto["breach_s"] == READINESS_S  # the first replicas' start only
+    assert auto["gpu_hours"] < 0.5 * fixed["gpu_hours"]  # the night's low load on few replicas

@@ -21,13 +21,15 @@ from hypothesis import strategies as st
 from tests.unit.schema_strategy import documents as from_schema
 from pydantic import ValidationError
 
-from schemas.commands import CancelJob, DeleteService, DeployService, ReportCheckpoint, ScaleService, SubmitJob
+from schemas.commands import (
+    CancelJob, DeleteService, DeployService, ReportCheckpoint, ReportServiceLoad, ScaleService, SubmitJob,
+)
 from schemas.export import rendered
 from schemas.registry import ALL_EVENT_TYPES, check_no_nul
 from schemas.tenant import JobNotification, NotificationDelivery
 
 MODELS = {m.__name__: m for m in (SubmitJob, CancelJob, ReportCheckpoint, DeployService, ScaleService,
-                                   DeleteService, *ALL_EVENT_TYPES, JobNotification,
+                                   DeleteService, ReportServiceLoad, *ALL_EVENT_TYPES, JobNotification,
                                    NotificationDelivery)}
 SCHEMAS = {name.removesuffix(".json"): json.loads(text) for name, text in rendered().items()}
 
@@ -39,6 +41,7 @@ MODEL_ONLY_RULES = (
     "out of range for gpu_count", "listed more than once",  # NodeTelemetryReported
     "replica.kind must be inference", "replica.queue and replica.team must be the service's",
     "replica.gang_size must be 1", "min <= desired <= max", "rollout needs max_surge",  # ServiceSpec
+    "gpu_utilization target is a fraction",
 )
 """Rules JSON Schema cannot state (they compare two values); docs/events.md lists them."""
 

@@ -148,6 +148,7 @@ CASES = [
         [Op("service_updated", ("chat", SERVICE[1].spec.model_dump_json(), 2, 2, T0, SEQ))],
         [Op("service_scale_requested", ("chat", 3, "hpa", T0, SEQ))],
         [Op("service_deleted", ("chat", T0, SEQ))],
+        [Op("service_load", ("chat", 120.5, T0, SEQ))],
         [Op("service_scaled", ("chat", 4, SEQ))],
         [Op("replica_requested", ("replica-chat-2-0", "chat", 2, 0, "rollout", T0, SEQ))],
         [Op("replica_state", ("replica-chat-2-0", "retired", None, None, "scale-down", T0, SEQ))],

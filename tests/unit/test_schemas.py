@@ -136,7 +136,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 41
+    assert len(ALL_EVENT_TYPES) == 42
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -230,7 +230,7 @@ EXPECTED_PRODUCERS = {
     "PriceBookUpdated": "config", "TeamConfigured": "config", "PolicyConfigured": "config", "ChargebackStatementIssued": "accounting",
     "ApiTokenIssued": "admin", "ApiTokenRevoked": "admin",
     "ServiceDeployed": "admission", "ServiceUpdated": "admission", "ScaleRequested": "admission",
-    "ServiceDeleted": "admission", "ScaledTo": "serving", "ReplicaRequested": "serving", "ReplicaRetired": "serving",
+    "ServiceDeleted": "admission", "ServiceLoadReported": "admission", "ScaledTo": "serving", "ReplicaRequested": "serving", "ReplicaRetired": "serving",
     "ReplicaScheduled": "serving", "ReplicaReady": "serving", "ReplicaLost": "serving",
 }
 
@@ -317,9 +317,9 @@ def test_committed_json_schemas_match_the_models():
     assert sorted(files) == sorted(committed)
     for name, text in files.items():
         assert committed[name] == text, f"schemas/json/{name} is stale; run `make schemas`"
-    # + SubmitJob, CancelJob, ReportCheckpoint, DeployService, ScaleService, DeleteService; JobNotification,
-    # NotificationDelivery
-    assert len(files) == len(ALL_EVENT_TYPES) + 8
+    # + SubmitJob, CancelJob, ReportCheckpoint, DeployService, ScaleService, DeleteService, ReportServiceLoad;
+    # JobNotification, NotificationDelivery
+    assert len(files) == len(ALL_EVENT_TYPES) + 9
 
 
 def test_export_check_exits_zero():

@@ -19,15 +19,17 @@ from schemas.service import (
     ScaledTo,
     ScaleRequested,
     ServiceDeleted,
+    Autoscaling,
     ServiceDeployed,
+    ServiceLoadReported,
     ServiceSpec,
     ServiceUpdated,
     replica_job_id,
 )
 from services.serving.domain import REPLICA_RETRY, ServingCore, service_of
 from tests.unit.builders import (
-    T0, Log, cancelled, drive, failed, preempted, retry_scheduled, scheduled, service_deployed, service_spec, started,
-    succeeded,
+    T0, Log, cancelled, drive, failed, gpu, preempted, retry_scheduled, scheduled, service_deployed, service_spec,
+    started, succeeded, telemetry,
 )
 
 
@@ -183,3 +185,68 @@ def test_a_restarted_controller_decides_nothing_new():
     for e in log.events:
         fresh.evolve(e)
     assert [e for e in fresh.decide(T0 + timedelta(seconds=30)) if e.event_id not in log.ids] == []
+
+
+# -- autoscaling ----------------------------------------------------------------------------------
+
+
+def autoscaled(metric="requests_per_replica", target=10.0, up=0.0, down=300.0, desired=2, hi=8):
+    s = service_spec(desired=desired, hi=hi).model_copy(update={"autoscaling": Autoscaling(
+        metric=metric, target=target, scale_up_stabilization_seconds=up, scale_down_stabilization_seconds=down)})
+    core, log = ServingCore(), Log()
+    drive(core, [deployed(s)], T0, log=log)
+    return core, log
+
+
+def load(rps: float, at_s: float, n: int) -> ServiceLoadReported:
+    return new_event(ServiceLoadReported, aggregate_id="chat", producer="admission",
+                     occurred_at=T0 + timedelta(seconds=at_s), key=f"load/{n}", requests_per_second=rps,
+                     reported_by="ingress", intake_sequence=100 + n)
+
+
+def autoscaled_to(events) -> list[tuple[int, int]]:
+    return [(e.replicas, e.requested) for e in of(events, ScaledTo) if e.by == "autoscaler"]
+
+
+def test_load_above_target_scales_up_at_once_without_an_up_window():
+    core, log = autoscaled()
+    out = drive(core, [load(35, 1, 1)], T0 + timedelta(seconds=1), log=log)
+    assert autoscaled_to(out) == [(4, 4)]
+    assert [r.job_id for r in of(out, ReplicaRequested)] == [job(2), job(3)]
+    assert of(out, ScaledTo)[0].message.startswith("autoscaler: requests per second recommend 4 replicas")
+
+
+def test_a_drop_in_load_waits_for_the_down_window_then_takes_its_highest():
+    core, log = autoscaled(down=300)
+    drive(core, [load(35, 0, 1)], T0, log=log)
+    out = drive(core, [load(5, 100, 2)], T0 + timedelta(seconds=100), log=log)
+    assert autoscaled_to(out) == [] and core.next_wake() == T0 + timedelta(seconds=300)
+    out = drive(core, [], T0 + timedelta(seconds=300), log=log)
+    assert autoscaled_to(out) == [(1, 1)]  # 5 requests/s at 10 per replica: 1 (the spec's min)
+    assert len(of(out, ReplicaRetired)) == 3
+
+
+def test_a_spike_must_hold_for_the_up_window():
+    core, log = autoscaled(up=60)
+    drive(core, [load(20, 0, 1)], T0, log=log)  # 2 replicas: as deployed
+    out = drive(core, [load(50, 30, 2)], T0 + timedelta(seconds=30), log=log)
+    assert autoscaled_to(out) == [] and core.next_wake() == T0 + timedelta(seconds=60)
+    out = drive(core, [], T0 + timedelta(seconds=60), log=log)
+    assert autoscaled_to(out) == [(5, 5)]
+
+
+def test_recommendations_are_clamped_to_max_and_manual_requests_still_answered():
+    core, log = autoscaled(hi=3)
+    out = drive(core, [load(1000, 1, 1), scale(2)], T0 + timedelta(seconds=1), log=log)
+    assert [(e.by, e.replicas, e.requested) for e in of(out, ScaledTo)] == [("user", 2, 2), ("autoscaler", 3, 3)]
+
+
+def test_gpu_utilization_of_the_ready_replicas_drives_the_rule():
+    core, log = autoscaled(metric="gpu_utilization", target=0.6)
+    when = T0 + timedelta(seconds=1)
+    drive(core, [scheduled(job(0), {"n1": (0,)}, when=when), started(job(0), ["n1"], when=when),
+                 scheduled(job(1), {"n1": (1,)}, when=when), started(job(1), ["n1"], when=when)],
+          when + timedelta(seconds=10), log=log)
+    report = telemetry("n1", [gpu(0, 0.9), gpu(1, 0.9), gpu(2, 0.0, allocated=0)], start=when + timedelta(seconds=10))
+    out = drive(core, [report], when + timedelta(seconds=70), log=log)
+    assert autoscaled_to(out) == [(3, 3)]  # ceil(2 × 0.9 / 0.6)

@@ -10,6 +10,8 @@ CREATE TABLE services (
     requested     integer,                    -- the last ScaleRequested
     requested_by  text,
     requested_at  timestamptz,
+    load_rps      double precision,           -- the last ServiceLoadReported
+    load_at       timestamptz,
     deployed_by   text NOT NULL,
     deployed_at   timestamptz NOT NULL,
     updated_at    timestamptz NOT NULL,
