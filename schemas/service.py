@@ -26,6 +26,9 @@ REPLICA_PREFIX = "replica-"
 """Job ids of replicas; a SubmitJob may not use it."""
 SERVICE_ANNOTATION = "gpusched.io/service"
 """On a replica job's spec: the service it belongs to."""
+READINESS_PATH, READINESS_PORT, READINESS_DELAY = (
+    "gpusched.io/readiness-path", "gpusched.io/readiness-port", "gpusched.io/readiness-delay")
+"""On a replica job's spec, from the service's readiness: the kubernetes backend's readiness probe."""
 MAX_REPLICAS = 512
 
 ServiceName = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=SERVICE_NAME_MAX)]

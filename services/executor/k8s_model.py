@@ -25,6 +25,7 @@ from datetime import datetime
 
 from schemas import FailureReason
 from schemas.node import NodeInfo
+from schemas.service import READINESS_DELAY, READINESS_PATH, READINESS_PORT, SERVICE_ANNOTATION
 from services.executor.gang import MemberStatus
 from services.executor.lifecycle import Phase, Workload, flavor_of, workload_name
 
@@ -33,6 +34,7 @@ GPU_SHARED_RESOURCE = "nvidia.com/gpu.shared"  # time-slicing with renameByDefau
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"  # mig.strategy mixed: nvidia.com/mig-<profile>
 LABEL_PREFIX = "gpusched.io/"
 L_MANAGED = "app.kubernetes.io/managed-by"
+L_SERVICE = "gpusched.io/service"
 MANAGED_BY = "gpusched-executor"
 L_JOB, L_ATTEMPT, L_MEMBER = "gpusched.io/job-id", "gpusched.io/attempt", "gpusched.io/member"
 L_GANG, L_QUEUE, L_TEAM, L_PCLASS = ("gpusched.io/gang-size", "gpusched.io/queue", "gpusched.io/team",
@@ -73,6 +75,24 @@ class JobOptions:
         return self.namespace.replace("{team}", team)
 
 
+def service_port(spec) -> int | None:
+    """The port a service's replica answers its readiness probe on (docs/serving.md), if any."""
+    try:
+        return int(spec.annotations[READINESS_PORT]) if SERVICE_ANNOTATION in spec.annotations else None
+    except (KeyError, ValueError):
+        return None
+
+
+def service_manifest(service: str, namespace: str, port: int) -> dict:
+    """The v1 Service through which clients reach a service's ready replicas: it selects the
+    replicas' Pods by their ``gpusched.io/service`` label, and Kubernetes routes only to the ones
+    whose readiness probe passes."""
+    labels = {L_MANAGED: MANAGED_BY, L_SERVICE: service}
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": service, "namespace": namespace, "labels": labels},
+            "spec": {"selector": labels, "ports": [{"name": "serve", "port": port, "targetPort": port}]}}
+
+
 def job_manifests(w: Workload, opts: JobOptions, gpu_resources: Mapping[str, str] | None = None) -> list[dict]:
     """One batch/v1 Job per gang member, in member order. ``gpu_resources``: the extended
     resource each node's GPUs are requested by (:attr:`GpuOffer.resource`); a node not in it:
@@ -85,6 +105,9 @@ def job_manifests(w: Workload, opts: JobOptions, gpu_resources: Mapping[str, str
         L_QUEUE: spec.queue, L_TEAM: spec.team, L_PCLASS: spec.priority_class,
     }
     passthrough = {k: v for k, v in spec.annotations.items() if _ANNOTATION_KEY.match(k)}
+    if SERVICE_ANNOTATION in spec.annotations:  # a service's replica: its Service selects it by this label
+        labels[L_SERVICE] = spec.annotations[SERVICE_ANNOTATION]
+    port = service_port(spec)
     out = []
     for i, p in enumerate(w.placement):
         name = workload_name(w.job_id, w.attempt, i)
@@ -119,6 +142,13 @@ def job_manifests(w: Workload, opts: JobOptions, gpu_resources: Mapping[str, str
             container["command"] = list(spec.command)
         if spec.args:
             container["args"] = list(spec.args)
+        if port is not None:
+            container["ports"] = [{"name": "serve", "containerPort": port}]
+            if READINESS_PATH in spec.annotations:
+                container["readinessProbe"] = {
+                    "httpGet": {"path": spec.annotations[READINESS_PATH], "port": port},
+                    "initialDelaySeconds": int(float(spec.annotations.get(READINESS_DELAY) or 0)),
+                    "periodSeconds": 5}
         pod_spec = {
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,  # a team's code gets no Kubernetes API token

@@ -38,6 +38,8 @@ from services.executor.k8s_model import (
     job_manifests,
     member_status,
     node_info,
+    service_manifest,
+    service_port,
 )
 from services.executor.lifecycle import Observation, Phase, Plan, TelemetryReport, workload_name
 
@@ -201,6 +203,7 @@ class KubernetesBackend:
         self.pods = Cache("pods", pods_fn, selector=SELECTOR, resync_s=resync_s)
         self.nodes = Cache("nodes", self.core.list_node, selector=None, resync_s=resync_s)
         self._seen: set[str] = set()  # member Job names this process has seen exist
+        self._services: set[tuple[str, str]] = set()  # (namespace, name) of Services known to exist
         self._pod_deleted: dict[str, float] = {}  # pod key -> grace it was deleted with
         self._failed_create: dict[tuple[str, int], Observation] = {}
         self._retry_at = 0.0
@@ -332,6 +335,7 @@ class KubernetesBackend:
             if k in self._failed_create:
                 continue
             have = by_attempt.get(k, {})
+            self._ensure_service(w)
             for i, manifest in enumerate(job_manifests(w, self.opts, self._gpu_resources)):
                 name = manifest["metadata"]["name"]
                 if i in have or name in self._seen:
@@ -356,6 +360,27 @@ class KubernetesBackend:
                         break
                     raise
         return created
+
+    def _ensure_service(self, w) -> None:
+        """For a service's replica with a port: the v1 Service that routes to its ready replicas
+        (created once; one that exists is kept). Left in place when the service is deleted: with
+        no replica left it routes nowhere (docs/serving.md)."""
+        from kubernetes.client.exceptions import ApiException
+
+        port = service_port(w.spec)
+        if port is None:
+            return
+        name, ns = w.spec.annotations["gpusched.io/service"], self.opts.namespace_for(w.spec.team)
+        if (ns, name) in self._services:
+            return
+        try:
+            self.core.create_namespaced_service(ns, service_manifest(name, ns, port))
+        except ApiException as err:
+            if err.status != 409:
+                log.error("Service refused by the API", extra={"service": name, "status": err.status,
+                                                               "error": _api_message(err)})
+                return  # the replicas run; clients find them once a later pass creates it
+        self._services.add((ns, name))
 
     def _stop_all(self, plan: Plan, by_attempt, pods_by_job) -> int:
         deleted = 0

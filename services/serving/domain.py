@@ -47,6 +47,9 @@ from schemas import (
 )
 from schemas.job import RetryPolicy
 from schemas.service import (
+    READINESS_DELAY,
+    READINESS_PATH,
+    READINESS_PORT,
     REPLICA_PREFIX,
     SERVICE_ANNOTATION,
     ReplicaLost,
@@ -351,9 +354,12 @@ class ServingCore:
     @staticmethod
     def _request(name: str, svc: Service, index: int, reason: str, now: datetime) -> ReplicaRequested:
         job_id = replica_job_id(name, svc.generation, index)
-        template = svc.spec.replica
+        template, readiness = svc.spec.replica, svc.spec.readiness
+        probe = {} if readiness.http_path is None or readiness.port is None else {
+            READINESS_PATH: readiness.http_path, READINESS_PORT: str(readiness.port),
+            READINESS_DELAY: f"{readiness.delay_seconds:g}"}
         spec = template.model_copy(update={
-            "annotations": {**template.annotations, SERVICE_ANNOTATION: name},
+            "annotations": {**template.annotations, SERVICE_ANNOTATION: name, **probe},
             "retry": REPLICA_RETRY, "expected_runtime_seconds": None, "max_runtime_seconds": None,
             "idempotency_key": None})
         return new_event(ReplicaRequested, aggregate_id=name, producer=PRODUCER, occurred_at=now, key=job_id,

@@ -145,6 +145,9 @@ def test_the_executor_role_is_enough_and_no_larger(executor_api):
         ("patch Nodes", lambda: core.patch_node("kwok-gpu-0", {"spec": {"unschedulable": True}})),
         ("update Jobs", lambda: batch.patch_namespaced_job("nothing", NAMESPACE, {"metadata": {"labels": {"a": "b"}}})),
         ("list ServiceAccounts", lambda: core.list_namespaced_service_account(NAMESPACE)),
+        ("delete Services", lambda: core.delete_namespaced_service("nothing", NAMESPACE)),
+        ("create Services in another namespace", lambda: core.create_namespaced_service("default", {
+            "metadata": {"name": "elsewhere"}, "spec": {"ports": [{"port": 80}]}})),
     ]
     for what, call in forbidden:
         with pytest.raises(ApiException) as err:
@@ -222,3 +225,34 @@ async def test_the_executor_service_against_nats_and_the_cluster(nats_server, ad
         assert await eventually(done, timeout_s=60) == ["JobSubmitted", "JobScheduled", "JobStarted", "JobSucceeded"]
     nodes = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=["gpusched.node.>"])]
     assert {"kwok-gpu-0", "kwok-gpu-1"} <= {n.aggregate_id for n in nodes}
+
+
+def test_a_services_replicas_carry_its_label_and_probe_and_one_service_routes_to_them(driver, admin):
+    """Two replicas of an inference service (docs/serving.md): each its own Job pinned to its node,
+    labelled with the service, with the readiness probe from its spec; one v1 Service selects them."""
+    core, batch = admin
+    name = f"svc-{uuid.uuid4().hex[:6]}"
+    ann = {"gpusched.io/service": name, "gpusched.io/readiness-path": "/healthz", "gpusched.io/readiness-port": "8000",
+           "gpusched.io/readiness-delay": "15"}
+    spec = work(None, kind="inference", priority_class="inference-sla")
+    spec = spec.model_copy(update={"annotations": {**spec.annotations, **ann}})
+    replicas = [f"replica-{name}-1-{i}" for i in range(2)]
+    now = datetime.now(UTC)
+    for i, j in enumerate(replicas):
+        driver.feed(b.submitted(j, spec, when=now), b.admitted(j, priority=1000, preemptible=False, when=now),
+                    b.scheduled(j, {f"kwok-gpu-{i}": (0,)}, when=now))
+    driver.until(lambda: all(driver.first(j, JobStarted) for j in replicas), timeout=60)
+    for i, j in enumerate(replicas):
+        job = batch.read_namespaced_job(f"{j}-a1-m0", NAMESPACE)
+        assert job.spec.template.metadata.labels["gpusched.io/service"] == name
+        c = job.spec.template.spec.containers[0]
+        probe = c.readiness_probe
+        assert (probe.http_get.path, probe.http_get.port, probe.initial_delay_seconds) == ("/healthz", 8000, 15)
+        assert [p.container_port for p in c.ports] == [8000]
+    svc = core.read_namespaced_service(name, NAMESPACE)
+    assert svc.spec.selector == {"app.kubernetes.io/managed-by": "gpusched-executor", "gpusched.io/service": name}
+    assert [(p.port, p.target_port) for p in svc.spec.ports] == [(8000, 8000)]
+    pods = core.list_namespaced_pod(NAMESPACE, label_selector=f"gpusched.io/service={name}").items
+    assert sorted(p.spec.node_name for p in pods) == ["kwok-gpu-0", "kwok-gpu-1"]
+    for j in replicas:
+        driver.feed(b.cancel_requested(j, when=datetime.now(UTC)))

@@ -10,7 +10,9 @@ import pytest
 from schemas import FailureReason
 from schemas.job import NodeAssignment
 from services.executor.gang import MemberStatus, attempt_observation
-from services.executor.k8s_model import JobOptions, job_manifests, member_status, node_info, pod_status
+from services.executor.k8s_model import (
+    JobOptions, job_manifests, member_status, node_info, pod_status, service_manifest, service_port,
+)
 from services.executor.lifecycle import Phase, Workload, flavor_of, workload_name
 from tests.unit.builders import spec
 
@@ -141,6 +143,34 @@ def test_manifests_one_job_per_node_slice():
     assert (env["GPUSCHED_RESUME"], env["GPUSCHED_GANG_INDEX"], env["GPUSCHED_GANG_SIZE"]) == ("1", "1", "2")
     ann = j["metadata"]["annotations"]
     assert ann["gpusched.io/priority"] == "700" and ann["ok.io/k"] == "v" and "bad key!" not in ann
+
+
+@pytest.mark.parametrize("annotations, label, probe, port", [
+    ({}, None, None, None),  # a job
+    ({"gpusched.io/service": "chat"}, "chat", None, None),  # a replica without a port: labelled only
+    ({"gpusched.io/service": "chat", "gpusched.io/readiness-port": "8000"}, "chat", None, 8000),
+    ({"gpusched.io/service": "chat", "gpusched.io/readiness-port": "8000", "gpusched.io/readiness-path": "/ok",
+      "gpusched.io/readiness-delay": "2.5"}, "chat", ("/ok", 8000, 2), 8000),
+    ({"gpusched.io/service": "chat", "gpusched.io/readiness-port": "x"}, "chat", None, None),  # malformed: no port
+])
+def test_a_replica_is_labelled_with_its_service_and_probed(annotations, label, probe, port):
+    w = Workload(job_id="replica-chat-1-0", attempt=1, spec=spec(kind="inference", annotations=annotations),
+                 flavor="a100", placement=(NodeAssignment(node="n1", gpus=1, gpu_indices=(0,)),))
+    (job,) = job_manifests(w, JobOptions())
+    template = job["spec"]["template"]
+    assert template["metadata"]["labels"].get("gpusched.io/service") == label
+    c = template["spec"]["containers"][0]
+    got = c.get("readinessProbe")
+    assert (None if got is None else (got["httpGet"]["path"], got["httpGet"]["port"], got["initialDelaySeconds"])) == probe
+    assert service_port(w.spec) == port
+    assert [p["containerPort"] for p in c.get("ports", [])] == ([port] if port else [])
+
+
+def test_the_service_manifest_selects_the_replicas_by_label():
+    m = service_manifest("chat", "gpu-team-a", 8000)
+    assert m["spec"]["selector"] == {"app.kubernetes.io/managed-by": "gpusched-executor", "gpusched.io/service": "chat"}
+    assert m["spec"]["ports"] == [{"name": "serve", "port": 8000, "targetPort": 8000}]
+    assert m["metadata"]["namespace"] == "gpu-team-a"
 
 
 def test_node_info_from_gfd_labels():

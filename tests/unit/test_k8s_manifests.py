@@ -40,6 +40,7 @@ EXECUTOR_ROLE_GRANTS = {
     *(("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")),
     *(("", "pods", v) for v in ("get", "list", "watch", "delete")),
     ("", "pods/log", "get"),
+    ("", "services", "create"),
 }
 EXECUTOR_CLUSTERROLE_GRANTS = {("", "nodes", v) for v in ("get", "list", "watch")}
 

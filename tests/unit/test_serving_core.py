@@ -250,3 +250,12 @@ def test_gpu_utilization_of_the_ready_replicas_drives_the_rule():
     report = telemetry("n1", [gpu(0, 0.9), gpu(1, 0.9), gpu(2, 0.0, allocated=0)], start=when + timedelta(seconds=10))
     out = drive(core, [report], when + timedelta(seconds=70), log=log)
     assert autoscaled_to(out) == [(3, 3)]  # ceil(2 × 0.9 / 0.6)
+
+
+def test_a_replica_with_a_readiness_probe_carries_it_to_the_backend():
+    s = service_spec(desired=1).model_copy(update={"readiness": {"delay_seconds": 20, "http_path": "/ok", "port": 8000}})
+    s = ServiceSpec.model_validate(s.model_dump())
+    (request,) = of(drive(ServingCore(), [deployed(s)], T0), ReplicaRequested)
+    assert {k: v for k, v in request.spec.annotations.items() if k.startswith("gpusched.io/")} == {
+        "gpusched.io/service": "chat", "gpusched.io/readiness-path": "/ok", "gpusched.io/readiness-port": "8000",
+        "gpusched.io/readiness-delay": "20"}
