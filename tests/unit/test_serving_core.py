@@ -253,8 +253,8 @@ def test_gpu_utilization_of_the_ready_replicas_drives_the_rule():
 
 
 def test_a_replica_with_a_readiness_probe_carries_it_to_the_backend():
-    s = service_spec(desired=1).model_copy(update={"readiness": {"delay_seconds": 20, "http_path": "/ok", "port": 8000}})
-    s = ServiceSpec.model_validate(s.model_dump())
+    s = ServiceSpec.model_validate({**service_spec(desired=1).model_dump(),
+                                    "readiness": {"delay_seconds": 20, "http_path": "/ok", "port": 8000}})
     (request,) = of(drive(ServingCore(), [deployed(s)], T0), ReplicaRequested)
     assert {k: v for k, v in request.spec.annotations.items() if k.startswith("gpusched.io/")} == {
         "gpusched.io/service": "chat", "gpusched.io/readiness-path": "/ok", "gpusched.io/readiness-port": "8000",
