@@ -28,25 +28,14 @@ from pydantic import BaseModel
 
 from gpusched.api import bus
 from runtime.settings import Settings
-from schemas.commands import (
-    INTAKE_VERBS,
-    CancelJob,
-    DeleteService,
-    DeployService,
-    ReportCheckpoint,
-    ReportServiceLoad,
-    ScaleService,
-    SubmitJob,
-)
+from schemas.commands import COMMAND_MODELS, INTAKE_VERBS
 from schemas.export import ContractSchema, write_or_check
 from schemas.registry import ALL_EVENT_TYPES, PRODUCERS, SUBJECT_PREFIX, subject_suffix
 from schemas.tenant import JobNotification, NotificationDelivery
 
 OUT = Path(__file__).resolve().parents[1] / "schemas" / "asyncapi.json"
 P = SUBJECT_PREFIX
-COMMANDS: dict[str, type[BaseModel]] = {"submit": SubmitJob, "cancel": CancelJob, "checkpoint": ReportCheckpoint,
-                                        "deploy": DeployService, "scale": ScaleService, "delete": DeleteService,
-                                        "load": ReportServiceLoad}
+COMMANDS: dict[str, type[BaseModel]] = COMMAND_MODELS
 PARAMETERS = {
     "team": "A team name (a DNS label); a tenant credential may use only its own",
     "user": "A user of the team (a DNS label): the credential `<team>.<user>`, or the API's authenticated caller",

@@ -135,13 +135,21 @@ def api_permissions() -> dict:
     publish = [f"{P}.intake.*.user.*.{verb}" for verb in INTAKE_VERBS]
     publish += [f"{P}.intake.*.{OPERATOR}.{verb}" for verb in INTAKE_VERBS]
     publish += stream_read_api(EVENTS_STREAM) + stream_read_api(DLQ_STREAM)
-    answers = [f"{P}.job.*.{subject_suffix(t)}" for t in API_ANSWER_TYPES]
-    return _perms(API_USER, publish, subscribe=(*answers, f"{P}.deadletter.admission.intake", f"{P}.tenant.*.job.>"))
+    return _perms(API_USER, publish, subscribe=(*api_answer_subjects(), f"{P}.deadletter.admission.intake",
+                                                f"{P}.tenant.*.job.>"))
 
 
 API_ANSWER_TYPES = ("JobSubmitted", "JobAdmitted", "JobRejected", "JobCancelRequested", "JobCancelled", "JobSucceeded",
                     "JobCheckpointed")
-"""The events that answer a command (gpusched.api.bus listens to these)."""
+"""The events that answer a job command (gpusched.api.bus listens to these)."""
+API_SERVICE_ANSWER_TYPES = ("ServiceDeployed", "ServiceUpdated", "ScaleRequested", "ServiceDeleted",
+                            "ServiceLoadReported")
+"""The events that answer a service command."""
+
+
+def api_answer_subjects() -> tuple[str, ...]:
+    return (*(f"{P}.job.*.{subject_suffix(t)}" for t in API_ANSWER_TYPES),
+            *(f"{P}.service.*.{subject_suffix(t)}" for t in API_SERVICE_ANSWER_TYPES))
 
 RESERVED = frozenset({"admin", OPERATOR, API_USER, *SERVICES})
 """Credential names that are not teams: a team may not be called so (it would share the inbox and

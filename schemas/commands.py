@@ -174,6 +174,12 @@ class DeleteService(_Identified):
     service: ServiceName
 
 
+COMMAND_MODELS: dict[str, type[Contract]] = {
+    "submit": SubmitJob, "cancel": CancelJob, "checkpoint": ReportCheckpoint, "deploy": DeployService,
+    "scale": ScaleService, "delete": DeleteService, "load": ReportServiceLoad}
+"""The command each intake verb carries (INTAKE_VERBS)."""
+
+
 def identity_problem(command: Contract, principal: Principal) -> tuple[str, str] | None:
     """(field, message) when the document contradicts who sent it: it names another user than
     the authenticated one, or an operator command lacks ``on_behalf_of``, or another sender gives one."""

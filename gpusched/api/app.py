@@ -12,13 +12,14 @@ from fastapi.openapi.utils import get_openapi
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from gpusched.api import bus, console, problems, routes, telemetry
+from gpusched.api import bus, console, problems, routes, serving, telemetry
 from gpusched.commands import Answer
 from gpusched.api.auth import Authenticator
 from runtime import eventlog, observability
 from runtime.settings import ConfigError, Settings, env_address, env_number
-from schemas import CancelJob, ReportCheckpoint, SubmitJob, parse_event
-from schemas.commands import Principal
+from schemas import SubmitJob, parse_event
+from schemas.commands import DeployService, Principal
+from schemas.envelope import Contract
 from schemas.export import ContractSchema
 from schemas.job import rejection_id
 from schemas.registry import SUBJECT_PREFIX
@@ -54,7 +55,7 @@ class Gateway:
         self.publishers = publishers
         self.js = js
 
-    async def send(self, who: Principal, command: SubmitJob | CancelJob | ReportCheckpoint,
+    async def send(self, who: Principal, command: Contract,
                    headers: dict[str, str] | None = None) -> tuple[int, bool]:
         """(intake sequence, duplicate): a duplicate (the same Nats-Msg-Id within the stream's
         window) has the first one's sequence."""
@@ -91,14 +92,15 @@ class Gateway:
 
 
 def _openapi(app: FastAPI) -> dict:
-    """FastAPI's document, with the contract's SubmitJob (strict, as admission reads it)."""
+    """FastAPI's document, with the contract's SubmitJob and DeployService (strict, as admission reads them)."""
     if app.openapi_schema:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    schema = SubmitJob.model_json_schema(schema_generator=ContractSchema, ref_template="#/components/schemas/{model}")
     components = doc.setdefault("components", {}).setdefault("schemas", {})
-    components.update(schema.pop("$defs", {}))
-    components["SubmitJob"] = schema
+    for model in (SubmitJob, DeployService):
+        schema = model.model_json_schema(schema_generator=ContractSchema, ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components[model.__name__] = schema
     problem = {"$ref": "#/components/schemas/ProblemDetails"}
     for ops in doc["paths"].values():  # problems are application/problem+json, not application/json
         for op in ops.values():
@@ -139,6 +141,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     problems.install(app)
     app.add_middleware(telemetry.Telemetry)
     app.include_router(routes.router)
+    app.include_router(serving.router)
     console.install(app)
 
     @app.get("/healthz", tags=["operations"])

@@ -34,13 +34,15 @@ from nats.aio.subscription import Subscription
 from gpusched import commands, permissions
 from runtime import eventlog
 from runtime.settings import Settings
-from schemas import CancelJob, Event, ReportCheckpoint, SubmitJob, parse_event
-from schemas.registry import SUBJECT_PREFIX, subject_suffix
+from schemas import Event, parse_event
+from schemas.commands import COMMAND_MODELS
+from schemas.registry import SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
 P = SUBJECT_PREFIX
-ANSWER_SUBJECTS = tuple(f"{P}.job.*.{subject_suffix(t)}" for t in permissions.API_ANSWER_TYPES)
-"""The events that answer a command (gpusched.commands: SubmitAnswers, CancelAnswers, CheckpointAnswers)."""
+ANSWER_SUBJECTS = permissions.api_answer_subjects()
+"""The events that answer a command (gpusched.commands: SubmitAnswers, CancelAnswers, CheckpointAnswers,
+ServiceAnswers)."""
 INTAKE_DEAD_LETTERS = commands.INTAKE_DEAD_LETTERS
 TENANT_EVENTS = P + ".tenant.{team}.job.>"
 KEEP_S = 60.0
@@ -68,7 +70,7 @@ INTAKE_FORMS = {
 def declare_publishers(broker: NatsBroker) -> dict[str, object]:
     """One publisher per intake verb and sender form; the subject is filled in per request."""
     out = {}
-    for verb, model in (("submit", SubmitJob), ("cancel", CancelJob), ("checkpoint", ReportCheckpoint)):
+    for verb, model in COMMAND_MODELS.items():
         for form, template in INTAKE_FORMS.items():
             subject = template.replace("{verb}", verb)
             out[f"{verb}/{form}"] = broker.publisher(

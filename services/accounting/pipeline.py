@@ -18,7 +18,8 @@ them (dead letters and traces live; the turn between writers in a rebuild).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
@@ -98,29 +99,32 @@ def _span(trace: str, msg: Msg, seq: int):
     return observability.span_from_headers(f"{trace} {kind}", msg.headers, sequence=seq)
 
 
-async def run(batches: AsyncIterator[list[Msg]], store: Callable[[Converted], Awaitable[None]], *,
+async def run(batches: AsyncGenerator[list[Msg], None], store: Callable[[Converted], Awaitable[None]], *,
               trace: str | None = None, observe: Callable[[Event], None] | None = None,
               after: Callable[[Converted], None] | None = None) -> None:
     """Convert each non-empty batch from the reader (``trace``, ``observe``: see :func:`convert`)
     and store it, in order: a batch is stored while the next one is read and converted (one
     store at a time; a failed store ends the run). ``after``: called with each batch once
-    stored."""
+    stored. The reader is closed here, in this task, however the run ends: left to the garbage
+    collector, a reader abandoned by a failed store was closed from another task while it still
+    ran ("aclose(): asynchronous generator is already running", seen once when Postgres restarted)."""
     pending: asyncio.Task | None = None
-    try:
-        async for msgs in batches:
-            if not msgs:
-                continue
-            converted = convert(msgs, trace=trace, observe=observe)
+    async with contextlib.aclosing(batches):
+        try:
+            async for msgs in batches:
+                if not msgs:
+                    continue
+                converted = convert(msgs, trace=trace, observe=observe)
+                if pending is not None:
+                    await pending
+                pending = asyncio.create_task(_stored(store, converted, after))
             if pending is not None:
-                await pending
-            pending = asyncio.create_task(_stored(store, converted, after))
-        if pending is not None:
-            task, pending = pending, None
-            await task
-    finally:
-        if pending is not None:
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
+                task, pending = pending, None
+                await task
+        finally:
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
 
 
 async def _stored(store: Callable[[Converted], Awaitable[None]], converted: Converted,

@@ -13,7 +13,7 @@ import asyncpg
 from nats.js import JetStreamContext
 
 from runtime import eventtime
-from schemas import QueueConfigured
+from schemas import QueueConfigured, ServiceSpec
 from services.accounting import chargeback
 from services.accounting.chargeback import Attempt, PriceVersion, QuotaVersion
 
@@ -291,3 +291,11 @@ async def service_replicas(conn: asyncpg.Connection, service: str) -> list[dict[
            FROM service_replicas WHERE service = $1
            ORDER BY state IN ('retired', 'replaced'), generation DESC, replica_index""", service)
     return [dict(r) for r in rows]
+
+
+async def service_spec(conn: asyncpg.Connection, service: str) -> tuple[str, ServiceSpec, int] | None:
+    """(team, spec, generation) of a live service, or None."""
+    row = await conn.fetchrow("SELECT team, spec, generation FROM services WHERE name = $1 AND NOT deleted", service)
+    if row is None:
+        return None
+    return row["team"], ServiceSpec.model_validate_json(row["spec"]), row["generation"]

@@ -14,7 +14,8 @@ PROJECTIONS = ("read-models",)
 """The projections accounting keeps (one today: every table below shares its position)."""
 
 TABLES = ("jobs", "usage_ledger", "reservations", "attempts", "checkpoints", "nodes", "queues", "cohorts",
-          "quota_history", "price_books", "teams", "policies", "api_tokens", "statements", "gpu_telemetry", "applied_events",
+          "quota_history", "price_books", "teams", "policies", "api_tokens", "statements", "gpu_telemetry", "services",
+          "service_replicas", "applied_events",
           "projection_position", "schema_migrations")
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 

@@ -122,7 +122,7 @@ def _bad_checkpoint(rng, doc, team):
 
 
 def _unknown_subject(rng, doc, team):
-    return rng.choice(("delete", "submit.extra", "admin")), _dumps(doc)
+    return rng.choice(("purge", "submit.extra", "admin")), _dumps(doc)
 
 
 MAKERS: dict[str, Callable] = {

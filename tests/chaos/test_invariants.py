@@ -175,8 +175,7 @@ def test_every_malformed_command_is_refused_by_admissions_core():
             continue  # the stream refuses some at publish; the rest are checked by size in the core
         try:
             sender = intake_principal(f"gpusched.intake.{m.team}.{m.verb}")
-            handle = {"submit": AdmissionCore().handle_submit, "cancel": AdmissionCore().handle_cancel,
-                      "checkpoint": AdmissionCore().handle_checkpoint}[sender.verb]
+            handle = getattr(AdmissionCore(), f"handle_{sender.verb}")
             args = (m.payload, sender, 1, datetime.now(UTC)) if sender.verb != "cancel" else \
                 (m.payload, sender, datetime.now(UTC))
             out = handle(*args)
