@@ -54,6 +54,12 @@ HELP = {
     "gpusched_team_gpu_seconds": ("GPU-seconds in the usage ledger", ("team", "flavor")),
     "gpusched_team_cost": ("Cost of the usage ledger under the current price book", ("team", "currency")),
     "gpusched_accounting_read_model_sequence": ("Stream sequence the read models are at", ()),
+    "gpusched_service_desired_replicas": ("Replicas an inference service should have (docs/serving.md)",
+                                          ("service", "team")),
+    "gpusched_service_replicas": ("An inference service's replicas by state: ready, starting (placed, not ready), "
+                                  "pending (asked for, or lost and retrying)", ("service", "team", "state")),
+    "gpusched_service_sla_breach": ("1 while fewer replicas are ready than desired (sum_over_time: breach time)",
+                                    ("service", "team")),
 }
 
 
@@ -140,12 +146,19 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
             "SELECT currency FROM price_books WHERE name = 'default' AND effective_from <= $1 "
             "ORDER BY effective_from DESC, sequence DESC LIMIT 1", now)
         position = await queries.position(conn)
+        services = await queries.services(conn)
         telemetry = await conn.fetch(_TELEMETRY, now, telemetry_window_s, IDLE_BELOW)
     for flavor in sorted(set(capacity) | set(allocated)):
         cap, alloc = capacity.get(flavor) or 0, allocated.get(flavor) or 0
         add("gpusched_gpu_capacity", cap, flavor=flavor)
         add("gpusched_gpu_allocated", alloc, flavor=flavor)
         add("gpusched_gpu_allocation_ratio", alloc / cap if cap else 0.0, flavor=flavor)
+    for svc in services:
+        who = {"service": svc["service"], "team": svc["team"]}
+        add("gpusched_service_desired_replicas", svc["desired"], **who)
+        for state in ("ready", "starting", "pending"):
+            add("gpusched_service_replicas", svc[state], **who, state=state)
+        add("gpusched_service_sla_breach", float(svc["ready"] < svc["desired"]), **who)
     _utilization(telemetry, add)
     for r in sorted(waits, key=lambda r: r["queue"]):
         add("gpusched_queue_wait_seconds", r["p50"], queue=r["queue"], quantile="0.5")
