@@ -68,6 +68,9 @@ from schemas.service import (
 )
 
 PRODUCER = "serving"
+REPLACEMENT_BACKOFF_CAP_S = 300.0
+"""A replica whose job ended for good is replaced after 1 s, then 2, 4, ... up to this, counting
+the replicas of the template that ended so (a server that exits at once must not spin)."""
 REPLICA_RETRY = RetryPolicy(max_attempts=20, backoff_seconds=1.0, backoff_factor=3.0, max_backoff_seconds=300,
                             retry_on=tuple(FailureReason))
 """A replica's job retries every kind of failure (a service should come back), with a growing
@@ -112,6 +115,7 @@ class Service:
     # the autoscaling rule's recommendations, (time, replicas), within the longer stabilization window
     recommendations: list[tuple[datetime, int]] = field(default_factory=list)
     observed: int = 0  # recommendations so far (the autoscaler's event keys)
+    ended: list[datetime] = field(default_factory=list)  # when replicas of this template ended for good
 
     def live(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.live]
@@ -139,7 +143,7 @@ class ServingCore:
             case ServiceUpdated():
                 if (svc := self.services.get(event.aggregate_id)) is not None:
                     if event.generation != svc.generation:
-                        svc.broken_generation = None
+                        svc.broken_generation, svc.ended = None, []
                     svc.spec, svc.generation = event.spec, event.generation
                     svc.desired = event.spec.replicas.desired
             case ScaleRequested():
@@ -188,17 +192,17 @@ class ServingCore:
             case JobStarted() if event.attempt == r.attempt:
                 r.started_at = event.occurred_at
             case JobPreempted() if event.attempt == r.attempt:
-                self._lose(r, event.attempt, f"JobPreempted: {event.reason}", for_good=False)
+                self._lose(svc, r, event, f"JobPreempted: {event.reason}", for_good=False)
             case JobFailed() if event.attempt == r.attempt:
                 r.failures += 1
                 for_good = not r.retired and not REPLICA_RETRY.retries(event.reason, event.retryable, r.failures)
-                self._lose(r, event.attempt, f"JobFailed: {event.reason.value}: {event.message}", for_good=for_good)
+                self._lose(svc, r, event, f"JobFailed: {event.reason.value}: {event.message}", for_good=for_good)
             case JobRetryScheduled():
                 r.attempt, r.placed, r.started_at, r.ready = event.next_attempt, None, None, False
             case JobSucceeded() | JobCancelled():
-                self._lose(r, r.attempt, event.type, for_good=True)
+                self._lose(svc, r, event, event.type, for_good=True)
             case JobRejected():
-                self._lose(r, r.attempt, f"JobRejected: {event.message}", for_good=True)
+                self._lose(svc, r, event, f"JobRejected: {event.message}", for_good=True)
                 svc.broken_generation = r.generation
             case JobSubmitted():
                 pass
@@ -231,13 +235,17 @@ class ServingCore:
         svc.recommendations.append((at, min(max(replicas, lo), hi)))
         svc.observed += 1
 
-    def _lose(self, r: Replica, attempt: int, reason: str, *, for_good: bool) -> None:
+    @staticmethod
+    def _lose(svc: Service, r: Replica, event: Event, reason: str, *, for_good: bool) -> None:
+        """The replica's current attempt ended (``for_good``: its job will not run again)."""
         was_serving = r.started_at is not None
         r.started_at, r.ready, r.utilization = None, False, None
         if for_good:
             r.ended = True
+            if not r.retired and r.generation == svc.generation:
+                svc.ended.append(event.occurred_at)
         if not r.retired and (was_serving or r.placed is not None or for_good):
-            r.lost = (attempt, reason[:256], for_good)
+            r.lost = (getattr(event, "attempt", None) or r.attempt, reason[:256], for_good)
 
     # -- decide ------------------------------------------------------------------------------
     def decisions_refused(self) -> None:
@@ -346,6 +354,11 @@ class ServingCore:
         wanted = min(desired - len(current), room)
         if svc.broken_generation == svc.generation:
             wanted = 0  # its replicas are rejected: asking again would loop
+        elif wanted > 0 and svc.ended:
+            not_before = svc.ended[-1] + timedelta(seconds=min(REPLACEMENT_BACKOFF_CAP_S, 2 ** (len(svc.ended) - 1)))
+            if now < not_before:
+                wanted = 0
+                self.wake_at = not_before if self.wake_at is None else min(self.wake_at, not_before)
         first = svc.next_index.get(svc.generation, 0)
         for index in range(first, first + max(0, wanted)):
             out.append(self._request(name, svc, index, "scale-up" if not older else "rollout", now))

@@ -127,10 +127,27 @@ def test_a_replica_whose_job_ends_for_good_is_replaced(ending):
     core, log = ServingCore(), Log()
     drive(core, [deployed(service_spec(desired=1))], T0, log=log)
     up(core, log, 0)
-    out = drive(core, ending(job(0)), T0 + timedelta(seconds=60), log=log)
+    out = drive(core, ending(job(0)), T0 + timedelta(seconds=600), log=log)
     lost = of(out, ReplicaLost)
     assert lost[-1].job_id == job(0) and lost[-1].replaced
     assert [(r.job_id, r.reason) for r in of(out, ReplicaRequested)] == [(job(1), "scale-up")]
+
+
+def test_replicas_that_keep_ending_are_replaced_ever_more_slowly():
+    """A server that exits at once: each replacement waits twice as long as the one before."""
+    core, log = ServingCore(), Log()
+    drive(core, [deployed(service_spec(desired=1))], T0, log=log)
+    waits, now = [], T0
+    for i in range(4):
+        ended = now + timedelta(seconds=5)
+        drive(core, [scheduled(job(i), when=now), started(job(i), when=now),
+                     succeeded(job(i), started_at=now, when=ended)], ended, log=log)
+        assert core.next_wake() is not None
+        now = core.next_wake()
+        (request,) = of(drive(core, [], now, log=log), ReplicaRequested)
+        assert request.job_id == job(i + 1)
+        waits.append((now - ended).total_seconds())
+    assert waits == [1, 2, 4, 8]
 
 
 def test_a_rejected_replica_is_not_asked_for_again_until_the_template_changes():
