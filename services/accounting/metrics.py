@@ -60,6 +60,9 @@ HELP = {
                                   "pending (asked for, or lost and retrying)", ("service", "team", "state")),
     "gpusched_service_sla_breach": ("1 while fewer replicas are ready than desired (sum_over_time: breach time)",
                                     ("service", "team")),
+    "gpusched_service_replica_ready_seconds": (
+        "From a replica asked for (scale-up, replacement, rollout) to ready, replicas ready in the last day",
+        ("service",)),
 }
 
 
@@ -147,6 +150,13 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
             "ORDER BY effective_from DESC, sequence DESC LIMIT 1", now)
         position = await queries.position(conn)
         services = await queries.services(conn)
+        ready_in = await conn.fetch(
+            """SELECT service, percentile_cont(0.5) WITHIN GROUP (ORDER BY s) AS p50,
+                      percentile_cont(0.99) WITHIN GROUP (ORDER BY s) AS p99, count(*) AS n, sum(s) AS total
+               FROM (SELECT service, extract(epoch FROM ready_at - requested_at)::float8 AS s FROM service_replicas
+                     WHERE ready_at IS NOT NULL AND ready_at > (SELECT max(ready_at) FROM service_replicas)
+                           - make_interval(secs => $1)) r
+               GROUP BY service""", WAIT_WINDOW_S)
         telemetry = await conn.fetch(_TELEMETRY, now, telemetry_window_s, IDLE_BELOW)
     for flavor in sorted(set(capacity) | set(allocated)):
         cap, alloc = capacity.get(flavor) or 0, allocated.get(flavor) or 0
@@ -159,6 +169,12 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
         for state in ("ready", "starting", "pending"):
             add("gpusched_service_replicas", svc[state], **who, state=state)
         add("gpusched_service_sla_breach", float(svc["ready"] < svc["desired"]), **who)
+    for r in sorted(ready_in, key=lambda r: r["service"]):
+        for q in ("0.5", "0.99"):
+            add("gpusched_service_replica_ready_seconds", r["p50" if q == "0.5" else "p99"], service=r["service"],
+                quantile=q)
+        add("gpusched_service_replica_ready_seconds_count", r["n"], service=r["service"])
+        add("gpusched_service_replica_ready_seconds_sum", r["total"], service=r["service"])
     _utilization(telemetry, add)
     for r in sorted(waits, key=lambda r: r["queue"]):
         add("gpusched_queue_wait_seconds", r["p50"], queue=r["queue"], quantile="0.5")
@@ -203,7 +219,7 @@ def has_telemetry(samples: list[Sample]) -> bool:
     return any(s.name == "gpusched_gpu_utilization_measured_ratio" for s in samples)
 
 
-SUMMARIES = {"gpusched_queue_wait_seconds"}  # quantiles with _count and _sum, as the text format wants
+SUMMARIES = {"gpusched_queue_wait_seconds", "gpusched_service_replica_ready_seconds"}  # quantiles, _count and _sum
 
 
 def families(samples: list[Sample]) -> list[Metric]:

@@ -47,5 +47,8 @@ async def test_the_service_and_its_replicas_in_the_read_models_and_metrics(pg_ds
         assert samples[("gpusched_service_replicas", (*who, ("state", "ready")))] == 1
         assert samples[("gpusched_service_replicas", (*who, ("state", "pending")))] == 2
         assert samples[("gpusched_service_sla_breach", who)] == 1
+        # requested and ready 5 s into the log here: asked-for to ready is 0 for the one ready replica
+        assert samples[("gpusched_service_replica_ready_seconds", (("service", "chat"), ("quantile", "0.99")))] == 0
+        assert samples[("gpusched_service_replica_ready_seconds_count", (("service", "chat"),))] == 1
     finally:
         await conn.close()
