@@ -24,6 +24,7 @@ from gpusched.api.problems import Problem
 from gpusched.api.routes import JOB_ID_PATTERN
 from schemas.auth import Role
 from schemas.envelope import NAME_PATTERN
+from services.accounting import queries
 
 HERE = FilePath(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
@@ -116,6 +117,16 @@ async def overview(request: Request) -> HTMLResponse:
         nodes = await reads.nodes(conn)
         summary = await reads.summary(conn, _team(me))
     return page(request, "overview.html", me, flavors=reads.gpus_by_flavor(nodes), nodes=nodes, summary=summary)
+
+
+@router.get("/services")
+async def services(request: Request) -> HTMLResponse:
+    """The team's inference services (docs/serving.md), each with its replicas."""
+    me = await viewer(request)
+    async with request.app.state.pool.acquire() as conn:
+        rows = await queries.services(conn, _team(me))
+        replicas = {r["service"]: await queries.service_replicas(conn, r["service"]) for r in rows}
+    return page(request, "services.html", me, services=rows, replicas=replicas)
 
 
 @router.get("/queues")

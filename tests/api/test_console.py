@@ -146,6 +146,32 @@ def test_pages_for_an_operator(browser, api_stack, shots):
     member.close()
 
 
+def test_a_teams_services_page_shows_its_replicas_and_only_its_own(browser, api_stack, shots):
+    from tests.api.test_api_services import service
+
+    name = f"web-{uuid.uuid4().hex[:6]}"
+    with api_stack.client("bob") as bob:
+        assert bob.post("/v1/services", json=service(name, 2)).status_code == 201
+        page = login(browser, api_stack, "bob")
+        deadline = time.monotonic() + 60
+        while True:  # the read models follow the replicas; the page shows what they hold
+            page.goto(f"{api_stack.url}/console/services")
+            row = page.locator(f"#services tr[data-service='{name}']")
+            if row.count() and row.locator("td.ready").inner_text() == "2":
+                break
+            assert time.monotonic() < deadline, page.inner_text("#services")
+            time.sleep(0.5)
+        states = page.locator(f"table.replicas[data-service='{name}'] tr[data-state]")
+        assert [states.nth(i).get_attribute("data-state") for i in range(states.count())] == ["ready", "ready"]
+        page.screenshot(path=shots / "09-services.png", full_page=True)
+        page.close()
+        other = login(browser, api_stack, "alice")
+        other.goto(f"{api_stack.url}/console/services")
+        assert name not in other.inner_text("main")
+        other.close()
+        assert bob.delete(f"/v1/services/{name}").status_code == 200
+
+
 def test_cohort_totals_sum_queues_up_the_tree():
     cohorts = [{"name": "org", "parent": None}, {"name": "ml", "parent": "org"}, {"name": "idle", "parent": None}]
     keys = ("queue", "cohort", "flavor", "nominal", "used", "borrowed", "lent", "pending_jobs")
