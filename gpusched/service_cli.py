@@ -25,8 +25,8 @@ def _answered(answer: commands.Answer) -> dict[str, Any]:
 
 def _nats_only(what: str) -> None:
     if Connection.resolve().api_url:
-        raise UserError(f"{what}: services are not in the HTTP API yet (docs/serving.md); use a NATS credential "
-                        "(unset GPUSCHED_API_URL)")
+        raise UserError(f"{what}: the CLI sends service commands over NATS only; with an API token use the API's "
+                        "/v1/services routes (docs/api.md), or a NATS credential (unset GPUSCHED_API_URL)")
 
 
 def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callable, with_js: Callable,
