@@ -33,7 +33,9 @@ import math
 import random
 import statistics
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+from gpusched.service_cli import load_curve
 from gpusched.tracesim import decide_until_quiet
 from schemas import Event, JobPreempted, QueueConfigured, new_event
 from schemas.node import NodeInfo
@@ -133,8 +135,20 @@ def run(nodes: int, start: int, to: int, victim_gpus: int, checkpoints: bool) ->
     }
 
 
+def curve_rps(curve: list[tuple[float, float]], offset_s: float) -> float:
+    """The load at ``offset_s`` on a curve of (offset, requests/s) points, linear between them."""
+    if offset_s <= curve[0][0]:
+        return curve[0][1]
+    for (t0, r0), (t1, r1) in zip(curve, curve[1:]):
+        if offset_s <= t1:
+            return r0 if t1 == t0 else r0 + (r1 - r0) * (offset_s - t0) / (t1 - t0)
+    return curve[-1][1]
+
+
 def diurnal(hours: float, autoscale: bool, peak_rps: float = 300.0, capacity: float = 10.0, target: float = 8.0,
-            nodes: int = 8, seed: int = 3) -> dict:
+            nodes: int = 8, seed: int = 3, curve: list[tuple[float, float]] | None = None) -> dict:
+    """``curve``: the load from a file (gpusched/examples/load-diurnal.csv) instead of the sine,
+    with the same noise; ``peak_rps`` is then its highest point."""
     cluster = [NodeInfo(name=f"n{i}", gpu_flavor="a100", gpu_count=8, gpu_memory_mib=81920) for i in range(nodes)]
     admission, quota, scheduler = AdmissionCore(), QuotaCore(), SchedulerCore()
     executor, serving = SimExecutorCore(cluster), ServingCore()
@@ -147,6 +161,8 @@ def diurnal(hours: float, autoscale: bool, peak_rps: float = 300.0, capacity: fl
 
     rng = random.Random(seed)
     seq = iter(range(1, 1_000_000))
+    if curve is not None:
+        peak_rps = max(r for _, r in curve)
     peak = math.ceil(peak_rps * 1.05 / capacity)  # the fixed size: enough for the noisy peak
     feed([new_event(QueueConfigured, aggregate_id="prod", producer="config", occurred_at=T0, key="1", name="prod",
                     allowed_teams=("team-a",), quotas=(FlavorQuota(flavor="a100", nominal=nodes * 8),))])
@@ -160,8 +176,10 @@ def diurnal(hours: float, autoscale: bool, peak_rps: float = 300.0, capacity: fl
     breach = held = 0.0
     now, i = T0, 0
     while now < T0 + timedelta(hours=hours):
-        phase = (now - T0).total_seconds() / 86_400
-        rps = peak_rps * (0.55 + 0.45 * math.sin(2 * math.pi * (phase - 0.25))) * rng.uniform(0.95, 1.05)
+        offset = (now - T0).total_seconds()
+        base = (curve_rps(curve, offset) if curve is not None
+                else peak_rps * (0.55 + 0.45 * math.sin(2 * math.pi * (offset / 86_400 - 0.25))))
+        rps = base * rng.uniform(0.95, 1.05)
         if i % report_every == 0:
             feed(admission.handle_load(json.dumps({"service": "chat", "requests_per_second": rps}).encode(),
                                        command("load"), next(seq), now))
@@ -182,6 +200,9 @@ def main() -> None:
     p.add_argument("--to", type=int, default=32)
     p.add_argument("--victim-gpus", type=int, default=2)
     p.add_argument("--hours", type=float, default=24.0, help="Length of the diurnal run")
+    p.add_argument("--load-file", type=Path, default=None,
+                   help="The diurnal load from a CSV of seconds,requests_per_second (gpusched report-load's --curve "
+                        "format) instead of the sine")
     args = p.parse_args()
     print(f"urgent scale-up {args.start} -> {args.to} replicas of an SLA service on {args.nodes} x 8 A100 full of "
           f"{args.victim_gpus}-GPU training jobs (virtual seconds; pure cores, no service lag)")
@@ -195,8 +216,10 @@ def main() -> None:
               f"max {r['latency_max_s']} s ({ratio(r['latency_max_s'])}); floor {r['latency_floor_s']:.0f} s "
               f"(readiness); victims {r['victims']} (fewest possible {r['victims_minimum']}); "
               f"work lost {r['work_lost_gpu_s']:.0f} GPU-s")
-    fixed, auto = diurnal(args.hours, False), diurnal(args.hours, True)
-    print(f"diurnal load over {args.hours:g} h (peak 300 requests/s ±5 %, replicas serve 10 requests/s each):")
+    curve = load_curve(args.load_file) if args.load_file else None
+    fixed, auto = diurnal(args.hours, False, curve=curve), diurnal(args.hours, True, curve=curve)
+    source = f"from {args.load_file}" if curve else "peak 300 requests/s"
+    print(f"diurnal load over {args.hours:g} h ({source} ±5 %, replicas serve 10 requests/s each):")
     for r in (fixed, auto):
         print(f"  {'autoscaled (target 8 per replica)' if r['autoscaled'] else 'fixed for the peak (32)'}: SLA breach {r['breach_s']:.0f} s; "
               f"{r['gpu_hours']:.1f} GPU-hours ({r['gpu_hours'] / fixed['gpu_hours']:.2f}x the fixed size's)")

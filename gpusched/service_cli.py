@@ -3,6 +3,9 @@
 the listing reads the read models."""
 
 
+import asyncio
+import csv
+import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -27,6 +30,30 @@ def _nats_only(what: str) -> None:
     if Connection.resolve().api_url:
         raise UserError(f"{what}: the CLI sends service commands over NATS only; with an API token use the API's "
                         "/v1/services routes (docs/api.md), or a NATS credential (unset GPUSCHED_API_URL)")
+
+
+def load_curve(path: Path) -> list[tuple[float, float]]:
+    """(offset seconds, requests per second) rows of a CSV, in time order; a header row is allowed.
+    UserError naming the file and line of the first bad row."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise UserError(f"{path}: {err.strerror}") from None
+    points: list[tuple[float, float]] = []
+    for n, row in enumerate(csv.reader(lines), start=1):
+        if not row or (n == 1 and not row[0].strip().replace(".", "", 1).isdigit()):
+            continue  # blank, or the header
+        try:
+            offset, rps = float(row[0]), float(row[1])
+        except (IndexError, ValueError):
+            raise UserError(f"{path}:{n}: expected seconds,requests_per_second (numbers), got {','.join(row)!r}") from None
+        if offset < 0 or rps < 0 or not math.isfinite(offset + rps) or (points and offset < points[-1][0]):
+            raise UserError(f"{path}:{n}: offsets and loads are finite, at least 0, and offsets never go back; "
+                            f"got {offset:g},{rps:g}")
+        points.append((offset, rps))
+    if not points:
+        raise UserError(f"{path}: no rows; expected seconds,requests_per_second rows")
+    return points
 
 
 def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callable, with_js: Callable,
@@ -62,14 +89,31 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
 
     @app.command("report-load")
     @guarded
-    def report_load(service: str, requests_per_second: float = typer.Argument(..., min=0),
+    def report_load(service: str,
+                    requests_per_second: Optional[float] = typer.Argument(None, min=0, help="One report"),
                     team: str = typer.Option(..., help="Team owning the service"),
+                    curve: Optional[Path] = typer.Option(None, help="Or a load curve: a CSV of seconds,requests_per_second "
+                                                                    "rows, reported at those offsets"),
+                    speed: float = typer.Option(1.0, min=0.001, help="With --curve: curve seconds per real second "
+                                                                     "(the dev stack's time scale keeps them in step)"),
                     on_behalf_of: Optional[str] = on_behalf_option, output: Output = output_option) -> None:
-        """Report SERVICE's load, as its ingress would: what a requests_per_replica autoscaling rule reads."""
-        command = commands.load_command_for(service, requests_per_second)
+        """Report SERVICE's load, as its ingress would: what a requests_per_replica autoscaling rule
+        reads. One value, or a curve from a file played at ``--speed``."""
+        if (requests_per_second is None) == (curve is None):
+            raise UserError("report-load: give either REQUESTS_PER_SECOND or --curve FILE")
+        points = [(0.0, requests_per_second)] if curve is None else load_curve(curve)
         _nats_only("report-load")
-        answer = run(with_js(lambda js: commands.service_command(js, team, "load", command, service, on_behalf_of)))
-        emit({"service": service, **_answered(answer)}, output)
+
+        async def play(js) -> list[dict[str, Any]]:
+            out, started = [], asyncio.get_running_loop().time()
+            for offset, rps in points:
+                await asyncio.sleep(max(0.0, started + offset / speed - asyncio.get_running_loop().time()))
+                answer = await commands.service_command(js, team, "load", commands.load_command_for(service, rps),
+                                                        service, on_behalf_of)
+                out.append({"service": service, "offset_s": offset, "requests_per_second": rps, **_answered(answer)})
+            return out
+        reported = run(with_js(play))
+        emit(reported[0] if curve is None else reported, output)
 
     @app.command("delete-service")
     @guarded

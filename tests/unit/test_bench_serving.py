@@ -21,3 +21,10 @@ def test_the_diurnal_run_autoscales_below_the_fixed_size_without_more_breach():
     fixed, auto = diurnal(3, False), diurnal(3, True)
     assert fixed["breach_s"] == auto["breach_s"] == READINESS_S  # the first replicas' start only
     assert auto["gpu_hours"] < 0.5 * fixed["gpu_hours"]  # the night's low load on few replicas
+
+
+def test_a_load_curve_from_a_file_is_followed_linearly():
+    from bench.serving import curve_rps
+
+    curve = [(0.0, 10.0), (100.0, 30.0), (200.0, 30.0)]
+    assert [curve_rps(curve, t) for t in (-5, 0, 50, 100, 150, 500)] == [10.0, 10.0, 20.0, 30.0, 30.0, 30.0]
