@@ -47,7 +47,7 @@ DURABLES: dict[str, dict[str, list[str]]] = {
     "scheduler": {EVENTS_STREAM: ["scheduler"]},
     "executor": {EVENTS_STREAM: ["executor"]},
     "accounting": {},
-    "notifier": {EVENTS_STREAM: ["notifier"]},
+    "notifier": {EVENTS_STREAM: ["notifier", "notifier-services"]},
     "serving": {EVENTS_STREAM: ["serving"]},
 }
 """Service -> stream -> the durable consumers it owns there."""

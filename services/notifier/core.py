@@ -29,6 +29,7 @@ from schemas import (
     SchedulingPendingReasonChanged,
 )
 from schemas.envelope import derive_event_id
+from schemas.service import ServiceDeployed, ServiceUpdated
 from schemas.registry import SUBJECT_PREFIX, subject_suffix
 from schemas.tenant import JobNotification
 
@@ -45,9 +46,9 @@ KINDS: dict[type[Event], NotificationKind] = {
 
 
 def team_of(event: Event) -> str | None:
-    """The team an event itself names (a submission, or a rejection of a command); None: look
-    the job's JobSubmitted up."""
-    if isinstance(event, JobSubmitted):
+    """The team an event itself names (a submission, a rejection of a command, a service's spec);
+    None: look the job's JobSubmitted (the service's ServiceDeployed) up."""
+    if isinstance(event, (JobSubmitted, ServiceDeployed, ServiceUpdated)):
         return event.spec.team
     if isinstance(event, JobRejected):
         return event.team
@@ -55,7 +56,8 @@ def team_of(event: Event) -> str | None:
 
 
 def copy_subject(team: str, event: Event) -> str:
-    return f"{SUBJECT_PREFIX}.tenant.{team}.job.{event.aggregate_id}.{subject_suffix(event.type)}"
+    """``gpusched.tenant.<team>.job.<id>.<token>``, or ``….service.<name>.<token>``."""
+    return f"{SUBJECT_PREFIX}.tenant.{team}.{type(event).aggregate}.{event.aggregate_id}.{subject_suffix(event.type)}"
 
 
 def notify_subject(n: JobNotification) -> str:

@@ -130,6 +130,26 @@ async def test_a_team_reads_its_jobs_and_nothing_of_another_teams(nats_server, a
     assert seen == []
 
 
+async def test_a_teams_services_reach_its_stream_only(nats_server, admin_js):
+    """A service's events (docs/serving.md) go to its team's stream as its jobs' do: the
+    ServiceDeployed names the team, the controller's later events are looked up by it."""
+    from schemas.service import ReplicaReady, ScaledTo
+    from tests.unit.builders import service_deployed, service_spec
+
+    log = eventlog.EventLog(admin_js)
+    seq = await log.append(service_deployed(service_spec(name="chat", team="team-b", queue_="q")), expected_last_seq=0)
+    for cls, fields in ((ScaledTo, {"replicas": 3, "requested": 3}),
+                        (ReplicaReady, {"job_id": "replica-chat-1-0", "attempt": 1})):
+        seq = await log.append(new_event(cls, aggregate_id="chat", producer="serving", occurred_at=datetime.now(UTC),
+                                         key=cls.__name__, **fields), expected_last_seq=seq)
+    async with running(notifier(nats_server)):
+        got = await eventually(lambda: _at_least(read_tenant(nats_server, "team-b", "gpusched.tenant.team-b.>"), 3))
+    assert [m.subject for m in got] == ["gpusched.tenant.team-b.service.chat.deployed",
+                                        "gpusched.tenant.team-b.service.chat.scaled",
+                                        "gpusched.tenant.team-b.service.chat.replica_ready"]
+    assert await read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.>") == []
+
+
 async def _at_least(read, n: int):
     got = await read
     return got if len(got) >= n else None
