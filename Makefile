@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-run: setup ## Run NATS, Postgres, the six services and the API/console with the demo workload (Ctrl-C stops)
+run: setup ## Run NATS, Postgres, the seven services and the API/console with the demo workload (Ctrl-C stops)
 	$(BIN)/gpusched dev up $(ARGS)
 
 test: setup natscli chromium publishing-examples ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
