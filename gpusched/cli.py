@@ -399,7 +399,8 @@ accounting_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_j
 token_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, guarded=guarded,
                    output_option=OutputOpt, output_enum=Output)
 service_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, guarded=guarded,
-                     output_option=OutputOpt, output_enum=Output, on_behalf_option=OnBehalfOpt)
+                     through_api=through_api, output_option=OutputOpt, output_enum=Output,
+                     on_behalf_option=OnBehalfOpt)
 log_cli.register(app, emit=emit, run=run, with_js=with_js, guarded=guarded, output_option=OutputOpt, output_enum=Output,
                  console=console, err_console=err_console)
 whatif_cli.register(app, run=run, with_js=with_js, guarded=guarded, output_option=OutputOpt, output_enum=Output,

@@ -359,6 +359,27 @@ class Client:
     def queues(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/queues")
 
+    # -- inference services (docs/serving.md) --------------------------------------------------
+    def deploy(self, service: dict[str, Any], *, wait_s: float = 10.0) -> dict[str, Any]:
+        """Deploy, or roll out a new spec of, a service: a DeployService document (``{"spec": ...}``)."""
+        return self._call("POST", "/v1/services", json=service, params={"wait": wait_s})
+
+    def scale(self, name: str, replicas: int, *, wait_s: float = 10.0) -> dict[str, Any]:
+        return self._call("POST", f"/v1/services/{name}/scale", json={"replicas": replicas}, params={"wait": wait_s})
+
+    def report_load(self, name: str, requests_per_second: float, *, wait_s: float = 10.0) -> dict[str, Any]:
+        return self._call("POST", f"/v1/services/{name}/load", json={"requests_per_second": requests_per_second},
+                          params={"wait": wait_s})
+
+    def delete_service(self, name: str, *, wait_s: float = 10.0) -> dict[str, Any]:
+        return self._call("DELETE", f"/v1/services/{name}", params={"wait": wait_s})
+
+    def services(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/services")
+
+    def service(self, name: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/services/{name}")
+
     def stream(self, job_id: str) -> Iterator[StreamedEvent]:
         """The job's events: its history, then live, until it ends or the server ends the stream
         (GPUSCHED_API_STREAM_MAX_S; open it again to go on)."""

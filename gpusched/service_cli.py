@@ -1,11 +1,11 @@
-"""`gpusched deploy`, `scale`, `delete-service` and `services`: inference services from the CLI
-(docs/serving.md). The commands go to the team's intake subjects over NATS, as `submit` does;
-the listing reads the read models."""
+"""`gpusched deploy`, `scale`, `report-load`, `delete-service` and `services`: inference services
+from the CLI (docs/serving.md). As `submit` does: through the HTTP API when the connection names
+one (`make run`'s does), else the team's intake subjects over NATS and the read models."""
 
 
-import asyncio
 import csv
 import math
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -17,19 +17,11 @@ from gpusched.userinput import UserError
 from services.accounting import queries
 
 
-def _answered(answer: commands.Answer) -> dict[str, Any]:
+def _answered(service: str, answer: commands.Answer) -> dict[str, Any]:
+    """Admission's answer over NATS, in the shape the API gives it (gpusched.api.serving.ServiceAnswer)."""
     event = answer.event
-    out: dict[str, Any] = {"event": event.type, "repeat": answer.repeat}
-    for name in ("generation", "replicas", "intake_sequence"):
-        if (value := getattr(event, name, None)) is not None:
-            out[name] = value
-    return out
-
-
-def _nats_only(what: str) -> None:
-    if Connection.resolve().api_url:
-        raise UserError(f"{what}: the CLI sends service commands over NATS only; with an API token use the API's "
-                        "/v1/services routes (docs/api.md), or a NATS credential (unset GPUSCHED_API_URL)")
+    return {"service": service, "intake_sequence": getattr(event, "intake_sequence", None), "outcome": event.type,
+            "repeat": answer.repeat, "generation": getattr(event, "generation", None)}
 
 
 def load_curve(path: Path) -> list[tuple[float, float]]:
@@ -57,8 +49,19 @@ def load_curve(path: Path) -> list[tuple[float, float]]:
 
 
 def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callable, with_js: Callable,
-             guarded: Callable, output_option, output_enum, on_behalf_option) -> None:
+             guarded: Callable, through_api: Callable, output_option, output_enum, on_behalf_option) -> None:
     Output = output_enum
+
+    def send(team: str, verb: str, command, service: str, on_behalf_of: str | None, api_call) -> dict[str, Any]:
+        """Through the API (``api_call(client)``) when the connection names one, else over NATS."""
+        connection = Connection.resolve()
+        if connection.api_url:
+            if on_behalf_of is not None:
+                raise UserError(f"{verb}: --on-behalf-of is for the operator's NATS credential; through the API the "
+                                "token names who acts")
+            return through_api(connection, f"{verb} of service {service}", api_call)
+        answer = run(with_js(lambda js: commands.service_command(js, team, verb, command, service, on_behalf_of)))
+        return _answered(service, answer)
 
     @app.command()
     @guarded
@@ -70,11 +73,9 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
         """Deploy an inference service, or roll out a new spec of one. Exits 2 with admission's
         reason when it refuses (a queue the team may not use, replicas that could never run)."""
         command = commands.deploy_command_from_file(file)
-        _nats_only("deploy")
         spec = command.spec
-        answer = run(with_js(lambda js: commands.service_command(js, spec.team, "deploy", command, spec.name,
-                                                                on_behalf_of)))
-        emit({"service": spec.name, **_answered(answer)}, output)
+        emit(send(spec.team, "deploy", command, spec.name, on_behalf_of,
+                  lambda gs: gs.deploy(command.model_dump(mode="json", exclude_none=True))), output)
 
     @app.command()
     @guarded
@@ -83,9 +84,7 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
               on_behalf_of: Optional[str] = on_behalf_option, output: Output = output_option) -> None:
         """Ask for REPLICAS replicas of SERVICE; the controller keeps them within the spec's min and max."""
         command = commands.scale_command(service, replicas)
-        _nats_only("scale")
-        answer = run(with_js(lambda js: commands.service_command(js, team, "scale", command, service, on_behalf_of)))
-        emit({"service": service, **_answered(answer)}, output)
+        emit(send(team, "scale", command, service, on_behalf_of, lambda gs: gs.scale(service, replicas)), output)
 
     @app.command("report-load")
     @guarded
@@ -102,17 +101,12 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
         if (requests_per_second is None) == (curve is None):
             raise UserError("report-load: give either REQUESTS_PER_SECOND or --curve FILE")
         points = [(0.0, requests_per_second)] if curve is None else load_curve(curve)
-        _nats_only("report-load")
-
-        async def play(js) -> list[dict[str, Any]]:
-            out, started = [], asyncio.get_running_loop().time()
-            for offset, rps in points:
-                await asyncio.sleep(max(0.0, started + offset / speed - asyncio.get_running_loop().time()))
-                answer = await commands.service_command(js, team, "load", commands.load_command_for(service, rps),
-                                                        service, on_behalf_of)
-                out.append({"service": service, "offset_s": offset, "requests_per_second": rps, **_answered(answer)})
-            return out
-        reported = run(with_js(play))
+        reported, started = [], time.monotonic()
+        for offset, rps in points:
+            time.sleep(max(0.0, started + offset / speed - time.monotonic()))
+            answer = send(team, "load", commands.load_command_for(service, rps), service, on_behalf_of,
+                          lambda gs: gs.report_load(service, rps))
+            reported.append({**answer, "offset_s": offset, "requests_per_second": rps})
         emit(reported[0] if curve is None else reported, output)
 
     @app.command("delete-service")
@@ -121,18 +115,20 @@ def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callab
                        on_behalf_of: Optional[str] = on_behalf_option, output: Output = output_option) -> None:
         """Delete a service: its replicas are retired (their jobs cancelled)."""
         command = commands.delete_command(service)
-        _nats_only("delete-service")
-        answer = run(with_js(lambda js: commands.service_command(js, team, "delete", command, service, on_behalf_of)))
-        emit({"service": service, **_answered(answer)}, output)
+        emit(send(team, "delete", command, service, on_behalf_of, lambda gs: gs.delete_service(service)), output)
 
     @app.command()
     def services(service: Optional[str] = typer.Argument(None, help="One service: its replicas"),
                  team: Optional[str] = typer.Option(None, help="Only this team's services"),
                  output: Output = output_option) -> None:
         """Services with desired and ready replicas; with SERVICE, each replica's state, node and why."""
+        connection = Connection.resolve()
         if service is None:
-            emit(run(with_pg(lambda conn: queries.services(conn, team))), output, columns=[
+            rows = (through_api(connection, "listing", lambda gs: gs.services()) if connection.api_url
+                    else run(with_pg(lambda conn: queries.services(conn, team))))
+            emit([r for r in rows if team in (None, r["team"])], output, columns=[
                 "service", "team", "queue", "generation", "desired", "ready", "starting", "pending", "requested"])
             return
-        emit(run(with_pg(lambda conn: queries.service_replicas(conn, service))), output, columns=[
-            "job_id", "generation", "state", "attempt", "nodes", "reason", "ready_at"])
+        rows = (through_api(connection, "listing", lambda gs: gs.service(service)["replicas_detail"])
+                if connection.api_url else run(with_pg(lambda conn: queries.service_replicas(conn, service))))
+        emit(rows, output, columns=["job_id", "generation", "state", "attempt", "nodes", "reason", "ready_at"])

@@ -57,3 +57,46 @@ def test_a_deploy_admission_would_not_admit_is_refused_with_the_field(api_stack)
         assert r.status_code == 403, r.text
         r = bob.post("/v1/services", json={"spec": {**service("x", 1)["spec"], "replicas": {"min": 3, "desired": 1}}})
         assert r.status_code == 422 and "min <= desired <= max" in r.text
+
+
+def test_the_cli_and_the_sdk_run_a_service_through_the_api(api_stack, tmp_path):
+    """`gpusched deploy`, `scale`, `services`, `delete-service` with only an API token (no NATS),
+    as `make run`'s connection has them, and the SDK's service methods."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gpusched.client import Client, NotFound
+
+    name = f"cli-{uuid.uuid4().hex[:6]}"
+    spec_file = tmp_path / "service.json"
+    spec_file.write_text(json.dumps(service(name, 1)["spec"]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSCHED_")}
+    env.update(GPUSCHED_API_URL=api_stack.url, GPUSCHED_API_TOKEN=api_stack.tokens["bob"],
+               GPUSCHED_CONNECTION_FILE=str(tmp_path / "none.json"))
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(Path(sys.executable).parent / "gpusched"), *args, "--output", "json"], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    deployed = cli("deploy", "-f", str(spec_file))
+    assert deployed.returncode == 0, deployed.stderr
+    assert json.loads(deployed.stdout)["outcome"] == "ServiceDeployed"
+    scaled = cli("scale", name, "2", "--team", "team-b")
+    assert scaled.returncode == 0 and json.loads(scaled.stdout)["outcome"] == "ScaleRequested", scaled.stderr
+    with Client(api_stack.url, api_stack.tokens["bob"]) as gs:
+        wait_for(lambda: [s for s in gs.services() if s["service"] == name and s["ready"] == 2])
+        assert len(gs.service(name)["replicas_detail"]) == 2
+    listed = cli("services", "--team", "team-b")
+    assert name in [s["service"] for s in json.loads(listed.stdout)], listed.stderr
+    refused = cli("scale", name, "3", "--team", "team-b", "--on-behalf-of", "carol")
+    assert refused.returncode == 2 and "--on-behalf-of" in refused.stderr
+    assert json.loads(cli("delete-service", name, "--team", "team-b").stdout)["outcome"] == "ServiceDeleted"
+    with Client(api_stack.url, api_stack.tokens["alice"]) as other:
+        try:
+            other.service(name)
+            raise AssertionError("another team's service was visible")
+        except NotFound:
+            pass
