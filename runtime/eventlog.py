@@ -174,6 +174,15 @@ async def connect(settings: Settings, name: str) -> NATS:
             await asyncio.sleep(retry_delay(failures))
 
 
+async def close(nc: NATS) -> None:
+    """Close a service's connection at shutdown; a broker already gone (stopped with the service,
+    as a Ctrl-C of `make run` does) is logged, not raised: there is nothing left to flush to."""
+    try:
+        await nc.close()
+    except (OSError, nats.errors.Error) as err:
+        log.warning("NATS connection closed with an error (the broker is gone)", extra={"error": repr(err)})
+
+
 async def _connection_error(err: Exception) -> None:
     # nats-py's default logs each failed reconnect with a traceback; one line says as much.
     log.warning("NATS connection error", extra={"error": repr(err)})

@@ -249,7 +249,7 @@ class DecisionService:
             if self._stop.is_set():
                 await self._save_snapshot()
         finally:
-            await nc.close()
+            await eventlog.close(nc)
 
     async def _restore(self, js) -> None:
         """Start from the saved snapshot when there is a usable one. Never fails the start: the

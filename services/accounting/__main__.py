@@ -86,7 +86,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     finally:
         if collector is not None:
             metrics.unregister(collector)
-        await nc.close()
+        await eventlog.close(nc)
         try:
             await store.conn.close(timeout=2)
         except Exception:  # Postgres is away: nothing to say goodbye to

@@ -86,7 +86,7 @@ class Notifier:
             for task in [supervisor, *self._workers.values()]:
                 task.cancel()
             await asyncio.gather(supervisor, *self._workers.values(), return_exceptions=True)
-            await self.nc.close()
+            await eventlog.close(self.nc)
 
     async def _fan_out_loop(self, durable: str, subject: str) -> None:
         failures = 0
