@@ -31,11 +31,23 @@ READINESS_PATH, READINESS_PORT, READINESS_DELAY = (
 """On a replica job's spec, from the service's readiness: the kubernetes backend's readiness probe."""
 MAX_REPLICAS = 512
 
-ServiceName = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=SERVICE_NAME_MAX)]
+SERVICE_NAME_PATTERN = r"^[a-z]([a-z0-9-]{0,38}[a-z0-9])?$"
+"""A DNS-1035 label (it names the Kubernetes Service of the kubernetes backend): a letter first."""
+ServiceName = Annotated[str, StringConstraints(pattern=SERVICE_NAME_PATTERN, max_length=SERVICE_NAME_MAX)]
+PLATFORM_ANNOTATIONS = 4
+"""Annotations the controller adds to a replica's spec (service, readiness path, port, delay)."""
 
 
 def replica_job_id(service: str, generation: int, index: int) -> str:
     return f"{REPLICA_PREFIX}{service}-{generation}-{index}"
+
+
+def service_of(job_id: str) -> str | None:
+    """The service a replica's job id belongs to (``replica-<service>-<generation>-<index>``), else None."""
+    if not job_id.startswith(REPLICA_PREFIX):
+        return None
+    parts = job_id[len(REPLICA_PREFIX):].rsplit("-", 2)
+    return parts[0] if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() else None
 
 
 class Replicas(Contract):
@@ -90,7 +102,7 @@ class Autoscaling(Contract):
     the last ``scale_down_stabilization_seconds`` does (the highest of them)."""
 
     metric: Literal["requests_per_replica", "gpu_utilization"]
-    target: float = Field(gt=0, le=1_000_000, allow_inf_nan=False,
+    target: float = Field(ge=0.001, le=1_000_000, allow_inf_nan=False,
                           description="Requests per second per replica, or GPU utilization per replica in (0, 1]")
     scale_up_stabilization_seconds: float = Field(default=0, ge=0, le=3600)
     scale_down_stabilization_seconds: float = Field(default=300, ge=0, le=3600)
@@ -126,6 +138,10 @@ class ServiceSpec(Contract):
                              f"got ({r.queue}, {r.team})")
         if r.gang_size != 1:
             raise ValueError(f"replica.gang_size must be 1 (a replica runs on one node), got {r.gang_size}")
+        room = 64 - PLATFORM_ANNOTATIONS
+        if len(r.annotations) > room:
+            raise ValueError(f"replica.annotations may hold at most {room} entries (the platform adds "
+                             f"{PLATFORM_ANNOTATIONS}), got {len(r.annotations)}")
         return self
 
 

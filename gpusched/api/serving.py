@@ -22,12 +22,13 @@ from services.accounting import queries
 router = APIRouter(prefix="/v1", responses=ERRORS)
 ServiceName = Annotated[str, Path(pattern=NAME_PATTERN, max_length=SERVICE_NAME_MAX, description="A service's name")]
 ACTORS = (Role.MEMBER, Role.OPERATOR, Role.ADMIN)
+REPEAT_WAIT_S = 2.0
+"""How long a deploy of the spec the read model shows waits for admission to say otherwise."""
 
 
 class ServiceAnswer(Strict):
     service: str
-    intake_sequence: int | None = Field(description="The command's place in the intake stream; null for a deploy "
-                                                    "of the spec the service has, which sends nothing")
+    intake_sequence: int = Field(description="The command's place in the intake stream")
     outcome: str = Field(description="The event admission recorded (ServiceDeployed, ScaleRequested, ...), or "
                                      "pending: no answer within the wait")
     repeat: bool = Field(default=False, description="A deploy of the spec the service has: nothing changed")
@@ -108,12 +109,14 @@ async def deploy(request: Request, response: Response, me: Me, wait: WaitS = 10.
     me.principal(spec.team, "deploy")  # 403 before anything else for another team's service
     async with request.app.state.pool.acquire() as conn:
         current = await queries.service_spec(conn, spec.name)
-    if current is not None and current[0] == spec.team and current[1] == spec:
-        # admission records nothing for the spec the service has: answer from the read model
+    same = current is not None and current[0] == spec.team and current[1] == spec
+    # Always sent: the read model may lag the log (a rollback to the spec it shows is news to
+    # admission). Admission records nothing for the spec the service has, so when the read model
+    # shows ours, a short wait with no answer is that repeat.
+    answer = await _send(request, me, spec.team, "deploy", command, spec.name, min(wait, REPEAT_WAIT_S) if same else wait)
+    if answer.outcome == "pending" and same:
         response.status_code = 200
-        return ServiceAnswer(service=spec.name, intake_sequence=None, outcome="ServiceDeployed", repeat=True,
-                             generation=current[2])
-    answer = await _send(request, me, spec.team, "deploy", command, spec.name, wait)
+        return answer.model_copy(update={"outcome": "ServiceDeployed", "repeat": True, "generation": current[2]})
     response.status_code = 202 if answer.outcome == "pending" else 201
     return answer
 

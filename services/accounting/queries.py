@@ -57,12 +57,15 @@ async def running_attempts(conn: asyncpg.Connection, until: datetime) -> list[At
     """Attempts started before ``until`` that have not ended (no ledger row yet), as if they ran
     until then: the part of a long run inside a closed period is certain before it ends. The
     job row's start is this attempt's when it is at or after the attempt's reservation. GPUs are
-    charged as in the ledger: a fractional job its fraction of each GPU held."""
+    charged as in the ledger (ledger.usage_row): the reservation's thousandths where it has them,
+    else a fractional job its fraction of each whole GPU held."""
     rows = await conn.fetch(
         """SELECT j.job_id, j.attempt, j.team, j.project, coalesce(r.queue, j.queue) AS queue,
                   coalesce(r.flavor, j.flavor) AS flavor,
-                  coalesce(r.gpus, j.total_gpus) * coalesce(j.gpu_milli, 1000) / 1000.0::float8 AS gpus,
-                  coalesce(r.borrowed, 0) * coalesce(j.gpu_milli, 1000) / 1000.0::float8 AS borrowed_gpus,
+                  coalesce(r.gpu_milli / 1000.0,
+                           coalesce(r.gpus, j.total_gpus) * coalesce(j.gpu_milli, 1000) / 1000.0)::float8 AS gpus,
+                  coalesce(r.borrowed_milli / 1000.0,
+                           coalesce(r.borrowed, 0) * coalesce(j.gpu_milli, 1000) / 1000.0)::float8 AS borrowed_gpus,
                   j.started_at, j.cpu_millis, j.memory_mib,
                   greatest(0, extract(epoch FROM j.started_at - a.queued_at))::float8 AS wait_seconds
            FROM jobs j

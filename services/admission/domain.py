@@ -126,6 +126,8 @@ class AdmissionState:
     # it retired whose job is not cancelled yet (job id -> the request)
     replicas_to_submit: dict[str, ReplicaRequested] = field(default_factory=dict)
     replicas_to_cancel: dict[str, ReplicaRetired] = field(default_factory=dict)
+    # retired before their JobSubmitted was folded (it may still be in flight): cancelled once it is
+    retired_early: dict[str, ReplicaRetired] = field(default_factory=dict)
 
 
 @dataclass
@@ -223,11 +225,18 @@ class AdmissionCore:
                 if event.job_id not in s.jobs:
                     s.replicas_to_submit[event.job_id] = event
             case ReplicaRetired():
-                if s.replicas_to_submit.pop(event.job_id, None) is None and (
-                        (job := s.jobs.get(event.job_id)) is not None and not job.finished and not job.cancel_requested):
+                s.replicas_to_submit.pop(event.job_id, None)
+                job = s.jobs.get(event.job_id)
+                if job is None:
+                    s.retired_early[event.job_id] = event  # its submission may already be on its way
+                elif not job.finished and not job.cancel_requested:
                     s.replicas_to_cancel[event.job_id] = event
         if isinstance(event, JobSubmitted):
             s.replicas_to_submit.pop(event.aggregate_id, None)
+            if (retired := s.retired_early.pop(event.aggregate_id, None)) is not None:
+                s.replicas_to_cancel[event.aggregate_id] = retired
+        if (job := s.jobs.get(event.aggregate_id)) is not None and job.finished:
+            s.replicas_to_cancel.pop(event.aggregate_id, None)  # nothing left to cancel
         if (job := s.jobs.get(event.aggregate_id)) is not None and job.finished and job.decided:
             job.spec = job.submitted = None  # an undecided job (cancelled early) still needs them
 

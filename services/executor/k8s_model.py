@@ -25,7 +25,7 @@ from datetime import datetime
 
 from schemas import FailureReason
 from schemas.node import NodeInfo
-from schemas.service import READINESS_DELAY, READINESS_PATH, READINESS_PORT, SERVICE_ANNOTATION
+from schemas.service import READINESS_DELAY, READINESS_PATH, READINESS_PORT, SERVICE_ANNOTATION, service_of
 from services.executor.gang import MemberStatus
 from services.executor.lifecycle import Phase, Workload, flavor_of, workload_name
 
@@ -75,10 +75,21 @@ class JobOptions:
         return self.namespace.replace("{team}", team)
 
 
-def service_port(spec) -> int | None:
+def replica_service(job_id: str, spec) -> str | None:
+    """The service a workload is a replica of: its job id says so (only the serving controller's
+    replica jobs have such ids: admission refuses them to submissions) and its spec agrees. A
+    job's own ``gpusched.io/service`` annotation alone makes nothing a replica: it would put a
+    team's Pod behind another team's Service."""
+    name = service_of(job_id)
+    return name if name is not None and spec.annotations.get(SERVICE_ANNOTATION) == name else None
+
+
+def service_port(job_id: str, spec) -> int | None:
     """The port a service's replica answers its readiness probe on (docs/serving.md), if any."""
+    if replica_service(job_id, spec) is None:
+        return None
     try:
-        return int(spec.annotations[READINESS_PORT]) if SERVICE_ANNOTATION in spec.annotations else None
+        return int(spec.annotations[READINESS_PORT])
     except (KeyError, ValueError):
         return None
 
@@ -105,9 +116,9 @@ def job_manifests(w: Workload, opts: JobOptions, gpu_resources: Mapping[str, str
         L_QUEUE: spec.queue, L_TEAM: spec.team, L_PCLASS: spec.priority_class,
     }
     passthrough = {k: v for k, v in spec.annotations.items() if _ANNOTATION_KEY.match(k)}
-    if SERVICE_ANNOTATION in spec.annotations:  # a service's replica: its Service selects it by this label
-        labels[L_SERVICE] = spec.annotations[SERVICE_ANNOTATION]
-    port = service_port(spec)
+    if (service := replica_service(w.job_id, spec)) is not None:  # its Service selects it by this label
+        labels[L_SERVICE] = service
+    port = service_port(w.job_id, spec)
     out = []
     for i, p in enumerate(w.placement):
         name = workload_name(w.job_id, w.attempt, i)

@@ -41,6 +41,7 @@ from services.executor.k8s_model import (
     service_manifest,
     service_port,
 )
+from schemas.service import service_of
 from services.executor.lifecycle import Observation, Phase, Plan, TelemetryReport, workload_name
 
 log = logging.getLogger(__name__)
@@ -367,10 +368,10 @@ class KubernetesBackend:
         no replica left it routes nowhere (docs/serving.md)."""
         from kubernetes.client.exceptions import ApiException
 
-        port = service_port(w.spec)
+        port = service_port(w.job_id, w.spec)
         if port is None:
             return
-        name, ns = w.spec.annotations["gpusched.io/service"], self.opts.namespace_for(w.spec.team)
+        name, ns = service_of(w.job_id), self.opts.namespace_for(w.spec.team)
         if (ns, name) in self._services:
             return
         try:

@@ -77,12 +77,18 @@ class Notifier:
         self.js = self.nc.jetstream()
         await eventlog.wait_for_streams(self.js)
         supervisor = asyncio.create_task(self._supervise_webhooks())
-        services = asyncio.create_task(self._fan_out_loop(SERVICE_DURABLE, f"{SUBJECT_PREFIX}.service.>"))
+        loops = [asyncio.create_task(self._fan_out_loop(DURABLE, f"{SUBJECT_PREFIX}.job.>")),
+                 asyncio.create_task(self._fan_out_loop(SERVICE_DURABLE, f"{SUBJECT_PREFIX}.service.>"))]
         try:
-            await self._fan_out_loop(DURABLE, f"{SUBJECT_PREFIX}.job.>")
+            # both end when stopped; one that fails for anything but the broker takes the process
+            # down (its supervisor restarts it) rather than dying unnoticed beside the other
+            done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
         finally:
-            services.cancel()
-            await asyncio.gather(services, return_exceptions=True)
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
             for task in [supervisor, *self._workers.values()]:
                 task.cancel()
             await asyncio.gather(supervisor, *self._workers.values(), return_exceptions=True)

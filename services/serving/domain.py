@@ -50,7 +50,6 @@ from schemas.service import (
     READINESS_DELAY,
     READINESS_PATH,
     READINESS_PORT,
-    REPLICA_PREFIX,
     SERVICE_ANNOTATION,
     ReplicaLost,
     ReplicaReady,
@@ -65,6 +64,7 @@ from schemas.service import (
     ServiceSpec,
     ServiceUpdated,
     replica_job_id,
+    service_of,
 )
 
 PRODUCER = "serving"
@@ -116,17 +116,12 @@ class Service:
     recommendations: list[tuple[datetime, int]] = field(default_factory=list)
     observed: int = 0  # recommendations so far (the autoscaler's event keys)
     ended: list[datetime] = field(default_factory=list)  # when replicas of this template ended for good
+    incarnation: str = ""  # its ServiceDeployed's event id: a service deleted and deployed again is a new one
+    scaled: int = 0  # ScaledTo events of this incarnation (the autoscaler's event keys)
+    manual_at: int = -1  # ``observed`` when a user or operator last set the replicas: the rule waits for news
 
     def live(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.live]
-
-
-def service_of(job_id: str) -> str | None:
-    """The service a replica job id belongs to (``replica-<service>-<generation>-<index>``)."""
-    if not job_id.startswith(REPLICA_PREFIX):
-        return None
-    parts = job_id[len(REPLICA_PREFIX):].rsplit("-", 2)
-    return parts[0] if len(parts) == 3 else None
 
 
 class ServingCore:
@@ -138,8 +133,12 @@ class ServingCore:
     def evolve(self, event: Event) -> None:
         match event:
             case ServiceDeployed():
-                self.services[event.aggregate_id] = Service(
-                    event.spec, event.deployed_by, event.generation, event.spec.replicas.desired, event.occurred_at)
+                old = self.services.get(event.aggregate_id)
+                svc = self.services[event.aggregate_id] = Service(
+                    event.spec, event.deployed_by, event.generation, event.spec.replicas.desired, event.occurred_at,
+                    incarnation=event.event_id)
+                if old is not None:  # deployed again after a delete: what still runs of the old one is retired
+                    svc.replicas = {j: r for j, r in old.replicas.items() if r.live}
             case ServiceUpdated():
                 if (svc := self.services.get(event.aggregate_id)) is not None:
                     if event.generation != svc.generation:
@@ -151,8 +150,11 @@ class ServingCore:
                     svc.scale_requests.append(event)
             case ScaledTo():
                 if (svc := self.services.get(event.aggregate_id)) is not None:
-                    svc.scales_answered += event.by != "autoscaler"
+                    svc.scaled += 1
                     svc.desired = event.replicas
+                    if event.by != "autoscaler":
+                        svc.scales_answered += 1
+                        svc.manual_at = svc.observed
             case ServiceDeleted():
                 if (svc := self.services.get(event.aggregate_id)) is not None:
                     svc.deleted = True
@@ -173,7 +175,7 @@ class ServingCore:
             case ReplicaScheduled() | ReplicaReady() | ReplicaLost():
                 if (r := self._replica(event.aggregate_id, event.job_id)) is not None:
                     r.told.add((event.type, event.attempt))
-                    if isinstance(event, ReplicaReady):
+                    if isinstance(event, ReplicaReady) and event.attempt == r.attempt and r.started_at is not None:
                         r.ready = True
             case _ if (name := service_of(event.aggregate_id)) is not None:
                 if (r := self._replica(name, event.aggregate_id)) is not None:
@@ -231,8 +233,9 @@ class ServingCore:
         rule = svc.spec.autoscaling
         lo, hi = svc.spec.replicas.min, svc.spec.replicas.max
         keep = timedelta(seconds=max(rule.scale_up_stabilization_seconds, rule.scale_down_stabilization_seconds))
-        svc.recommendations = [(t, n) for t, n in svc.recommendations if t > at - keep]
-        svc.recommendations.append((at, min(max(replicas, lo), hi)))
+        recs = svc.recommendations
+        before = [(t, n) for t, n in recs if t <= at - keep][-1:]  # it held until the next one: maybe into a window
+        svc.recommendations = before + [(t, n) for t, n in recs if t > at - keep] + [(at, min(max(replicas, lo), hi))]
         svc.observed += 1
 
     @staticmethod
@@ -259,8 +262,8 @@ class ServingCore:
         out: list[Event] = []
         for name in sorted(self.services):
             svc = self.services[name]
-            scaled = self._scale(name, svc, now)
-            scaled += self._autoscale(name, svc, scaled[-1].replicas if scaled else svc.desired, now)
+            scaled = self._scale(name, svc, now)  # a user's request answered this cycle stands over the rule
+            scaled = scaled or self._autoscale(name, svc, svc.desired, now)
             out += scaled
             out += self._tell(name, svc, now)
             out += self._reconcile(name, svc, scaled[-1].replicas if scaled else svc.desired, now)
@@ -274,7 +277,8 @@ class ServingCore:
             replicas = min(max(request.replicas, lo), hi)
             message = "" if replicas == request.replicas else (
                 f"{request.replicas} replicas asked; the spec allows {lo} to {hi}: scaled to {replicas}")
-            out.append(new_event(ScaledTo, aggregate_id=name, producer=PRODUCER, occurred_at=now, key=f"scaled/{n}",
+            out.append(new_event(ScaledTo, aggregate_id=name, producer=PRODUCER, occurred_at=now,
+                                 key=f"scaled/{request.event_id}",
                                  cause=request, replicas=replicas, requested=request.replicas, by=request.by,
                                  message=message))
         return out
@@ -284,23 +288,28 @@ class ServingCore:
         for the stabilization window: up to the lowest recommendation of the up window, down to
         the highest of the down window. Wakes when a recommendation leaves a window."""
         rule, recs = svc.spec.autoscaling, svc.recommendations
-        if rule is None or svc.deleted or not recs:
-            return []
-        latest = recs[-1][1]
+        if rule is None or svc.deleted or not recs or svc.observed <= svc.manual_at:
+            return []  # nothing new since a user set the replicas: theirs stands
+        lo, hi = svc.spec.replicas.min, svc.spec.replicas.max
+        latest = min(max(recs[-1][1], lo), hi)
         if latest == desired:
             return []
         up = latest > desired
         window = timedelta(seconds=rule.scale_up_stabilization_seconds if up else rule.scale_down_stabilization_seconds)
-        held = [(t, n) for t, n in recs if t > now - window] or [recs[-1]]
-        target = min(n for _, n in held) if up else max(n for _, n in held)
-        blocking = [t + window for t, n in held if (n < latest if up else n > latest)]
+        # each recommendation holds until the next one; those that held at some time in the window
+        spans = [(min(max(n, lo), hi), until) for (_, n), (until, _) in zip(recs, recs[1:])]
+        spans.append((latest, None))
+        held = [(n, until) for n, until in spans if until is None or until > now - window]
+        target = min(n for n, _ in held) if up else max(n for n, _ in held)
+        blocking = [until + window for n, until in held if until is not None and (n < latest if up else n > latest)]
         if blocking:
             wake = min(blocking)
             self.wake_at = wake if self.wake_at is None else min(self.wake_at, wake)
         if (target > desired) if up else (target < desired):
             what = ("requests per second" if rule.metric == "requests_per_replica" else "GPU utilization")
             return [new_event(ScaledTo, aggregate_id=name, producer=PRODUCER, occurred_at=now,
-                              key=f"auto/{svc.observed}/{target}", replicas=target, requested=latest, by="autoscaler",
+                              key=f"auto/{svc.incarnation}/{svc.scaled}", replicas=target, requested=latest,
+                              by="autoscaler",
                               message=f"autoscaler: {what} recommend {latest} replicas (target {rule.target:g} per "
                                       f"replica); {target} held for the {window.total_seconds():g} s window")]
         return []

@@ -151,3 +151,30 @@ def test_a_load_report_of_the_teams_service_is_recorded_with_the_reporter():
     with pytest.raises(PoisonCommand, match="belongs to team 'team-a'"):
         core.handle_load(json.dumps({"service": "chat", "requests_per_second": 1}).encode(),
                          sender("team-b", verb="load"), 9, T0)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["spec"].update(name="9chat"), "spec.name"),  # a Kubernetes Service name starts with a letter
+    (lambda d: d["spec"]["replica"].update(annotations={f"k{i}": "v" for i in range(61)}), "at most 60 entries"),
+    (lambda d: d["spec"].update(autoscaling={"metric": "requests_per_replica", "target": 1e-9}), "autoscaling.target"),
+])
+def test_a_spec_the_platform_could_not_carry_out_is_refused(mutate, message):
+    doc = {"spec": service_spec().model_dump(mode="json")}
+    mutate(doc)
+    with pytest.raises(PoisonCommand, match=message):
+        core_with().handle_deploy(json.dumps(doc).encode(), sender("team-a", verb="deploy"), 1, T0)
+
+
+def test_a_replica_retired_before_its_submission_was_folded_is_cancelled_once_it_is():
+    core = core_with()
+    deploy(core)
+    request = new_event(ReplicaRequested, aggregate_id="chat", producer="serving", occurred_at=T0,
+                        key="replica-chat-1-0", job_id="replica-chat-1-0", generation=1, index=0,
+                        spec=service_spec().replica, submitter="alice", reason="scale-up")
+    core.evolve(request)
+    (submitted,) = core.decide(T0)  # appended; the retirement lands in the log before it
+    core.evolve(new_event(ReplicaRetired, aggregate_id="chat", producer="serving", occurred_at=T0,
+                          key="replica-chat-1-0/retired", job_id="replica-chat-1-0", reason="scale-down"))
+    core.evolve(submitted)
+    out = core.decide(T0)
+    assert [e.type for e in out] == ["JobAdmitted", "JobCancelRequested"]

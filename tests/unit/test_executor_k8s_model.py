@@ -162,8 +162,20 @@ def test_a_replica_is_labelled_with_its_service_and_probed(annotations, label, p
     c = template["spec"]["containers"][0]
     got = c.get("readinessProbe")
     assert (None if got is None else (got["httpGet"]["path"], got["httpGet"]["port"], got["initialDelaySeconds"])) == probe
-    assert service_port(w.spec) == port
+    assert service_port(w.job_id, w.spec) == port
     assert [p["containerPort"] for p in c.get("ports", [])] == ([port] if port else [])
+
+
+def test_a_jobs_own_service_annotation_makes_it_no_replica():
+    """Only the controller's replica jobs (ids admission refuses to submissions) join a Service:
+    a team's job naming another team's service would otherwise receive its traffic."""
+    ann = {"gpusched.io/service": "chat", "gpusched.io/readiness-port": "8000"}
+    for job_id in ("my-job", "replica-other-1-0", "replica-chat-x-0"):
+        w = Workload(job_id=job_id, attempt=1, spec=spec(annotations=ann), flavor="a100",
+                     placement=(NodeAssignment(node="n1", gpus=1, gpu_indices=(0,)),))
+        (job,) = job_manifests(w, JobOptions())
+        assert "gpusched.io/service" not in job["spec"]["template"]["metadata"]["labels"], job_id
+        assert service_port(w.job_id, w.spec) is None
 
 
 def test_the_service_manifest_selects_the_replicas_by_label():

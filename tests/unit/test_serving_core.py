@@ -11,6 +11,7 @@ import pytest
 from schemas import FailureReason, JobRejected, RejectReason, new_event
 from schemas.service import (
     SERVICE_ANNOTATION,
+    Replicas,
     ReplicaLost,
     ReplicaReady,
     ReplicaRequested,
@@ -234,11 +235,14 @@ def test_load_above_target_scales_up_at_once_without_an_up_window():
 
 
 def test_a_drop_in_load_waits_for_the_down_window_then_takes_its_highest():
+    """A recommendation holds until the next one: 4 replicas held until the drop at 100 s, so the
+    5-minute down window keeps them until 400 s (reports may be sparser than the window)."""
     core, log = autoscaled(down=300)
     drive(core, [load(35, 0, 1)], T0, log=log)
     out = drive(core, [load(5, 100, 2)], T0 + timedelta(seconds=100), log=log)
-    assert autoscaled_to(out) == [] and core.next_wake() == T0 + timedelta(seconds=300)
-    out = drive(core, [], T0 + timedelta(seconds=300), log=log)
+    assert autoscaled_to(out) == [] and core.next_wake() == T0 + timedelta(seconds=400)
+    assert autoscaled_to(drive(core, [], T0 + timedelta(seconds=399), log=log)) == []
+    out = drive(core, [], T0 + timedelta(seconds=400), log=log)
     assert autoscaled_to(out) == [(1, 1)]  # 5 requests/s at 10 per replica: 1 (the spec's min)
     assert len(of(out, ReplicaRetired)) == 3
 
@@ -247,15 +251,42 @@ def test_a_spike_must_hold_for_the_up_window():
     core, log = autoscaled(up=60)
     drive(core, [load(20, 0, 1)], T0, log=log)  # 2 replicas: as deployed
     out = drive(core, [load(50, 30, 2)], T0 + timedelta(seconds=30), log=log)
-    assert autoscaled_to(out) == [] and core.next_wake() == T0 + timedelta(seconds=60)
-    out = drive(core, [], T0 + timedelta(seconds=60), log=log)
+    assert autoscaled_to(out) == [] and core.next_wake() == T0 + timedelta(seconds=90)  # 2 held until 30 s
+    out = drive(core, [], T0 + timedelta(seconds=90), log=log)
     assert autoscaled_to(out) == [(5, 5)]
 
 
-def test_recommendations_are_clamped_to_max_and_manual_requests_still_answered():
+def test_a_users_scale_stands_until_the_rule_recommends_anew_clamped_to_max():
     core, log = autoscaled(hi=3)
     out = drive(core, [load(1000, 1, 1), scale(2)], T0 + timedelta(seconds=1), log=log)
-    assert [(e.by, e.replicas, e.requested) for e in of(out, ScaledTo)] == [("user", 2, 2), ("autoscaler", 3, 3)]
+    assert [(e.by, e.replicas, e.requested) for e in of(out, ScaledTo)] == [("user", 2, 2)]
+    out = drive(core, [load(1000, 2, 2)], T0 + timedelta(seconds=2), log=log)
+    assert [(e.by, e.replicas, e.requested) for e in of(out, ScaledTo)] == [("autoscaler", 3, 3)]
+
+
+def test_a_lowered_max_clamps_what_was_recommended_before():
+    core, log = autoscaled(hi=8)
+    drive(core, [load(60, 0, 1)], T0, log=log)  # 6 replicas
+    lower = new_event(ServiceUpdated, aggregate_id="chat", producer="admission", occurred_at=T0, key="update/1/1",
+                      spec=core.services["chat"].spec.model_copy(update={"replicas": Replicas(min=1, max=4, desired=4)}),
+                      generation=1, updated_by="alice", intake_sequence=9)
+    drive(core, [lower], T0 + timedelta(seconds=1), log=log)
+    out = drive(core, [load(60, 2, 2)], T0 + timedelta(seconds=2), log=log)
+    assert all(e.replicas <= 4 for e in of(out, ScaledTo))
+    assert len(core.services["chat"].live()) == 4
+
+
+def test_a_service_deleted_and_deployed_again_retires_what_still_ran_of_the_old_one():
+    core, log = ServingCore(), Log()
+    drive(core, [deployed(service_spec(desired=1))], T0, log=log)
+    deleted = new_event(ServiceDeleted, aggregate_id="chat", producer="admission", occurred_at=T0, key="delete/1",
+                        deleted_by="alice", intake_sequence=9)
+    again = new_event(ServiceDeployed, aggregate_id="chat", producer="admission", occurred_at=T0, key="deploy/2",
+                      spec=service_spec(desired=1), deployed_by="alice", generation=2, intake_sequence=10)
+    core.evolve(deleted)  # folded together with the new deploy, before its retirement was decided
+    log.append(deleted)
+    out = drive(core, [again], T0, log=log)
+    assert [(e.type, e.job_id) for e in out] == [("ReplicaRetired", job(0)), ("ReplicaRequested", job(0, 2))]
 
 
 def test_gpu_utilization_of_the_ready_replicas_drives_the_rule():
