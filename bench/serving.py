@@ -41,7 +41,7 @@ from schemas import Event, JobPreempted, QueueConfigured, new_event
 from schemas.node import NodeInfo
 from schemas.commands import Principal
 from schemas.queue import FlavorQuota, PreemptionPolicy
-from schemas.service import ReplicaReady, ScaleRequested
+from schemas.service import ReplicaReady
 from services.admission.domain import AdmissionCore
 from services.executor.sim import SimExecutorCore
 from services.quota.domain import QuotaCore
@@ -131,7 +131,7 @@ def run(nodes: int, start: int, to: int, victim_gpus: int, checkpoints: bool) ->
         "latency_max_s": latencies[-1] if latencies else None,
         "latency_floor_s": READINESS_S,
         "victims": len({v.aggregate_id for v in victims}), "victims_minimum": math.ceil(needed / victim_gpus),
-        "work_lost_gpu_s": lost, "scale_requests": sum(isinstance(e, ScaleRequested) for e in log),
+        "work_lost_gpu_s": lost,
     }
 
 

@@ -338,14 +338,7 @@ class AdmissionCore:
         return job
 
     def handle_cancel(self, raw: bytes, sender: Principal, now: datetime) -> list[Event]:
-        try:
-            command = parse_command(CancelJob, raw)
-        except MalformedCommand as err:
-            raise PoisonCommand(f"invalid CancelJob: {err.message}") from None
-        except ValidationError as err:
-            raise PoisonCommand(f"invalid CancelJob: {_validation_message(err)[1]}") from None
-        if (problem := identity_problem(command, sender)) is not None:
-            raise PoisonCommand(f"CancelJob: {problem[1]}")
+        command = _parse_command(CancelJob, raw, sender)
         job = self._team_job("CancelJob", command.job_id, sender.team)
         if job.finished or job.cancel_requested:
             return []  # nothing to cancel, or already asked: idempotent
@@ -361,14 +354,7 @@ class AdmissionCore:
         """A ReportCheckpoint that ``sender`` published: JobCheckpointed
         for the job's running attempt. A report that names no running attempt of a job of this
         team is refused with a PoisonCommand (the dead-letter subject, with this message)."""
-        try:
-            command = parse_command(ReportCheckpoint, raw)
-        except MalformedCommand as err:
-            raise PoisonCommand(f"invalid ReportCheckpoint: {err.message}") from None
-        except ValidationError as err:
-            raise PoisonCommand(f"invalid ReportCheckpoint: {_validation_message(err)[1]}") from None
-        if (problem := identity_problem(command, sender)) is not None:
-            raise PoisonCommand(f"ReportCheckpoint: {problem[1]}")
+        command = _parse_command(ReportCheckpoint, raw, sender)
         job = self._team_job("ReportCheckpoint", command.job_id, sender.team,
                              "; publish on gpusched.intake.{team}.checkpoint")
         running = job.running
@@ -403,7 +389,7 @@ class AdmissionCore:
         """ServiceDeployed for a new service (or one deleted before: a new generation), or
         ServiceUpdated with the next generation when the spec changed; nothing for the same spec.
         PoisonCommand when the team may not deploy it: its replica would not be admitted."""
-        command = _parse_service_command(DeployService, raw, sender)
+        command = _parse_command(DeployService, raw, sender)
         spec = command.spec
         if spec.team != sender.team:
             raise PoisonCommand(f"DeployService: spec.team {spec.team!r} does not match the intake subject's team "
@@ -431,7 +417,7 @@ class AdmissionCore:
                           generation=generation, updated_by=user, intake_sequence=seq)]
 
     def handle_scale(self, raw: bytes, sender: Principal, seq: int, now: datetime) -> list[Event]:
-        command = _parse_service_command(ScaleService, raw, sender)
+        command = _parse_command(ScaleService, raw, sender)
         svc = self._team_service("ScaleService", command.service, sender.team)
         return [new_event(ScaleRequested, aggregate_id=command.service, producer=PRODUCER, occurred_at=now,
                           key=f"scale/{svc.generation}/{svc.scales + 1}", cause=svc.deployed, replicas=command.replicas,
@@ -440,14 +426,14 @@ class AdmissionCore:
 
     def handle_load(self, raw: bytes, sender: Principal, seq: int, now: datetime) -> list[Event]:
         """A ReportServiceLoad of the team's service: ServiceLoadReported, stamped now."""
-        command = _parse_service_command(ReportServiceLoad, raw, sender)
+        command = _parse_command(ReportServiceLoad, raw, sender)
         svc = self._team_service("ReportServiceLoad", command.service, sender.team)
         return [new_event(ServiceLoadReported, aggregate_id=command.service, producer=PRODUCER, occurred_at=now,
                           key=f"load/{seq}", cause=svc.deployed, requests_per_second=command.requests_per_second,
                           reported_by=command.on_behalf_of or sender.user, intake_sequence=seq)]
 
     def handle_delete(self, raw: bytes, sender: Principal, seq: int, now: datetime) -> list[Event]:
-        command = _parse_service_command(DeleteService, raw, sender)
+        command = _parse_command(DeleteService, raw, sender)
         svc = self._team_service("DeleteService", command.service, sender.team)
         return [new_event(ServiceDeleted, aggregate_id=command.service, producer=PRODUCER, occurred_at=now,
                           key=f"delete/{svc.generation}", cause=svc.deployed,
@@ -617,8 +603,9 @@ class AdmissionCore:
                 f"models {models}")
 
 
-def _parse_service_command(model, raw: bytes, sender: Principal):
-    """A service command in strict mode, or PoisonCommand naming the field and what is accepted."""
+def _parse_command(model, raw: bytes, sender: Principal):
+    """A command other than a submission (which gets a JobRejected) in strict mode, sent by
+    ``sender`` itself; else PoisonCommand naming the field and what is accepted."""
     try:
         command = parse_command(model, raw)
     except MalformedCommand as err:

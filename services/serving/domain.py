@@ -105,7 +105,6 @@ class Service:
     owner: str
     generation: int
     desired: int
-    deployed_at: datetime
     deleted: bool = False
     scale_requests: list[ScaleRequested] = field(default_factory=list)
     scales_answered: int = 0
@@ -135,7 +134,7 @@ class ServingCore:
             case ServiceDeployed():
                 old = self.services.get(event.aggregate_id)
                 svc = self.services[event.aggregate_id] = Service(
-                    event.spec, event.deployed_by, event.generation, event.spec.replicas.desired, event.occurred_at,
+                    event.spec, event.deployed_by, event.generation, event.spec.replicas.desired,
                     incarnation=event.event_id)
                 if old is not None:  # deployed again after a delete: what still runs of the old one is retired
                     svc.replicas = {j: r for j, r in old.replicas.items() if r.live}
