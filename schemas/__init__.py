@@ -39,6 +39,7 @@ JobScheduled                scheduler    placement of one attempt on nodes
 PreemptionRequested         scheduler    evict a lower-priority attempt so a higher one fits
 SchedulingPending...Changed scheduler    why an attempt holding quota is not placed (when that changes)
 JobStarted                  executor     the attempt runs (the whole gang)
+JobReady                    executor     a service's replica passed its readiness check
 JobSucceeded                executor     the attempt exited 0
 JobFailed                   executor     the attempt failed; classified reason, retryable or not
 JobPreempted                executor     the attempt was stopped to make room; not a failure
@@ -80,6 +81,7 @@ from schemas.job import (
     JobRetryScheduled,
     JobScheduled,
     JobSpec,
+    JobReady,
     JobStarted,
     JobSubmitted,
     JobSucceeded,

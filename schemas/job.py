@@ -390,6 +390,16 @@ class JobStarted(_JobEvent):
     nodes: tuple[str, ...]
 
 
+class JobReady(_JobEvent):
+    """A service's replica passed its readiness check: its backend says it is ready (the
+    kubernetes backend: the Pod's Ready condition, which its readiness probe gates) and at least
+    the service's readiness delay has passed since its start. Once per attempt; only replica jobs
+    (docs/serving.md)."""
+
+    type: Literal["JobReady"] = "JobReady"
+    attempt: int = Field(ge=1)
+
+
 class JobSucceeded(_JobEvent):
     type: Literal["JobSucceeded"] = "JobSucceeded"
     attempt: int = Field(ge=1)

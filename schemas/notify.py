@@ -19,9 +19,10 @@ MAX_WEBHOOKS = 4
 
 
 class NotificationKind(StrEnum):
-    """What happened to a job, as a team is told. One kind per job event type that a team cares
-    about; ``preemption-notice`` is sent when the preemption is decided, with the grace deadline,
-    before the attempt is stopped."""
+    """What happened to a job or an inference service, as a team is told. One kind per event
+    type that a team cares about; ``preemption-notice`` is sent when the preemption is decided,
+    with the grace deadline, before the attempt is stopped. A service's kinds start with
+    ``service-`` or ``replica-``."""
 
     SUBMITTED = "submitted"
     ADMITTED = "admitted"
@@ -37,6 +38,12 @@ class NotificationKind(StrEnum):
     FAILED = "failed"
     CANCEL_REQUESTED = "cancel-requested"
     CANCELLED = "cancelled"
+    # an inference service's (docs/serving.md)
+    SERVICE_DEPLOYED = "service-deployed"
+    SERVICE_UPDATED = "service-updated"
+    SERVICE_SCALED = "service-scaled"
+    REPLICA_LOST = "replica-lost"
+    SERVICE_DELETED = "service-deleted"
 
 
 class Webhook(Contract):

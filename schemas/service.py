@@ -28,7 +28,9 @@ SERVICE_ANNOTATION = "gpusched.io/service"
 """On a replica job's spec: the service it belongs to."""
 READINESS_PATH, READINESS_PORT, READINESS_DELAY = (
     "gpusched.io/readiness-path", "gpusched.io/readiness-port", "gpusched.io/readiness-delay")
-"""On a replica job's spec, from the service's readiness: the kubernetes backend's readiness probe."""
+"""On a replica job's spec, from the service's readiness: the kubernetes backend's readiness probe
+(path and port, where the service has them) and the delay before a replica counts as ready
+(every replica)."""
 MAX_REPLICAS = 512
 
 SERVICE_NAME_PATTERN = r"^[a-z]([a-z0-9-]{0,38}[a-z0-9])?$"
@@ -50,6 +52,27 @@ def service_of(job_id: str) -> str | None:
     return parts[0] if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() else None
 
 
+def replica_service(job_id: str, spec: JobSpec) -> str | None:
+    """The service a job is a replica of: its job id says so (only the serving controller's
+    replica jobs have such ids: admission refuses them to submissions) and its spec agrees. A
+    job's own ``gpusched.io/service`` annotation alone makes nothing a replica: it would put a
+    team's Pod behind another team's Service."""
+    name = service_of(job_id)
+    return name if name is not None and spec.annotations.get(SERVICE_ANNOTATION) == name else None
+
+
+def readiness_delay(job_id: str, spec: JobSpec) -> float | None:
+    """Seconds after its start before a replica may count as ready (its spec's
+    ``gpusched.io/readiness-delay``; 0 when absent or malformed); None for a job that is no
+    replica (it is never ready, only started)."""
+    if replica_service(job_id, spec) is None:
+        return None
+    try:
+        return max(0.0, float(spec.annotations.get(READINESS_DELAY) or 0))
+    except ValueError:
+        return 0.0
+
+
 class Replicas(Contract):
     """How many replicas: the controller keeps ``desired``, clamped to [``min``, ``max``]."""
 
@@ -66,13 +89,17 @@ class Replicas(Contract):
 
 
 class Readiness(Contract):
-    """When a started replica counts as ready: ``delay_seconds`` after it started (the sim's
-    model of a model server loading its weights; the kubernetes backend's readiness probe)."""
+    """When a started replica counts as ready: when its backend says so and at least
+    ``delay_seconds`` after it started. The kubernetes backend says so when the Pod is Ready
+    (with ``http_path`` and ``port``, when its readiness probe passes, first tried after the
+    delay); the sim and local backends from the start, so the delay is the model of a server
+    loading its weights."""
 
     delay_seconds: float = Field(default=10.0, ge=0, le=3600)
     http_path: str | None = Field(default=None, max_length=256, pattern=r"^/[^\s]*$",
                                   description="Readiness probe path on the replica's port (kubernetes backend)")
-    port: int | None = Field(default=None, ge=1, le=65535)
+    port: int | None = Field(default=None, ge=1, le=65535,
+                             description="The port the replicas serve on: the kubernetes backend's Service routes to it")
 
 
 class Rollout(Contract):

@@ -1,6 +1,7 @@
 """What a team reads from its tenant stream ``GPUSCHED_TENANT_<team>`` beside the copies of its
-jobs' events: notifications (``gpusched.tenant.<team>.notify.<job_id>.<kind>``) and the webhook
-delivery log (``gpusched.tenant.<team>.delivery.<job_id>``). The notifier writes both."""
+jobs' and services' events: notifications (``gpusched.tenant.<team>.notify.<job_id>.<kind>``, or
+``….notify.<service>.<kind>`` for a service's own) and the webhook delivery log
+(``gpusched.tenant.<team>.delivery.<job_id or service>``). The notifier writes both."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ from schemas.notify import NotificationKind
 
 
 class JobNotification(Contract):
-    """One thing that happened to a team's job, in a line a person reads, with the numbers a
-    program needs. Also the body of a webhook POST."""
+    """One thing that happened to a team's job or inference service, in a line a person reads,
+    with the numbers a program needs. Also the body of a webhook POST."""
 
     notification_id: str = Field(min_length=1, max_length=64,
                                  description="Deterministic (the event's id and the kind): a repeat is the same one")
     kind: NotificationKind
     team: str = Field(pattern=NAME_PATTERN)
-    job_id: str = Field(min_length=1, max_length=253)
+    job_id: str | None = Field(min_length=1, max_length=253,
+                               description="The job; a replica's job for replica-lost; null for a service's own "
+                                           "notifications (service-deployed, -updated, -scaled, -deleted)")
+    service: str | None = Field(default=None, max_length=64,
+                                description="The inference service, for its notifications (kinds service-*, replica-*)")
     attempt: int | None = Field(default=None, ge=1)
     occurred_at: Timestamp = Field(description="When it happened, on the platform clock")
     event_id: str = Field(min_length=1, max_length=64, description="The event it reports")
@@ -37,13 +42,16 @@ class JobNotification(Contract):
     retryable: bool | None = Field(default=None, description="failed")
     next_attempt: int | None = Field(default=None, ge=1, description="retry-scheduled")
     not_before: Timestamp | None = Field(default=None, description="retry-scheduled")
+    replicas: int | None = Field(default=None, ge=0, description="service-deployed, -updated, -scaled: desired replicas")
+    replaced: bool | None = Field(default=None, description="replica-lost: another replica is asked for in its place")
 
 
 class NotificationDelivery(Contract):
     """One try to deliver a notification to one webhook."""
 
     notification_id: str = Field(min_length=1, max_length=64)
-    job_id: str = Field(min_length=1, max_length=253)
+    job_id: str | None = Field(min_length=1, max_length=253, description="As the notification's")
+    service: str | None = Field(default=None, max_length=64, description="As the notification's")
     kind: NotificationKind
     url: str = Field(max_length=2048)
     outcome: Literal["delivered", "failed-attempt", "dead-lettered"]

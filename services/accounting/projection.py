@@ -28,6 +28,7 @@ from schemas import (
     JobRejected,
     JobRetryScheduled,
     JobScheduled,
+    JobReady,
     JobStarted,
     JobSubmitted,
     JobSucceeded,
@@ -215,6 +216,7 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     # placed: the last wait reason (quota's or the scheduler's) no longer applies
     JobScheduled: lambda e, j, t, seq: [_SCHEDULED(j, seq, t, [p.node for p in e.placement], e.flavor, None, None)],
     JobStarted: lambda e, j, t, seq: [_RUNNING(j, seq, t)],
+    JobReady: lambda e, j, t, seq: [],  # a replica's: the service's ReplicaReady is what the read models keep
     JobSucceeded: _succeeded,
     JobFailed: _failed,
     JobPreempted: _preempted,

@@ -22,6 +22,7 @@ class MemberStatus:
     reason: FailureReason | None = None
     exit_code: int | None = None
     message: str = ""
+    ready_at: datetime | None = None  # RUNNING: since when it passes its readiness check; None: not ready
 
 
 def attempt_observation(job_id: str, attempt: int, members: list[MemberStatus | None], *, seen: list[bool],
@@ -34,7 +35,8 @@ def attempt_observation(job_id: str, attempt: int, members: list[MemberStatus | 
     * a member seen before and now missing: FAILED (someone deleted it);
     * any member FAILED: FAILED, with the earliest failure;
     * every member SUCCEEDED: SUCCEEDED at the last finish;
-    * every member RUNNING or SUCCEEDED: RUNNING (the whole gang runs) at the last start;
+    * every member RUNNING or SUCCEEDED: RUNNING (the whole gang runs) at the last start, ready
+      once every running member is ready;
     * else PENDING.
     """
     obs = _aggregate(job_id, attempt, members, seen=seen, started_in_log=started_in_log, stopping=stopping, now=now)
@@ -71,5 +73,7 @@ def _aggregate(job_id: str, attempt: int, members: list[MemberStatus | None], *,
                            started_at=first_start, exit_code=0)
     if all(m.phase in (Phase.RUNNING, Phase.SUCCEEDED) for m in present):
         gang_start = max((m.started_at or now) for m in present)
-        return Observation(job_id, attempt, Phase.RUNNING, gang_start, started_at=gang_start)
+        ready = [m.ready_at for m in present if m.phase == Phase.RUNNING]
+        ready_at = max(ready) if all(r is not None for r in ready) else None  # every member that runs is ready
+        return Observation(job_id, attempt, Phase.RUNNING, gang_start, started_at=gang_start, ready_at=ready_at)
     return Observation(job_id, attempt, Phase.PENDING, now)

@@ -25,7 +25,7 @@ from datetime import datetime
 
 from schemas import FailureReason
 from schemas.node import NodeInfo
-from schemas.service import READINESS_DELAY, READINESS_PATH, READINESS_PORT, SERVICE_ANNOTATION, service_of
+from schemas.service import READINESS_DELAY, READINESS_PATH, READINESS_PORT, replica_service
 from services.executor.gang import MemberStatus
 from services.executor.lifecycle import Phase, Workload, flavor_of, workload_name
 
@@ -73,15 +73,6 @@ class JobOptions:
 
     def namespace_for(self, team: str) -> str:
         return self.namespace.replace("{team}", team)
-
-
-def replica_service(job_id: str, spec) -> str | None:
-    """The service a workload is a replica of: its job id says so (only the serving controller's
-    replica jobs have such ids: admission refuses them to submissions) and its spec agrees. A
-    job's own ``gpusched.io/service`` annotation alone makes nothing a replica: it would put a
-    team's Pod behind another team's Service."""
-    name = service_of(job_id)
-    return name if name is not None and spec.annotations.get(SERVICE_ANNOTATION) == name else None
 
 
 def service_port(job_id: str, spec) -> int | None:
@@ -261,7 +252,9 @@ def pod_status(pod: dict) -> MemberStatus:
             return MemberStatus(Phase.FAILED, None, None, FailureReason.BACKEND_ERROR, None,
                                 f"{waiting['reason']}: {waiting.get('message', '')}".strip(": "))
     if phase == "Running":
-        return MemberStatus(Phase.RUNNING, started, started)
+        ready = _cond(pod, "Ready")  # its readiness probe passes (or it has none and runs)
+        return MemberStatus(Phase.RUNNING, started, started,
+                            ready_at=(parse_time(ready.get("lastTransitionTime")) or started) if ready else None)
     return MemberStatus(Phase.PENDING)
 
 

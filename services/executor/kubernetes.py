@@ -204,7 +204,7 @@ class KubernetesBackend:
         self.pods = Cache("pods", pods_fn, selector=SELECTOR, resync_s=resync_s)
         self.nodes = Cache("nodes", self.core.list_node, selector=None, resync_s=resync_s)
         self._seen: set[str] = set()  # member Job names this process has seen exist
-        self._services: set[tuple[str, str]] = set()  # (namespace, name) of Services known to exist
+        self._services: set[tuple[str, str]] | None = None  # (namespace, name) of our Services; None: not listed
         self._pod_deleted: dict[str, float] = {}  # pod key -> grace it was deleted with
         self._failed_create: dict[tuple[str, int], Observation] = {}
         self._retry_at = 0.0
@@ -262,6 +262,7 @@ class KubernetesBackend:
             deleted = self._stop_all(plan, by_attempt, pods_by_job)
             if plan.complete:
                 deleted += self._delete_orphans(plan, by_attempt, pods_by_job)
+                deleted += self._delete_services(plan)
         except Exception as err:  # 5xx, 429, a refused delete (RBAC), connection errors
             self._api_backoff(err)
             return 0
@@ -362,17 +363,47 @@ class KubernetesBackend:
                     raise
         return created
 
+    def _known_services(self) -> set[tuple[str, str]]:
+        """The v1 Services this executor made (by its label), listed once per process, then kept
+        up to date by what it creates and deletes."""
+        if self._services is None:
+            if self.all_namespaces:
+                found = self.core.list_service_for_all_namespaces(label_selector=SELECTOR).items
+            else:
+                found = self.core.list_namespaced_service(self.opts.namespace, label_selector=SELECTOR).items
+            self._services = {(s.metadata.namespace, s.metadata.name) for s in found}
+        return self._services
+
+    def _delete_services(self, plan: Plan) -> int:
+        """The v1 Service of each inference service the log deleted, where one exists."""
+        from kubernetes.client.exceptions import ApiException
+
+        known = self._known_services()
+        deleted = 0
+        for team, name in plan.deleted_services:
+            key = (self.opts.namespace_for(team), name)
+            if key in known:
+                log.info("deleting the Service of a deleted inference service", extra={"service": name})
+                try:
+                    self.core.delete_namespaced_service(name, key[0])
+                except ApiException as err:
+                    if err.status != 404:
+                        raise
+                known.discard(key)
+                deleted += 1
+        return deleted
+
     def _ensure_service(self, w) -> None:
         """For a service's replica with a port: the v1 Service that routes to its ready replicas
-        (created once; one that exists is kept). Left in place when the service is deleted: with
-        no replica left it routes nowhere (docs/serving.md)."""
+        (created once; one that exists is kept; deleted with the service, by
+        :meth:`_delete_services`)."""
         from kubernetes.client.exceptions import ApiException
 
         port = service_port(w.job_id, w.spec)
         if port is None:
             return
         name, ns = service_of(w.job_id), self.opts.namespace_for(w.spec.team)
-        if (ns, name) in self._services:
+        if (ns, name) in self._known_services():
             return
         try:
             self.core.create_namespaced_service(ns, service_manifest(name, ns, port))

@@ -12,7 +12,8 @@ The core (:class:`BackendCore`) knows two things and does no I/O:
 From those it derives
 
 * the events that follow (:meth:`BackendCore.decide`): JobStarted once the whole gang runs,
-  JobSucceeded, JobFailed with the classified reason and whether the job's retry policy retries
+  JobReady once a service's replica passes its readiness check and its delay, JobSucceeded,
+  JobFailed with the classified reason and whether the job's retry policy retries
   it, JobPreempted / JobCancelled once the stopped attempt is gone, NodeRegistered / NodeUpdated /
   NodeLost, JobFailed(node-lost) for attempts on a lost node, and NodeTelemetryReported for each
   closed telemetry window, until it is in the log;
@@ -39,8 +40,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from dataclasses import dataclass, field
-from datetime import datetime
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Protocol
 
@@ -52,6 +53,7 @@ from schemas import (
     JobCancelRequested,
     JobFailed,
     JobPreempted,
+    JobReady,
     JobScheduled,
     JobSpec,
     JobStarted,
@@ -67,6 +69,7 @@ from schemas import (
 )
 from schemas.job import NodeAssignment
 from schemas.node import GpuTelemetry, NodeInfo
+from schemas.service import ServiceDeleted, ServiceDeployed, ServiceUpdated, readiness_delay
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,7 @@ class Observation:
     reason: FailureReason | None = None  # for FAILED
     exit_code: int | None = None
     message: str = ""
+    ready_at: datetime | None = None  # RUNNING: since when it passes its readiness check (None: not ready)
 
 
 def workload_name(job_id: str, attempt: int, member: int | None = None) -> str:
@@ -171,6 +175,10 @@ class Plan:
     # Complete: ``keep`` names every attempt the log holds live, so anything else the backend
     # holds is an orphan. A partial plan (:meth:`BackendCore.changes`) judges no orphans.
     complete: bool = True
+    # (team, name) of every inference service the log deleted (and did not deploy again): a
+    # backend that made something for it (the kubernetes backend's v1 Service) removes it.
+    # Complete plans only.
+    deleted_services: frozenset[tuple[str, str]] = frozenset()
 
     @property
     def workloads(self) -> tuple[Workload, ...]:
@@ -235,6 +243,8 @@ def reconcile(backend: Backend, plan: Plan, now: datetime) -> SyncResult:
 class _Attempt:
     scheduled: JobScheduled
     started: JobStarted | None = None
+    ready_not_before: datetime | None = None  # a started replica: its start + the service's readiness delay
+    ready: bool = False  # JobReady is in the log
     stop: ReclaimRequested | PreemptionRequested | None = None
     failed_on_node: str | None = None  # a placement node was lost
 
@@ -242,6 +252,7 @@ class _Attempt:
 @dataclass
 class _Job:
     spec: JobSpec
+    readiness_delay: float | None = None  # a service's replica: seconds after its start before it is ready
     priority: int | None = None
     attempt: _Attempt | None = None  # live attempt, if any
     ran_before: bool = False
@@ -258,6 +269,8 @@ class _State:
     inventory: dict[str, NodeInfo] | None = None  # as the backend reports them; None: not listed yet
     telemetry: dict[str, NodeTelemetryReported] = field(default_factory=dict)  # by event id, not yet in the log
     live: dict[str, None] = field(default_factory=dict)  # jobs with a live attempt
+    readiness: dict[str, datetime] = field(default_factory=dict)  # replicas whose readiness delay runs: until when
+    services: dict[str, tuple[str, bool]] = field(default_factory=dict)  # inference service -> (team, deleted)
     due: dict[str, None] = field(default_factory=dict)  # jobs whose next event may have changed, in that order
     changed: dict[str, None] = field(default_factory=dict)  # jobs whose plan entry may have changed
 
@@ -278,7 +291,7 @@ class BackendCore:
             self._evolve_job(event)
 
     def _evolve_inventory(self, event: Event) -> bool:
-        """Node events and a new job; False for anything else."""
+        """Node events, a new job and the inference services; False for anything else."""
         s = self.state
         match event:
             case NodeRegistered() | NodeUpdated():
@@ -296,8 +309,14 @@ class BackendCore:
                     if a.failed_on_node is None and any(p.node == event.name for p in a.scheduled.placement):
                         a.failed_on_node = event.name
                         self._touch(job_id)
+            case ServiceDeployed() | ServiceUpdated():
+                s.services[event.aggregate_id] = (event.spec.team, False)
+            case ServiceDeleted():
+                if (known := s.services.get(event.aggregate_id)) is not None:
+                    s.services[event.aggregate_id] = (known[0], True)
             case JobSubmitted():
-                s.jobs.setdefault(event.aggregate_id, _Job(spec=event.spec))
+                s.jobs.setdefault(event.aggregate_id, _Job(
+                    spec=event.spec, readiness_delay=readiness_delay(event.aggregate_id, event.spec)))
             case _:
                 return False
         return True
@@ -323,9 +342,16 @@ class BackendCore:
                 if a is not None and a.scheduled.attempt == event.attempt:
                     a.started = event
                     job.ran_before = True
+                    if job.readiness_delay is not None:
+                        a.ready_not_before = event.occurred_at + timedelta(seconds=job.readiness_delay)
+                        s.readiness[job_id] = a.ready_not_before
                     obs = s.observed.get((job_id, event.attempt))
                     if obs is not None and obs.phase in _TERMINAL:
                         s.due[job_id] = None  # it ended before its start was in the log: the end follows
+            case JobReady():
+                if a is not None and a.scheduled.attempt == event.attempt:
+                    a.ready = True
+                    s.readiness.pop(job_id, None)
             case JobSucceeded() | JobFailed() | JobPreempted():
                 if a is not None and a.scheduled.attempt == event.attempt:
                     self._end_attempt(job_id, job)
@@ -355,6 +381,7 @@ class BackendCore:
     def _end_attempt(self, job_id: str, job: _Job) -> None:
         self.state.observed.pop((job_id, job.attempt.scheduled.attempt), None)
         self.state.live.pop(job_id, None)
+        self.state.readiness.pop(job_id, None)
         job.attempt = None
 
     def _lost_node(self, placement: tuple[NodeAssignment, ...]) -> str | None:
@@ -429,6 +456,10 @@ class BackendCore:
             self._inventory_dirty = bool(out)  # compared again until the log agrees
         if s.telemetry:
             out.extend(s.telemetry.values())  # after the node's own inventory events
+        if s.readiness:
+            for job_id in [j for j, until in s.readiness.items() if until <= now]:
+                del s.readiness[job_id]
+                s.due[job_id] = None  # its delay has passed: ready when the backend says so (an observation)
         if s.due:
             # A job is looked at again when an event or an observation touches it, which is also
             # when its decision is in the log; a decision the log refused: decisions_refused.
@@ -438,9 +469,15 @@ class BackendCore:
                     out.append(event)
         return out
 
+    def next_wake(self) -> datetime | None:
+        """When the next started replica's readiness delay ends (None: none waits)."""
+        return min(self.state.readiness.values(), default=None)
+
     def plan(self) -> Plan:
-        """Every live attempt's entry: a complete plan."""
-        return self._plan(self.state.live, complete=True)
+        """Every live attempt's entry, and the services deleted: a complete plan."""
+        plan = self._plan(self.state.live, complete=True)
+        deleted = frozenset((team, name) for name, (team, gone) in self.state.services.items() if gone)
+        return replace(plan, deleted_services=deleted) if deleted else plan
 
     def changes(self) -> Plan:
         """The entries that changed since the last call (a new attempt to run, a stop): a partial
@@ -537,6 +574,11 @@ class BackendCore:
                 return new_event(JobStarted, aggregate_id=job_id, producer=PRODUCER,
                                  occurred_at=obs.started_at or obs.at, key=str(n), cause=a.scheduled, attempt=n,
                                  nodes=tuple(p.node for p in a.scheduled.placement))
+            earliest = a.ready_not_before
+            if (obs.phase == Phase.RUNNING and obs.ready_at is not None and not a.ready and earliest is not None
+                    and earliest <= now):
+                return new_event(JobReady, aggregate_id=job_id, producer=PRODUCER,
+                                 occurred_at=max(obs.ready_at, earliest), key=f"{n}/ready", cause=a.started, attempt=n)
             return None
         if obs.phase == Phase.SUCCEEDED:
             return new_event(JobSucceeded, aggregate_id=job_id, producer=PRODUCER, occurred_at=obs.at, key=str(n),

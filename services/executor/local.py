@@ -455,7 +455,10 @@ class LocalBackend:
                                           "finished_at": now.isoformat()})
             ex = _read_json(d / "exit.json")
         if ex is None:
-            return MemberStatus(Phase.RUNNING, started_at, started_at) if started else MemberStatus(Phase.PENDING)
+            if not started:
+                return MemberStatus(Phase.PENDING)
+            # no readiness probe here: a running process is ready (after the service's delay)
+            return MemberStatus(Phase.RUNNING, started_at, started_at, ready_at=started_at)
         at = datetime.fromisoformat(ex["finished_at"])
         if "error" in ex:
             return MemberStatus(Phase.FAILED, at, started_at, FailureReason.BACKEND_ERROR, None, ex["error"])

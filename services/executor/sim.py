@@ -15,7 +15,8 @@ Annotations a job can carry to rehearse failures:
 * ``sim.gpusched.io/failure-reason``: a :class:`FailureReason` (default ``exit-code``).
 
 A malformed value counts as absent. A service's replica (annotated ``gpusched.io/service``, with
-no expected runtime) runs until it is stopped: scaled down, preempted or its node lost.
+no expected runtime) runs until it is stopped: scaled down, preempted or its node lost; it is
+ready (JobReady) its service's readiness delay after its start.
 """
 
 from __future__ import annotations
@@ -121,7 +122,9 @@ class SimBackend:
             run = _Run(started, started + timedelta(seconds=runtime), reason, exit_code)
             self._runs[key] = run
             heapq.heappush(self._ends, (run.ends, w.job_id, w.attempt))
-            self._seen.append(Observation(w.job_id, w.attempt, Phase.RUNNING, started, started_at=started))
+            # nothing to probe: ready from the start (a replica counts as ready after its service's delay)
+            self._seen.append(Observation(w.job_id, w.attempt, Phase.RUNNING, started, started_at=started,
+                                          ready_at=started))
             created += 1
         return created
 
@@ -195,3 +198,9 @@ class SimExecutorCore:
     def next_end(self) -> datetime | None:
         """When the next running attempt ends (None: none runs): the trace simulator's next step."""
         return self.backend.next_end()
+
+    def next_wake(self) -> datetime | None:
+        """The next time something happens by the clock alone: an attempt's end, a replica's
+        readiness."""
+        times = [t for t in (self.backend.next_end(), self.core.next_wake()) if t is not None]
+        return min(times, default=None)

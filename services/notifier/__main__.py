@@ -7,11 +7,13 @@ Two loops:
   crash stores nothing twice; the event is acked only once both are stored. A job's team comes
   from its JobSubmitted (looked up in the log by direct get, then cached). The same, with the
   durable ``notifier-services`` on ``gpusched.service.>``, for the teams' inference services
-  (a service's team from its ServiceDeployed); they make no notification. Two durables, not one
+  (a service's team from its ServiceDeployed), whose deploys, updates, scalings, lost replicas and
+  deletion make notifications too. Two durables, not one
   with two filters: a consumer with several filter subjects delivered about 14 times slower here.
 - **Webhooks** (nats-py; one durable ``notifier`` per tenant stream, filtered to its
   notifications, found every 30 s): each notification is POSTed, signed, to the webhooks of the
-  team (its latest TeamConfigured) and of the job (its spec's ``notify``), one at a time per
+  team (its latest TeamConfigured) and of the job (its spec's ``notify``; a service's: its replica
+  template's), one at a time per
   team, so a job's notifications arrive in order and one team's dead receiver never delays
   another's. A failed POST is retried with backoff; after the last try it is dead-lettered. Every
   try is logged on the team's delivery subject.
@@ -41,7 +43,8 @@ from prometheus_client import Counter, Histogram
 
 from runtime import eventlog, observability
 from runtime.settings import Settings
-from schemas import Event, JobSubmitted, ServiceDeployed, TeamConfigured, parse_event
+from schemas import Event, JobSubmitted, NotifySpec, ServiceDeployed, TeamConfigured, parse_event
+from schemas.service import ServiceUpdated
 from schemas.registry import SUBJECT_PREFIX
 from schemas.tenant import JobNotification, NotificationDelivery
 from services.notifier import core
@@ -241,9 +244,8 @@ class Notifier:
             await eventlog.dead_letter(self.js, f"{NAME}.webhook", msg, f"unreadable notification: {err}"[:2000])
             return
         team_config = await self._last(f"{SUBJECT_PREFIX}.team.{team}.configured")
-        submitted = await self._last(f"{SUBJECT_PREFIX}.job.{note.job_id}.submitted")
         urls = core.webhooks_for(note.kind, team_config.notify if isinstance(team_config, TeamConfigured) else None,
-                                 submitted.spec.notify if isinstance(submitted, JobSubmitted) else None)
+                                 await self._own_notify(note))
         if not urls:
             return
         secret = self.options.secrets.get(team)
@@ -255,6 +257,16 @@ class Notifier:
         body = msg.data
         for url in urls:
             await self._post_until_done(team, note, url, body, secret, http, msg)
+
+    async def _own_notify(self, note: JobNotification) -> NotifySpec | None:
+        """The webhooks of the job (its spec's ``notify``), or for a service's notification of
+        the service (its replica template's, as last deployed or updated)."""
+        if note.service is None:
+            submitted = await self._last(f"{SUBJECT_PREFIX}.job.{note.job_id}.submitted")
+            return submitted.spec.notify if isinstance(submitted, JobSubmitted) else None
+        specs = [e for e in [await self._last(f"{SUBJECT_PREFIX}.service.{note.service}.{token}")
+                             for token in ("deployed", "updated")] if isinstance(e, (ServiceDeployed, ServiceUpdated))]
+        return max(specs, key=lambda e: e.occurred_at).spec.replica.notify if specs else None
 
     async def _post_until_done(self, team: str, note: JobNotification, url: str, body: bytes, secret: str,
                                http: httpx.AsyncClient, msg: Msg) -> None:
@@ -276,7 +288,7 @@ class Notifier:
             outcome = "delivered" if not error else ("dead-lettered" if last else "failed-attempt")
             DELIVERIES.labels(outcome=outcome).inc()
             await self._log_delivery(team, NotificationDelivery(
-                notification_id=note.notification_id, job_id=note.job_id, kind=note.kind, url=url, outcome=outcome,
+                notification_id=note.notification_id, job_id=note.job_id, service=note.service, kind=note.kind, url=url, outcome=outcome,
                 attempt=attempt, status_code=status, error=error, duration_ms=took * 1000, at=datetime.now(UTC)))
             if not error:
                 return
@@ -289,7 +301,8 @@ class Notifier:
 
     async def _log_delivery(self, team: str, record: NotificationDelivery) -> None:
         msg_id = f"{record.notification_id}:{record.url}:{record.attempt}"
-        await self.js.publish(core.delivery_subject(team, record.job_id), record.model_dump_json().encode(),
+        await self.js.publish(core.delivery_subject(team, record.job_id or record.service),
+                              record.model_dump_json().encode(),
                               headers={"Nats-Msg-Id": msg_id[:256]}, timeout=10)
 
 

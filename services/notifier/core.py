@@ -29,7 +29,7 @@ from schemas import (
     SchedulingPendingReasonChanged,
 )
 from schemas.envelope import derive_event_id
-from schemas.service import ServiceDeployed, ServiceUpdated
+from schemas.service import ReplicaLost, ScaledTo, ServiceDeleted, ServiceDeployed, ServiceUpdated
 from schemas.registry import SUBJECT_PREFIX, subject_suffix
 from schemas.tenant import JobNotification
 
@@ -42,7 +42,14 @@ KINDS: dict[type[Event], NotificationKind] = {
     JobPreempted: K.PREEMPTED, JobRetryScheduled: K.RETRY_SCHEDULED, JobSucceeded: K.SUCCEEDED,
     JobFailed: K.FAILED, JobCancelRequested: K.CANCEL_REQUESTED, JobCancelled: K.CANCELLED,
 }
-"""The job events a team is told about; the others (quota held and released) are only copied."""
+"""The job events a team is told about; the others (quota held and released, a replica's
+readiness) are only copied."""
+SERVICE_KINDS: dict[type[Event], NotificationKind] = {
+    ServiceDeployed: K.SERVICE_DEPLOYED, ServiceUpdated: K.SERVICE_UPDATED, ScaledTo: K.SERVICE_SCALED,
+    ReplicaLost: K.REPLICA_LOST, ServiceDeleted: K.SERVICE_DELETED,
+}
+"""The service events a team is told about; the others (requests, placements, readiness of
+replicas, load reports) are only copied."""
 
 
 def team_of(event: Event) -> str | None:
@@ -61,24 +68,56 @@ def copy_subject(team: str, event: Event) -> str:
 
 
 def notify_subject(n: JobNotification) -> str:
-    return f"{SUBJECT_PREFIX}.tenant.{n.team}.notify.{n.job_id}.{n.kind.value}"
+    """``….notify.<job>.<kind>``, or ``….notify.<service>.<kind>`` for a service's own."""
+    return f"{SUBJECT_PREFIX}.tenant.{n.team}.notify.{n.job_id or n.service}.{n.kind.value}"
 
 
-def delivery_subject(team: str, job_id: str) -> str:
-    return f"{SUBJECT_PREFIX}.tenant.{team}.delivery.{job_id}"
+def delivery_subject(team: str, job_or_service: str) -> str:
+    return f"{SUBJECT_PREFIX}.tenant.{team}.delivery.{job_or_service}"
 
 
 def notification(event: Event, team: str) -> JobNotification | None:
-    """The notification ``event`` makes for its job's ``team``, or None."""
-    kind = KINDS.get(type(event))
+    """The notification ``event`` makes for its job's (or service's) ``team``, or None."""
+    kind = KINDS.get(type(event)) or SERVICE_KINDS.get(type(event))
     if kind is None:
         return None
-    details = _details(event)
+    if type(event).aggregate == "service":
+        about = {"service": event.aggregate_id, "job_id": getattr(event, "job_id", None)}
+        details = _service_details(event)
+    else:
+        about = {"job_id": event.aggregate_id}
+        details = _details(event)
     return JobNotification(
         notification_id=derive_event_id("JobNotification", event.event_id, kind.value), kind=kind, team=team,
-        job_id=event.aggregate_id, attempt=getattr(event, "attempt", None), occurred_at=event.occurred_at,
-        event_id=event.event_id, event_type=event.type, **details,
+        attempt=getattr(event, "attempt", None), occurred_at=event.occurred_at, event_id=event.event_id,
+        event_type=event.type, **about, **details,
     )
+
+
+def _service_details(e: Event) -> dict:
+    """The summary line and the fields of a service's kind."""
+    match e:
+        case ServiceDeployed():
+            r = e.spec.replicas
+            return {"summary": f"service {e.aggregate_id} deployed by {e.deployed_by}: {r.desired} replica(s) "
+                               f"({r.min} to {r.max}) of {e.spec.replica.gpus} GPU(s) in queue {e.spec.queue}",
+                    "replicas": r.desired}
+        case ServiceUpdated():
+            return {"summary": f"service {e.aggregate_id} updated by {e.updated_by}: {e.spec.replicas.desired} "
+                               f"replica(s), replica template generation {e.generation}",
+                    "replicas": e.spec.replicas.desired}
+        case ScaledTo():
+            asked = "" if e.requested == e.replicas else f" ({e.requested} asked)"
+            return {"summary": f"service {e.aggregate_id} scaled to {e.replicas} replica(s) by the {e.by}{asked}"
+                               + (f": {e.message}" if e.message else ""),
+                    "replicas": e.replicas}
+        case ReplicaLost():
+            then = "another replica replaces it" if e.replaced else "its job retries"
+            return {"summary": f"replica {e.job_id} of service {e.aggregate_id} lost (attempt {e.attempt}): "
+                               f"{e.reason}; {then}", "replaced": e.replaced}
+        case ServiceDeleted():
+            return {"summary": f"service {e.aggregate_id} deleted by {e.deleted_by}; its replicas are retired"}
+    raise AssertionError(f"no details for {e.type}")
 
 
 def _details(e: Event) -> dict:

@@ -5,8 +5,8 @@ ReplicaRequested (admission submits it), and from then on quota, the scheduler a
 treat it like any other attempt of its priority class — by default ``inference-sla``, first in
 order and never a victim, so a scale-up that finds no free GPUs preempts lower classes through
 the platform's limited, checkpoint-aware preemption. The controller follows each replica's job
-and records what happened to it on the service: ReplicaScheduled (placed), ReplicaReady (started
-and past its readiness delay), ReplicaLost (its attempt ended: preempted or failed, when its job
+and records what happened to it on the service: ReplicaScheduled (placed), ReplicaReady (its
+executor's JobReady: past its readiness check and delay), ReplicaLost (its attempt ended: preempted or failed, when its job
 retries itself; or its job ended for good, when another replica is asked for in its place).
 
 Each cycle, per service:
@@ -36,6 +36,7 @@ from schemas import (
     JobCancelled,
     JobFailed,
     JobPreempted,
+    JobReady,
     JobRejected,
     JobRetryScheduled,
     JobScheduled,
@@ -88,6 +89,7 @@ class Replica:
     gpus: tuple[int, ...] = ()  # device indices of the current attempt on its node
     utilization: float | None = None  # of its GPUs, the latest telemetry while it was ready
     started_at: datetime | None = None  # of the current attempt
+    ready_at: datetime | None = None  # of the current attempt: its JobReady
     lost: tuple[int, str, bool] | None = None  # (attempt, reason, for good) not yet told
     told: set[tuple[str, int]] = field(default_factory=set)  # (event type, attempt) recorded
     ready: bool = False
@@ -192,6 +194,8 @@ class ServingCore:
                 r.gpus = tuple(i for p in event.placement for i in p.gpu_indices)
             case JobStarted() if event.attempt == r.attempt:
                 r.started_at = event.occurred_at
+            case JobReady() if event.attempt == r.attempt and r.started_at is not None:
+                r.ready_at = event.occurred_at
             case JobPreempted() if event.attempt == r.attempt:
                 self._lose(svc, r, event, f"JobPreempted: {event.reason}", for_good=False)
             case JobFailed() if event.attempt == r.attempt:
@@ -199,7 +203,7 @@ class ServingCore:
                 for_good = not r.retired and not REPLICA_RETRY.retries(event.reason, event.retryable, r.failures)
                 self._lose(svc, r, event, f"JobFailed: {event.reason.value}: {event.message}", for_good=for_good)
             case JobRetryScheduled():
-                r.attempt, r.placed, r.started_at, r.ready = event.next_attempt, None, None, False
+                r.attempt, r.placed, r.started_at, r.ready_at, r.ready = event.next_attempt, None, None, None, False
             case JobSucceeded() | JobCancelled():
                 self._lose(svc, r, event, event.type, for_good=True)
             case JobRejected():
@@ -241,7 +245,7 @@ class ServingCore:
     def _lose(svc: Service, r: Replica, event: Event, reason: str, *, for_good: bool) -> None:
         """The replica's current attempt ended (``for_good``: its job will not run again)."""
         was_serving = r.started_at is not None
-        r.started_at, r.ready, r.utilization = None, False, None
+        r.started_at, r.ready_at, r.ready, r.utilization = None, None, False, None
         if for_good:
             r.ended = True
             if not r.retired and r.generation == svc.generation:
@@ -316,7 +320,6 @@ class ServingCore:
     def _tell(self, name: str, svc: Service, now: datetime) -> list[Event]:
         """What happened to the replicas, each told once per attempt."""
         out: list[Event] = []
-        delay = timedelta(seconds=svc.spec.readiness.delay_seconds)
         for r in svc.replicas.values():
             if r.placed is not None and ("ReplicaScheduled", r.placed[0]) not in r.told and not r.retired:
                 out.append(new_event(ReplicaScheduled, aggregate_id=name, producer=PRODUCER, occurred_at=now,
@@ -327,13 +330,9 @@ class ServingCore:
                 out.append(new_event(ReplicaLost, aggregate_id=name, producer=PRODUCER, occurred_at=now,
                                      key=f"{r.job_id}/{attempt}/lost", job_id=r.job_id, attempt=attempt,
                                      reason=reason, replaced=for_good and not svc.deleted))
-            if r.started_at is not None and not r.ready and r.live and ("ReplicaReady", r.attempt) not in r.told:
-                ready_at = r.started_at + delay
-                if ready_at <= now:
-                    out.append(new_event(ReplicaReady, aggregate_id=name, producer=PRODUCER, occurred_at=ready_at,
-                                         key=f"{r.job_id}/{r.attempt}/ready", job_id=r.job_id, attempt=r.attempt))
-                else:
-                    self.wake_at = ready_at if self.wake_at is None else min(self.wake_at, ready_at)
+            if r.ready_at is not None and not r.ready and r.live and ("ReplicaReady", r.attempt) not in r.told:
+                out.append(new_event(ReplicaReady, aggregate_id=name, producer=PRODUCER, occurred_at=r.ready_at,
+                                     key=f"{r.job_id}/{r.attempt}/ready", job_id=r.job_id, attempt=r.attempt))
         return out
 
     def _reconcile(self, name: str, svc: Service, desired: int, now: datetime) -> list[Event]:
@@ -376,9 +375,11 @@ class ServingCore:
     def _request(name: str, svc: Service, index: int, reason: str, now: datetime) -> ReplicaRequested:
         job_id = replica_job_id(name, svc.generation, index)
         template, readiness = svc.spec.replica, svc.spec.readiness
-        probe = {} if readiness.http_path is None or readiness.port is None else {
-            READINESS_PATH: readiness.http_path, READINESS_PORT: str(readiness.port),
-            READINESS_DELAY: f"{readiness.delay_seconds:g}"}
+        probe = {READINESS_DELAY: f"{readiness.delay_seconds:g}"}
+        if readiness.port is not None:
+            probe[READINESS_PORT] = str(readiness.port)
+            if readiness.http_path is not None:
+                probe[READINESS_PATH] = readiness.http_path
         spec = template.model_copy(update={
             "annotations": {**template.annotations, SERVICE_ANNOTATION: name, **probe},
             "retry": REPLICA_RETRY, "expected_runtime_seconds": None, "max_runtime_seconds": None,

@@ -9,7 +9,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from schemas import FailureReason, JobFailed, JobStarted, JobSucceeded, NodeRegistered, NodeUpdated
+from schemas import (
+    FailureReason, JobFailed, JobReady, JobStarted, JobSucceeded, NodeRegistered, NodeUpdated, ServiceDeleted, new_event,
+)
 from tests.executor.conftest import NAMESPACE
 from tests.executor.harness import Driver, work
 from tests.unit import builders as b
@@ -145,7 +147,8 @@ def test_the_executor_role_is_enough_and_no_larger(executor_api):
         ("patch Nodes", lambda: core.patch_node("kwok-gpu-0", {"spec": {"unschedulable": True}})),
         ("update Jobs", lambda: batch.patch_namespaced_job("nothing", NAMESPACE, {"metadata": {"labels": {"a": "b"}}})),
         ("list ServiceAccounts", lambda: core.list_namespaced_service_account(NAMESPACE)),
-        ("delete Services", lambda: core.delete_namespaced_service("nothing", NAMESPACE)),
+        ("update Services", lambda: core.patch_namespaced_service("nothing", NAMESPACE, {"spec": {"ports": []}})),
+        ("delete Services in another namespace", lambda: core.delete_namespaced_service("kubernetes", "default")),
         ("create Services in another namespace", lambda: core.create_namespaced_service("default", {
             "metadata": {"name": "elsewhere"}, "spec": {"ports": [{"port": 80}]}})),
     ]
@@ -229,25 +232,36 @@ async def test_the_executor_service_against_nats_and_the_cluster(nats_server, ad
 
 def test_a_services_replicas_carry_its_label_and_probe_and_one_service_routes_to_them(driver, admin):
     """Two replicas of an inference service (docs/serving.md): each its own Job pinned to its node,
-    labelled with the service, with the readiness probe from its spec; one v1 Service selects them."""
+    labelled with the service, with the readiness probe from its spec, and ready (JobReady) when
+    the Pod's Ready condition says its probe passed; one v1 Service selects them, and goes with
+    the service."""
+    from kubernetes.client.exceptions import ApiException
+
     core, batch = admin
     name = f"svc-{uuid.uuid4().hex[:6]}"
     ann = {"gpusched.io/service": name, "gpusched.io/readiness-path": "/healthz", "gpusched.io/readiness-port": "8000",
-           "gpusched.io/readiness-delay": "15"}
+           "gpusched.io/readiness-delay": "1",
+           "kwok.gpusched.io/ready-after": "4s"}  # kwok's stand-in for a probe that passes 4 s after the start
     spec = work(None, kind="inference", priority_class="inference-sla")
     spec = spec.model_copy(update={"annotations": {**spec.annotations, **ann}})
     replicas = [f"replica-{name}-1-{i}" for i in range(2)]
     now = datetime.now(UTC)
+    driver.feed(b.service_deployed(b.service_spec(name=name, team=spec.team, queue_=spec.queue), when=now))
     for i, j in enumerate(replicas):
         driver.feed(b.submitted(j, spec, when=now), b.admitted(j, priority=1000, preemptible=False, when=now),
                     b.scheduled(j, {f"kwok-gpu-{i}": (0,)}, when=now))
     driver.until(lambda: all(driver.first(j, JobStarted) for j in replicas), timeout=60)
+    assert not any(driver.first(j, JobReady) for j in replicas)  # running, the probe not passing yet
+    driver.until(lambda: all(driver.first(j, JobReady) for j in replicas), timeout=30)
+    for j in replicas:
+        took = (driver.first(j, JobReady).occurred_at - driver.first(j, JobStarted).occurred_at).total_seconds()
+        assert took >= 3, took  # when the probe passed (4 s, to the second), not the 1 s delay
     for i, j in enumerate(replicas):
         job = batch.read_namespaced_job(f"{j}-a1-m0", NAMESPACE)
         assert job.spec.template.metadata.labels["gpusched.io/service"] == name
         c = job.spec.template.spec.containers[0]
         probe = c.readiness_probe
-        assert (probe.http_get.path, probe.http_get.port, probe.initial_delay_seconds) == ("/healthz", 8000, 15)
+        assert (probe.http_get.path, probe.http_get.port, probe.initial_delay_seconds) == ("/healthz", 8000, 1)
         assert [p.container_port for p in c.ports] == [8000]
     svc = core.read_namespaced_service(name, NAMESPACE)
     assert svc.spec.selector == {"app.kubernetes.io/managed-by": "gpusched-executor", "gpusched.io/service": name}
@@ -256,3 +270,13 @@ def test_a_services_replicas_carry_its_label_and_probe_and_one_service_routes_to
     assert sorted(p.spec.node_name for p in pods) == ["kwok-gpu-0", "kwok-gpu-1"]
     for j in replicas:
         driver.feed(b.cancel_requested(j, when=datetime.now(UTC)))
+    driver.feed(new_event(ServiceDeleted, aggregate_id=name, producer="admission", occurred_at=datetime.now(UTC),
+                          key="deleted", deleted_by="alice", intake_sequence=2))
+
+    def service_gone() -> bool:
+        try:
+            core.read_namespaced_service(name, NAMESPACE)
+            return False
+        except ApiException as err:
+            return err.status == 404
+    driver.until(service_gone, timeout=30)

@@ -143,11 +143,48 @@ async def test_a_teams_services_reach_its_stream_only(nats_server, admin_js):
         seq = await log.append(new_event(cls, aggregate_id="chat", producer="serving", occurred_at=datetime.now(UTC),
                                          key=cls.__name__, **fields), expected_last_seq=seq)
     async with running(notifier(nats_server)):
-        got = await eventually(lambda: _at_least(read_tenant(nats_server, "team-b", "gpusched.tenant.team-b.>"), 3))
+        got = await eventually(lambda: _at_least(
+            read_tenant(nats_server, "team-b", "gpusched.tenant.team-b.service.>"), 3))
     assert [m.subject for m in got] == ["gpusched.tenant.team-b.service.chat.deployed",
                                         "gpusched.tenant.team-b.service.chat.scaled",
                                         "gpusched.tenant.team-b.service.chat.replica_ready"]
     assert await read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.>") == []
+
+
+async def test_a_services_deploy_scaling_lost_replica_and_deletion_reach_its_webhooks(nats_server, admin_js,
+                                                                                      receivers):
+    """The service's own notifications go to the team's webhooks and to its replica template's
+    (the service's); its routine events (a replica asked for, ready) are only copied."""
+    from schemas.service import ReplicaLost, ReplicaReady, ScaledTo, ServiceDeleted
+    from tests.unit.builders import service_deployed, service_spec
+
+    team_hook, service_hook = receivers(), receivers()
+    log = eventlog.EventLog(admin_js)
+    now = datetime.now(UTC)
+    await log.append(new_event(TeamConfigured, aggregate_id="team-a", producer="config", occurred_at=now, key="1",
+                               name="team-a", notify=NotifySpec(webhooks=(Webhook(url=team_hook.url,
+                                                                                  kinds=("replica-lost",)),))))
+    hooks = NotifySpec(webhooks=(Webhook(url=service_hook.url),))
+    seq = await log.append(service_deployed(service_spec(name="chat", notify=hooks), when=now), expected_last_seq=0)
+    job = "replica-chat-1-0"
+    for cls, producer, fields in (
+            (ReplicaReady, "serving", {"job_id": job, "attempt": 1}),
+            (ScaledTo, "serving", {"replicas": 3, "requested": 3, "by": "autoscaler", "message": "autoscaler: 3"}),
+            (ReplicaLost, "serving", {"job_id": job, "attempt": 1, "reason": "JobPreempted: for urgent"}),
+            (ServiceDeleted, "admission", {"deleted_by": "alice", "intake_sequence": 7})):
+        seq = await log.append(new_event(cls, aggregate_id="chat", producer=producer, occurred_at=datetime.now(UTC),
+                                         key=cls.__name__, **fields), expected_last_seq=seq)
+    async with running(notifier(nats_server)):
+        await eventually(lambda: len(service_hook.got) >= 4 and team_hook.got, timeout_s=20)
+    assert [(b["kind"], b["service"], b["job_id"]) for b in service_hook.bodies()] == [
+        ("service-deployed", "chat", None), ("service-scaled", "chat", None), ("replica-lost", "chat", job),
+        ("service-deleted", "chat", None)]
+    assert [b["kind"] for b in team_hook.bodies()] == ["replica-lost"]
+    assert "scaled to 3 replica(s) by the autoscaler" in service_hook.bodies()[1]["summary"]
+    notes = await read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.notify.>")
+    assert [m.subject for m in notes] == [
+        "gpusched.tenant.team-a.notify.chat.service-deployed", "gpusched.tenant.team-a.notify.chat.service-scaled",
+        f"gpusched.tenant.team-a.notify.{job}.replica-lost", "gpusched.tenant.team-a.notify.chat.service-deleted"]
 
 
 async def _at_least(read, n: int):

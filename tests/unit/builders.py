@@ -27,6 +27,7 @@ from schemas import (
     JobRetryScheduled,
     JobScheduled,
     JobSpec,
+    JobReady,
     JobStarted,
     JobSubmitted,
     JobSucceeded,
@@ -240,6 +241,11 @@ def scheduled(job_id: str, placement: dict[str, tuple[int, ...]] | None = None, 
 def started(job_id: str, nodes: Iterable[str] = ("n1",), *, attempt: int = 1, when: datetime = T0) -> JobStarted:
     return new_event(JobStarted, aggregate_id=job_id, producer="executor", occurred_at=when, key=str(attempt),
                      attempt=attempt, nodes=tuple(nodes))
+
+
+def ready(job_id: str, *, attempt: int = 1, when: datetime = T0) -> JobReady:
+    return new_event(JobReady, aggregate_id=job_id, producer="executor", occurred_at=when, key=f"{attempt}/ready",
+                     attempt=attempt)
 
 
 def succeeded(job_id: str, *, attempt: int = 1, started_at: datetime = T0,

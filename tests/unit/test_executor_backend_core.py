@@ -11,6 +11,7 @@ from schemas import (
     JobCancelled,
     JobFailed,
     JobPreempted,
+    JobReady,
     JobStarted,
     JobSucceeded,
     NodeLost,
@@ -220,3 +221,39 @@ def test_every_backend_implements_the_port():
     assert port == {"start", "close", "inventory", "create", "stop", "observe"}
     for cls in (SimBackend, LocalBackend, KubernetesBackend):
         assert port <= set(dir(cls)), cls
+
+
+def replica(delay="10"):
+    job = "replica-chat-1-0"
+    return job, spec(annotations={"gpusched.io/service": "chat", "gpusched.io/readiness-delay": delay})
+
+
+def test_a_replica_is_ready_once_its_backend_says_so_and_its_delay_has_passed():
+    job, s = replica()
+    c = core_with(submitted(job, s), scheduled(job))
+    c.observe(Observation(job, 1, Phase.RUNNING, at(1), started_at=at(1)))  # running, its probe not passing yet
+    assert [type(e) for e in settle(c, at(1))] == [JobStarted]
+    assert c.next_wake() == at(11)
+    assert settle(c, at(30)) == []  # past the delay, still not ready
+    c.observe(Observation(job, 1, Phase.RUNNING, at(1), started_at=at(1), ready_at=at(4)))
+    [r] = settle(c, at(31))
+    assert isinstance(r, JobReady) and (r.attempt, r.occurred_at) == (1, at(11))  # ready at 4 s, but the delay is 10 s
+    assert settle(c, at(60)) == [] and c.next_wake() is None  # once per attempt
+
+
+def test_a_replica_ready_from_its_start_is_ready_when_its_delay_ends():
+    job, s = replica("5")
+    c = core_with(submitted(job, s), scheduled(job))
+    c.observe(Observation(job, 1, Phase.RUNNING, at(1), started_at=at(1), ready_at=at(1)))
+    assert [type(e) for e in settle(c, at(2))] == [JobStarted]
+    assert settle(c, at(5.9)) == []
+    [r] = settle(c, at(6))
+    assert isinstance(r, JobReady) and r.occurred_at == at(6)
+
+
+def test_a_job_that_is_no_replica_is_never_ready():
+    for job, s in [("j", spec()), ("j", spec(annotations={"gpusched.io/service": "chat"})),
+                   ("replica-chat-1-0", spec())]:  # a replica's id and annotation, both
+        c = core_with(submitted(job, s), scheduled(job))
+        c.observe(Observation(job, 1, Phase.RUNNING, at(1), started_at=at(1), ready_at=at(1)))
+        assert [type(e) for e in settle(c, at(100))] == [JobStarted] and c.next_wake() is None

@@ -108,6 +108,31 @@ GANG_CASES = [
 ]
 
 
+READY = "2026-01-01T00:00:20Z"
+RUNNING = [{"state": {"running": {"startedAt": "2026-01-01T00:00:02Z"}}}]
+
+
+@pytest.mark.parametrize("conditions, ready_at", [
+    ([], None),
+    ([{"type": "Ready", "status": "False", "lastTransitionTime": READY}], None),  # its probe does not pass yet
+    ([{"type": "Ready", "status": "True", "lastTransitionTime": READY}], datetime(2026, 1, 1, 0, 0, 20, tzinfo=UTC)),
+    ([{"type": "Ready", "status": "True"}], datetime(2026, 1, 1, 0, 0, 2, tzinfo=UTC)),  # no time: its start
+])
+def test_a_running_pod_is_ready_from_its_ready_condition(conditions, ready_at):
+    s = pod_status(pod("Running", statuses=RUNNING, conditions=conditions))
+    assert (s.phase, s.ready_at) == (Phase.RUNNING, ready_at)
+
+
+def test_a_gang_is_ready_when_every_running_member_is():
+    early, late = datetime(2026, 1, 1, 0, 0, 30, tzinfo=UTC), datetime(2026, 1, 1, 0, 0, 40, tzinfo=UTC)
+    members = [MemberStatus(Phase.RUNNING, NOW, NOW, ready_at=early), MemberStatus(Phase.RUNNING, NOW, NOW)]
+    obs = attempt_observation("j", 1, members, seen=[True, True], started_in_log=True, stopping=False, now=NOW)
+    assert (obs.phase, obs.ready_at) == (Phase.RUNNING, None)
+    members[1] = MemberStatus(Phase.RUNNING, NOW, NOW, ready_at=late)
+    obs = attempt_observation("j", 1, members, seen=[True, True], started_in_log=True, stopping=False, now=NOW)
+    assert (obs.phase, obs.ready_at) == (Phase.RUNNING, late)
+
+
 @pytest.mark.parametrize("name,members,seen,started,stopping,phase", GANG_CASES, ids=[c[0] for c in GANG_CASES])
 def test_attempt_observation(name, members, seen, started, stopping, phase):
     obs = attempt_observation("j", 1, members, seen=seen, started_in_log=started, stopping=stopping, now=NOW)

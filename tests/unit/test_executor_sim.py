@@ -10,6 +10,7 @@ from schemas import (
     FailureReason,
     JobCancelled,
     JobFailed,
+    JobReady,
     JobStarted,
     JobSucceeded,
     NodeLost,
@@ -118,6 +119,19 @@ def test_scheduled_attempt_starts_then_succeeds_after_its_runtime():
     assert (done.attempt, done.started_at, done.occurred_at) == (1, at(10), at(110))
     assert done.causation_id == start.event_id
     assert h.feed(now=at(1000)) == []
+
+
+def test_a_replica_runs_until_stopped_and_is_ready_after_its_delay():
+    h = Harness()
+    job = "replica-chat-1-0"
+    ann = {"gpusched.io/service": "chat", "gpusched.io/readiness-delay": "30"}
+    (start,) = h.run(job, when=at(10), annotations=ann)
+    assert isinstance(start, JobStarted)
+    assert h.core.next_wake() == at(40)
+    assert h.feed(now=at(39)) == []
+    (ready,) = h.feed(now=at(45))
+    assert isinstance(ready, JobReady) and ready.occurred_at == at(40)
+    assert h.feed(now=at(86_400 * 365)) == []  # a year on, it still runs
 
 
 def test_default_runtime():

@@ -14,8 +14,8 @@ from runtime.settings import ConfigError
 from services.notifier import core
 from services.notifier.settings import NotifierSettings
 from tests.unit.builders import (T0, admitted, cancel_requested, checkpointed, failed, node, preempted,
-                                 preemption_requested, reclaim_requested, retry_scheduled, scheduled, spec, started,
-                                 submitted, succeeded)
+                                 preemption_requested, ready, reclaim_requested, retry_scheduled, scheduled,
+                                 service_samples, spec, started, submitted, succeeded)
 
 K = NotificationKind
 
@@ -53,8 +53,31 @@ def test_the_preemption_notice_names_the_deadline_to_checkpoint_before():
 def test_every_job_event_type_is_copied_and_the_ones_without_a_notification_are_known():
     job_types = {t for t in ALL_EVENT_TYPES if t.aggregate == "job"}
     assert set(core.KINDS) <= job_types
-    assert {t.__name__ for t in job_types - set(core.KINDS)} == {"QuotaReserved", "QuotaReleased"}
+    assert {t.__name__ for t in job_types - set(core.KINDS)} == {"QuotaReserved", "QuotaReleased", "JobReady"}
     assert core.notification(node("n1"), "team-a") is None
+    assert core.notification(ready("replica-chat-1-0"), "team-a") is None
+
+
+def test_a_services_deploys_updates_scalings_lost_replicas_and_deletion_make_notifications():
+    by_type = {e.type: e for e in service_samples()}
+    expected = {
+        "ServiceDeployed": (K.SERVICE_DEPLOYED, None, {"replicas": 2}, "deployed by alice: 2 replica(s) (1 to 4)"),
+        "ServiceUpdated": (K.SERVICE_UPDATED, None, {"replicas": 2}, "generation 2"),
+        "ScaledTo": (K.SERVICE_SCALED, None, {"replicas": 4},
+                     "scaled to 4 replica(s) by the operator (9 asked): 9 replicas asked"),
+        "ReplicaLost": (K.REPLICA_LOST, "replica-chat-2-0", {"replaced": True, "attempt": 2},
+                        "lost (attempt 2): JobFailed: node-lost; another replica replaces it"),
+        "ServiceDeleted": (K.SERVICE_DELETED, None, {}, "deleted by bob"),
+    }
+    for type_, (kind, job_id, fields, said) in expected.items():
+        n = core.notification(by_type[type_], "team-a")
+        assert (n.kind, n.service, n.job_id, n.event_type) == (kind, "chat", job_id, type_)
+        assert {k: getattr(n, k) for k in fields} == fields and said in n.summary, n.summary
+        assert core.notify_subject(n) == f"gpusched.tenant.team-a.notify.{job_id or 'chat'}.{kind.value}"
+    quiet = set(by_type) - set(expected)
+    assert quiet == {"ScaleRequested", "ServiceLoadReported", "ReplicaRequested", "ReplicaRetired",
+                     "ReplicaScheduled", "ReplicaReady"}
+    assert all(core.notification(by_type[t], "team-a") is None for t in quiet)
 
 
 def test_a_rejection_names_its_team_and_field():

@@ -38,6 +38,7 @@ from tests.unit.builders import (
     T0,
     service_samples,
     admitted,
+    ready,
     at,
     cancel_requested,
     cancelled,
@@ -108,6 +109,7 @@ def sample_events():
         retry_scheduled("j1", 1, not_before=at(30)),
         scheduled("j1", {"n1": (0, 1), "n2": (4, 5)}, attempt=2),
         started("j1", ("n1", "n2"), attempt=2, when=at(5)),
+        ready("replica-chat-1-0", attempt=2, when=at(6)),
         succeeded("j1", attempt=2, started_at=at(5)),
         failed("j1", FailureReason.OOM_KILLED, exit_code=137, message="oom", started_at=None),
         preempted("j1", by="j2"),
@@ -136,7 +138,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 42
+    assert len(ALL_EVENT_TYPES) == 43
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -223,7 +225,7 @@ EXPECTED_PRODUCERS = {
     "QuotaReserved": "quota", "QuotaReleased": "quota", "JobRetryScheduled": "quota",
     "QuotaPendingReasonChanged": "quota", "ReclaimRequested": "quota",
     "JobScheduled": "scheduler", "PreemptionRequested": "scheduler", "SchedulingPendingReasonChanged": "scheduler",
-    "JobStarted": "executor", "JobSucceeded": "executor", "JobFailed": "executor", "JobPreempted": "executor",
+    "JobStarted": "executor", "JobReady": "executor", "JobSucceeded": "executor", "JobFailed": "executor", "JobPreempted": "executor",
     "JobCancelled": "executor", "NodeRegistered": "executor", "NodeUpdated": "executor", "NodeLost": "executor",
     "NodeTelemetryReported": "executor",
     "QueueConfigured": "config", "QueueDeleted": "config", "CohortConfigured": "config",
@@ -260,7 +262,8 @@ def test_producer_subjects():
         "gpusched.queue.*.deleted", "gpusched.team.*.configured",
     ]
     assert producer_subjects("executor") == [
-        "gpusched.job.*.cancelled", "gpusched.job.*.failed", "gpusched.job.*.preempted", "gpusched.job.*.started",
+        "gpusched.job.*.cancelled", "gpusched.job.*.failed", "gpusched.job.*.preempted", "gpusched.job.*.ready",
+        "gpusched.job.*.started",
         "gpusched.job.*.succeeded", "gpusched.node.*.lost", "gpusched.node.*.registered",
         "gpusched.node.*.telemetry", "gpusched.node.*.updated",
     ]

@@ -29,8 +29,8 @@ from schemas.service import (
 )
 from services.serving.domain import REPLICA_RETRY, ServingCore, service_of
 from tests.unit.builders import (
-    T0, Log, cancelled, drive, failed, gpu, preempted, retry_scheduled, scheduled, service_deployed, service_spec,
-    started, succeeded, telemetry,
+    T0, Log, cancelled, drive, failed, gpu, preempted, ready, retry_scheduled, scheduled, service_deployed,
+    service_spec, started, succeeded, telemetry,
 )
 
 
@@ -52,10 +52,11 @@ def job(i: int, generation: int = 1) -> str:
 
 
 def up(core, log, *indexes, generation: int = 1, at_s: float = 0):
-    """Replicas placed and started at ``at_s``, then the clock past their readiness delay."""
+    """Replicas placed and started at ``at_s``, and ready (their executor's JobReady) 10 s later."""
     when = T0 + timedelta(seconds=at_s)
     events = [e for i in indexes for e in (scheduled(job(i, generation), when=when),
-                                          started(job(i, generation), when=when))]
+                                          started(job(i, generation), when=when),
+                                          ready(job(i, generation), when=when + timedelta(seconds=10)))]
     return drive(core, events, when + timedelta(seconds=10), log=log)
 
 
@@ -70,14 +71,16 @@ def test_a_deployed_service_asks_for_its_desired_replicas():
     assert r.spec.expected_runtime_seconds is None and service_of(r.job_id) == "chat"
 
 
-def test_replicas_are_told_scheduled_then_ready_after_the_delay():
+def test_replicas_are_told_scheduled_then_ready_when_their_executor_says_so():
     core, log = ServingCore(), Log()
     drive(core, [deployed()], T0, log=log)
-    out = drive(core, [scheduled(job(0), {"n7": (0,)}), started(job(0))], T0 + timedelta(seconds=5), log=log)
+    out = drive(core, [scheduled(job(0), {"n7": (0,)}), started(job(0))], T0 + timedelta(seconds=60), log=log)
     assert [(e.type, e.nodes) for e in of(out, ReplicaScheduled)] == [("ReplicaScheduled", ("n7",))]
-    assert not of(out, ReplicaReady) and core.next_wake() == T0 + timedelta(seconds=10)
-    out = drive(core, [], T0 + timedelta(seconds=10), log=log)
-    assert [(e.job_id, e.occurred_at) for e in of(out, ReplicaReady)] == [(job(0), T0 + timedelta(seconds=10))]
+    assert not of(out, ReplicaReady)  # started long ago, but no readiness check has passed
+    out = drive(core, [ready(job(0), attempt=2, when=T0)], T0 + timedelta(seconds=61), log=log)
+    assert not of(out, ReplicaReady)  # another attempt's
+    out = drive(core, [ready(job(0), when=T0 + timedelta(seconds=42))], T0 + timedelta(seconds=62), log=log)
+    assert [(e.job_id, e.occurred_at) for e in of(out, ReplicaReady)] == [(job(0), T0 + timedelta(seconds=42))]
 
 
 @pytest.mark.parametrize("asked, got, message", [
@@ -111,8 +114,8 @@ def test_a_preempted_replica_is_lost_and_comes_back_as_its_own_job():
     out = drive(core, [preempted(job(0), when=T0 + timedelta(seconds=30))], T0 + timedelta(seconds=30), log=log)
     assert [(e.job_id, e.replaced) for e in of(out, ReplicaLost)] == [(job(0), False)]
     assert not of(out, ReplicaRequested)
-    out = drive(core, [retry_scheduled(job(0)), scheduled(job(0), attempt=2), started(job(0), attempt=2)],
-                T0 + timedelta(seconds=60), log=log)
+    out = drive(core, [retry_scheduled(job(0)), scheduled(job(0), attempt=2), started(job(0), attempt=2),
+                       ready(job(0), attempt=2)], T0 + timedelta(seconds=60), log=log)
     assert [(e.type, e.attempt) for e in out] == [("ReplicaScheduled", 2), ("ReplicaReady", 2)]
 
 
@@ -293,7 +296,8 @@ def test_gpu_utilization_of_the_ready_replicas_drives_the_rule():
     core, log = autoscaled(metric="gpu_utilization", target=0.6)
     when = T0 + timedelta(seconds=1)
     drive(core, [scheduled(job(0), {"n1": (0,)}, when=when), started(job(0), ["n1"], when=when),
-                 scheduled(job(1), {"n1": (1,)}, when=when), started(job(1), ["n1"], when=when)],
+                 ready(job(0), when=when), scheduled(job(1), {"n1": (1,)}, when=when),
+                 started(job(1), ["n1"], when=when), ready(job(1), when=when)],
           when + timedelta(seconds=10), log=log)
     report = telemetry("n1", [gpu(0, 0.9), gpu(1, 0.9), gpu(2, 0.0, allocated=0)], start=when + timedelta(seconds=10))
     out = drive(core, [report], when + timedelta(seconds=70), log=log)
