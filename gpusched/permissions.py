@@ -7,7 +7,8 @@ Roles (docs/events.md, "Credentials and permissions"):
   operator intake subject, with ``on_behalf_of``), and reading every stream through its own readers.
 - **service** (admission, quota, scheduler, executor, accounting, notifier, serving): publishes only the
   event types it produces and its own dead letters; creates, reads and deletes only its own durables
-  and readers; admission, quota and scheduler also write and read their own snapshot bucket.
+  and readers; admission, quota and scheduler also write and read their own snapshot bucket, and
+  quota, scheduler, serving and executor their own lease bucket.
 - **api** (the HTTP API, gpusched.api): commands of any team's users and the operator's, each
   sent as the API's caller; core subscriptions to admission's answers, the intake's dead letters
   and the teams' event copies; direct gets on the event log and the dead letters. No consumer.
@@ -17,12 +18,13 @@ Roles (docs/events.md, "Credentials and permissions"):
 Every credential receives replies only under its own inbox prefix (``_INBOX.<user>``), so none can
 read another's JetStream replies or deliveries. Stream create, update, delete and purge, and message
 delete, are the admin's alone (and the streams refuse purge and message delete even to it); the one
-exception is a snapshotting service's own bucket, which it creates and purges of old chunks.
+exception is a service's own snapshot or lease bucket, which it creates (and purges of old
+snapshot chunks).
 """
 
 from __future__ import annotations
 
-from runtime import snapshot
+from runtime import lease, snapshot
 from runtime.eventlog import (
     DLQ_STREAM,
     EVENTS_STREAM,
@@ -62,6 +64,10 @@ READS: dict[str, list[str]] = {
 SNAPSHOTTED = ("admission", "quota", "scheduler")
 """The services that save snapshots of their state (runtime/snapshot.py), each in its own bucket."""
 
+LEASED = ("quota", "scheduler", "serving", "executor")
+"""The services that may run single-active with a standby (runtime/lease.py), each with its own
+lease bucket."""
+
 NOTIFIER_TENANT_DURABLE = "notifier"
 """The notifier's durable on each tenant stream (webhook delivery), the one consumer there that is not the team's."""
 
@@ -94,6 +100,14 @@ def snapshot_api(service: str) -> list[str]:
             f"{API}.CONSUMER.DELETE.{stream}.*", f"$JS.FC.{stream}.>"]
 
 
+def lease_api(service: str) -> list[str]:
+    """Its own lease bucket (a KV store), nothing of any other's: create the bucket's stream
+    (never update or delete it), write the key (create, renew, release: conditional publishes),
+    read it (direct get, stream info)."""
+    bucket, stream = lease.bucket(service), lease.stream(service)
+    return [f"$KV.{bucket}.>", f"{API}.STREAM.CREATE.{stream}", *stream_read_api(stream)]
+
+
 def _readers(user: str, streams: list[str]) -> list[str]:
     out: list[str] = []
     for stream in streams:
@@ -118,6 +132,8 @@ def service_permissions(service: str) -> dict:
     publish += _readers(service, READS[service])
     if service in SNAPSHOTTED:
         publish += snapshot_api(service)
+    if service in LEASED:
+        publish += lease_api(service)
     if service == "notifier":  # writes every team's tenant stream; delivers webhooks from each
         publish += [f"{P}.tenant.>", f"{API}.STREAM.NAMES", f"{API}.STREAM.INFO.*",
                     *consumer_api("*", NOTIFIER_TENANT_DURABLE)]

@@ -9,6 +9,11 @@
 4. ack the batch, after its consequences are in the log;
 5. now and then, and on a clean stop, save a snapshot of the state.
 
+With ``lease_ttl_s`` set, the service is single-active (runtime/lease.py): after the rebuild it
+stands by, following the log, until it holds its lease, and only then consumes and decides. It
+renews the lease every third of the ttl; a process that loses it stops deciding at once and exits
+(non-zero: its supervisor starts it again, as a standby). A clean stop releases it.
+
 A crash anywhere is safe: the next start rebuilds from the log, re-derives the same decisions with
 the same event ids, and JetStream de-duplicates or the concurrency check refuses them.
 
@@ -42,9 +47,10 @@ from datetime import datetime
 from typing import Protocol
 
 from nats.aio.msg import Msg
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from runtime import eventlog, observability, snapshot
+from runtime.lease import Lease
 from runtime.clock import Clock, ScaledClock
 from runtime.settings import Settings
 from schemas.envelope import Event
@@ -57,6 +63,12 @@ LOG_EVERY_S = 30.0  # a failure that repeats every cycle is logged at most this 
 
 DECIDE_FAILURES = Counter("gpusched_decide_failures_total",
                           "Decision cycles whose decide() raised; retried on the next cycle", ["service"])
+ACTIVE = Gauge("gpusched_active", "1 while this process decides for its service (it holds the lease, or "
+                                  "runs without one); 0 while it stands by", ["service"])
+
+
+class LeaseLost(Exception):
+    """This process no longer holds its service's lease: it must stop deciding."""
 
 
 class Core(Protocol):
@@ -164,7 +176,7 @@ class DecisionService:
                                                                      "reason": reason[:500]})
             count += len(msgs)
         self.applied_seq = max(self.applied_seq, end)
-        log.info("folded the log in", extra={"events": count, "last_sequence": end})
+        (log.info if count else log.debug)("folded the log in", extra={"events": count, "last_sequence": end})
         return end
 
     async def wait_caught_up(self) -> None:
@@ -231,25 +243,65 @@ class DecisionService:
                 await self._restore(js)
             if not await self._retrying("rebuild", lambda: self.rebuild(js)):
                 return
+            lease = None
+            if self.settings.lease_ttl_s > 0:
+                lease = Lease(js, self.name, self.settings.lease_ttl_s, replicas=self.settings.stream_replicas)
+                if not await self._retrying("stand by", lambda: self._stand_by(js, lease)):
+                    return
+            ACTIVE.labels(service=self.name).set(1)
             appender = eventlog.EventLog(js)
             log.info("consuming", extra={"durable": self.name})
-            main = asyncio.create_task(self._main_loop(js, appender))
-            side = asyncio.create_task(self._retrying("side loop", lambda: self.side_loop(js, appender)))
-            done, _ = await asyncio.wait({main, side}, return_when=asyncio.FIRST_COMPLETED)
-            # Either loop ending ends the service: stop() ends the main loop; a side loop that
-            # fails for anything but the broker takes the process down (its supervisor restarts it).
-            for task in (main, side):
+            tasks = [asyncio.create_task(self._main_loop(js, appender)),
+                     asyncio.create_task(self._retrying("side loop", lambda: self.side_loop(js, appender)))]
+            if lease is not None:
+                tasks.append(asyncio.create_task(self._keep(lease)))
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            # Any task ending ends the service: stop() ends the main loop; a side loop that fails
+            # for anything but the broker, or a lost lease, takes the process down (its
+            # supervisor restarts it).
+            for task in tasks:
                 if task not in done:
                     task.cancel()
-            for task in (main, side):
+            for task in tasks:
                 try:
                     await task
                 except asyncio.CancelledError:
                     pass
+            ACTIVE.labels(service=self.name).set(0)
             if self._stop.is_set():
                 await self._save_snapshot()
+                if lease is not None:
+                    await lease.release()
         finally:
             await eventlog.close(nc)
+
+    async def _stand_by(self, js, lease: Lease) -> None:
+        """Follow the log until this process holds the lease (or is stopped)."""
+        ACTIVE.labels(service=self.name).set(0)
+        waited = time.monotonic()
+        while not self._stop.is_set():
+            if await lease.try_acquire():
+                log.info("active: took the lease", extra={"holder": lease.holder, "applied_seq": self.applied_seq,
+                                                          "stood_by_s": round(time.monotonic() - waited, 3)})
+                return
+            await self.rebuild(js)  # the state stays warm: a takeover folds only the last moments
+            await self._pause(self.settings.lease_ttl_s / 3)
+
+    async def _keep(self, lease: Lease) -> None:
+        """Renew the lease every third of its ttl; raise LeaseLost when it is gone: another
+        process wrote it, or no renewal got through within the ttl (the broker away)."""
+        ttl = self.settings.lease_ttl_s
+        renewed = time.monotonic()
+        while not self._stop.is_set():
+            await self._pause(ttl / 3)
+            try:
+                if not await lease.renew():
+                    raise LeaseLost(f"{self.name}: another process holds the lease now")
+                renewed = time.monotonic()
+            except eventlog.BROKER_ERRORS as err:
+                if time.monotonic() - renewed > ttl:
+                    raise LeaseLost(f"{self.name}: the lease was not renewed within its {ttl:g} s ttl "
+                                    f"({err!r})") from err
 
     async def _restore(self, js) -> None:
         """Start from the saved snapshot when there is a usable one. Never fails the start: the
@@ -406,5 +458,8 @@ def run_service(name: str, build_core, service_class: type[DecisionService] = De
 
     try:
         asyncio.run(main())
+    except LeaseLost as err:
+        log.error("lease lost; exiting so that this process starts again as a standby", extra={"error": str(err)})
+        raise SystemExit(3) from err
     finally:
         observability.shutdown()

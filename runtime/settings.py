@@ -77,6 +77,7 @@ class Settings:
     tick_s: float = 0.5
     snapshot_every: int = 100_000  # events applied between snapshots (runtime/snapshot.py); 0: none
     snapshot_min_interval_s: float = 60.0
+    lease_ttl_s: float = 0.0  # single-active with a lease of this ttl (runtime/lease.py); 0: no lease
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -103,4 +104,5 @@ class Settings:
             tick_s=env_number("GPUSCHED_TICK_S", 0.5, minimum=0.01, maximum=60),
             snapshot_every=int(env_number("GPUSCHED_SNAPSHOT_EVERY", 100_000, minimum=0, maximum=1e9, integer=True)),
             snapshot_min_interval_s=env_number("GPUSCHED_SNAPSHOT_MIN_INTERVAL_S", 60.0, minimum=0, maximum=86_400),
+            lease_ttl_s=env_number("GPUSCHED_LEASE_TTL_S", 0.0, minimum=0, maximum=600),
         )

@@ -32,6 +32,7 @@ from tests.unit.builders import queue
 ROOT = Path(__file__).resolve().parents[2]
 EV, INTAKE, DLQ = eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM
 SNAP = "OBJ_snapshots"  # + "-<service>": a service's snapshot bucket (runtime/snapshot.py)
+LEASE = "KV_lease"  # + "-<service>": a service's lease bucket (runtime/lease.py)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                 f"$JS.API.CONSUMER.MSG.NEXT.{mine}.notifier", f"$JS.ACK.{mine}.notifier.1.2.3.4.0",
                 f"$JS.API.CONSUMER.DURABLE.CREATE.{mine}.notifier", f"$JS.API.CONSUMER.CREATE.{mine}.notifier.x",
                 "$O.snapshots-scheduler.M.x", f"$JS.API.STREAM.CREATE.{SNAP}-quota", f"$JS.API.DIRECT.GET.{SNAP}-quota",
-                f"$JS.API.CONSUMER.CREATE.{SNAP}-admission",
+                f"$JS.API.CONSUMER.CREATE.{SNAP}-admission", "$KV.lease-scheduler.active",
+                f"$JS.API.STREAM.CREATE.{LEASE}-quota",
             ) + sub(f"gpusched.tenant.{other}.>", "gpusched.job.>", f"_INBOX.{team}x.>"),
         ),
         "quota": (
@@ -89,7 +91,10 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                 # its own snapshot bucket (runtime/snapshot.py)
                 "$O.snapshots-quota.C.x", "$O.snapshots-quota.M.x", f"$JS.API.STREAM.CREATE.{SNAP}-quota",
                 f"$JS.API.STREAM.PURGE.{SNAP}-quota", f"$JS.API.DIRECT.GET.{SNAP}-quota",
-                f"$JS.API.CONSUMER.CREATE.{SNAP}-quota", f"$JS.FC.{SNAP}-quota.x")
+                f"$JS.API.CONSUMER.CREATE.{SNAP}-quota", f"$JS.FC.{SNAP}-quota.x",
+                # its own lease bucket (runtime/lease.py)
+                "$KV.lease-quota.active", f"$JS.API.STREAM.CREATE.{LEASE}-quota", f"$JS.API.STREAM.INFO.{LEASE}-quota",
+                f"$JS.API.DIRECT.GET.{LEASE}-quota.$KV.lease-quota.active")
             + sub("_INBOX.quota.>"),
             never + pub(
                 "gpusched.job.x.scheduled", "gpusched.job.x.admitted", "gpusched.policy.cluster.configured",
@@ -104,6 +109,11 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                 f"$JS.API.DIRECT.GET.{SNAP}-scheduler", f"$JS.API.CONSUMER.CREATE.{SNAP}-scheduler",
                 f"$JS.API.STREAM.PURGE.{SNAP}-scheduler", f"$JS.API.STREAM.DELETE.{SNAP}-quota",
                 f"$JS.API.STREAM.UPDATE.{SNAP}-quota",
+                # another service's lease (taking it would stop that service deciding), and
+                # changing or deleting its own bucket
+                "$KV.lease-scheduler.active", f"$JS.API.STREAM.CREATE.{LEASE}-scheduler",
+                f"$JS.API.DIRECT.GET.{LEASE}-scheduler", f"$JS.API.STREAM.UPDATE.{LEASE}-quota",
+                f"$JS.API.STREAM.DELETE.{LEASE}-quota", f"$JS.API.STREAM.PURGE.{LEASE}-quota",
             ) + sub(f"gpusched.tenant.{team}.>"),
         ),
         "executor": (

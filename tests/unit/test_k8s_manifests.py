@@ -32,7 +32,10 @@ SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifi
 MODULES = {"api": "gpusched.api"}
 """The module a Deployment runs, where it is not services.<name>."""
 READS_PG = {"accounting", "api"}
-SINGLE_ACTIVE = {"quota", "scheduler", "executor", "accounting", "notifier", "serving"}
+SINGLE_ACTIVE = {"executor", "accounting", "notifier", "serving"}
+"""One replica, and Recreate: never two running."""
+LEASED = {"quota", "scheduler"}
+"""Two replicas, one active by its lease (runtime/lease.py), rolled one at a time."""
 IN_WORKLOADS = {("ServiceAccount", "default"), ("Role", "gpusched-executor"), ("RoleBinding", "gpusched-executor")}
 
 # (apiGroup, resource, verb) triples the executor may use, and nothing more.
@@ -40,7 +43,7 @@ EXECUTOR_ROLE_GRANTS = {
     *(("batch", "jobs", v) for v in ("create", "get", "list", "watch", "delete")),
     *(("", "pods", v) for v in ("get", "list", "watch", "delete")),
     ("", "pods/log", "get"),
-    ("", "services", "create"),
+    *(("", "services", v) for v in ("create", "list", "delete")),
 }
 EXECUTOR_CLUSTERROLE_GRANTS = {("", "nodes", v) for v in ("get", "list", "watch")}
 
@@ -144,9 +147,13 @@ def test_a_deployment_per_service_running_it(docs: list[dict]) -> None:
         (container,) = pod["containers"]
         assert container["image"] == "gpusched:latest"
         assert container["command"] == ["python", "-m", MODULES.get(svc, f"services.{svc}")]
+        env = {e["name"]: e.get("value") for e in container["env"]}
         if svc in SINGLE_ACTIVE:
             assert dep["spec"]["replicas"] == 1, svc
             assert dep["spec"]["strategy"]["type"] == "Recreate", svc
+        elif svc in LEASED:
+            assert dep["spec"]["replicas"] == 2 and float(env["GPUSCHED_LEASE_TTL_S"]) > 0, svc
+            assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, svc
         else:
             assert dep["spec"]["replicas"] == 2, svc
 

@@ -1,0 +1,155 @@
+"""Single-active quota and scheduler, each with a standby (runtime/lease.py), as real processes
+against a real nats-server. kill -9 of the active one mid-load: the standby takes the lease and
+decides on within seconds; no decision is appended twice; a deposed active's late append is
+refused by the log, and its repeat of a decision the new one took is dropped as a duplicate."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+
+import pytest
+
+from conftest import eventually, service_settings
+from runtime import eventlog, lease
+from schemas import JobScheduled, NodeAssignment, new_event, parse_event
+from tests.integration.test_telemetry import REPO
+from tests.unit.builders import admitted, node, queue, spec, submitted
+
+TTL_S = 2.0
+JOBS = 300
+NODES = 40  # × 8 GPUs: room for every job
+
+
+def start(nats_server, service: str, log_path) -> subprocess.Popen:
+    env = {**os.environ, **nats_server.env(service), "GPUSCHED_TICK_S": "0.05", "GPUSCHED_LEASE_TTL_S": str(TTL_S),
+           "GPUSCHED_SNAPSHOT_EVERY": "0", "GPUSCHED_LOG_FORMAT": "text"}
+    return subprocess.Popen([sys.executable, "-m", f"services.{service}"], cwd=REPO, env=env,
+                            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+
+
+async def holder_pid(js, service: str) -> int | None:
+    """The pid of the process holding the service's lease, as its bucket says."""
+    try:
+        kv = await js.key_value(lease.bucket(service))
+        entry = await kv.get(lease.KEY)
+    except Exception:  # no bucket yet, no key (aged out, released)
+        return None
+    return int(entry.value.decode().split(":")[1]) if entry.value else None
+
+
+async def appended(js, token: str) -> list:
+    """Every message of the job subjects ending in ``token``, in log order."""
+    return [m async for m in eventlog.read(js, subjects=[f"gpusched.job.*.{token}"])]
+
+
+async def feed(log: eventlog.EventLog, count: int, per_s: float) -> None:
+    for i in range(count):
+        now = datetime.now(UTC)
+        await log.append(submitted(f"j{i}", spec(gpus=1), when=now))
+        await log.append(admitted(f"j{i}", when=now))
+        await asyncio.sleep(1 / per_s)
+
+
+@pytest.fixture
+def processes(nats_server, tmp_path):
+    procs: dict[str, list[subprocess.Popen]] = {}
+
+    def spawn(service: str) -> subprocess.Popen:
+        proc = start(nats_server, service, tmp_path / f"{service}.log")
+        procs.setdefault(service, []).append(proc)
+        return proc
+    yield spawn
+    for proc in (p for ps in procs.values() for p in ps):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in (p for ps in procs.values() for p in ps):
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def test_kill_9_of_the_active_quota_and_scheduler_mid_load(nats_server, admin_js, processes, tmp_path):
+    log = eventlog.EventLog(admin_js)
+    await log.append(queue(quotas={"a100": NODES * 8}))
+    for i in range(NODES):
+        await log.append(node(f"n{i}"))
+    procs = {s: [processes(s), processes(s)] for s in ("quota", "scheduler")}
+    for service in procs:
+        await eventually(lambda: holder_pid(admin_js, service), timeout_s=30)
+
+    loader = asyncio.create_task(feed(log, JOBS, per_s=60))
+    await eventually(lambda: _at_least(appended(admin_js, "scheduled"), JOBS // 4), timeout_s=60)
+    killed: dict[str, tuple[int, float]] = {}
+    for service in ("scheduler", "quota"):
+        pid = await holder_pid(admin_js, service)
+        os.kill(pid, signal.SIGKILL)
+        killed[service] = (pid, time.time())
+        await eventually(lambda: _at_least(appended(admin_js, "scheduled"), JOBS // 2), timeout_s=60)
+    await loader
+    scheduled = await eventually(lambda: _at_least(appended(admin_js, "scheduled"), JOBS), timeout_s=60)
+
+    # the standbys hold the leases now
+    for service, (pid, _) in killed.items():
+        now = await eventually(lambda: holder_pid(admin_js, service), timeout_s=10)
+        others = {p.pid for p in procs[service]} - {pid}
+        assert now in others, (service, now, pid)
+    # every attempt reserved and placed exactly once
+    reserved = await appended(admin_js, "quota_reserved")
+    for kind, msgs in (("QuotaReserved", reserved), ("JobScheduled", scheduled)):
+        per_job = [m.subject.split(".")[2] for m in msgs]
+        assert len(per_job) == len(set(per_job)) == JOBS, kind
+    # how long each service decided nothing: from its kill to the next decision it appended
+    gaps = {}
+    for service, token in (("scheduler", "scheduled"), ("quota", "quota_reserved")):
+        at = killed[service][1]
+        after = [m.metadata.timestamp.timestamp() for m in await appended(admin_js, token)
+                 if m.metadata.timestamp.timestamp() > at]
+        gaps[service] = min(after) - at
+    print(f"\nfailover, lease ttl {TTL_S:g} s: no decisions for {gaps['scheduler']:.2f} s (scheduler), "
+          f"{gaps['quota']:.2f} s (quota)")
+    assert all(gap < 3 * TTL_S for gap in gaps.values()), gaps
+
+    # A deposed active that wakes up late and appends what it had decided before the takeover:
+    last = scheduled[-1]
+    decided = parse_event(last.data)
+    stale = new_event(JobScheduled, aggregate_id=decided.aggregate_id, producer="scheduler",
+                      occurred_at=datetime.now(UTC), key="deposed", attempt=decided.attempt, flavor=decided.flavor,
+                      placement=(NodeAssignment(node="n0", gpus=1, gpu_indices=(7,)),))
+    # ... a different decision, against the job as it saw it (before the new active's): refused
+    with pytest.raises(eventlog.ConcurrencyConflict):
+        await log.append(stale, expected_last_seq=last.metadata.sequence.stream - 1)
+    # ... the same decision (its id derives from what it decides): a duplicate, dropped
+    before = (await admin_js.stream_info(eventlog.EVENTS_STREAM)).state.last_seq
+    await admin_js.publish(last.subject, last.data, headers={"Nats-Msg-Id": decided.event_id})
+    assert (await admin_js.stream_info(eventlog.EVENTS_STREAM)).state.last_seq == before
+
+
+async def test_a_lease_is_held_by_one_process_and_taken_over_after_its_ttl(nats_server, admin_js):
+    """The lease alone, with the scheduler's credential: one holder at a time; a holder that
+    stops renewing loses it after the ttl; a release frees it at once."""
+    nc = await eventlog.connect(service_settings(nats_server, "scheduler"), "lease-test")
+    js = nc.jetstream()
+    try:
+        a, b = lease.Lease(js, "scheduler", TTL_S, holder="a"), lease.Lease(js, "scheduler", TTL_S, holder="b")
+        assert await a.try_acquire() and not await b.try_acquire()
+        assert await a.renew() and await a.holder_now() == "a"
+        await asyncio.sleep(TTL_S + 1.5)  # a stops renewing (paused, partitioned, killed)
+        assert await eventually(b.try_acquire, timeout_s=5)
+        assert not await a.renew()  # a finds out it is deposed
+        await b.release()
+        assert await a.try_acquire()
+        await a.release()
+    finally:
+        await eventlog.close(nc)
+
+
+async def _at_least(read, n: int):
+    got = await read
+    return got if len(got) >= n else None
