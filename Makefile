@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s bench-placement schemas lint clean promtool natscli chromium publishing-examples
+.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s bench-placement schemas lint clean promtool natscli otelcol chromium publishing-examples
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 run: setup ## Run NATS, Postgres, the seven services and the API/console with the demo workload (Ctrl-C stops)
 	$(BIN)/gpusched dev up $(ARGS)
 
-test: setup natscli chromium publishing-examples ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
+test: setup natscli otelcol chromium publishing-examples ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
 	GPUSCHED_REQUIRE_BROWSER=$${GPUSCHED_REQUIRE_BROWSER:-1} $(BIN)/python -m pytest -q tests e2e $(ARGS)
 
 test-unit: setup ## Pure cores only (fast)
@@ -70,6 +70,9 @@ publishing-examples: ## Build the Go publishing example and install the JS one's
 
 natscli: ## Build the plain `nats` CLI (natscli v0.5.0, Go module proxy) into ~/.cache/gpusched, for the tenant tests
 	@if [ "$$GPUSCHED_NO_NATSCLI" = 1 ]; then echo 'natscli: skipped (GPUSCHED_NO_NATSCLI=1)'; else bash scripts/natscli.sh >/dev/null; fi
+
+otelcol: ## Build the OpenTelemetry Collector (OTLP in, file out; Go module proxy) into ~/.cache/gpusched, for the trace test
+	@if [ "$$GPUSCHED_NO_OTELCOL" = 1 ]; then echo 'otelcol: skipped (GPUSCHED_NO_OTELCOL=1)'; else bash scripts/otelcol.sh >/dev/null; fi
 
 bench-placement: setup ## Placement on the Alibaba trace under the FGD paper's protocol, 10 seeds, beside its simulator (~20 min; ARGS="--peer DIR" runs it too)
 	$(BIN)/python -m bench.placement $(ARGS)

@@ -8,7 +8,7 @@ Roles (docs/events.md, "Credentials and permissions"):
 - **service** (admission, quota, scheduler, executor, accounting, notifier, serving): publishes only the
   event types it produces and its own dead letters; creates, reads and deletes only its own durables
   and readers; admission, quota and scheduler also write and read their own snapshot bucket, and
-  quota, scheduler, serving and executor their own lease bucket.
+  admission, quota, scheduler, serving and executor their own lease bucket.
 - **api** (the HTTP API, gpusched.api): commands of any team's users and the operator's, each
   sent as the API's caller; core subscriptions to admission's answers, the intake's dead letters
   and the teams' event copies; direct gets on the event log and the dead letters. No consumer.
@@ -64,7 +64,7 @@ READS: dict[str, list[str]] = {
 SNAPSHOTTED = ("admission", "quota", "scheduler")
 """The services that save snapshots of their state (runtime/snapshot.py), each in its own bucket."""
 
-LEASED = ("quota", "scheduler", "serving", "executor")
+LEASED = ("admission", "quota", "scheduler", "serving", "executor")
 """The services that may run single-active with a standby (runtime/lease.py), each with its own
 lease bucket."""
 

@@ -39,7 +39,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from runtime import observability
+from runtime import health, observability
 from runtime.settings import Settings
 from schemas.envelope import Event
 from schemas.registry import AGGREGATES, SUBJECT_PREFIX, aggregate_subjects, dumps, event_subject, parse_event
@@ -155,9 +155,10 @@ async def connect(settings: Settings, name: str) -> NATS:
         kwargs.update(user=settings.nats_user, password=settings.nats_password or "",
                       inbox_prefix=inbox_prefix(settings.nats_user))
     failures = 0
+    health.start_heartbeat()
     while True:
         try:
-            return await nats.connect(
+            nc = await nats.connect(
                 settings.nats_url,
                 name=name,
                 max_reconnect_attempts=-1,
@@ -168,6 +169,8 @@ async def connect(settings: Settings, name: str) -> NATS:
                 reconnected_cb=_reconnected,
                 **kwargs,
             )
+            health.HEALTH.nats = True
+            return nc
         except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.TimeoutError) as err:
             failures += 1
             log.warning("NATS unavailable, retrying", extra={"url": settings.nats_url, "error": repr(err)})
@@ -189,10 +192,12 @@ async def _connection_error(err: Exception) -> None:
 
 
 async def _disconnected() -> None:
+    health.HEALTH.nats = False
     log.warning("NATS disconnected; reconnecting")
 
 
 async def _reconnected() -> None:
+    health.HEALTH.nats = True
     log.info("NATS reconnected")
 
 

@@ -49,7 +49,7 @@ from typing import Protocol
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
-from runtime import eventlog, observability, snapshot
+from runtime import eventlog, health, observability, snapshot
 from runtime.lease import Lease
 from runtime.clock import Clock, ScaledClock
 from runtime.settings import Settings
@@ -234,6 +234,7 @@ class DecisionService:
         return True
 
     async def run(self) -> None:
+        health.HEALTH.waiting_for("rebuild")  # ready once the state has caught up with the log
         nc = await eventlog.connect(self.settings, f"gpusched-{self.name}")
         js = nc.jetstream()
         try:
@@ -243,12 +244,15 @@ class DecisionService:
                 await self._restore(js)
             if not await self._retrying("rebuild", lambda: self.rebuild(js)):
                 return
+            health.HEALTH.done("rebuild")
             lease = None
             if self.settings.lease_ttl_s > 0:
                 lease = Lease(js, self.name, self.settings.lease_ttl_s, replicas=self.settings.stream_replicas)
                 if not await self._retrying("stand by", lambda: self._stand_by(js, lease)):
                     return
             ACTIVE.labels(service=self.name).set(1)
+            if lease is not None:
+                health.HEALTH.role = "active"
             appender = eventlog.EventLog(js)
             log.info("consuming", extra={"durable": self.name})
             tasks = [asyncio.create_task(self._main_loop(js, appender)),
@@ -278,6 +282,7 @@ class DecisionService:
     async def _stand_by(self, js, lease: Lease) -> None:
         """Follow the log until this process holds the lease (or is stopped)."""
         ACTIVE.labels(service=self.name).set(0)
+        health.HEALTH.role = "standby"
         waited = time.monotonic()
         while not self._stop.is_set():
             if await lease.try_acquire():

@@ -2,24 +2,37 @@
 
 Trace context travels in NATS headers (W3C ``traceparent``), so one job's spans, from the CLI's
 submit through admission, quota, scheduler, executor and accounting, share one trace id.
+
+Spans go where ``GPUSCHED_OTEL_EXPORTER`` says: ``otlp`` (OTLP over HTTP/protobuf to a collector;
+the address from the standard ``OTEL_EXPORTER_OTLP_ENDPOINT``, default http://localhost:4318),
+``file`` (JSON lines, one file per service, for tests and a look by hand), ``console``, or
+``none``.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import os
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 from pythonjsonlogger.json import JsonFormatter
+
+from runtime import health
 
 EVENTS_APPENDED = Counter("gpusched_events_appended_total", "Events appended to the log", ["type", "duplicate"])
 EVENTS_CONSUMED = Counter("gpusched_events_consumed_total", "Events consumed", ["service", "type"])
@@ -61,31 +74,73 @@ def setup(service: str, *, level: str = "INFO", fmt: str = "json", metrics_port:
     logging.getLogger("nats").setLevel("WARNING")
 
     if metrics_port:
-        start_http_server(metrics_port, addr=metrics_addr)
+        serve_metrics(metrics_port, metrics_addr)
 
     provider = TracerProvider(resource=Resource.create({"service.name": f"gpusched-{service}"}))
-    if otel_exporter == "console":
-        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-    elif otel_exporter == "file":
+    exporter = span_exporter(otel_exporter, service, trace_dir)
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
+    trace.set_tracer_provider(provider)
+    global _recording
+    _recording = exporter is not None
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # a scrape or a probe every few seconds is no news
+        pass
+
+
+def serve_metrics(port: int, addr: str = "127.0.0.1") -> WSGIServer:
+    """``/metrics`` (Prometheus), ``/livez`` and ``/readyz`` (runtime/health.py) on one port, in
+    a thread."""
+    metrics = make_wsgi_app()
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path in ("/livez", "/readyz"):
+            ok, body = health.HEALTH.live() if path == "/livez" else health.HEALTH.ready()
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json")])
+            return [json.dumps(body).encode()]
+        return metrics(environ, start_response)
+    httpd = make_server(addr, port, app, _Server, handler_class=_Quiet)
+    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
+    return httpd
+
+
+def span_exporter(kind: str, service: str, trace_dir: Path | None = None) -> SpanExporter | None:
+    """The exporter ``GPUSCHED_OTEL_EXPORTER`` names (None for ``none``)."""
+    if kind == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()  # endpoint, headers, timeout: the standard OTEL_EXPORTER_OTLP_* variables
+    if kind == "console":
+        return ConsoleSpanExporter()
+    if kind == "file":
         directory = trace_dir or Path(".")
         directory.mkdir(parents=True, exist_ok=True)
         out = open(directory / f"{service}.jsonl", "a", buffering=1)  # noqa: SIM115 - lives as long as the process
-        provider.add_span_processor(
-            BatchSpanProcessor(
-                ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n"),
-                schedule_delay_millis=500,
-            )
-        )
-    trace.set_tracer_provider(provider)
-    global _recording
-    _recording = otel_exporter != "none"
+        return ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
+    return None
 
 
 def client_tracing() -> None:
-    """For short-lived clients (the CLI): a provider without exporters, so that the spans they
-    start have real ids and the trace context they put in headers starts the job's trace."""
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
-        trace.set_tracer_provider(TracerProvider(resource=Resource.create({"service.name": "gpusched-cli"})))
+    """For short-lived clients (the CLI): a provider, so that the spans they start have real ids
+    and the trace context they put in headers starts the job's trace; exported where
+    ``GPUSCHED_OTEL_EXPORTER`` says (flushed at exit)."""
+    if isinstance(trace.get_tracer_provider(), TracerProvider):
+        return
+    provider = TracerProvider(resource=Resource.create({"service.name": "gpusched-cli"}))
+    trace_dir = os.environ.get("GPUSCHED_TRACE_DIR")
+    exporter = span_exporter(os.environ.get("GPUSCHED_OTEL_EXPORTER", "none"), "cli",
+                             Path(trace_dir) if trace_dir else None)
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        atexit.register(provider.shutdown)
+    trace.set_tracer_provider(provider)
 
 
 def current_trace_id() -> str | None:

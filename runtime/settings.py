@@ -96,7 +96,7 @@ class Settings:
             metrics_addr=env_address("GPUSCHED_METRICS_ADDR", "127.0.0.1"),
             log_level=env_choice("GPUSCHED_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),
             log_format=env_choice("GPUSCHED_LOG_FORMAT", "json", ("json", "text")),
-            otel_exporter=env_choice("GPUSCHED_OTEL_EXPORTER", "none", ("none", "console", "file")),
+            otel_exporter=env_choice("GPUSCHED_OTEL_EXPORTER", "none", ("none", "console", "file", "otlp")),
             trace_dir=Path(trace_dir) if trace_dir else None,
             executor_backend=env_choice("GPUSCHED_EXECUTOR_BACKEND", "sim", ("sim", "kubernetes", "local")),
             sim_cluster=Path(sim_cluster) if sim_cluster else None,

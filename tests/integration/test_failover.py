@@ -6,16 +6,20 @@ refused by the log, and its repeat of a decision the new one took is dropped as 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from datetime import UTC, datetime
 
 import pytest
 
 from conftest import eventually, service_settings
+from gpusched import devstack
 from runtime import eventlog, lease
 from schemas import JobScheduled, NodeAssignment, new_event, parse_event
 from tests.integration.test_telemetry import REPO
@@ -26,9 +30,9 @@ JOBS = 300
 NODES = 40  # × 8 GPUs: room for every job
 
 
-def start(nats_server, service: str, log_path) -> subprocess.Popen:
+def start(nats_server, service: str, log_path, metrics_port: int) -> subprocess.Popen:
     env = {**os.environ, **nats_server.env(service), "GPUSCHED_TICK_S": "0.05", "GPUSCHED_LEASE_TTL_S": str(TTL_S),
-           "GPUSCHED_SNAPSHOT_EVERY": "0", "GPUSCHED_LOG_FORMAT": "text"}
+           "GPUSCHED_SNAPSHOT_EVERY": "0", "GPUSCHED_LOG_FORMAT": "text", "GPUSCHED_METRICS_PORT": str(metrics_port)}
     return subprocess.Popen([sys.executable, "-m", f"services.{service}"], cwd=REPO, env=env,
                             stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
 
@@ -56,12 +60,26 @@ async def feed(log: eventlog.EventLog, count: int, per_s: float) -> None:
         await asyncio.sleep(1 / per_s)
 
 
+def readiness(port: int) -> dict | None:
+    """The process's /readyz answer (runtime/health.py), whatever its status; None: no answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read())
+    except OSError:
+        return None
+
+
 @pytest.fixture
 def processes(nats_server, tmp_path):
     procs: dict[str, list[subprocess.Popen]] = {}
+    ports = iter(devstack.free_ports(8))
 
     def spawn(service: str) -> subprocess.Popen:
-        proc = start(nats_server, service, tmp_path / f"{service}.log")
+        port = next(ports)
+        proc = start(nats_server, service, tmp_path / f"{service}.log", port)
+        proc.metrics_port = port  # type: ignore[attr-defined]
         procs.setdefault(service, []).append(proc)
         return proc
     yield spawn
@@ -83,6 +101,10 @@ async def test_kill_9_of_the_active_quota_and_scheduler_mid_load(nats_server, ad
     procs = {s: [processes(s), processes(s)] for s in ("quota", "scheduler")}
     for service in procs:
         await eventually(lambda: holder_pid(admin_js, service), timeout_s=30)
+        # both ready (connected, caught up); one active, the other standing by
+        answers = await eventually(lambda: _all_ready([readiness(p.metrics_port) for p in procs[service]]),
+                                   timeout_s=30)
+        assert sorted(a["role"] for a in answers) == ["active", "standby"], answers
 
     loader = asyncio.create_task(feed(log, JOBS, per_s=60))
     await eventually(lambda: _at_least(appended(admin_js, "scheduled"), JOBS // 4), timeout_s=60)
@@ -148,6 +170,10 @@ async def test_a_lease_is_held_by_one_process_and_taken_over_after_its_ttl(nats_
         await a.release()
     finally:
         await eventlog.close(nc)
+
+
+def _all_ready(answers: list[dict | None]) -> list[dict] | None:
+    return answers if all(a is not None and a["ok"] and "role" in a for a in answers) else None
 
 
 async def _at_least(read, n: int):

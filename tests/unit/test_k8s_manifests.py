@@ -34,7 +34,7 @@ MODULES = {"api": "gpusched.api"}
 READS_PG = {"accounting", "api"}
 SINGLE_ACTIVE = {"executor", "accounting", "notifier", "serving"}
 """One replica, and Recreate: never two running."""
-LEASED = {"quota", "scheduler"}
+LEASED = {"admission", "quota", "scheduler"}
 """Two replicas, one active by its lease (runtime/lease.py), rolled one at a time."""
 IN_WORKLOADS = {("ServiceAccount", "default"), ("Role", "gpusched-executor"), ("RoleBinding", "gpusched-executor")}
 
@@ -178,8 +178,9 @@ def test_service_wiring(docs: list[dict]) -> None:
             }
         assert env["GPUSCHED_METRICS_PORT"]["value"] == "9100"
         assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
-        for probe in ("readinessProbe", "livenessProbe"):
-            assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+        # ready: connected to NATS and caught up with the log; live: its loop turns (runtime/health.py)
+        for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/livez")):
+            assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}
     # Secrets are supplied per environment, never by the base.
     assert not _by_kind(docs, "Secret")
 

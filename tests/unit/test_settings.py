@@ -86,7 +86,7 @@ def test_empty_value_means_default(monkeypatch):
         ("GPUSCHED_TICK_S", "61", "GPUSCHED_TICK_S='61' is out of range; accepted: 0.01..60"),
         ("GPUSCHED_LOG_LEVEL", "debug", "GPUSCHED_LOG_LEVEL='debug' is not accepted; accepted: DEBUG, INFO, WARNING, ERROR"),
         ("GPUSCHED_LOG_FORMAT", "xml", "GPUSCHED_LOG_FORMAT='xml' is not accepted; accepted: json, text"),
-        ("GPUSCHED_OTEL_EXPORTER", "otlp", "GPUSCHED_OTEL_EXPORTER='otlp' is not accepted; accepted: none, console, file"),
+        ("GPUSCHED_OTEL_EXPORTER", "jaeger", "GPUSCHED_OTEL_EXPORTER='jaeger' is not accepted; accepted: none, console, file, otlp"),
     ],
 )
 def test_bad_values_raise_config_error(monkeypatch, name, value, message):
