@@ -1,8 +1,8 @@
-"""One job's trace in a real OpenTelemetry Collector. Every service runs as a process exporting
-its spans over OTLP/HTTP (``GPUSCHED_OTEL_EXPORTER=otlp``) to the collector that
-scripts/otelcol.sh builds (the OTLP receiver and the contrib file exporter); the CLI that submits
-the job exports its span too. The spans the collector wrote for the job's trace id come from the
-CLI and from every service the job passes through.
+"""Jobs' traces in a real OpenTelemetry Collector. Every service and the HTTP API run as
+processes exporting their spans over OTLP/HTTP (``GPUSCHED_OTEL_EXPORTER=otlp``) to the collector
+that scripts/otelcol.sh builds (the OTLP receiver and the contrib file exporter); the CLI exports
+its span too. A job submitted with the CLI has spans of the CLI and of every service it passes
+through under one trace id; one submitted through the API, of the API and every service.
 
 GPUSCHED_NO_OTELCOL=1 skips it (no Go toolchain); otherwise a failed build fails it."""
 
@@ -16,11 +16,14 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conftest import eventually
 from gpusched import devstack
+from gpusched.api import tokens
 from runtime import eventlog
+from schemas.auth import Role
 from schemas.queue import FlavorQuota, QueueConfigured
 
 pytestmark = pytest.mark.e2e
@@ -83,7 +86,7 @@ def services_in(spans: Path, trace_id: str) -> set[str]:
     found: set[str] = set()
     if not spans.exists():
         return found
-    for line in spans.read_text().splitlines():
+    for line in spans.read_text().split("\n")[:-1]:  # whole lines only: the exporter may be mid-write
         for rs in json.loads(line).get("resourceSpans", []):
             attrs = {a["key"]: a["value"].get("stringValue") for a in rs["resource"]["attributes"]}
             if any(s["traceId"] == trace_id for ss in rs["scopeSpans"] for s in ss["spans"]):
@@ -91,19 +94,25 @@ def services_in(spans: Path, trace_id: str) -> set[str]:
     return found
 
 
-async def test_one_jobs_spans_from_the_cli_and_every_service_share_one_trace(
+async def test_a_jobs_spans_from_the_cli_or_the_api_and_every_service_share_one_trace(
         collector, nats_server, postgres, admin_js, pg_dsn, tmp_path):
     endpoint, spans = collector
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(CLUSTER)
     otlp = {"GPUSCHED_OTEL_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    (api_port,) = devstack.free_ports(1)
     env = devstack.service_env(nats_server.env, pg_dsn, cluster=cluster, time_scale=60.0, epoch=time.time(),
-                               extra={"GPUSCHED_TICK_S": "0.1", **otlp})
-    await eventlog.EventLog(admin_js).append(QueueConfigured(
+                               api_port=api_port, extra={"GPUSCHED_TICK_S": "0.1", **otlp})
+    log = eventlog.EventLog(admin_js)
+    await log.append(QueueConfigured(
         event_id="q-team-a", aggregate_id="q-team-a", occurred_at=datetime.now(UTC), producer="config",
         name="q-team-a", allowed_teams=("team-a",), quotas=(FlavorQuota(flavor="a100", nominal=8),)))
+    minted = tokens.mint()
+    await log.append(tokens.issued(minted, name="alice", role=Role.MEMBER, team="team-a", issued_by="admin",
+                                   now=datetime.now(UTC)))
     procs = devstack.ServiceProcesses(tmp_path / "logs", env)
     procs.start_all()
+    services = {f"gpusched-{s}" for s in devstack.SERVICES if s != "serving"}  # serving follows replicas only
     try:
         job = tmp_path / "job.yaml"
         job.write_text("kind: training\nqueue: q-team-a\nteam: team-a\nimage: img\ngpus: 1\n"
@@ -112,11 +121,32 @@ async def test_one_jobs_spans_from_the_cli_and_every_service_share_one_trace(
         out = json.loads(subprocess.run([sys.executable, "-m", "gpusched.cli", "submit", "-f", str(job), "-o", "json"],
                                         env=cli_env, capture_output=True, check=True, text=True).stdout)
         assert out["decision"] == "JobAdmitted"
-        on_the_way = {"gpusched-cli"} | {f"gpusched-{s}" for s in devstack.SERVICES if s != "serving"}
+        assert await eventually(traced(spans, out["trace_id"], {"gpusched-cli"} | services), timeout_s=60,
+                                interval_s=0.5) == {"gpusched-cli"} | services
 
-        def traced():
-            found = services_in(spans, out["trace_id"])
-            return found if found >= on_the_way else None
-        assert await eventually(traced, timeout_s=60, interval_s=0.5) == on_the_way
+        # the same through the HTTP API: its request span starts the trace the command carries on
+        devstack.wait_for_port(api_port, timeout_s=60, proc=procs.procs["api"])
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{api_port}", timeout=30,
+                                     headers={"Authorization": f"Bearer {minted.token}"}) as api:
+            await eventually(lambda: _ok(api.get("/v1/whoami")), timeout_s=60, interval_s=0.2)  # token projected
+            r = await api.post("/v1/jobs", json={"job_id": "through-api", "spec": {
+                "kind": "training", "queue": "q-team-a", "team": "team-a", "image": "img", "gpus": 1,
+                "expected_runtime_seconds": 30}})
+            assert r.status_code == 201, r.text
+        submitted = await admin_js.get_last_msg(eventlog.EVENTS_STREAM, "gpusched.job.through-api.submitted")
+        trace_id = submitted.headers["traceparent"].split("-")[1]
+        assert await eventually(traced(spans, trace_id, {"gpusched-api"} | services), timeout_s=60,
+                                interval_s=0.5) == {"gpusched-api"} | services
     finally:
         procs.stop_all()
+
+
+def traced(spans: Path, trace_id: str, expected: set[str]):
+    def check():
+        found = services_in(spans, trace_id)
+        return found if found >= expected else None
+    return check
+
+
+async def _ok(response) -> bool:
+    return (await response).status_code == 200

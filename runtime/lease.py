@@ -9,7 +9,13 @@ within seconds when the active one dies (docs/operations.md, "High availability"
   set, aged out, or deleted). So of any number of processes at most one holds it.
 * **Renew**: ``update`` the key conditional on the revision this holder last wrote (the stream's
   expected-last-subject-sequence check), every third of the ttl. Anyone else's write in between
-  makes that fail: the lease is lost.
+  makes that fail: the lease is lost. A write that landed though its answer was lost (a
+  timeout) is recognised by the holder id in the key.
+* **Fencing**: the holder gives up deciding before anyone else can take the lease: the key can
+  age out no sooner than the ttl after the start of the last renewal that got through, and the
+  loop (runtime/loop.py) stops when a renewal fails and the next could not land before that.
+* **The ttl** is the bucket's, set when the bucket is created; a process configured with another
+  ttl uses the bucket's (and says so), so that processes never disagree about it.
 * **Release**: on a clean stop, ``delete`` conditional on the revision, so a standby need not
   wait out the ttl.
 
@@ -26,10 +32,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +65,7 @@ class Lease:
         self.js, self.service, self.ttl_s, self.replicas = js, service, ttl_s, replicas
         self.holder = holder or holder_id()
         self.revision: int | None = None  # of this holder's last write; None: not held
+        self.since = 0.0  # monotonic start of the acquisition that got through (fencing starts from it)
         self._kv = None
 
     async def _bucket(self):
@@ -69,7 +77,23 @@ class Lease:
                     bucket=bucket(self.service), history=1, ttl=self.ttl_s, replicas=self.replicas,
                     storage=api.StorageType.FILE,
                     description=f"{self.service}'s single-active lease (runtime/lease.py)"))
+            bucket_ttl = (await self._kv.status()).ttl
+            if bucket_ttl and abs(bucket_ttl - self.ttl_s) > 1e-3:
+                log.warning("the lease bucket's ttl differs from GPUSCHED_LEASE_TTL_S; using the bucket's (delete "
+                            "the bucket with every process stopped to change it)",
+                            extra={"service": self.service, "bucket_ttl_s": bucket_ttl, "configured_ttl_s": self.ttl_s})
+                self.ttl_s = bucket_ttl
         return self._kv
+
+    async def _ours(self) -> int | None:
+        """The key's revision if it holds this holder's id (a write of ours whose answer was
+        lost), else None."""
+        kv = await self._bucket()
+        try:
+            entry = await kv.get(KEY)
+        except KeyNotFoundError:
+            return None
+        return entry.revision if entry.value == self.holder.encode() else None
 
     @property
     def held(self) -> bool:
@@ -78,10 +102,14 @@ class Lease:
     async def try_acquire(self) -> bool:
         """Take the lease if nobody holds it."""
         kv = await self._bucket()
+        started = time.monotonic()
         try:
             self.revision = await kv.create(KEY, self.holder.encode())
         except KeyWrongLastSequenceError:
-            return False
+            self.revision = await self._ours()
+            if self.revision is None:
+                return False
+        self.since = started
         log.info("lease acquired", extra={"service": self.service, "holder": self.holder})
         return True
 
@@ -94,8 +122,8 @@ class Lease:
             self.revision = await kv.update(KEY, self.holder.encode(), last=self.revision)
             return True
         except KeyWrongLastSequenceError:
-            self.revision = None
-            return False
+            self.revision = await self._ours()
+            return self.revision is not None
 
     async def holder_now(self) -> str | None:
         """Who holds it now, as the bucket says (None: nobody)."""
@@ -113,7 +141,7 @@ class Lease:
         kv = await self._bucket()
         try:
             await kv.delete(KEY, last=self.revision)
-        except KeyWrongLastSequenceError:
-            pass  # no longer ours anyway
+        except (KeyWrongLastSequenceError, APIError) as err:  # no longer ours, or another revision: leave it
+            log.info("lease not released (no longer this revision); it ages out", extra={"error": repr(err)})
         self.revision = None
         log.info("lease released", extra={"service": self.service, "holder": self.holder})

@@ -248,8 +248,8 @@ class DecisionService:
             lease = None
             if self.settings.lease_ttl_s > 0:
                 lease = Lease(js, self.name, self.settings.lease_ttl_s, replicas=self.settings.stream_replicas)
-                if not await self._retrying("stand by", lambda: self._stand_by(js, lease)):
-                    return
+                if not await self._retrying("stand by", lambda: self._stand_by(js, lease)) or not lease.held:
+                    return  # stopped while standing by
             ACTIVE.labels(service=self.name).set(1)
             if lease is not None:
                 health.HEALTH.role = "active"
@@ -280,33 +280,37 @@ class DecisionService:
             await eventlog.close(nc)
 
     async def _stand_by(self, js, lease: Lease) -> None:
-        """Follow the log until this process holds the lease (or is stopped)."""
+        """Follow the log until this process holds the lease (or is stopped: ``lease.held`` says)."""
         ACTIVE.labels(service=self.name).set(0)
         health.HEALTH.role = "standby"
         waited = time.monotonic()
         while not self._stop.is_set():
-            if await lease.try_acquire():
+            if await asyncio.wait_for(lease.try_acquire(), timeout=lease.ttl_s / 3):
                 log.info("active: took the lease", extra={"holder": lease.holder, "applied_seq": self.applied_seq,
                                                           "stood_by_s": round(time.monotonic() - waited, 3)})
                 return
             await self.rebuild(js)  # the state stays warm: a takeover folds only the last moments
-            await self._pause(self.settings.lease_ttl_s / 3)
+            await self._pause(lease.ttl_s / 3)
 
     async def _keep(self, lease: Lease) -> None:
-        """Renew the lease every third of its ttl; raise LeaseLost when it is gone: another
-        process wrote it, or no renewal got through within the ttl (the broker away)."""
-        ttl = self.settings.lease_ttl_s
-        renewed = time.monotonic()
+        """Renew the lease every third of its ttl, each try bounded by a quarter of it; raise
+        LeaseLost when it is gone (another process wrote it), or when a renewal failed and the
+        next one could not land before the key may age out: no sooner than the ttl after the
+        start of the last renewal that got through. So this process stops deciding before any
+        other can take the lease."""
+        ttl = lease.ttl_s
+        renewed = lease.since  # the start of the last renewal (or the acquisition) that got through
         while not self._stop.is_set():
             await self._pause(ttl / 3)
+            started = time.monotonic()
             try:
-                if not await lease.renew():
+                if not await asyncio.wait_for(lease.renew(), timeout=ttl / 4):
                     raise LeaseLost(f"{self.name}: another process holds the lease now")
-                renewed = time.monotonic()
-            except eventlog.BROKER_ERRORS as err:
-                if time.monotonic() - renewed > ttl:
-                    raise LeaseLost(f"{self.name}: the lease was not renewed within its {ttl:g} s ttl "
-                                    f"({err!r})") from err
+                renewed = started
+            except (asyncio.TimeoutError, *eventlog.BROKER_ERRORS) as err:
+                if time.monotonic() + ttl / 3 + ttl / 4 >= renewed + ttl:
+                    raise LeaseLost(f"{self.name}: the lease could not be renewed before it may age out "
+                                    f"({ttl:g} s ttl; {err!r})") from err
 
     async def _restore(self, js) -> None:
         """Start from the saved snapshot when there is a usable one. Never fails the start: the

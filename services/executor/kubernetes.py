@@ -205,6 +205,7 @@ class KubernetesBackend:
         self.nodes = Cache("nodes", self.core.list_node, selector=None, resync_s=resync_s)
         self._seen: set[str] = set()  # member Job names this process has seen exist
         self._services: set[tuple[str, str]] | None = None  # (namespace, name) of our Services; None: not listed
+        self._service_errors: set[tuple[str, str, int]] = set()  # refused Service requests, logged once
         self._pod_deleted: dict[str, float] = {}  # pod key -> grace it was deleted with
         self._failed_create: dict[tuple[str, int], Observation] = {}
         self._retry_at = 0.0
@@ -365,32 +366,53 @@ class KubernetesBackend:
 
     def _known_services(self) -> set[tuple[str, str]]:
         """The v1 Services this executor made (by its label), listed once per process, then kept
-        up to date by what it creates and deletes."""
+        up to date by what it creates and deletes. A refused list (an older Role without
+        ``list``) is logged and leaves only what this process creates known: the Services are a
+        convenience for clients and never hold the Jobs up."""
+        from kubernetes.client.exceptions import ApiException
+
         if self._services is None:
-            if self.all_namespaces:
-                found = self.core.list_service_for_all_namespaces(label_selector=SELECTOR).items
-            else:
-                found = self.core.list_namespaced_service(self.opts.namespace, label_selector=SELECTOR).items
+            try:
+                if self.all_namespaces:
+                    found = self.core.list_service_for_all_namespaces(label_selector=SELECTOR).items
+                else:
+                    found = self.core.list_namespaced_service(self.opts.namespace, label_selector=SELECTOR).items
+            except ApiException as err:
+                self._service_trouble("list", "*", err)
+                found = []
             self._services = {(s.metadata.namespace, s.metadata.name) for s in found}
         return self._services
 
+    def _service_trouble(self, verb: str, name: str, err) -> None:
+        """A refused Service request, logged once per (verb, Service, status)."""
+        key = (verb, name, err.status)
+        if key not in self._service_errors:
+            self._service_errors.add(key)
+            log.error(f"Service {verb} refused by the API", extra={"service": name, "status": err.status,
+                                                                    "error": _api_message(err)})
+
     def _delete_services(self, plan: Plan) -> int:
-        """The v1 Service of each inference service the log deleted, where one exists."""
+        """The v1 Service of each inference service the log deleted, where one exists. A refused
+        delete is logged and tried again on the next pass; it never backs the Jobs off."""
         from kubernetes.client.exceptions import ApiException
 
+        if not plan.deleted_services:
+            return 0
         known = self._known_services()
         deleted = 0
         for team, name in plan.deleted_services:
             key = (self.opts.namespace_for(team), name)
-            if key in known:
-                log.info("deleting the Service of a deleted inference service", extra={"service": name})
-                try:
-                    self.core.delete_namespaced_service(name, key[0])
-                except ApiException as err:
-                    if err.status != 404:
-                        raise
-                known.discard(key)
-                deleted += 1
+            if key not in known:
+                continue
+            try:
+                self.core.delete_namespaced_service(name, key[0])
+            except ApiException as err:
+                if err.status != 404:
+                    self._service_trouble("delete", name, err)
+                    continue
+            log.info("deleted the Service of a deleted inference service", extra={"service": name})
+            known.discard(key)
+            deleted += 1
         return deleted
 
     def _ensure_service(self, w) -> None:
@@ -403,16 +425,16 @@ class KubernetesBackend:
         if port is None:
             return
         name, ns = service_of(w.job_id), self.opts.namespace_for(w.spec.team)
-        if (ns, name) in self._known_services():
+        known = self._known_services()
+        if (ns, name) in known:
             return
         try:
             self.core.create_namespaced_service(ns, service_manifest(name, ns, port))
         except ApiException as err:
             if err.status != 409:
-                log.error("Service refused by the API", extra={"service": name, "status": err.status,
-                                                               "error": _api_message(err)})
+                self._service_trouble("create", name, err)
                 return  # the replicas run; clients find them once a later pass creates it
-        self._services.add((ns, name))
+        known.add((ns, name))
 
     def _stop_all(self, plan: Plan, by_attempt, pods_by_job) -> int:
         deleted = 0

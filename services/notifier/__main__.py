@@ -264,9 +264,17 @@ class Notifier:
         if note.service is None:
             submitted = await self._last(f"{SUBJECT_PREFIX}.job.{note.job_id}.submitted")
             return submitted.spec.notify if isinstance(submitted, JobSubmitted) else None
-        specs = [e for e in [await self._last(f"{SUBJECT_PREFIX}.service.{note.service}.{token}")
-                             for token in ("deployed", "updated")] if isinstance(e, (ServiceDeployed, ServiceUpdated))]
-        return max(specs, key=lambda e: e.occurred_at).spec.replica.notify if specs else None
+        latest = None  # (stream sequence, spec): the later of the last deploy and the last update
+        for token in ("deployed", "updated"):
+            try:
+                raw = await self.js.get_last_msg(eventlog.EVENTS_STREAM, f"{SUBJECT_PREFIX}.service.{note.service}.{token}",
+                                                 direct=True)
+            except NotFoundError:
+                continue
+            event = parse_event(raw.data)
+            if isinstance(event, (ServiceDeployed, ServiceUpdated)) and (latest is None or raw.seq > latest[0]):
+                latest = (raw.seq, event.spec)
+        return latest[1].replica.notify if latest is not None else None
 
     async def _post_until_done(self, team: str, note: JobNotification, url: str, body: bytes, secret: str,
                                http: httpx.AsyncClient, msg: Msg) -> None:

@@ -168,6 +168,12 @@ async def test_a_lease_is_held_by_one_process_and_taken_over_after_its_ttl(nats_
         await b.release()
         assert await a.try_acquire()
         await a.release()
+        # a write of ours whose answer was lost (a timeout): the key holds our id, and it is ours
+        kv = await js.key_value(lease.bucket("scheduler"))
+        await kv.create(lease.KEY, b"c")
+        c = lease.Lease(js, "scheduler", TTL_S, holder="c")
+        assert await c.try_acquire() and await c.renew() and not await b.try_acquire()
+        await c.release()
     finally:
         await eventlog.close(nc)
 
