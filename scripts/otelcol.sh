@@ -16,22 +16,11 @@ KEY="$(cat "$SRC/go.mod" "$SRC/go.sum" "$SRC/main.go" | sha256sum | cut -c1-12)-
 DEST="$CACHE_ROOT/otelcol-$KEY"
 BIN="$DEST/bin/otelcol"
 
-if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
-command -v go >/dev/null || { echo "otelcol.sh: go not found on PATH (needed to build the collector)" >&2; exit 1; }
-mkdir -p "$DEST"
-exec 9>"$DEST/.lock"   # one build at a time; the others wait, then reuse it
-flock 9
-if [ -x "$BIN" ]; then echo "$BIN"; exit 0; fi
+build() {
+  cp "$SRC/go.mod" "$SRC/go.sum" "$SRC/main.go" .
+  GOFLAGS="-mod=readonly -buildvcs=false" nice -n "${GPUSCHED_BUILD_NICE:-10}" \
+    go build -trimpath -ldflags "-s -w" -o otelcol .
+}
 
-start=$(date +%s)
-echo "[otelcol] building into $DEST/bin" >&2
-work="$(mktemp -d "$DEST/.build.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-cp "$SRC/go.mod" "$SRC/go.sum" "$SRC/main.go" "$work/"
-(cd "$work" && CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false" GOTOOLCHAIN=local \
-  nice -n "${GPUSCHED_BUILD_NICE:-10}" go build -trimpath -ldflags "-s -w" -o otelcol . >&2)
-mkdir -p "$DEST/bin"
-mv "$work/otelcol" "$BIN"
-"$BIN" --version >/dev/null
-echo "[otelcol] built in $(( $(date +%s) - start ))s" >&2
-echo "$BIN"
+source "$(dirname "$0")/lib/build-once.sh"
+build_once otelcol "$BIN" build

@@ -96,9 +96,15 @@ async def _job_visible(request: Request, me: Identity, job_id: str) -> dict[str,
 WaitS = Annotated[float, Query(ge=0, le=30, description="Seconds to wait for admission's answer (0: do not wait)")]
 
 
+def json_body(schema: str) -> dict:
+    """``openapi_extra`` of a route that reads its body itself (strict, as on NATS): a required
+    JSON body of the named contract schema."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}}
+
+
 @router.post("/jobs", status_code=201, response_model=Decision, tags=["jobs"],
-             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                 "schema": {"$ref": "#/components/schemas/SubmitJob"}}}}},
+             openapi_extra=json_body("SubmitJob"),
              responses={200: {"model": Decision, "description": "An idempotent repeat: the job existed"},
                         202: {"model": Decision, "description": "Sent; no answer within the wait"},
                         409: {**PROBLEM, "description": "Admission rejected the job (reason, field, accepted values)"}})

@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError
 from gpusched import commands
 from gpusched.api.auth import Identity, require, team_filter
 from gpusched.api.problems import Problem, from_malformed, from_validation
-from gpusched.api.routes import ERRORS, PROBLEM, READERS, Me, Strict, WaitS
+from gpusched.api.routes import ERRORS, PROBLEM, READERS, Me, Strict, WaitS, json_body
 from schemas.auth import Role
 from schemas.commands import DeleteService, DeployService, MalformedCommand, ReportServiceLoad, ScaleService, parse_command
 from schemas.service import MAX_REPLICAS, SERVICE_NAME_MAX
@@ -90,8 +90,7 @@ async def get_service(request: Request, me: Me, name: ServiceName) -> dict[str, 
 
 
 @router.post("/services", status_code=201, response_model=ServiceAnswer, tags=["services"],
-             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                 "schema": {"$ref": "#/components/schemas/DeployService"}}}}},
+             openapi_extra=json_body("DeployService"),
              responses={200: {"model": ServiceAnswer, "description": "The service has this spec already"},
                         202: {"model": ServiceAnswer, "description": "Sent; no answer within the wait"},
                         409: {**PROBLEM, "description": "Admission refused it (its replicas would not be admitted)"}})
