@@ -24,7 +24,7 @@ TEST_TEAMS = ("team-a", "team-b", "team-c")
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory) -> devstack.NatsServer:
-    server = devstack.NatsServer(tmp_path_factory.mktemp("nats"), teams=TEST_TEAMS).start()
+    server = devstack.NatsServer(tmp_path_factory.mktemp("nats"), teams=TEST_TEAMS, clusters=("east",)).start()
     yield server
     server.stop()
 

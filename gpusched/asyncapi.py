@@ -42,6 +42,7 @@ PARAMETERS = {
     "job_id": "A job id (a DNS label), or `rejected-<intake sequence>` for a rejection",
     "name": "A queue, cohort, price book or team name",
     "node": "A node name with `.` written as `_`",
+    "cluster": "A cluster name (a DNS label): GPUSCHED_CLUSTER of its executor",
     "statement_id": "`<period>-<dimension>-<last sequence>`",
     "token_id": "An API token id (12 characters)",
     "policy_id": "`cluster`: the one policy (priority classes and preemption rate limit)",
@@ -51,7 +52,7 @@ PARAMETERS = {
 }
 AGGREGATE_PARAMETER = {"job": "job_id", "queue": "name", "cohort": "name", "node": "node", "pricebook": "name",
                        "statement": "statement_id", "team": "name", "token": "token_id", "policy": "policy_id",
-                       "service": "name"}
+                       "service": "name", "cluster": "cluster"}
 
 
 def _header(description: str, example: str | None = None) -> dict[str, Any]:

@@ -128,10 +128,11 @@ def answered(answer: commands.Answer) -> dict[str, Any]:
 def init(team: list[str] = typer.Option([], "--team", help="Also provision this team's tenant stream (repeat)")) -> None:
     """Create or update the JetStream streams, and each named team's tenant stream (needs the
     admin user). Streams deny message delete and purge; that cannot be undone."""
-    bad = [t for t in team if not re.fullmatch(NAME_PATTERN, t) or t in permissions.RESERVED]
+    bad = [t for t in team if not re.fullmatch(NAME_PATTERN, t) or t in permissions.RESERVED
+           or permissions.cluster_executor(t)]
     if bad:
         raise UserError(f"--team {bad[0]!r} is not a team name; accepted: a DNS label ({NAME_PATTERN}) other than "
-                        f"{', '.join(sorted(permissions.RESERVED))}")
+                        f"{', '.join(sorted(permissions.RESERVED))} and executor-<cluster>")
 
     async def go():
         nc = await Connection.resolve().nats()
@@ -597,11 +598,17 @@ def dev_up(
 
 
 @dev_app.command("nats-config")
-def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here instead of stdout")) -> None:
+def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here instead of stdout"),
+                    cluster: list[str] = typer.Option([], "--cluster", help="Also a credential executor-<CLUSTER> "
+                                                      "for that cluster's executor (repeat; many clusters)")) -> None:
     """Print the reference nats-server configuration (deploy/nats-server.conf)."""
     from gpusched.devstack import reference_nats_config
 
-    text = reference_nats_config()
+    bad = [c for c in cluster if not re.fullmatch(NAME_PATTERN, c)]
+    if bad:
+        raise typer.BadParameter(f"{bad[0]!r} is not a cluster name; accepted: a DNS label ({NAME_PATTERN})",
+                                 param_hint="--cluster")
+    text = reference_nats_config(clusters=tuple(cluster))
     if out:
         out.write_text(text)
     else:

@@ -5,7 +5,8 @@ Roles (docs/events.md, "Credentials and permissions"):
 - **admin**: everything; provisions, deletes and repairs streams (`gpusched init`). Nothing runs as admin.
 - **operator** (the CLI): configuration events, commands on behalf of a user of any team (the
   operator intake subject, with ``on_behalf_of``), and reading every stream through its own readers.
-- **service** (admission, quota, scheduler, executor, accounting, notifier, serving): publishes only the
+- **service** (admission, quota, scheduler, executor, accounting, notifier, serving; and
+  ``executor-<cluster>``, one per cluster of a multi-cluster platform): publishes only the
   event types it produces and its own dead letters; creates, reads and deletes only its own durables
   and readers; admission, quota and scheduler also write and read their own snapshot bucket, and
   admission, quota, scheduler, serving and executor their own lease bucket.
@@ -24,6 +25,8 @@ snapshot chunks).
 
 from __future__ import annotations
 
+import re
+
 from runtime import lease, snapshot
 from runtime.eventlog import (
     DLQ_STREAM,
@@ -35,6 +38,7 @@ from runtime.eventlog import (
     tenant_subjects,
 )
 from schemas.commands import INTAKE_VERBS, OPERATOR
+from schemas.envelope import NAME_PATTERN
 from schemas.registry import SUBJECT_PREFIX, producer_subjects, subject_suffix
 
 P = SUBJECT_PREFIX
@@ -67,6 +71,17 @@ SNAPSHOTTED = ("admission", "quota", "scheduler")
 LEASED = ("admission", "quota", "scheduler", "serving", "executor")
 """The services that may run single-active with a standby (runtime/lease.py), each with its own
 lease bucket."""
+
+CLUSTER_EXECUTOR_PREFIX = "executor-"
+"""``executor-<cluster>``: the credential of one cluster's executor (GPUSCHED_CLUSTER), with the
+executor's rights over its own durable, lease and dead letters of that name."""
+
+
+def cluster_executor(user: str) -> bool:
+    """Whether ``user`` names one cluster's executor (``executor-<DNS label>``)."""
+    cluster = user.removeprefix(CLUSTER_EXECUTOR_PREFIX)
+    return cluster != user and re.fullmatch(NAME_PATTERN, cluster) is not None
+
 
 NOTIFIER_TENANT_DURABLE = "notifier"
 """The notifier's durable on each tenant stream (webhook delivery), the one consumer there that is not the team's."""
@@ -123,16 +138,18 @@ def _perms(user: str, publish: list[str], subscribe: tuple[str, ...] = ()) -> di
 
 
 def service_permissions(service: str) -> dict:
-    """The event types it produces, its dead letters, its durables and readers."""
-    publish = producer_subjects(service) + [f"{P}.deadletter.{service}", f"{P}.deadletter.{service}.>"]
-    for stream, durables in DURABLES[service].items():
+    """The event types it produces, its dead letters, its durables and readers. A cluster's
+    executor (``executor-<cluster>``) has the executor's, under its own name."""
+    kind = "executor" if cluster_executor(service) else service
+    publish = producer_subjects(kind) + [f"{P}.deadletter.{service}", f"{P}.deadletter.{service}.>"]
+    for stream, durables in DURABLES[kind].items():
         publish += [f"{API}.STREAM.INFO.{stream}"]
         for durable in durables:
-            publish += consumer_api(stream, durable)
-    publish += _readers(service, READS[service])
-    if service in SNAPSHOTTED:
+            publish += consumer_api(stream, service if kind != service else durable)
+    publish += _readers(service, READS[kind])
+    if kind in SNAPSHOTTED:
         publish += snapshot_api(service)
-    if service in LEASED:
+    if kind in LEASED:
         publish += lease_api(service)
     if service == "notifier":  # writes every team's tenant stream; delivers webhooks from each
         publish += [f"{P}.tenant.>", f"{API}.STREAM.NAMES", f"{API}.STREAM.INFO.*",
@@ -176,8 +193,9 @@ def tenant_permissions(team: str, user: str | None = None) -> dict:
     """A team's credential (``user`` None) or one of its users' (``<team>.<user>``): its own
     intake subjects, and consumers of any name on its team's tenant stream (but the notifier's).
     ValueError for a reserved team name."""
-    if team in RESERVED:
-        raise ValueError(f"{team!r} is not a team name: {', '.join(sorted(RESERVED))} are the platform's credentials")
+    if team in RESERVED or cluster_executor(team):
+        raise ValueError(f"{team!r} is not a team name: {', '.join(sorted(RESERVED))} and "
+                         f"{CLUSTER_EXECUTOR_PREFIX}<cluster> are the platform's credentials")
     who = f"{team}.{user}" if user else team  # the credential's name: its inbox is _INBOX.<team>_<user>
     intake = (f"{P}.intake.{team}.{{verb}}" if user is None else f"{P}.intake.{team}.user.{user}.{{verb}}")
     stream = tenant_stream(team)
@@ -217,7 +235,7 @@ def permissions(user: str) -> dict:
         return admin_permissions()
     if user == OPERATOR:
         return operator_permissions()
-    if user in SERVICES:
+    if user in SERVICES or cluster_executor(user):
         return service_permissions(user)
     if user == API_USER:
         return api_permissions()

@@ -97,7 +97,7 @@ from schemas.job import (
     SchedulingPendingReasonChanged,
     SchedulingWaitReason,
 )
-from schemas.node import GpuTelemetry, NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
+from schemas.node import ClusterLost, ClusterReported, GpuTelemetry, NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
 from schemas.notify import NotificationKind, NotifySpec, TeamConfigured, Webhook
 from schemas.priority import DEFAULT_PRIORITY_CLASSES, POLICY_ID, PolicyConfigured, PreemptionRateLimit, PriorityClass
 from schemas.queue import CohortConfigured, FlavorQuota, QueueConfigured, QueueDeleted

@@ -40,6 +40,10 @@ class NodeInfo(Contract):
     gpu_sharable: bool = Field(
         default=False, description="GPUs may be shared by fractional requests (JobSpec.gpu_milli)"
     )
+    cluster: str | None = Field(
+        default=None, pattern=NAME_PATTERN,
+        description="The Kubernetes cluster (executor) the node belongs to; None: the one cluster of a single-cluster "
+        "platform. A gang never spans clusters. The node's name then ends in '.<cluster>'")
 
 
 class NodeRegistered(Event):
@@ -59,6 +63,49 @@ class NodeLost(Event):
     type: Literal["NodeLost"] = "NodeLost"
     name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN)
     reason: str = Field(default="", max_length=1024)
+
+
+MAX_CLUSTER_NODES = 20_000
+"""Most nodes one ClusterLost names."""
+
+
+class ClusterReported(Event):
+    """The executor of one cluster reached its cluster's API in the last interval: a heartbeat,
+    one per ``interval_seconds`` while it can. A cluster whose reports stop for longer than the
+    scheduler's ``GPUSCHED_CLUSTER_LOST_AFTER_S`` is declared lost (ClusterLost)."""
+
+    aggregate: ClassVar[str] = "cluster"
+    type: Literal["ClusterReported"] = "ClusterReported"
+    cluster: str = Field(pattern=NAME_PATTERN, description="The cluster's name; also the aggregate id")
+    nodes: int = Field(ge=0, description="Nodes the executor sees in the cluster")
+    interval_seconds: float = Field(gt=0, le=3600, description="Seconds until the next report is due")
+
+    @model_validator(mode="after")
+    def _named(self) -> "ClusterReported":
+        if self.cluster != self.aggregate_id:
+            raise ValueError(f"cluster {self.cluster!r} differs from aggregate_id {self.aggregate_id!r}; they must be equal")
+        return self
+
+
+class ClusterLost(Event):
+    """The scheduler heard nothing from a cluster's executor for too long: every node it names is
+    lost, as if each had a NodeLost (their attempts fail with ``node-lost`` and are retried
+    elsewhere, service replicas first). A later ClusterReported brings the cluster back; its
+    executor registers its nodes again."""
+
+    aggregate: ClassVar[str] = "cluster"
+    type: Literal["ClusterLost"] = "ClusterLost"
+    cluster: str = Field(pattern=NAME_PATTERN, description="The cluster's name; also the aggregate id")
+    last_report: Timestamp | None = Field(default=None, description="occurred_at of its last ClusterReported")
+    nodes: tuple[str, ...] = Field(default=(), max_length=MAX_CLUSTER_NODES,
+                                   description="The cluster's nodes the log held when it was lost")
+    reason: str = Field(default="", max_length=1024)
+
+    @model_validator(mode="after")
+    def _named(self) -> "ClusterLost":
+        if self.cluster != self.aggregate_id:
+            raise ValueError(f"cluster {self.cluster!r} differs from aggregate_id {self.aggregate_id!r}; they must be equal")
+        return self
 
 
 class GpuTelemetry(Contract):

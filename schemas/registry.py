@@ -32,7 +32,7 @@ from schemas.job import (
     ReclaimRequested,
     SchedulingPendingReasonChanged,
 )
-from schemas.node import NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
+from schemas.node import ClusterLost, ClusterReported, NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
 from schemas.notify import TeamConfigured
 from schemas.priority import PolicyConfigured
 from schemas.queue import CohortConfigured, QueueConfigured, QueueDeleted
@@ -79,6 +79,8 @@ _TABLE: dict[type[Event], tuple[str, str]] = {
     NodeUpdated: ("executor", "updated"),
     NodeLost: ("executor", "lost"),
     NodeTelemetryReported: ("executor", "telemetry"),
+    ClusterReported: ("executor", "reported"),
+    ClusterLost: ("scheduler", "lost"),
     QueueConfigured: ("config", "configured"),
     QueueDeleted: ("config", "deleted"),
     CohortConfigured: ("config", "configured"),

@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 from schemas import (
     ChargebackStatementIssued,
+    ClusterLost,
+    ClusterReported,
     CohortConfigured,
     Event,
     JobAdmitted,
@@ -140,7 +142,12 @@ def _cancelled(e: JobCancelled, j: str, t, seq: int) -> list[Op]:
 def _node(e: NodeRegistered | NodeUpdated, j: str, t, seq: int) -> list[Op]:
     n = e.node
     return [Op("node", (n.name, n.gpu_flavor, n.gpu_product, n.gpu_count, n.gpu_memory_mib, json.dumps(n.labels),
-                        n.unschedulable, seq))]
+                        n.unschedulable, seq, n.cluster))]
+
+
+def _cluster_lost(e: ClusterLost, j: str, t, seq: int) -> list[Op]:
+    return [Op("cluster_lost", (e.cluster, e.last_report or t, t, e.reason, seq)),
+            Op("nodes_lost", (list(e.nodes), seq))]
 
 
 def _telemetry(e: NodeTelemetryReported, j: str, t, seq: int) -> list[Op]:
@@ -230,6 +237,8 @@ _CONVERTERS: dict[type[Event], Callable[[Any, str, Any, int], list[Op]]] = {
     NodeUpdated: _node,
     NodeLost: lambda e, j, t, seq: [Op("node_lost", (e.name, seq))],
     NodeTelemetryReported: _telemetry,
+    ClusterReported: lambda e, j, t, seq: [Op("cluster_reported", (e.cluster, t, e.nodes, seq))],
+    ClusterLost: _cluster_lost,
     QueueConfigured: _queue,
     QueueDeleted: lambda e, j, t, seq: [Op("queue_deleted", (e.name, seq)), Op("quota_history", (e.name, None, t, "{}", seq))],
     PriceBookUpdated: _price_book,

@@ -55,10 +55,23 @@ SQL = {
                   "ON CONFLICT DO NOTHING",
     "node": """
         INSERT INTO nodes (name, gpu_flavor, gpu_product, gpu_count, gpu_memory_mib, labels, unschedulable,
-                           last_sequence, lost)
-        VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7, $8, false)
+                           last_sequence, lost, cluster)
+        VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7, $8, false, $9)
         ON CONFLICT (name) DO UPDATE SET gpu_flavor = $2, gpu_product = $3, gpu_count = $4,
-            gpu_memory_mib = $5, labels = $6::jsonb, unschedulable = $7, last_sequence = $8, lost = false""",
+            gpu_memory_mib = $5, labels = $6::jsonb, unschedulable = $7, last_sequence = $8, lost = false,
+            cluster = $9""",
+    # A report newer than the one a ClusterLost counted from brings the cluster back.
+    "cluster_reported": """
+        INSERT INTO clusters (name, last_report, nodes, last_sequence) VALUES ($1, $2, $3, $4)
+        ON CONFLICT (name) DO UPDATE SET nodes = $3, last_sequence = $4,
+            lost_at = CASE WHEN $2 > clusters.last_report THEN NULL ELSE clusters.lost_at END,
+            lost_reason = CASE WHEN $2 > clusters.last_report THEN NULL ELSE clusters.lost_reason END,
+            last_report = greatest(clusters.last_report, $2)""",
+    "cluster_lost": """
+        INSERT INTO clusters (name, last_report, nodes, lost_at, lost_reason, last_sequence)
+        VALUES ($1, $2, 0, $3, $4, $5)
+        ON CONFLICT (name) DO UPDATE SET lost_at = $3, lost_reason = $4, last_sequence = $5""",
+    "nodes_lost": "UPDATE nodes SET lost = true, last_sequence = $2 WHERE name = ANY($1::text[])",
     "reservation": """
         INSERT INTO reservations (job_id, attempt, queue, flavor, gpus, borrowed, gpu_milli, borrowed_milli,
                                   reserved_at, sequence, released_at)

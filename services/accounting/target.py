@@ -15,7 +15,7 @@ PROJECTIONS = ("read-models",)
 
 TABLES = ("jobs", "usage_ledger", "reservations", "attempts", "checkpoints", "nodes", "queues", "cohorts",
           "quota_history", "price_books", "teams", "policies", "api_tokens", "statements", "gpu_telemetry", "services",
-          "service_replicas", "applied_events",
+          "service_replicas", "clusters", "applied_events",
           "projection_position", "schema_migrations")
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 

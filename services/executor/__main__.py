@@ -18,17 +18,18 @@ import sys
 from runtime.loop import run_service
 from runtime.settings import ConfigError, Settings
 from services.executor.cluster import ClusterSpecError, load_cluster
+from services.executor.config import ClusterConfig
 from services.executor.sim import SimExecutorCore
 
 
-def build(settings, clock):
+def build(settings, clock, clusters: ClusterConfig):
     if settings.sim_cluster is None:
         sys.exit("GPUSCHED_SIM_CLUSTER must name a cluster spec YAML for the sim backend")
     try:
         cluster = load_cluster(settings.sim_cluster)
     except ClusterSpecError as err:
         sys.exit(str(err))
-    return SimExecutorCore(cluster.nodes())
+    return SimExecutorCore(cluster.nodes(), **clusters.core_options())
 
 
 def make_backend(kind: str, cfg):
@@ -51,8 +52,10 @@ def make_backend(kind: str, cfg):
 def main() -> None:
     try:
         settings = Settings.from_env()
+        clusters = ClusterConfig.from_env()
+        name = clusters.service_name  # one executor (durable, lease, credential) per cluster
         if settings.executor_backend == "sim":
-            run_service("executor", build)
+            run_service(name, functools.partial(build, clusters=clusters))
             return
         from services.executor.config import ExecutorConfig
 
@@ -63,7 +66,7 @@ def main() -> None:
     from services.executor.service import ExecutorService
 
     backend = make_backend(settings.executor_backend, cfg)
-    run_service("executor", lambda settings, clock: BackendCore(),
+    run_service(name, lambda settings, clock: BackendCore(**clusters.core_options()),
                 functools.partial(ExecutorService, backend=backend, sync_s=cfg.sync_s))
 
 

@@ -9,10 +9,41 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.settings import ConfigError, env_value, env_number
+from runtime.settings import ConfigError, env_choice, env_number, env_value
 from services.executor.k8s_model import JobOptions
 
 _NS = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Which cluster this executor runs, when the platform spans several (docs/executor.md,
+    "Many clusters"). Read by every backend, the sim's too."""
+
+    name: str | None = None  # GPUSCHED_CLUSTER; None: the platform's only cluster
+    heartbeat_s: float = 15.0  # GPUSCHED_CLUSTER_HEARTBEAT_S: ClusterReported every this often
+    per_cluster_quota: bool = False  # GPUSCHED_CLUSTER_QUOTA=per-cluster: flavors carry the cluster's name
+
+    @classmethod
+    def from_env(cls) -> "ClusterConfig":
+        name = env_value("GPUSCHED_CLUSTER")
+        if name is not None and not _NS.match(name):
+            raise ConfigError(f"GPUSCHED_CLUSTER={name!r} is not a cluster name; accepted: a DNS label (lower-case "
+                              "letters, digits, '-', at most 63), or empty for a single-cluster platform")
+        return cls(
+            name=name,
+            heartbeat_s=env_number("GPUSCHED_CLUSTER_HEARTBEAT_S", 15.0, minimum=0.1, maximum=3600),
+            per_cluster_quota=env_choice("GPUSCHED_CLUSTER_QUOTA", "global", ("global", "per-cluster")) == "per-cluster",
+        )
+
+    @property
+    def service_name(self) -> str:
+        """The executor's durable, lease and credential: ``executor``, or ``executor-<cluster>``."""
+        return f"executor-{self.name}" if self.name else "executor"
+
+    def core_options(self) -> dict:
+        """BackendCore's cluster keywords."""
+        return {"cluster": self.name, "heartbeat_s": self.heartbeat_s, "cluster_flavors": self.per_cluster_quota}
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from services.executor.lifecycle import Observation, Phase, Plan, TelemetryRepor
 log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0
+PROBE_EVERY_S, PROBE_TIMEOUT_S = 5.0, 5.0  # reachable(): how often GET /version is asked, and how long it may take
 
 
 class Cache:
@@ -67,6 +68,7 @@ class Cache:
         self._thread = threading.Thread(target=self._run, name=f"watch-{kind}", daemon=True)
         self.relists = 0
         self.errors = 0
+        self.connected = False  # the last list or watch request was answered (False after a failure)
 
     def start(self) -> None:
         self._thread.start()
@@ -101,6 +103,7 @@ class Cache:
             self._put_at = {k: t for k, t in self._put_at.items() if t >= asked}
             self._items = items
         self.relists += 1
+        self.connected = True
         self.synced.set()
         self._on_change()
         return body["metadata"]["resourceVersion"]
@@ -154,6 +157,7 @@ class Cache:
                 backoff = BACKOFF_MIN_S
             except ApiException as err:
                 self.errors += 1
+                self.connected = False
                 if err.status == 410:
                     rv = None
                     continue
@@ -166,6 +170,7 @@ class Cache:
                 if self._stop.is_set():
                     return
                 self.errors += 1
+                self.connected = False
                 log.warning("watch of %s failed (%r), backing off", self.kind, err, extra={"kind": self.kind, "error": repr(err),
                                                                 "backoff_s": backoff})
                 rv = None
@@ -212,6 +217,8 @@ class KubernetesBackend:
         self._backoff = BACKOFF_MIN_S
         self._gpu_resources: dict[str, str] = {}  # node -> the resource its GPUs are requested by
         self._notes: dict[str, str] = {}  # node -> what of it the inventory leaves out, as last logged
+        self._probed_at = -PROBE_EVERY_S  # monotonic time of the last GET /version
+        self._answered = True  # ... and whether it was answered
 
     def start(self) -> None:
         for c in (self.jobs, self.pods, self.nodes):
@@ -229,6 +236,28 @@ class KubernetesBackend:
         return all(c.synced.is_set() for c in (self.jobs, self.pods, self.nodes))
 
     # -- the Backend port -----------------------------------------------------------------------
+    def reachable(self) -> bool:
+        """Every watch's last request was answered (a stopped API server fails the next one),
+        and the API server answered ``GET /version`` within the last PROBE_EVERY_S (a connection
+        that hangs without failing would keep a watch looking connected until it times out)."""
+        if not all(c.connected for c in (self.jobs, self.pods, self.nodes)):
+            return False
+        now = time.monotonic()
+        if now - self._probed_at >= PROBE_EVERY_S:
+            from kubernetes import client
+
+            try:
+                client.VersionApi(self.api_client).get_code(_request_timeout=PROBE_TIMEOUT_S)
+                answered = True
+            except Exception as err:  # refused, timed out, TLS, 5xx
+                answered = False
+                if self._answered:
+                    log.warning("the API server does not answer", extra={"error": repr(err)})
+            if answered and not self._answered:
+                log.info("the API server answers again")
+            self._probed_at, self._answered = now, answered
+        return self._answered
+
     def inventory(self) -> list[NodeInfo] | None:
         if not self.synced():
             return None

@@ -30,6 +30,15 @@ is pure and is reconciled in-line on every decision (:mod:`services.executor.sim
 Decisions are incremental: only jobs that an event or an observation touched are looked at
 again, so a decision cycle costs what changed, not the size of the log.
 
+Many clusters: with ``cluster`` set, the core is one cluster's executor (one per Kubernetes
+cluster, each with its own durable and lease). It names its nodes ``<node>.<cluster>`` in the
+log (a node's own name may be the same in two clusters) and tags them with the cluster; it plans,
+observes and decides only the attempts placed on its cluster's nodes, and reports a heartbeat
+(ClusterReported) every ``heartbeat_s`` while its backend answers. When the scheduler declares a
+cluster lost (ClusterLost), every executor decides the end of the attempts that were running
+there (JobFailed ``node-lost``, or JobPreempted / JobCancelled when one was asked for) with the
+same event ids, so the log keeps one of each.
+
 Event ids are derived from (job, attempt) only, and timestamps from what the backend reported
 (e.g. a Pod's start and finish times), so an executor that restarts and observes the same world
 derives the same events with the same ids, and JetStream drops the repeats.
@@ -46,6 +55,8 @@ from enum import StrEnum
 from typing import Protocol
 
 from schemas import (
+    ClusterLost,
+    ClusterReported,
     Event,
     FailureReason,
     JobAdmitted,
@@ -195,6 +206,9 @@ class SyncResult:
     telemetry: list[TelemetryReport] = field(default_factory=list)
     created: int = 0
     deleted: int = 0
+    # The backend answered in this pass (the cluster heartbeat counts these). The inventory of a
+    # pass that found it unreachable is a stale cache: not folded in (no node lost or registered).
+    reachable: bool = True
 
 
 class Backend(Protocol):
@@ -207,6 +221,10 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Stop watching. What runs keeps running: a restarted executor adopts it."""
+
+    def reachable(self) -> bool:
+        """Whether the backend's API answers now (the kubernetes backend: its watches are
+        connected). Only passes that find it reachable count for the cluster's heartbeat."""
 
     def inventory(self) -> list[NodeInfo] | None:
         """The nodes as the backend sees them; None until it has listed them once (a pass then
@@ -236,7 +254,7 @@ def reconcile(backend: Backend, plan: Plan, now: datetime) -> SyncResult:
     created = backend.create(plan, now)
     deleted = backend.stop(plan, now)
     observations, telemetry = backend.observe(plan, now)
-    return SyncResult(observations, inventory, telemetry, created, deleted)
+    return SyncResult(observations, inventory, telemetry, created, deleted, reachable=backend.reachable())
 
 
 @dataclass
@@ -247,6 +265,7 @@ class _Attempt:
     ready: bool = False  # JobReady is in the log
     stop: ReclaimRequested | PreemptionRequested | None = None
     failed_on_node: str | None = None  # a placement node was lost
+    mine: bool = True  # placed on this executor's cluster (else another executor runs it)
 
 
 @dataclass
@@ -264,6 +283,8 @@ class _Job:
 class _State:
     jobs: dict[str, _Job] = field(default_factory=dict)
     nodes: dict[str, NodeInfo] = field(default_factory=dict)  # as the log has them
+    node_cluster: dict[str, str | None] = field(default_factory=dict)  # every node the log named, lost or not
+    last_report: datetime | None = None  # this executor's cluster's latest ClusterReported in the log
     registrations: dict[str, int] = field(default_factory=dict)
     observed: dict[tuple[str, int], Observation] = field(default_factory=dict)  # live attempts only
     inventory: dict[str, NodeInfo] | None = None  # as the backend reports them; None: not listed yet
@@ -277,13 +298,57 @@ class _State:
 
 class BackendCore:
     """A :class:`runtime.loop.Core` deciding what happened from the log and a backend's
-    observations. ``node_lost_reason`` is what NodeLost says when a node leaves the inventory."""
+    observations. ``node_lost_reason`` is what NodeLost says when a node leaves the inventory.
 
-    def __init__(self, *, node_lost_reason: str = NODE_GONE) -> None:
+    ``cluster``: the cluster this executor runs (None: the only one, node names as the backend
+    gives them, no heartbeat). ``heartbeat_s``: the interval of its ClusterReported.
+    ``cluster_flavors``: quota per cluster: each GPU flavor is suffixed with the cluster
+    (``a100-80gb-east``), so queues give quota per cluster; without it a flavor is global."""
+
+    def __init__(self, *, node_lost_reason: str = NODE_GONE, cluster: str | None = None, heartbeat_s: float = 15.0,
+                 cluster_flavors: bool = False) -> None:
         self.state = _State()
         self.node_lost_reason = node_lost_reason
+        self.cluster = cluster
+        self.heartbeat_s = heartbeat_s
+        self.cluster_flavors = cluster_flavors
         self._inventory_dirty = False  # the inventory decisions must be compared again
         self._inventory_list: list[NodeInfo] | None = None  # the list last observed, as given
+        self._contacts = 0  # reconcile passes that found the backend reachable
+        self._reachable = True  # ... and whether the last pass did: no inventory decisions while not
+        self._reported_contacts = 0  # ... when the last heartbeat was decided
+        self._reported_key: str | None = None  # the heartbeat decided and not yet in the log
+
+    # -- clusters ----------------------------------------------------------------------------
+    def qualify(self, info: NodeInfo) -> NodeInfo | None:
+        """A node as the backend names it -> as the log names it (None: its name cannot carry the
+        cluster's suffix within 253 characters)."""
+        if self.cluster is None:
+            return info
+        name = f"{info.name}.{self.cluster}"
+        if len(name) > 253:
+            log.warning("node name too long to carry its cluster; left out", extra={"node": info.name})
+            return None
+        update: dict = {"name": name, "cluster": self.cluster}
+        if self.cluster_flavors and info.gpu_flavor:
+            update["gpu_flavor"] = f"{info.gpu_flavor[:62 - len(self.cluster)].rstrip('-')}-{self.cluster}"
+        return info.model_copy(update=update)
+
+    def unqualify(self, node: str) -> str:
+        """A node as the log names it -> as the backend does."""
+        return node.removesuffix(f".{self.cluster}") if self.cluster is not None else node
+
+    def cluster_of(self, node: str) -> str | None:
+        """The cluster of a node the log named (a node it never named: this executor's when it
+        carries the suffix, else the unnamed cluster's)."""
+        s = self.state
+        if node in s.node_cluster:
+            return s.node_cluster[node]
+        return self.cluster if self.cluster is not None and node.endswith(f".{self.cluster}") else None
+
+    def contact(self) -> None:
+        """The backend answered (a reconcile pass found it reachable; the sim always is)."""
+        self._contacts += 1
 
     # -- inputs ------------------------------------------------------------------------------
     def evolve(self, event: Event) -> None:
@@ -296,19 +361,20 @@ class BackendCore:
         match event:
             case NodeRegistered() | NodeUpdated():
                 s.nodes[event.node.name] = event.node
+                s.node_cluster[event.node.name] = event.node.cluster
                 if isinstance(event, NodeRegistered):
                     s.registrations[event.node.name] = s.registrations.get(event.node.name, 0) + 1
                 self._inventory_dirty = True
             case NodeTelemetryReported():
                 s.telemetry.pop(event.event_id, None)
             case NodeLost():
-                s.nodes.pop(event.name, None)
-                self._inventory_dirty = True
-                for job_id in s.live:
-                    a = s.jobs[job_id].attempt
-                    if a.failed_on_node is None and any(p.node == event.name for p in a.scheduled.placement):
-                        a.failed_on_node = event.name
-                        self._touch(job_id)
+                self._lose({event.name})
+            case ClusterLost():
+                self._lose(set(event.nodes))
+            case ClusterReported():
+                if event.cluster == self.cluster and (s.last_report is None or event.occurred_at > s.last_report):
+                    s.last_report = event.occurred_at
+                    self._reported_key = None
             case ServiceDeployed() | ServiceUpdated():
                 s.services[event.aggregate_id] = (event.spec.team, False)
             case ServiceDeleted():
@@ -335,7 +401,8 @@ class BackendCore:
             case JobScheduled():
                 if a is not None:
                     self._end_attempt(job_id, job)
-                job.attempt = _Attempt(event, failed_on_node=self._lost_node(event.placement))
+                job.attempt = _Attempt(event, failed_on_node=self._lost_node(event.placement),
+                                       mine=self._mine(event.placement))
                 s.live[job_id] = None
                 self._touch(job_id)
             case JobStarted():
@@ -372,6 +439,20 @@ class BackendCore:
                     job.cancel = event
                     self._touch(job_id)
 
+    def _lose(self, names: set[str]) -> None:
+        """Nodes the log lost: the attempts placed on them cannot run."""
+        s = self.state
+        for name in names:
+            s.nodes.pop(name, None)
+        self._inventory_dirty = True
+        for job_id in s.live:
+            a = s.jobs[job_id].attempt
+            if a.failed_on_node is None:
+                lost = next((p.node for p in a.scheduled.placement if p.node in names), None)
+                if lost is not None:
+                    a.failed_on_node = lost
+                    self._touch(job_id)
+
     def _touch(self, job_id: str) -> None:
         """The job's next event and its plan entry may have changed. (An attempt's start or end
         changes no entry a backend must act on: it saw that itself.)"""
@@ -383,6 +464,10 @@ class BackendCore:
         self.state.live.pop(job_id, None)
         self.state.readiness.pop(job_id, None)
         job.attempt = None
+
+    def _mine(self, placement: tuple[NodeAssignment, ...]) -> bool:
+        """Placed on this executor's cluster (a gang never spans two)."""
+        return not placement or self.cluster_of(placement[0].node) == self.cluster
 
     def _lost_node(self, placement: tuple[NodeAssignment, ...]) -> str | None:
         """A placement node the log registered and then lost (the scheduler decided before it
@@ -410,7 +495,8 @@ class BackendCore:
         if nodes is self._inventory_list:
             return
         self._inventory_list = nodes
-        inventory = {n.name: n for n in nodes}
+        qualified = (self.qualify(n) for n in nodes) if self.cluster is not None else nodes
+        inventory = {n.name: n for n in qualified if n is not None}
         if inventory != self.state.inventory:
             self.state.inventory = inventory
             self._inventory_dirty = True
@@ -418,8 +504,9 @@ class BackendCore:
     def observe_telemetry(self, report: TelemetryReport) -> None:
         """A closed telemetry window; decided as NodeTelemetryReported (id from node and window
         start) until the log has it. Raises ValueError (pydantic's) for an invalid report."""
-        event = new_event(NodeTelemetryReported, aggregate_id=report.node, producer=PRODUCER,
-                          occurred_at=report.window_end, key=report.window_start.isoformat(), node=report.node,
+        node = f"{report.node}.{self.cluster}" if self.cluster is not None else report.node
+        event = new_event(NodeTelemetryReported, aggregate_id=node, producer=PRODUCER,
+                          occurred_at=report.window_end, key=report.window_start.isoformat(), node=node,
                           window_start=report.window_start, window_end=report.window_end,
                           gpu_count=report.gpu_count, gpus=report.gpus)
         pending = self.state.telemetry
@@ -429,8 +516,11 @@ class BackendCore:
 
     def apply(self, result: SyncResult) -> None:
         """Fold in what a reconcile pass saw."""
-        if result.inventory is not None:
-            self.observe_inventory(result.inventory)
+        self._reachable = result.reachable
+        if result.reachable:
+            self.contact()
+            if result.inventory is not None:
+                self.observe_inventory(result.inventory)
         for obs in result.observations:
             self.observe(obs)
         for report in result.telemetry:
@@ -443,6 +533,7 @@ class BackendCore:
         """Whatever was decided and not recorded is derived again on the next cycle."""
         s = self.state
         self._inventory_dirty = True
+        self._reported_key = None
         for job_id, job in s.jobs.items():
             if job.attempt is not None or (job.cancel is not None and not job.finished):
                 s.due[job_id] = None
@@ -451,11 +542,15 @@ class BackendCore:
     def decide(self, now: datetime) -> list[Event]:
         s = self.state
         out: list[Event] = []
-        if self._inventory_dirty:
+        if self._inventory_dirty and self._reachable:
+            # (the inventory of a backend that does not answer is a stale cache: nothing is
+            # registered again or reported lost from it)
             out = self._inventory(now)
             self._inventory_dirty = bool(out)  # compared again until the log agrees
         if s.telemetry:
             out.extend(s.telemetry.values())  # after the node's own inventory events
+        if self.cluster is not None and (heartbeat := self._heartbeat(now)) is not None:
+            out.append(heartbeat)
         if s.readiness:
             for job_id in [j for j, until in s.readiness.items() if until <= now]:
                 del s.readiness[job_id]
@@ -469,9 +564,29 @@ class BackendCore:
                     out.append(event)
         return out
 
+    def _heartbeat(self, now: datetime) -> ClusterReported | None:
+        """ClusterReported once per ``heartbeat_s``, while reconcile passes find the backend
+        reachable (at least one since the last report): an executor whose cluster's API is away,
+        or whose passes hang, stops reporting, and the scheduler declares the cluster lost."""
+        s = self.state
+        if self._contacts == self._reported_contacts or self.state.inventory is None:
+            return None
+        if s.last_report is not None and (now - s.last_report).total_seconds() < self.heartbeat_s:
+            return None
+        key = now.isoformat()
+        if self._reported_key is not None:
+            return None  # one on its way to the log
+        self._reported_key, self._reported_contacts = key, self._contacts
+        return new_event(ClusterReported, aggregate_id=self.cluster, producer=PRODUCER, occurred_at=now, key=key,
+                         cluster=self.cluster, nodes=len(self.state.inventory), interval_seconds=self.heartbeat_s)
+
     def next_wake(self) -> datetime | None:
-        """When the next started replica's readiness delay ends (None: none waits)."""
-        return min(self.state.readiness.values(), default=None)
+        """When the next started replica's readiness delay ends, or the cluster's next heartbeat
+        is due (None: neither)."""
+        times = list(self.state.readiness.values())
+        if self.cluster is not None and self.state.last_report is not None:
+            times.append(self.state.last_report + timedelta(seconds=self.heartbeat_s))
+        return min(times, default=None)
 
     def plan(self) -> Plan:
         """Every live attempt's entry, and the services deleted: a complete plan."""
@@ -496,6 +611,8 @@ class BackendCore:
         for job_id in job_ids:
             job = self.state.jobs[job_id]
             a = job.attempt
+            if not a.mine:
+                continue  # another cluster's executor runs it
             n = a.scheduled.attempt
             keep.add((job_id, n))
             obs = self.state.observed.get((job_id, n))
@@ -511,8 +628,11 @@ class BackendCore:
                 why = None
             else:
                 continue  # it ended; the backend saw that
+            placement = a.scheduled.placement
+            if self.cluster is not None:
+                placement = tuple(p.model_copy(update={"node": self.unqualify(p.node)}) for p in placement)
             w = Workload(job_id=job_id, attempt=n, spec=job.spec, flavor=a.scheduled.flavor,
-                         placement=a.scheduled.placement, priority=job.priority, resume=n > 1 and job.ran_before,
+                         placement=placement, priority=job.priority, resume=n > 1 and job.ran_before,
                          started_at=a.started.occurred_at if a.started is not None else None)
             if why is None:
                 run.append(w)
@@ -530,9 +650,14 @@ class BackendCore:
             if seen == info:
                 continue
             cls = NodeRegistered if seen is None else NodeUpdated
-            out.append(new_event(cls, aggregate_id=name, producer=PRODUCER, occurred_at=now,
-                                 key=info.model_dump_json(), node=info))
+            # A node registered again after a loss gets a new id: JetStream would drop the first
+            # registration's id again within its duplicate window.
+            again = self.state.registrations.get(name, 0)
+            key = info.model_dump_json() if cls is NodeUpdated or not again else f"{again}/{info.model_dump_json()}"
+            out.append(new_event(cls, aggregate_id=name, producer=PRODUCER, occurred_at=now, key=key, node=info))
         for name in self.state.nodes.keys() - inv.keys():
+            if self.cluster_of(name) != self.cluster:
+                continue  # another cluster's
             out.append(new_event(NodeLost, aggregate_id=name, producer=PRODUCER, occurred_at=now,
                                  key=f"removed-{self.state.registrations.get(name, 0)}", name=name,
                                  reason=self.node_lost_reason))
@@ -540,6 +665,8 @@ class BackendCore:
 
     def _next(self, job_id: str, job: _Job, now: datetime) -> Event | None:
         a = job.attempt
+        if a is not None and not a.mine:
+            return self._ended_elsewhere(job_id, job, a, now)
         if job.cancel is not None:
             if job.finished:
                 return None  # cancelled or succeeded already: a late attempt is only stopped
@@ -596,6 +723,30 @@ class BackendCore:
                              reason=FailureReason.BACKEND_ERROR, message=obs.message or "the workload disappeared",
                              retryable=FailureReason.BACKEND_ERROR in job.spec.retry.retry_on)
         return None
+
+
+    def _ended_elsewhere(self, job_id: str, job: _Job, a: _Attempt, now: datetime) -> Event | None:
+        """An attempt on another cluster: its executor decides what became of it, unless its node
+        was lost (the cluster was: ClusterLost). Then it ended there, and every executor says so
+        with the same event id (the log keeps the first): cancelled or preempted when that was
+        asked for, else failed with ``node-lost``."""
+        if a.failed_on_node is None or job.finished:
+            return None
+        n = a.scheduled.attempt
+        started_at = _started_at(a, None)
+        lost = f"node {a.failed_on_node} lost"
+        if job.cancel is not None:
+            return new_event(JobCancelled, aggregate_id=job_id, producer=PRODUCER, occurred_at=now,
+                             key="cancelled", cause=job.cancel, attempt=n, started_at=started_at,
+                             reason=job.cancel.reason)
+        if a.stop is not None:
+            return new_event(JobPreempted, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(n),
+                             cause=a.stop, attempt=n, started_at=started_at, preempted_by=a.stop.for_job,
+                             reason=f"{a.stop.message} ({lost})"[:1024])
+        return new_event(JobFailed, aggregate_id=job_id, producer=PRODUCER, occurred_at=now, key=str(n),
+                         cause=a.started or a.scheduled, attempt=n, started_at=started_at,
+                         reason=FailureReason.NODE_LOST, message=lost,
+                         retryable=FailureReason.NODE_LOST in job.spec.retry.retry_on)
 
 
 _NO_CHANGES = Plan((), (), frozenset(), complete=False)

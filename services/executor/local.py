@@ -275,6 +275,10 @@ class LocalBackend:
         return self.runs / workload_name(job_id, attempt, member)
 
     # -- the Backend port -----------------------------------------------------------------------
+    def reachable(self) -> bool:
+        """This host: always."""
+        return True
+
     def inventory(self) -> list[NodeInfo]:
         return [host_node(self.node_name, self._gpus)]
 

@@ -107,6 +107,10 @@ class SimBackend:
         self._nodes = list(nodes)
         self._nodes_changed = True
 
+    def reachable(self) -> bool:
+        """Virtual nodes: always."""
+        return True
+
     def inventory(self) -> list[NodeInfo]:
         self._nodes_changed = False
         return self._nodes  # the same list until it changes: the core does not compare it again
@@ -182,9 +186,10 @@ class SimExecutorCore:
     of the lifecycle core's changes against the sim backend at ``now`` (none when neither has
     anything new), then the core's decisions. Pure: no I/O, no wall clock."""
 
-    def __init__(self, cluster: list[NodeInfo], outcome: Outcome | None = None) -> None:
+    def __init__(self, cluster: list[NodeInfo], outcome: Outcome | None = None, **clusters) -> None:
+        """``clusters``: BackendCore's ``cluster``, ``heartbeat_s`` and ``cluster_flavors``."""
         self.backend = SimBackend(cluster, outcome)
-        self.core = BackendCore(node_lost_reason=NOT_IN_SPEC)
+        self.core = BackendCore(node_lost_reason=NOT_IN_SPEC, **clusters)
         # The core's own methods: the trace simulator calls these for every event.
         self.evolve = self.core.evolve
         self.decisions_refused = self.core.decisions_refused
@@ -193,6 +198,8 @@ class SimExecutorCore:
         plan = self.core.changes()
         if plan.run or plan.stop or not self.backend.quiet(now):
             self.core.apply(reconcile(self.backend, plan, now))
+        else:
+            self.core.contact()  # the sim is always there: its heartbeat goes on
         return self.core.decide(now)
 
     def next_end(self) -> datetime | None:

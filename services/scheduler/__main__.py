@@ -62,7 +62,9 @@ class ObservedSchedulerCore(SchedulerCore):
 def build_core(settings, clock) -> SchedulerCore:
     policy = Policy(env_choice("GPUSCHED_SCHEDULER_POLICY", Policy.BEST_FIT.value, tuple(p.value for p in Policy)))
     by_flavor = flavor_policies(env_value("GPUSCHED_SCHEDULER_POLICY_BY_FLAVOR", "") or "")
-    return ObservedSchedulerCore(policy, preemption=preemption_limits(), flavor_policies=by_flavor)
+    lost_after = env_number("GPUSCHED_CLUSTER_LOST_AFTER_S", 90.0, minimum=1, maximum=86_400)
+    return ObservedSchedulerCore(policy, preemption=preemption_limits(), flavor_policies=by_flavor,
+                                 cluster_lost_after_s=lost_after)
 
 
 def preemption_limits() -> PreemptionLimits:

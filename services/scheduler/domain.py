@@ -21,6 +21,11 @@ The cycle (``decide``), over the state folded from the log, in numbered phases:
 5. explain (``_explain``): every head still waiting gets a structured reason with the numbers and
    an ETA (SchedulingPendingReasonChanged), throttled by :mod:`runtime.waits`.
 
+Clusters (a platform of several, one executor each): a gang is placed, and makes room by
+preemption, inside one cluster; independent attempts go to any. A cluster whose executor's
+heartbeat (ClusterReported) stops for ``cluster_lost_after_s`` is declared lost (ClusterLost,
+before the cycle): its nodes leave the inventory, and the executors end the attempts on them.
+
 Each phase returns plain values (placements, victims, explanations); the events come out in head
 order. A cycle therefore costs in proportion to the heads whose situation changed, not to all of
 them. GPU device indices are assigned lowest first; no GPU is given to two attempts beyond its
@@ -40,6 +45,8 @@ from runtime.policy import PolicyBook
 from runtime.victims import SubmittedJob, VictimPolicy
 from runtime.waits import throttle, told_recently
 from schemas import (
+    ClusterLost,
+    ClusterReported,
     Event,
     JobAdmitted,
     JobCancelled,
@@ -144,10 +151,19 @@ class SchedulerState:
     requests: dict[str | None, dict[tuple[int, int, frozenset[str]], int]] = field(default_factory=dict)
     preemption_times: list[datetime] = field(default_factory=list)  # of the latest PreemptionRequested
     policy: PolicyBook = field(default_factory=PolicyBook)
+    clusters: dict[str, "ClusterHealth"] = field(default_factory=dict)  # by name, from their executors' reports
 
     @property
     def nodes(self) -> dict[str, Node]:
         return self.inventory.nodes
+
+
+@dataclass
+class ClusterHealth:
+    """One cluster as its executor's heartbeats tell it."""
+
+    last_report: datetime
+    lost: ClusterLost | None = None  # declared lost, and not reported since
 
 
 @dataclass
@@ -197,12 +213,16 @@ class SchedulerCore:
                  priority_classes: dict[str, PriorityClass] = DEFAULT_PRIORITY_CLASSES,
                  preemption: PreemptionLimits = PreemptionLimits(), *,
                  workload: dict[int, float] | Workload | None = None, explain: bool = True,
-                 flavor_policies: dict[str, Policy] | None = None) -> None:
+                 flavor_policies: dict[str, Policy] | None = None, cluster_lost_after_s: float = 90.0) -> None:
         """``workload``: a fixed workload distribution for FGD (size class -> probability; a
         negative class is a fraction in thousandths); None: learnt from the reservations.
         ``explain``: emit pending reasons (trace replay turns them off). ``flavor_policies``:
-        a flavor's own placement policy, where it is not ``policy``."""
+        a flavor's own placement policy, where it is not ``policy``. ``cluster_lost_after_s``:
+        silence of a cluster's executor after which the cluster is lost."""
         self.state = SchedulerState()
+        self.cluster_lost_after = timedelta(seconds=cluster_lost_after_s)
+        self._first_cycle: datetime | None = None  # this process's first decide (a restart waits a full period)
+        self._losing: set[str] = set()  # ClusterLost decided, not yet back from the log
         self._fixed_workload = (workload if isinstance(workload, Workload) or workload is None
                                 else Workload(workload))
         self._workloads: dict[tuple[str | None, bool], tuple[int, Workload]] = {}
@@ -240,6 +260,7 @@ class SchedulerCore:
         """Some decisions were not recorded: derive them again, looking at every group. The
         inventory never held them (cycles decide against a snapshot): nothing to undo."""
         self._awaiting.clear()
+        self._losing.clear()
         for job in self.state.jobs.values():
             job.tried_generation = -1
         self._mark_all_dirty()
@@ -283,6 +304,22 @@ class SchedulerCore:
                 return
             case NodeLost():
                 s.inventory.lose(event.name)
+                return
+            case ClusterReported():
+                health = s.clusters.get(event.cluster)
+                if health is None:
+                    s.clusters[event.cluster] = ClusterHealth(event.occurred_at)
+                elif event.occurred_at > health.last_report:
+                    health.last_report = event.occurred_at
+                    health.lost = None  # it reports again: its executor registers its nodes again
+                return
+            case ClusterLost():
+                self._losing.discard(event.cluster)
+                health = s.clusters.setdefault(event.cluster, ClusterHealth(event.last_report or event.occurred_at))
+                if event.last_report is None or health.last_report <= event.last_report:
+                    health.lost = event
+                for name in event.nodes:
+                    s.inventory.lose(name)
                 return
             case JobSubmitted():
                 s.jobs[event.aggregate_id] = SchedJob(spec=event.spec, submitted=event, request=Request.of(event.spec))
@@ -412,14 +449,37 @@ class SchedulerCore:
 
     # -- decide ------------------------------------------------------------------------------
     def decide(self, now: datetime) -> list[Event]:
-        """One cycle: 1. heads, 2. snapshot, then per group 3. fit, 4. preempt, 5. explain."""
+        """One cycle: 1. heads, 2. snapshot, then per group 3. fit, 4. preempt, 5. explain. Any
+        cluster lost comes first."""
+        out: list[Event] = self._lost_clusters(now) if self.state.clusters else []
         groups = self._groups_to_decide(now)
         if not groups:
-            return []
+            return out
         cycle = self._snapshot(now)
-        out: list[Event] = []
         for group in groups:
             out.extend(self._decide_group(cycle, group, now))
+        return out
+
+    def _lost_clusters(self, now: datetime) -> list[Event]:
+        """ClusterLost for each cluster silent for ``cluster_lost_after`` (counted from this
+        process's first cycle at the earliest, so a platform that was down as a whole gives its
+        executors a full period to report again)."""
+        if self._first_cycle is None:
+            self._first_cycle = now
+        out: list[Event] = []
+        for name, health in sorted(self.state.clusters.items()):
+            if health.lost is not None or name in self._losing:
+                continue
+            if now - max(health.last_report, self._first_cycle) < self.cluster_lost_after:
+                continue
+            nodes = tuple(sorted(n for n, node in self.state.inventory.nodes.items() if node.info.cluster == name))
+            silent = (now - health.last_report).total_seconds()
+            self._losing.add(name)
+            out.append(new_event(
+                ClusterLost, aggregate_id=name, producer=PRODUCER, occurred_at=now,
+                key=f"lost-{health.last_report.isoformat()}", cluster=name, last_report=health.last_report,
+                nodes=nodes, reason=f"no report from its executor for {silent:.0f} s (lost after "
+                f"{self.cluster_lost_after.total_seconds():g} s)"))
         return out
 
     def _groups_to_decide(self, now: datetime) -> list[str]:
@@ -628,8 +688,14 @@ class SchedulerCore:
                    and (option := _make_room(node, on_node.get(node.name, []), ranking.lost, req)) is not None]
         if len(options) < req.gang:
             return None
-        options.sort()
-        picked = options[: req.gang]
+        # A gang stays in one cluster: the cheapest ``gang`` nodes of each, then the cheapest cluster.
+        by_cluster: dict[str | None, list] = {}
+        for option in options:
+            by_cluster.setdefault(cycle.inventory.nodes[option[2]].info.cluster, []).append(option)
+        sets = [sorted(group)[: req.gang] for group in by_cluster.values() if len(group) >= req.gang]
+        if not sets:
+            return None
+        picked = min(sets, key=lambda chosen: (sum(o[0] for o in chosen), sum(o[1] for o in chosen), chosen))
         victims = sorted({v for *_, chosen in picked for v in chosen})
         if not victims or len(victims) > cycle.preempt_budget:
             return None if victims else []
@@ -680,6 +746,19 @@ class SchedulerCore:
                 f"taints tolerated); {cordoned} cordoned", numbers)
         with_block = sum(len(e.names) for e in eligible if e.fits)
         numbers["eta"] = self._eta(job, flavor, eligible, now)
+        if req.gang > 1 and with_block >= req.gang:
+            per_cluster: dict[str | None, int] = {}
+            for e in eligible:
+                if e.fits:
+                    for name in e.names:
+                        c = inv.nodes[name].info.cluster
+                        per_cluster[c] = per_cluster.get(c, 0) + 1
+            most_in_one = max(per_cluster.values())
+            if most_in_one < req.gang:
+                return Explanation(
+                    SchedulingWaitReason.GANG_INCOMPLETE,
+                    f"{need}; {with_block} nodes have {req.gpus} free, but in {len(per_cluster)} clusters and a gang "
+                    f"stays in one: at most {most_in_one} in one cluster", numbers)
         if with_block >= req.gang:
             return Explanation(SchedulingWaitReason.CPU_MEMORY,
                                f"{need}; {with_block} node(s) have the GPUs free but not CPU {req.cpu}m / "
@@ -746,8 +825,12 @@ class SchedulerCore:
 
     def next_wake(self) -> datetime | None:
         """The earliest time a decision may change with no new event (a protection window or a
-        backoff ending): a driver on a virtual clock (``gpusched whatif``) steps to it."""
-        return self._wake_at
+        backoff ending, a cluster's silence reaching the limit): a driver on a virtual clock
+        (``gpusched whatif``) steps to it."""
+        times = [h.last_report + self.cluster_lost_after for h in self.state.clusters.values() if h.lost is None]
+        if self._wake_at is not None:
+            times.append(self._wake_at)
+        return min(times, default=None)
 
     # -- snapshots (runtime/snapshot.py) -----------------------------------------------------
     def snapshot_state(self) -> SchedulerState:
@@ -761,6 +844,7 @@ class SchedulerCore:
         self._follow_policy()
         self._workloads.clear()
         self._awaiting.clear()
+        self._losing.clear()
         self._wake_at = None
         self._fresh = {}
         for job_id in state.heads:

@@ -38,9 +38,12 @@ Shape = tuple[bool, tuple[int, ...]]
 
 
 def topology_of(info: NodeInfo) -> tuple[str | None, str | None, str | None]:
-    return tuple(  # type: ignore[return-value]
-        getattr(info, level) or info.labels.get(TOPOLOGY_LABELS[level]) for level in TOPOLOGY_LEVELS
-    )
+    """The node's domain at each topology level; two clusters' domains never meet, whatever
+    their labels say (rack-1 of one cluster is not rack-1 of another)."""
+    domains = (getattr(info, level) or info.labels.get(TOPOLOGY_LABELS[level]) for level in TOPOLOGY_LEVELS)
+    if info.cluster is None:
+        return tuple(domains)  # type: ignore[return-value]
+    return tuple(None if d is None else f"{info.cluster}/{d}" for d in domains)  # type: ignore[return-value]
 
 
 def parse_taint(taint: str) -> tuple[str, str | None, str]:

@@ -424,9 +424,9 @@ def candidates(inv: Inventory, flavors: tuple[str | None, ...], req: Request,
 
 def place_gang(inv: Inventory, flavors: tuple[str | None, ...], req: Request, policy: Policy,
                dist: Workload) -> list[Node] | None:
-    """``req.gang`` distinct nodes, all in the smallest topology domain that has enough, or None:
-    the domain is chosen by its candidates alone (fewest, then name), and only its nodes are
-    ranked by the policy."""
+    """``req.gang`` distinct nodes, all in the smallest topology domain that has enough (else in
+    the smallest cluster that has enough), or None: the domain is chosen by its candidates alone
+    (fewest, then name), and only its nodes are ranked by the policy."""
     index_total = sum(inv.flavor(f).nodes_with_at_least(req.gpus) for f in flavors) if req.milli is None else None
     if index_total is not None and index_total < req.gang:
         return None  # not enough nodes with the block free, whatever their other constraints
@@ -447,4 +447,12 @@ def place_gang(inv: Inventory, flavors: tuple[str | None, ...], req: Request, po
         if fitting:
             _, smallest = min(fitting)
             return sorted(domains[smallest], key=score)[: req.gang]
-    return sorted(nodes, key=score)[: req.gang]
+    # No topology domain holds it: any nodes, but of one cluster (a gang never spans two).
+    clusters: dict[str, list[Node]] = {}
+    for n in nodes:
+        clusters.setdefault(n.info.cluster or "", []).append(n)
+    fitting_clusters = [(len(members), c) for c, members in clusters.items() if len(members) >= req.gang]
+    if not fitting_clusters:
+        return None
+    _, smallest = min(fitting_clusters)
+    return sorted(clusters[smallest], key=score)[: req.gang]

@@ -21,7 +21,7 @@ import nats
 import pytest
 
 from conftest import connect_as, eventually, running, service_settings
-from gpusched import devstack
+from gpusched import devstack, permissions
 from runtime import eventlog
 from schemas import JobRejected, JobSubmitted, parse_event
 from schemas.job import rejection_id
@@ -124,6 +124,22 @@ def matrix(team: str, other: str) -> dict[str, tuple[list[Try], list[Try]]]:
                         "$O.snapshots-executor.C.x", f"$JS.API.STREAM.CREATE.{SNAP}-executor",
                         f"$JS.API.DIRECT.GET.{SNAP}-scheduler"),
         ),
+        "executor-east": (  # one cluster's executor (docs/executor.md, "Many clusters"): its own durable and lease
+            pub(f"$JS.API.CONSUMER.INFO.{EV}.executor-east", f"$JS.API.CONSUMER.MSG.NEXT.{EV}.executor-east",
+                "gpusched.cluster.east.reported", "gpusched.node.gpu-0_east.registered", "gpusched.job.x.started",
+                "gpusched.deadletter.executor-east", "$KV.lease-executor-east.active",
+                f"$JS.API.STREAM.CREATE.{LEASE}-executor-east")
+            + sub("_INBOX.executor-east.>"),
+            never + pub(
+                # the other clusters' executors, and the single-cluster one
+                f"$JS.API.CONSUMER.INFO.{EV}.executor", f"$JS.API.CONSUMER.MSG.NEXT.{EV}.executor-west",
+                f"$JS.ACK.{EV}.executor.1.2.3.4.0", "$KV.lease-executor-west.active", "$KV.lease-executor.active",
+                "gpusched.deadletter.executor", "gpusched.deadletter.executor-west",
+                # declaring a cluster lost is the scheduler's; quota's and admission's events
+                "gpusched.cluster.west.lost", "gpusched.job.x.quota_reserved", "gpusched.job.x.admitted",
+                f"$JS.API.STREAM.UPDATE.{LEASE}-executor-east")
+            + sub("_INBOX.executor-west.>", "_INBOX.executor.>"),
+        ),
         "serving": (  # the serving controller: its service events, its durable; never a job or a command
             pub("gpusched.service.chat.replica_requested", "gpusched.service.chat.scaled",
                 "gpusched.service.chat.replica_ready", f"$JS.API.CONSUMER.INFO.{EV}.serving")
@@ -203,6 +219,8 @@ async def check_matrix(url: str, passwords: dict[str, str], team: str, other: st
     """Every role's may and may-not lists; returns role -> (forbidden tried, forbidden denied)."""
     counts, broken = {}, []
     for user, (may, may_not) in matrix(team, other).items():
+        if user not in passwords and permissions.cluster_executor(user):
+            continue  # deploy/nats-server.conf names no cluster: `gpusched dev nats-config --cluster` adds one
         ok = await attempt(url, user, passwords[user], may)
         bad = await attempt(url, user, passwords[user], may_not)
         broken += [f"{user} was refused {t.verb} {t.subject}" for t in ok.denied]

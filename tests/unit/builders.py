@@ -33,6 +33,8 @@ from schemas import (
     JobSucceeded,
     NodeAssignment,
     NodeLost,
+    ClusterLost,
+    ClusterReported,
     NodeRegistered,
     NodeTelemetryReported,
     NodeUpdated,
@@ -150,6 +152,17 @@ def telemetry(name: str = "n1", gpus: Iterable[GpuTelemetry] | None = None, *, s
 
 def node_lost(name: str, *, when: datetime = T0) -> NodeLost:
     return new_event(NodeLost, aggregate_id=name, producer="executor", occurred_at=when, key="lost", name=name)
+
+
+def cluster_reported(cluster: str, *, when: datetime = T0, nodes: int = 2, interval: float = 15.0) -> ClusterReported:
+    return new_event(ClusterReported, aggregate_id=cluster, producer="executor", occurred_at=when,
+                     key=when.isoformat(), cluster=cluster, nodes=nodes, interval_seconds=interval)
+
+
+def cluster_lost(cluster: str, nodes: tuple[str, ...], *, last_report: datetime | None = T0,
+                 when: datetime = T0) -> ClusterLost:
+    return new_event(ClusterLost, aggregate_id=cluster, producer="scheduler", occurred_at=when, key="lost",
+                     cluster=cluster, last_report=last_report, nodes=nodes, reason="no report")
 
 
 # -- job lifecycle -----------------------------------------------------------------------------

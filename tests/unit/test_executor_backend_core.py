@@ -218,7 +218,7 @@ def test_every_backend_implements_the_port():
     from services.executor.sim import SimBackend
 
     port = {name for name in vars(Backend) if not name.startswith("_")}
-    assert port == {"start", "close", "inventory", "create", "stop", "observe"}
+    assert port == {"start", "close", "reachable", "inventory", "create", "stop", "observe"}
     for cls in (SimBackend, LocalBackend, KubernetesBackend):
         assert port <= set(dir(cls)), cls
 

@@ -298,7 +298,7 @@ def test_service_settings_in_the_manifests_are_the_defaults(docs: list[dict], mo
     """The Deployments' own settings only make the defaults visible; they change nothing."""
     from runtime.settings import Settings
     from services.accounting.statements import IssuerConfig
-    from services.executor.config import ExecutorConfig
+    from services.executor.config import ClusterConfig, ExecutorConfig
     from services.scheduler.__main__ import build_core
 
     def loaded(svc: str, env: dict[str, str]):
@@ -309,7 +309,7 @@ def test_service_settings_in_the_manifests_are_the_defaults(docs: list[dict], mo
         if svc == "accounting":
             return IssuerConfig.from_env()
         if svc == "executor":
-            return ExecutorConfig.from_env()
+            return ExecutorConfig.from_env(), ClusterConfig.from_env()
         core = build_core(Settings(), None)
         return core.policy, core.limits
 

@@ -39,6 +39,8 @@ def test_failure_names_the_exception_and_where_it_was_raised():
 class EmptyBackend:
     def start(self) -> None: ...
     def close(self) -> None: ...
+    def reachable(self) -> bool:
+        return True
     def inventory(self):
         return []
     def create(self, plan, now) -> int:

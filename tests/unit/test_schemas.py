@@ -46,6 +46,8 @@ from tests.unit.builders import (
     gpu,
     node,
     node_lost,
+    cluster_lost,
+    cluster_reported,
     node_updated,
     preempted,
     queue,
@@ -117,6 +119,8 @@ def sample_events():
         node("gpu-1.rack-1.example", "a100", 8, features=("rdma",), labels={"rack": "r1"}, taints=("a=b:NoSchedule",)),
         node_updated("gpu-1.rack-1.example", "a100", 8, unschedulable=True),
         node_lost("gpu-1.rack-1.example"),
+        cluster_reported("east", when=at(30), nodes=12, interval=10.0),
+        cluster_lost("east", ("gpu-1.east", "gpu-2.east"), last_report=at(30), when=at(130)),
         telemetry("gpu-1.rack-1.example", [gpu(0, 0.9, power_w=350.5), gpu(3, 0.01, allocated=2, allocated_utilization=0.0)],
                   start=at(60), seconds=60),
         queue("research", ("team-a", "team-b"), {"a100": 8, "h100-80gb": 16}, cohort="shared", strict_fifo=True,
@@ -138,7 +142,7 @@ def sample_events():
 
 def test_samples_cover_every_event_type():
     assert sorted(type(e).__name__ for e in sample_events()) == sorted(c.__name__ for c in ALL_EVENT_TYPES)
-    assert len(ALL_EVENT_TYPES) == 43
+    assert len(ALL_EVENT_TYPES) == 45
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: e.type)
@@ -227,7 +231,7 @@ EXPECTED_PRODUCERS = {
     "JobScheduled": "scheduler", "PreemptionRequested": "scheduler", "SchedulingPendingReasonChanged": "scheduler",
     "JobStarted": "executor", "JobReady": "executor", "JobSucceeded": "executor", "JobFailed": "executor", "JobPreempted": "executor",
     "JobCancelled": "executor", "NodeRegistered": "executor", "NodeUpdated": "executor", "NodeLost": "executor",
-    "NodeTelemetryReported": "executor",
+    "NodeTelemetryReported": "executor", "ClusterReported": "executor", "ClusterLost": "scheduler",
     "QueueConfigured": "config", "QueueDeleted": "config", "CohortConfigured": "config",
     "PriceBookUpdated": "config", "TeamConfigured": "config", "PolicyConfigured": "config", "ChargebackStatementIssued": "accounting",
     "ApiTokenIssued": "admin", "ApiTokenRevoked": "admin",
@@ -255,14 +259,15 @@ def test_producer_subjects():
         "gpusched.job.*.reclaim_requested", "gpusched.job.*.retry_scheduled",
     ]
     assert producer_subjects("scheduler") == [
-        "gpusched.job.*.preemption_requested", "gpusched.job.*.sched_pending", "gpusched.job.*.scheduled",
+        "gpusched.cluster.*.lost", "gpusched.job.*.preemption_requested", "gpusched.job.*.sched_pending",
+        "gpusched.job.*.scheduled",
     ]
     assert producer_subjects("config") == [
         "gpusched.cohort.*.configured", "gpusched.policy.*.configured", "gpusched.pricebook.*.updated", "gpusched.queue.*.configured",
         "gpusched.queue.*.deleted", "gpusched.team.*.configured",
     ]
     assert producer_subjects("executor") == [
-        "gpusched.job.*.cancelled", "gpusched.job.*.failed", "gpusched.job.*.preempted", "gpusched.job.*.ready",
+        "gpusched.cluster.*.reported", "gpusched.job.*.cancelled", "gpusched.job.*.failed", "gpusched.job.*.preempted", "gpusched.job.*.ready",
         "gpusched.job.*.started",
         "gpusched.job.*.succeeded", "gpusched.node.*.lost", "gpusched.node.*.registered",
         "gpusched.node.*.telemetry", "gpusched.node.*.updated",
