@@ -600,15 +600,18 @@ def dev_up(
 @dev_app.command("nats-config")
 def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here instead of stdout"),
                     cluster: list[str] = typer.Option([], "--cluster", help="Also a credential executor-<CLUSTER> "
-                                                      "for that cluster's executor (repeat; many clusters)")) -> None:
-    """Print the reference nats-server configuration (deploy/nats-server.conf)."""
-    from gpusched.devstack import reference_nats_config
+                                                      "for that cluster's executor (repeat; many clusters)"),
+                    k8s: int = typer.Option(0, "--k8s", min=0, max=9, help="The configuration for k8s/ with this "
+                                            "many servers (3: k8s/components/nats; 1: k8s/overlays/dev)")) -> None:
+    """Print the reference nats-server configuration (deploy/nats-server.conf), or with --k8s the
+    one of the NATS StatefulSet in k8s/."""
+    from gpusched.devstack import k8s_nats_config, reference_nats_config
 
     bad = [c for c in cluster if not re.fullmatch(NAME_PATTERN, c)]
     if bad:
         raise typer.BadParameter(f"{bad[0]!r} is not a cluster name; accepted: a DNS label ({NAME_PATTERN})",
                                  param_hint="--cluster")
-    text = reference_nats_config(clusters=tuple(cluster))
+    text = k8s_nats_config(k8s, clusters=tuple(cluster)) if k8s else reference_nats_config(clusters=tuple(cluster))
     if out:
         out.write_text(text)
     else:

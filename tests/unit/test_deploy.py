@@ -35,3 +35,25 @@ def test_nats_server_accepts_the_config_and_names_a_missing_password(tmp_path):
     bad = subprocess.run([binary, "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
     assert bad.returncode != 0
     assert "GPUSCHED_NATS_PASSWORD_QUOTA" in bad.stderr + bad.stdout
+
+
+K8S_NATS_CONFIGS = {3: ROOT / "k8s" / "components" / "nats" / "nats-server.conf",
+                    1: ROOT / "k8s" / "overlays" / "dev" / "nats-single" / "nats-server.conf"}
+
+
+def test_committed_k8s_nats_configs_match_the_generator():
+    for replicas, path in K8S_NATS_CONFIGS.items():
+        assert path.read_text() == devstack.k8s_nats_config(replicas), (
+            f"run `gpusched dev nats-config --k8s {replicas} --out {path.relative_to(ROOT)}`")
+
+
+def test_nats_server_accepts_the_k8s_configs_cluster_and_single():
+    binary = devstack._bin("nats-server")
+    users = ["admin", "operator", *permissions.SERVICES, permissions.API_USER, "team-research", "team-product", "team-platform"]
+    env = {**os.environ, "POD_NAME": "nats-0", **{devstack.password_variable(u): f"pw-{u}" for u in users}}
+    for replicas, path in K8S_NATS_CONFIGS.items():
+        text = path.read_text()
+        assert ('"sync_interval": "always"' in text) and (("routes" in text) == (replicas > 1)), path
+        ok = subprocess.run([binary, "-t", "-c", str(path)], env=env, capture_output=True, text=True)
+        assert ok.returncode == 0, ok.stderr + ok.stdout
+    assert "nats://nats-2.nats-headless.gpusched.svc:6222" in K8S_NATS_CONFIGS[3].read_text()
