@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from conftest import eventually, service_settings
+from conftest import connect_as, eventually, service_settings
 from gpusched import devstack
 from runtime import eventlog, lease
 from schemas import JobScheduled, NodeAssignment, new_event, parse_event
@@ -185,3 +185,47 @@ def _all_ready(answers: list[dict | None]) -> list[dict] | None:
 async def _at_least(read, n: int):
     got = await read
     return got if len(got) >= n else None
+
+
+async def test_kill_9_of_the_active_admission_mid_load(nats_server, admin_js, processes):
+    """Admission single-active with a standby: commands keep being answered across a kill -9 of
+    the active one; every submission becomes exactly one JobSubmitted and one JobAdmitted, a
+    resubmission with the same idempotency key none, and no intake message is lost."""
+    log = eventlog.EventLog(admin_js)
+    await log.append(queue(quotas={"a100": 64}))
+    await log.append(node("n0"))
+    procs = [processes("admission"), processes("admission")]
+    await eventually(lambda: holder_pid(admin_js, "admission"), timeout_s=30)
+    tenant = await connect_as(nats_server, "team-a")
+    js = tenant.jetstream()
+
+    async def send(i: int) -> None:
+        payload = {"job_id": f"a{i}", "spec": {"kind": "training", "queue": "research", "team": "team-a",
+                                               "image": "img", "gpus": 1, "idempotency_key": f"k{i}"}}
+        await js.publish("gpusched.intake.team-a.submit", json.dumps(payload).encode())
+
+    count = 120
+    killed_at = None
+    for i in range(count):
+        await send(i)
+        if i == count // 3:
+            await eventually(lambda: _at_least(appended(admin_js, "admitted"), count // 4), timeout_s=30)
+            pid = await holder_pid(admin_js, "admission")
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.time()
+        await asyncio.sleep(1 / 40)
+    for i in range(0, count, 10):  # the same commands again: answered by their idempotency keys
+        await send(i)
+    admitted = await eventually(lambda: _at_least(appended(admin_js, "admitted"), count), timeout_s=60)
+    await asyncio.sleep(2 * TTL_S)  # anything decided twice would be in by now
+    submitted = await appended(admin_js, "submitted")
+    admitted = await appended(admin_js, "admitted")
+    for kind, msgs in (("JobSubmitted", submitted), ("JobAdmitted", admitted)):
+        per_job = [m.subject.split(".")[2] for m in msgs]
+        assert sorted(per_job) == sorted(f"a{i}" for i in range(count)), kind
+    survivor = await holder_pid(admin_js, "admission")
+    assert survivor in {p.pid for p in procs} and survivor != pid
+    gap = min(m.metadata.timestamp.timestamp() for m in admitted if m.metadata.timestamp.timestamp() > killed_at) - killed_at
+    print(f"\nadmission failover, lease ttl {TTL_S:g} s: no decisions for {gap:.2f} s")
+    assert gap < 3 * TTL_S
+    await tenant.close()
