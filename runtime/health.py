@@ -4,7 +4,9 @@ port, beside ``/metrics`` (runtime/observability.py serves all three).
 * **live**: the asyncio loop still turns: a heartbeat task stamps it every second, and a stamp
   older than :data:`LIVE_WITHIN_S` means the loop is wedged (a restart helps). A process still
   waiting for NATS at start is live: waiting is not wedged.
-* **ready**: connected to NATS now, and nothing this process registered as pending (a decision
+* **ready**: connected to NATS now, JetStream answering (a decision service's last fetch from
+  its consumer, or its standby's last read of the log, did not fail: a server without its
+  JetStream quorum refuses them), and nothing this process registered as pending (a decision
   service's rebuild: its state caught up with the log). A standby is ready: it follows the log.
 
 Each answer is JSON: ``{"ok": bool, ...}`` with what is missing, status 200 or 503.
@@ -26,6 +28,7 @@ class Health:
     nats: bool = False  # connected to NATS now
     pending: set[str] = field(default_factory=set)  # what must finish before the process is ready
     role: str | None = None  # "active" or "standby" for a single-active service
+    jetstream: bool = True  # the last JetStream request of the main loop was answered
 
     def waiting_for(self, what: str) -> None:
         self.pending.add(what)
@@ -41,7 +44,7 @@ class Health:
         return stale <= LIVE_WITHIN_S, {"ok": stale <= LIVE_WITHIN_S, "last_heartbeat_s_ago": round(stale, 1)}
 
     def ready(self) -> tuple[bool, dict]:
-        missing = ([] if self.nats else ["nats"]) + sorted(self.pending)
+        missing = ([] if self.nats else ["nats"]) + ([] if self.jetstream else ["jetstream"]) + sorted(self.pending)
         body: dict = {"ok": not missing, "waiting_for": missing}
         if self.role is not None:
             body["role"] = self.role

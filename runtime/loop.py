@@ -290,6 +290,7 @@ class DecisionService:
                                                           "stood_by_s": round(time.monotonic() - waited, 3)})
                 return
             await self.rebuild(js)  # the state stays warm: a takeover folds only the last moments
+            health.HEALTH.jetstream = True
             await self._pause(lease.ttl_s / 3)
 
     async def _keep(self, lease: Lease) -> None:
@@ -364,6 +365,7 @@ class DecisionService:
                 return True
             except eventlog.BROKER_ERRORS as err:
                 failures += 1
+                health.HEALTH.jetstream = False
                 log.warning(f"{what}: NATS unavailable, retrying", extra={"error": repr(err), "failures": failures})
                 await self._pause(eventlog.retry_delay(failures))
         return False
@@ -389,6 +391,7 @@ class DecisionService:
                 if sub is None:
                     sub = await self._subscribe(js)
                 msgs = await eventlog.fetch(sub, self.settings.batch_size, self.settings.tick_s)
+                health.HEALTH.jetstream = True
                 await self._handle_batch(js, appender, msgs)
                 failures = 0
                 if self._snapshot_due():
@@ -397,6 +400,7 @@ class DecisionService:
                 # The batch stopped part way: its unacked rest comes again (skipped if folded),
                 # and the next _subscribe reads whatever was not folded from the log.
                 failures += 1
+                health.HEALTH.jetstream = False
                 log.warning("NATS unavailable; catching up from the log when it is back",
                             extra={"error": repr(err), "failures": failures})
                 sub = await _unsubscribe(sub)

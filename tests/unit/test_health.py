@@ -32,6 +32,8 @@ def test_ready_when_connected_with_nothing_pending():
     h.done("rebuild")
     h.role = "standby"
     assert h.ready() == (True, {"ok": True, "waiting_for": [], "role": "standby"})
+    h.jetstream = False  # connected, but the last fetch or read of the log failed (no JetStream quorum)
+    assert h.ready() == (False, {"ok": False, "waiting_for": ["jetstream"], "role": "standby"})
 
 
 @pytest.fixture
