@@ -155,3 +155,27 @@ async def test_a_failing_write_is_retried_in_order_and_nothing_is_skipped(nats_s
 
 async def _migrated(conn) -> bool:
     return bool(await conn.fetchval("SELECT to_regclass('usage_ledger') IS NOT NULL"))
+
+
+async def test_clusters_their_nodes_and_a_lost_cluster(pg_dsn):
+    """Many clusters: each node's cluster, each cluster's last heartbeat; a ClusterLost marks the
+    cluster and its nodes lost, and a later report brings the cluster back."""
+    from tests.unit.builders import at, cluster_lost, cluster_reported, node
+
+    events = [node("gpu-0.east", cluster="east"), node("gpu-1.east", cluster="east"), node("gpu-0.west", cluster="west"),
+              cluster_reported("east", when=at(10), nodes=2), cluster_reported("west", when=at(10), nodes=1),
+              cluster_lost("east", ("gpu-0.east", "gpu-1.east"), last_report=at(10), when=at(100))]
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await sink.migrate(conn)
+        await sink.apply_batch(conn, [(i + 1, projection.convert(e, i + 1)) for i, e in enumerate(events)])
+        nodes = {r["name"]: (r["cluster"], r["lost"]) for r in await conn.fetch("SELECT name, cluster, lost FROM nodes")}
+        assert nodes == {"gpu-0.east": ("east", True), "gpu-1.east": ("east", True), "gpu-0.west": ("west", False)}
+        rows = {r["name"]: r for r in await conn.fetch("SELECT * FROM clusters")}
+        assert rows["east"]["lost_at"] == at(100) and rows["west"]["lost_at"] is None
+        back = cluster_reported("east", when=at(200), nodes=2)
+        await sink.apply_batch(conn, [(len(events) + 1, projection.convert(back, len(events) + 1))])
+        east = await conn.fetchrow("SELECT last_report, lost_at, lost_reason FROM clusters WHERE name = 'east'")
+        assert (east["last_report"], east["lost_at"], east["lost_reason"]) == (at(200), None, None)
+    finally:
+        await conn.close()
