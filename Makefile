@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s bench-placement schemas lint clean promtool natscli otelcol chromium publishing-examples
+.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s bench-placement schemas lint clean promtool natscli otelcol chromium publishing-examples image
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -73,6 +73,9 @@ natscli: ## Build the plain `nats` CLI (natscli v0.5.0, Go module proxy) into ~/
 
 otelcol: ## Build the OpenTelemetry Collector (OTLP in, file out; Go module proxy) into ~/.cache/gpusched, for the trace test
 	@if [ "$$GPUSCHED_NO_OTELCOL" = 1 ]; then echo 'otelcol: skipped (GPUSCHED_NO_OTELCOL=1)'; else bash scripts/otelcol.sh >/dev/null; fi
+
+image: ## Build the services image gpusched:<version> from deploy/Dockerfile with buildah (installs Debian's as root; GPUSCHED_BASE_IMAGE=mirror; skipped with a message when it cannot)
+	@bash scripts/image.sh
 
 bench-placement: setup ## Placement on the Alibaba trace under the FGD paper's protocol, 10 seeds, beside its simulator (~20 min; ARGS="--peer DIR" runs it too)
 	$(BIN)/python -m bench.placement $(ARGS)

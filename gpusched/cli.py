@@ -602,7 +602,9 @@ def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here in
                     cluster: list[str] = typer.Option([], "--cluster", help="Also a credential executor-<CLUSTER> "
                                                       "for that cluster's executor (repeat; many clusters)"),
                     k8s: int = typer.Option(0, "--k8s", min=0, max=9, help="The configuration for k8s/ with this "
-                                            "many servers (3: k8s/components/nats; 1: k8s/overlays/dev)")) -> None:
+                                            "many servers (3: k8s/components/nats; 1: k8s/overlays/dev)"),
+                    team: list[str] = typer.Option([], "--team", help="The teams' credentials (repeat); default: "
+                                                   "team-research, team-product, team-platform")) -> None:
     """Print the reference nats-server configuration (deploy/nats-server.conf), or with --k8s the
     one of the NATS StatefulSet in k8s/."""
     from gpusched.devstack import k8s_nats_config, reference_nats_config
@@ -611,7 +613,14 @@ def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here in
     if bad:
         raise typer.BadParameter(f"{bad[0]!r} is not a cluster name; accepted: a DNS label ({NAME_PATTERN})",
                                  param_hint="--cluster")
-    text = k8s_nats_config(k8s, clusters=tuple(cluster)) if k8s else reference_nats_config(clusters=tuple(cluster))
+    bad = [t for t in team if not re.fullmatch(NAME_PATTERN, t) or t in permissions.RESERVED
+           or permissions.cluster_executor(t)]
+    if bad:
+        raise typer.BadParameter(f"{bad[0]!r} is not a team name; accepted: a DNS label ({NAME_PATTERN}) other than "
+                                 f"{', '.join(sorted(permissions.RESERVED))} and executor-<cluster>", param_hint="--team")
+    teams = {"teams": tuple(team)} if team else {}
+    text = (k8s_nats_config(k8s, clusters=tuple(cluster), **teams) if k8s
+            else reference_nats_config(clusters=tuple(cluster), **teams))
     if out:
         out.write_text(text)
     else:
