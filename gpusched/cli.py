@@ -609,10 +609,10 @@ def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here in
     one of the NATS StatefulSet in k8s/."""
     from gpusched.devstack import k8s_nats_config, reference_nats_config
 
-    bad = [c for c in cluster if not re.fullmatch(NAME_PATTERN, c)]
+    bad = [c for c in cluster if not permissions.valid_cluster(c)]
     if bad:
-        raise typer.BadParameter(f"{bad[0]!r} is not a cluster name; accepted: a DNS label ({NAME_PATTERN})",
-                                 param_hint="--cluster")
+        raise typer.BadParameter(f"{bad[0]!r} is not a cluster name; accepted: a DNS label ({NAME_PATTERN}) not of "
+                                 "the form r<digits> or ending in -r<digits>", param_hint="--cluster")
     bad = [t for t in team if not re.fullmatch(NAME_PATTERN, t) or t in permissions.RESERVED
            or permissions.cluster_executor(t)]
     if bad:

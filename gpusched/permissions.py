@@ -25,8 +25,6 @@ snapshot chunks).
 
 from __future__ import annotations
 
-import re
-
 from runtime import lease, snapshot
 from runtime.eventlog import (
     DLQ_STREAM,
@@ -38,7 +36,7 @@ from runtime.eventlog import (
     tenant_subjects,
 )
 from schemas.commands import INTAKE_VERBS, OPERATOR
-from schemas.envelope import NAME_PATTERN
+from schemas.node import valid_cluster
 from schemas.registry import SUBJECT_PREFIX, producer_subjects, subject_suffix
 
 P = SUBJECT_PREFIX
@@ -78,9 +76,9 @@ executor's rights over its own durable, lease and dead letters of that name."""
 
 
 def cluster_executor(user: str) -> bool:
-    """Whether ``user`` names one cluster's executor (``executor-<DNS label>``)."""
+    """Whether ``user`` names one cluster's executor (``executor-<cluster>``)."""
     cluster = user.removeprefix(CLUSTER_EXECUTOR_PREFIX)
-    return cluster != user and re.fullmatch(NAME_PATTERN, cluster) is not None
+    return cluster != user and valid_cluster(cluster)
 
 
 NOTIFIER_TENANT_DURABLE = "notifier"
@@ -142,6 +140,9 @@ def service_permissions(service: str) -> dict:
     executor (``executor-<cluster>``) has the executor's, under its own name."""
     kind = "executor" if cluster_executor(service) else service
     publish = producer_subjects(kind) + [f"{P}.deadletter.{service}", f"{P}.deadletter.{service}.>"]
+    if kind != service:  # its own cluster's heartbeat only
+        cluster = service.removeprefix(CLUSTER_EXECUTOR_PREFIX)
+        publish = [f"{P}.cluster.{cluster}.reported" if p == f"{P}.cluster.*.reported" else p for p in publish]
     for stream, durables in DURABLES[kind].items():
         publish += [f"{API}.STREAM.INFO.{stream}"]
         for durable in durables:

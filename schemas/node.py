@@ -8,6 +8,7 @@ reports none (NVIDIA's DCGM exporter measures GPUs there).
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -66,7 +67,17 @@ class NodeLost(Event):
 
 
 MAX_CLUSTER_NODES = 20_000
-"""Most nodes one ClusterLost names."""
+"""Most nodes one ClusterLost names (Kubernetes supports 5,000 nodes per cluster)."""
+
+READER_LIKE = re.compile(r"(^|-)r[0-9]+$")
+"""Cluster names that could be taken for a reader's consumer name (``<credential>-r<slot>``,
+runtime.eventlog.reader_names): with ``r0`` or ``east-r1`` as a cluster, the credential
+``executor`` or ``executor-east`` could touch that cluster's durable. Refused."""
+
+
+def valid_cluster(name: str) -> bool:
+    """A cluster name: a DNS label, not of the form ``r<digits>`` nor ending in ``-r<digits>``."""
+    return re.fullmatch(NAME_PATTERN, name) is not None and READER_LIKE.search(name) is None
 
 
 class ClusterReported(Event):

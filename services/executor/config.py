@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.settings import ConfigError, env_choice, env_number, env_value
+from schemas.node import valid_cluster
 from services.executor.k8s_model import JobOptions
 
 _NS = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -27,9 +28,10 @@ class ClusterConfig:
     @classmethod
     def from_env(cls) -> "ClusterConfig":
         name = env_value("GPUSCHED_CLUSTER")
-        if name is not None and not _NS.match(name):
+        if name is not None and not valid_cluster(name):
             raise ConfigError(f"GPUSCHED_CLUSTER={name!r} is not a cluster name; accepted: a DNS label (lower-case "
-                              "letters, digits, '-', at most 63), or empty for a single-cluster platform")
+                              "letters, digits, '-', at most 63) not of the form r<digits> or ending in -r<digits> "
+                              "(a reader's consumer name), or empty for a single-cluster platform")
         return cls(
             name=name,
             heartbeat_s=env_number("GPUSCHED_CLUSTER_HEARTBEAT_S", 15.0, minimum=0.1, maximum=3600),

@@ -372,8 +372,9 @@ class BackendCore:
             case ClusterLost():
                 self._lose(set(event.nodes))
             case ClusterReported():
-                if event.cluster == self.cluster and (s.last_report is None or event.occurred_at > s.last_report):
-                    s.last_report = event.occurred_at
+                if event.cluster == self.cluster:
+                    if s.last_report is None or event.occurred_at > s.last_report:
+                        s.last_report = event.occurred_at
                     self._reported_key = None
             case ServiceDeployed() | ServiceUpdated():
                 s.services[event.aggregate_id] = (event.spec.team, False)
@@ -665,7 +666,9 @@ class BackendCore:
 
     def _next(self, job_id: str, job: _Job, now: datetime) -> Event | None:
         a = job.attempt
-        if a is not None and not a.mine:
+        if a is not None and (not a.mine or (a.failed_on_node is not None and not self._reachable)):
+            # another cluster's attempt; or ours, on a node lost while our backend does not
+            # answer (its stop would never be observed): ended where it ran, now
             return self._ended_elsewhere(job_id, job, a, now)
         if job.cancel is not None:
             if job.finished:
@@ -727,9 +730,10 @@ class BackendCore:
 
     def _ended_elsewhere(self, job_id: str, job: _Job, a: _Attempt, now: datetime) -> Event | None:
         """An attempt on another cluster: its executor decides what became of it, unless its node
-        was lost (the cluster was: ClusterLost). Then it ended there, and every executor says so
-        with the same event id (the log keeps the first): cancelled or preempted when that was
-        asked for, else failed with ``node-lost``."""
+        was lost (NodeLost, or ClusterLost: its executor may be gone too). Then it ended there, and
+        every executor says so with the same event id (the log keeps the first): cancelled or
+        preempted when that was asked for, else failed with ``node-lost``. (Also our own attempt
+        on a lost node while our backend does not answer.)"""
         if a.failed_on_node is None or job.finished:
             return None
         n = a.scheduled.attempt

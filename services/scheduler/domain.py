@@ -121,6 +121,7 @@ class SchedJob(SubmittedJob):
     reasons_given: int = 0  # reason events of that attempt in the log (the next one's id key)
     tried_generation: int = -1  # the group's generation when it last failed to fit
     victims: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) being stopped for this head
+    lost_nodes: set[str] = field(default_factory=set)  # placement nodes lost (NodeLost, ClusterLost) meanwhile
 
     # The rest of what the victim policy (runtime.victims.Attempt) reads.
     @property
@@ -265,8 +266,23 @@ class SchedulerCore:
             job.tried_generation = -1
         self._mark_all_dirty()
 
+    def _lose(self, names: set[str]) -> None:
+        """Nodes gone from the inventory. The attempts placed on them keep nothing there: should a
+        node of that name register again before their end is in the log, ending them must not
+        give back GPUs on it that new attempts hold."""
+        s = self.state
+        for name in names:
+            s.inventory.lose(name)
+        for job_ids in s.running.values():
+            for job_id in job_ids:
+                job = s.jobs[job_id]
+                if job.placement is not None:
+                    job.lost_nodes |= {a.node for a in job.placement.placement if a.node in names}
+
     def _charge(self, inventory: Inventory, job: SchedJob, placement: JobScheduled, sign: int) -> None:
         for a in placement.placement:
+            if sign < 0 and a.node in job.lost_nodes:
+                continue  # charged to a node since lost (and maybe registered again, fresh)
             inventory.charge(a.node, a.gpu_indices, a.gpu_milli, job.spec.cpu_millis, job.spec.memory_mib, sign)
 
     def _add_head(self, job: SchedJob) -> None:
@@ -303,7 +319,7 @@ class SchedulerCore:
                     self._dirty.add(old.info.gpu_flavor)
                 return
             case NodeLost():
-                s.inventory.lose(event.name)
+                self._lose({event.name})
                 return
             case ClusterReported():
                 health = s.clusters.get(event.cluster)
@@ -318,8 +334,7 @@ class SchedulerCore:
                 health = s.clusters.setdefault(event.cluster, ClusterHealth(event.last_report or event.occurred_at))
                 if event.last_report is None or health.last_report <= event.last_report:
                     health.lost = event
-                for name in event.nodes:
-                    s.inventory.lose(name)
+                self._lose(set(event.nodes))
                 return
             case JobSubmitted():
                 s.jobs[event.aggregate_id] = SchedJob(spec=event.spec, submitted=event, request=Request.of(event.spec))
@@ -446,12 +461,15 @@ class SchedulerCore:
         job.started_at = job.checkpoint_at = None
         job.stop_requested = False
         job.victims = set()
+        job.lost_nodes = set()
 
     # -- decide ------------------------------------------------------------------------------
     def decide(self, now: datetime) -> list[Event]:
         """One cycle: 1. heads, 2. snapshot, then per group 3. fit, 4. preempt, 5. explain. Any
         cluster lost comes first."""
         out: list[Event] = self._lost_clusters(now) if self.state.clusters else []
+        if out:
+            return out  # nothing placed on a cluster being lost: the next cycle decides without it
         groups = self._groups_to_decide(now)
         if not groups:
             return out

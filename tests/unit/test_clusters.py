@@ -28,9 +28,11 @@ from tests.unit.builders import (
     Log,
     admitted,
     at,
+    cancel_requested,
     cluster_lost,
     cluster_reported,
     drive,
+    failed,
     node,
     node_info,
     preemption_requested,
@@ -228,6 +230,40 @@ def test_a_silent_cluster_is_lost_once_then_back_when_it_reports():
     assert nodes_of(h.job("j", 8, when=at(202))) == {"j": ["a.west"]}
 
 
+def test_nothing_is_placed_on_a_cluster_in_the_cycle_that_declares_it_lost():
+    h = Sched(node("a.west", gpus=8, cluster="west"), node("a.east", gpus=8, cluster="east"), lost_after=60)
+    h.feed(cluster_reported("west", when=T0), cluster_reported("east", when=at(55)))
+    h.job("big", 8, when=at(10))  # placed on a.east (name order) while both report
+    out = h.job("j", 8, when=at(61))  # west has been silent for 61 s when j arrives
+    assert types(out)[:1] == ["ClusterLost"] and nodes_of(out) == {}
+    assert "a.west" not in h.core.state.nodes
+
+
+def test_a_lost_node_registered_again_is_not_freed_by_the_end_of_an_attempt_it_held():
+    h = Sched(node("a.west", gpus=8, cluster="west"), lost_after=600)
+    h.feed(cluster_reported("west", when=T0))
+    assert nodes_of(h.job("x", 8)) == {"x": ["a.west"]}
+    h.feed(cluster_lost("west", ("a.west",), when=at(10)), now=at(10))
+    again = new_event(NodeRegistered, aggregate_id="a.west", producer="executor", occurred_at=at(20), key="again",
+                      node=node_info("a.west", cluster="west"))
+    h.feed(cluster_reported("west", when=at(20)), again, now=at(20))
+    assert nodes_of(h.job("y", 8, when=at(21))) == {"y": ["a.west"]}
+    h.feed(failed("x", FailureReason.NODE_LOST, when=at(22)), now=at(22))  # x's end, after the return
+    assert nodes_of(h.job("z", 8, when=at(23))) == {}  # y still holds every GPU of a.west
+    assert h.core.state.nodes["a.west"].used_cpu >= 0
+
+
+def test_an_unreachable_clusters_own_cancel_concludes_when_the_cluster_is_lost():
+    c = executor("west")
+    registered(c, "gpu-0")
+    for e in (submitted("a"), scheduled("a", {"gpu-0.west": (0,)}), started("a"), cancel_requested("a")):
+        c.evolve(e)
+    settle(c, at(1))
+    c.apply(SyncResult(inventory=[node_info("gpu-0")], reachable=False))  # its API is gone
+    c.evolve(cluster_lost("west", ("gpu-0.west",), when=at(100)))
+    assert types(e for e in settle(c, at(100)) if not isinstance(e, ClusterReported)) == ["JobCancelled"]
+
+
 def test_a_restarted_scheduler_gives_the_clusters_a_full_period_first():
     h = Sched(lost_after=60)
     h.feed(cluster_reported("east", when=T0), now=at(3600))  # first cycle an hour after the last report
@@ -260,10 +296,14 @@ def test_a_cluster_executor_has_the_executors_rights_under_its_own_name():
     assert "$JS.API.CONSUMER.MSG.NEXT.GPUSCHED_EVENTS.executor-east" in perms
     assert "$JS.API.CONSUMER.MSG.NEXT.GPUSCHED_EVENTS.executor" not in perms
     assert "$KV.lease-executor-east.>" in perms and "$KV.lease-executor.>" not in perms
-    assert "gpusched.deadletter.executor-east" in perms and "gpusched.cluster.*.reported" in perms
+    assert "gpusched.deadletter.executor-east" in perms
     assert "gpusched.cluster.*.lost" not in perms  # the scheduler's
     with pytest.raises(ValueError, match="executor-<cluster>"):
         permissions.tenant_permissions("executor-east")
+    assert "gpusched.cluster.east.reported" in perms and "gpusched.cluster.*.reported" not in perms  # its own only
+    # a cluster named like a reader slot would share consumer names with another credential's readers
+    for name in ("r0", "east-r1"):
+        assert not permissions.cluster_executor(f"executor-{name}") and not permissions.valid_cluster(name)
 
 
 def test_cluster_heartbeat_and_lost_validate_their_names():
