@@ -51,7 +51,9 @@ DURABLES: dict[str, dict[str, list[str]]] = {
     "scheduler": {EVENTS_STREAM: ["scheduler"]},
     "executor": {EVENTS_STREAM: ["executor"]},
     "accounting": {},
-    "notifier": {EVENTS_STREAM: ["notifier", "notifier-services"]},
+    # one pair per partition (services/notifier/core.py durable_names; partition 0: the first pair)
+    "notifier": {EVENTS_STREAM: [name for k in range(16) for name in
+                                 ((f"notifier-p{k}", f"notifier-services-p{k}") if k else ("notifier", "notifier-services"))]},
     "serving": {EVENTS_STREAM: ["serving"]},
 }
 """Service -> stream -> the durable consumers it owns there."""

@@ -320,8 +320,10 @@ async def durable_consumer(
     consumer is created: a service that just rebuilt its state to sequence N starts at N + 1.
 
     Redelivery is bounded: at most :data:`MAX_DELIVER` deliveries, after ``ack_wait_s`` and then
-    doubling delays (:data:`BACKOFF_STEPS`). A consumer created before these limits existed is
-    brought up to them. ``backoff=False`` for a consumer that naks with its own delay: on a
+    doubling delays (:data:`BACKOFF_STEPS`). A consumer created before these limits (or with
+    another ``max_ack_pending``) is brought up to them. ``max_ack_pending=1`` keeps strict order
+    across a consumer's crash or restart: nothing later is delivered while a delivered message is
+    unacknowledged (a batch left behind would otherwise come back after later messages). ``backoff=False`` for a consumer that naks with its own delay: on a
     consumer with a backoff list nats-server honours a nak's delay once, then redelivers on the
     list (a 0.2 s re-decide would wait a minute; tests/integration/test_admission_redelivery.py)."""
     steps = [ack_wait_s * 2**i for i in range(BACKOFF_STEPS)] if backoff else None
@@ -342,8 +344,10 @@ async def durable_consumer(
         )
         await js.add_consumer(stream, config)
     else:
-        if info.config.max_deliver != MAX_DELIVER or (info.config.backoff or None) != steps:
-            await js.add_consumer(stream, info.config.evolve(ack_wait=ack_wait_s, **limits))
+        if (info.config.max_deliver != MAX_DELIVER or (info.config.backoff or None) != steps
+                or info.config.max_ack_pending != max_ack_pending):
+            await js.add_consumer(stream, info.config.evolve(ack_wait=ack_wait_s, max_ack_pending=max_ack_pending,
+                                                             **limits))
     return await js.pull_subscribe_bind(durable=durable, stream=stream)
 
 

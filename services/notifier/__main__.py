@@ -2,7 +2,7 @@
 
 Two loops:
 
-- **Fan-out** (durable ``notifier`` on ``gpusched.job.>``, one event at a time): in log order, each job event is copied to its team's tenant stream, with the notification it
+- **Fan-out** (durable ``notifier`` on ``gpusched.job.>``, one event in flight): in log order, each job event is copied to its team's tenant stream, with the notification it
   makes (:mod:`services.notifier.core`). Both carry a ``Nats-Msg-Id``, so a redelivery after a
   crash stores nothing twice; the event is acked only once both are stored. A job's team comes
   from its JobSubmitted (looked up in the log by direct get, then cached). The same, with the
@@ -17,6 +17,14 @@ Two loops:
   team, so a job's notifications arrive in order and one team's dead receiver never delays
   another's. A failed POST is retried with backoff; after the last try it is dead-lettered. Every
   try is logged on the team's delivery subject.
+
+Scale-out: with ``GPUSCHED_NOTIFIER_PARTITIONS=N``, N notifiers share the teams, each team to one
+(:func:`services.notifier.core.partition_of`), ``GPUSCHED_NOTIFIER_PARTITION`` saying which is
+which (a StatefulSet's pod index). Each reads every event through its own fan-out durables
+(:func:`~services.notifier.core.durable_names`) but copies and delivers only its teams': a team's
+order holds (one consumer per team, in log order), and the copies, notifications and webhook POSTs
+(the work) are divided. A partition's durable that does not exist yet starts where partition 0's
+has acknowledged, so adding notifiers neither loses nor repeats anything.
 
 Both loops are nats-py pull consumers, as in the other services. FastStream 0.7's pull subscriber
 was tried for the fan-out and left: it handles the messages of one fetched batch concurrently
@@ -71,6 +79,7 @@ class Notifier:
         self._teams: OrderedDict[str, str] = OrderedDict()  # job id -> team (LRU)
         self._warned: set[str] = set()
         self._workers: dict[str, asyncio.Task] = {}
+        self.durable, self.service_durable = core.durable_names(self.options.partition)
 
     def stop(self) -> None:
         self._stop.set()
@@ -80,8 +89,9 @@ class Notifier:
         self.js = self.nc.jetstream()
         await eventlog.wait_for_streams(self.js)
         supervisor = asyncio.create_task(self._supervise_webhooks())
-        loops = [asyncio.create_task(self._fan_out_loop(DURABLE, f"{SUBJECT_PREFIX}.job.>")),
-                 asyncio.create_task(self._fan_out_loop(SERVICE_DURABLE, f"{SUBJECT_PREFIX}.service.>"))]
+        loops = [asyncio.create_task(self._fan_out_loop(self.durable, f"{SUBJECT_PREFIX}.job.>", DURABLE)),
+                 asyncio.create_task(self._fan_out_loop(self.service_durable, f"{SUBJECT_PREFIX}.service.>",
+                                                        SERVICE_DURABLE))]
         try:
             # both end when stopped; one that fails for anything but the broker takes the process
             # down (its supervisor restarts it) rather than dying unnoticed beside the other
@@ -97,14 +107,40 @@ class Notifier:
             await asyncio.gather(supervisor, *self._workers.values(), return_exceptions=True)
             await eventlog.close(self.nc)
 
-    async def _fan_out_loop(self, durable: str, subject: str) -> None:
+    def mine(self, team: str) -> bool:
+        """Whether this notifier's partition copies and delivers ``team``'s."""
+        return self.options.partitions == 1 or core.partition_of(team, self.options.partitions) == self.options.partition
+
+    async def _start_after(self, durable: str, first: str) -> int | None:
+        """Where a partition's new durable starts: after what partition 0's (``first``) has
+        acknowledged; None (the log's start) for partition 0, an existing durable, or when there
+        is no partition 0 yet."""
+        if durable == first:
+            return None
+        try:
+            await self.js.consumer_info(eventlog.EVENTS_STREAM, durable)
+            return None  # it exists: it goes on from where it is
+        except NotFoundError:
+            pass
+        try:
+            info = await self.js.consumer_info(eventlog.EVENTS_STREAM, first)
+        except NotFoundError:
+            return None
+        return info.ack_floor.stream_seq + 1
+
+    async def _fan_out_loop(self, durable: str, subject: str, first: str) -> None:
         failures = 0
         while not self._stop.is_set():
             try:
+                # One message in flight (max_ack_pending=1): a team's copies stay in log order even
+                # when a notifier dies, or stops, with messages delivered and not acknowledged:
+                # those come again before anything later (with a batch in flight, the later ones
+                # would be copied first and the batch after its ack wait).
                 sub = await eventlog.durable_consumer(self.js, stream=eventlog.EVENTS_STREAM, durable=durable,
-                                                      filter_subjects=[subject])
+                                                      filter_subjects=[subject], max_ack_pending=1,
+                                                      start_seq=await self._start_after(durable, first))
                 while not self._stop.is_set():
-                    for msg in await eventlog.fetch(sub, 64, 1.0):  # one at a time, in log order
+                    for msg in await eventlog.fetch(sub, 1, 1.0):
                         await self._handle(msg)
                     failures = 0
             except eventlog.BROKER_ERRORS as err:
@@ -145,6 +181,9 @@ class Notifier:
                 self._remember(event.aggregate_id, team)
             elif isinstance(event, ServiceDeployed):
                 self._remember(f"service:{event.aggregate_id}", team)
+            if not self.mine(team):
+                await msg.ack()  # another partition's team
+                return
             # The event's own headers (trace context) but JetStream's: an expected-sequence header
             # was for the events stream, and the copy's de-duplication id is the event id.
             headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
@@ -204,6 +243,8 @@ class Notifier:
             try:
                 for stream in await self._tenant_streams():
                     team = stream.removeprefix(eventlog.TENANT_STREAM_PREFIX)
+                    if not self.mine(team):
+                        continue
                     if team not in self._workers or self._workers[team].done():
                         self._workers[team] = asyncio.create_task(self._deliver_team(team))
             except eventlog.BROKER_ERRORS as err:

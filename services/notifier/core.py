@@ -62,6 +62,24 @@ def team_of(event: Event) -> str | None:
     return None
 
 
+MAX_PARTITIONS = 16
+"""Most notifier partitions (GPUSCHED_NOTIFIER_PARTITIONS): their durables are named in the
+notifier's NATS permissions."""
+
+
+def partition_of(team: str, partitions: int) -> int:
+    """The partition (0 .. partitions-1) whose notifier copies and delivers ``team``'s: the same in
+    every process and release (a hash of the name, not Python's salted hash())."""
+    return int.from_bytes(hashlib.sha256(team.encode()).digest()[:8], "big") % partitions
+
+
+def durable_names(partition: int) -> tuple[str, str]:
+    """The fan-out durables of one partition (jobs, services): partition 0 keeps the names of the
+    unpartitioned notifier, so going from one notifier to several continues where it was."""
+    suffix = f"-p{partition}" if partition else ""
+    return f"notifier{suffix}", f"notifier-services{suffix}"
+
+
 def copy_subject(team: str, event: Event) -> str:
     """``gpusched.tenant.<team>.job.<id>.<token>``, or ``….service.<name>.<token>``."""
     return f"{SUBJECT_PREFIX}.tenant.{team}.{type(event).aggregate}.{event.aggregate_id}.{subject_suffix(event.type)}"

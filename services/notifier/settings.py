@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.settings import ConfigError, env_number, env_value
+from services.notifier.core import MAX_PARTITIONS
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,13 @@ class NotifierSettings:
     timeout_s: float = 5.0
     backoff_cap_s: float = 30.0
     secrets: dict[str, str] = field(default_factory=dict)  # team -> webhook signing secret
+    partitions: int = 1  # notifiers sharing the teams (GPUSCHED_NOTIFIER_PARTITIONS)
+    partition: int = 0  # this one's share (GPUSCHED_NOTIFIER_PARTITION): the teams partition_of maps here
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.partition < self.partitions:
+            raise ConfigError(f"GPUSCHED_NOTIFIER_PARTITION={self.partition} is out of range; accepted: 0.."
+                              f"{self.partitions - 1} (GPUSCHED_NOTIFIER_PARTITIONS={self.partitions})")
 
     @classmethod
     def from_env(cls) -> "NotifierSettings":
@@ -25,6 +33,10 @@ class NotifierSettings:
             timeout_s=env_number("GPUSCHED_WEBHOOK_TIMEOUT_S", 5.0, minimum=0.1, maximum=60),
             backoff_cap_s=env_number("GPUSCHED_WEBHOOK_BACKOFF_CAP_S", 30.0, minimum=0.1, maximum=3600),
             secrets=_read_secrets(env_value("GPUSCHED_WEBHOOK_SECRETS_FILE")),
+            partitions=int(env_number("GPUSCHED_NOTIFIER_PARTITIONS", 1, minimum=1, maximum=MAX_PARTITIONS,
+                                      integer=True)),
+            partition=int(env_number("GPUSCHED_NOTIFIER_PARTITION", 0, minimum=0, maximum=MAX_PARTITIONS - 1,
+                                     integer=True)),
         )
 
 

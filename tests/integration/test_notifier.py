@@ -187,6 +187,13 @@ async def test_a_services_deploy_scaling_lost_replica_and_deletion_reach_its_web
         f"gpusched.tenant.team-a.notify.{job}.replica-lost", "gpusched.tenant.team-a.notify.chat.service-deleted"]
 
 
+ACK_WAIT_RACE_S = 45.0
+"""How long to wait for an event appended just after a notifier stopped: the server may still hold
+that notifier's last pull request (1 s) and deliver the event to it; nobody acknowledges it, and
+the durable redelivers it after its ack wait (30 s), before anything later (one message in
+flight). Delayed, never lost, never out of order."""
+
+
 async def _at_least(read, n: int):
     got = await read
     return got if len(got) >= n else None
@@ -253,7 +260,7 @@ async def test_a_restart_copies_nothing_twice_and_loses_nothing(nats_server, adm
     async with running(notifier(nats_server)):
         await log.append(started("r1"))
         copies = await eventually(lambda: _at_least(
-            read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.job.>"), 3))
+            read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.job.>"), 3), timeout_s=ACK_WAIT_RACE_S)
         await asyncio.sleep(1)
     assert [m.subject.rsplit(".", 1)[1] for m in copies] == ["submitted", "admitted", "started"]
     assert len(await read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.>")) == 6  # 3 copies, 3 notifications
@@ -280,3 +287,42 @@ async def test_sigterm_stops_the_process_within_5_s_even_while_it_retries(nats_s
         assert time.monotonic() - start < 5
     finally:
         proc.kill()
+
+
+async def test_two_partitions_share_the_teams_and_taking_one_on_repeats_nothing(nats_server, admin_js):
+    """GPUSCHED_NOTIFIER_PARTITIONS=2: each team's events are copied by exactly one notifier, in
+    log order; a second partition added to a running notifier starts where the first had
+    acknowledged, so nothing is copied twice or lost."""
+    from services.notifier import core
+
+    teams = ("team-a", "team-b", "team-c")
+    assert {core.partition_of(t, 2) for t in teams} == {0, 1}  # both partitions have work
+    log = eventlog.EventLog(admin_js)
+    for team in teams:
+        await log.append(submitted(f"{team}-1", spec(team=team)))
+
+    def partitioned(k: int) -> Notifier:
+        return Notifier(service_settings(nats_server, "notifier"),
+                        NotifierSettings(secrets={"team-a": SECRET}, backoff_cap_s=0.2, partitions=2, partition=k))
+
+    def copies(team):
+        return read_tenant(nats_server, team, f"gpusched.tenant.{team}.job.>")
+
+    async with running(notifier(nats_server)):  # one notifier first: it copies everything
+        for team in teams:
+            await eventually(lambda: _at_least(copies(team), 1))
+    for team in teams:
+        await log.append(admitted(f"{team}-1"))  # while none runs
+    async with running(partitioned(0)), running(partitioned(1)):
+        for team in teams:
+            await log.append(started(f"{team}-1"))
+        for team in teams:  # (ACK_WAIT_RACE_S: an event may go to the stopped notifier's last pull)
+            await eventually(lambda: _at_least(copies(team), 3), timeout_s=ACK_WAIT_RACE_S)
+        await asyncio.sleep(1)
+    for team in teams:
+        got = await copies(team)
+        assert [m.subject.rsplit(".", 1)[1] for m in got] == ["submitted", "admitted", "started"], team
+        assert len(await read_tenant(nats_server, team, f"gpusched.tenant.{team}.>")) == 6  # 3 copies, 3 notifications
+    # partition 1's durables exist and started after partition 0's acknowledged position
+    info = await admin_js.consumer_info(eventlog.EVENTS_STREAM, "notifier-p1")
+    assert info.config.opt_start_seq is not None and info.config.opt_start_seq > 1

@@ -32,8 +32,10 @@ SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifi
 MODULES = {"api": "gpusched.api"}
 """The module a Deployment runs, where it is not services.<name>."""
 READS_PG = {"accounting", "api"}
-SINGLE_ACTIVE = {"executor", "accounting", "notifier", "serving"}
+SINGLE_ACTIVE = {"executor", "accounting", "serving"}
 """One replica, and Recreate: never two running."""
+PARTITIONED = {"notifier"}
+"""A StatefulSet: each pod its partition (its pod index) of GPUSCHED_NOTIFIER_PARTITIONS = replicas."""
 LEASED = {"admission", "quota", "scheduler"}
 """Two replicas, one active by its lease (runtime/lease.py), rolled one at a time."""
 IN_WORKLOADS = {("ServiceAccount", "default"), ("Role", "gpusched-executor"), ("RoleBinding", "gpusched-executor")}
@@ -78,6 +80,12 @@ def docs(rendered: str) -> list[dict]:
 
 def _by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _workloads(docs: list[dict]) -> dict[str, dict]:
+    """The services' Deployments and StatefulSets (the notifier's), by name."""
+    return {name: d for kind in ("Deployment", "StatefulSet") for name, d in _by_kind(docs, kind).items()
+            if name.startswith("gpusched-")}
 
 
 def _grants(rules: list[dict]) -> set[tuple[str, str, str]]:
@@ -138,7 +146,7 @@ def test_everything_is_labelled_and_namespaced(docs: list[dict]) -> None:
 def test_the_teams_jobs_run_where_no_platform_secret_is(docs: list[dict]) -> None:
     """The executor creates Jobs in the workloads namespace; nothing there may mount a token, and
     no binding gives anything in it a right (tests/executor/test_rbac.py proves it on an apiserver)."""
-    executor = _by_kind(docs, "Deployment")["gpusched-executor"]
+    executor = _workloads(docs)["gpusched-executor"]
     (container,) = executor["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["GPUSCHED_K8S_NAMESPACE"] == WORKLOADS
@@ -149,8 +157,9 @@ def test_the_teams_jobs_run_where_no_platform_secret_is(docs: list[dict]) -> Non
 
 
 def test_a_deployment_per_service_running_it(docs: list[dict]) -> None:
-    deployments = _by_kind(docs, "Deployment")
+    deployments = _workloads(docs)
     assert set(deployments) == {f"gpusched-{s}" for s in SERVICES}
+    assert {n for n, d in deployments.items() if d["kind"] == "StatefulSet"} == {f"gpusched-{s}" for s in PARTITIONED}
     for svc in SERVICES:
         dep = deployments[f"gpusched-{svc}"]
         pod = dep["spec"]["template"]["spec"]
@@ -162,6 +171,10 @@ def test_a_deployment_per_service_running_it(docs: list[dict]) -> None:
         if svc in SINGLE_ACTIVE:
             assert dep["spec"]["replicas"] == 1, svc
             assert dep["spec"]["strategy"]["type"] == "Recreate", svc
+        elif svc in PARTITIONED:
+            assert str(dep["spec"]["replicas"]) == env["GPUSCHED_NOTIFIER_PARTITIONS"], svc
+            index = next(e for e in container["env"] if e["name"] == "GPUSCHED_NOTIFIER_PARTITION")
+            assert index["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
         elif svc in LEASED:
             assert dep["spec"]["replicas"] == 2 and float(env["GPUSCHED_LEASE_TTL_S"]) > 0, svc
             assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, svc
@@ -173,7 +186,7 @@ def test_service_wiring(docs: list[dict]) -> None:
     config = _by_kind(docs, "ConfigMap")["gpusched-config"]["data"]
     assert config["GPUSCHED_NATS_URL"] == "nats://nats.gpusched.svc:4222"
     assert config["GPUSCHED_EXECUTOR_BACKEND"] == "kubernetes"
-    for name, dep in _by_kind(docs, "Deployment").items():
+    for name, dep in _workloads(docs).items():
         svc = name.removeprefix("gpusched-")
         (container,) = dep["spec"]["template"]["spec"]["containers"]
         assert {"configMapRef": {"name": "gpusched-config"}} in container["envFrom"]
@@ -197,7 +210,7 @@ def test_service_wiring(docs: list[dict]) -> None:
 
 
 def test_containers_are_locked_down(docs: list[dict]) -> None:
-    for name, dep in _by_kind(docs, "Deployment").items():
+    for name, dep in _workloads(docs).items():
         pod = dep["spec"]["template"]["spec"]
         for container in pod.get("initContainers", []) + pod["containers"]:
             where = f"{name}/{container['name']}"
@@ -222,7 +235,7 @@ def test_only_executor_gets_a_token(docs: list[dict]) -> None:
         expected = name == "gpusched-executor"
         assert sa.get("automountServiceAccountToken") is expected, name
     # A pod-level setting would override the ServiceAccount's.
-    for name, dep in _by_kind(docs, "Deployment").items():
+    for name, dep in _workloads(docs).items():
         pod = dep["spec"]["template"]["spec"]
         sa = accounts[pod["serviceAccountName"]]
         effective = pod.get("automountServiceAccountToken", sa["automountServiceAccountToken"])
@@ -284,7 +297,7 @@ def _reads(*paths: Path) -> set[str]:
 
 def _provided(docs: list[dict], svc: str) -> dict[str, dict]:
     config = _by_kind(docs, "ConfigMap")["gpusched-config"]["data"]
-    (container,) = _by_kind(docs, "Deployment")[f"gpusched-{svc}"]["spec"]["template"]["spec"]["containers"]
+    (container,) = _workloads(docs)[f"gpusched-{svc}"]["spec"]["template"]["spec"]["containers"]
     return {**{k: {"value": v} for k, v in config.items()}, **{e["name"]: e for e in container["env"]}}
 
 
@@ -325,7 +338,7 @@ def test_service_settings_in_the_manifests_are_the_defaults(docs: list[dict], mo
         return core.policy, core.limits
 
     for svc in ("accounting", "executor", "scheduler"):
-        (container,) = _by_kind(docs, "Deployment")[f"gpusched-{svc}"]["spec"]["template"]["spec"]["containers"]
+        (container,) = _workloads(docs)[f"gpusched-{svc}"]["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
         assert len(env) > 1, svc  # more than GPUSCHED_METRICS_PORT
         assert loaded(svc, env) == loaded(svc, {}), svc
@@ -361,14 +374,18 @@ def test_prod_runs_nats_as_a_three_server_cluster_with_r3_streams_and_fsync_alwa
 
 def test_prod_pins_the_image_and_budgets_disruptions(overlays) -> None:
     docs = overlays["prod"]
-    for dep in _by_kind(docs, "Deployment").values():
+    for dep in _workloads(docs).values():
         (container,) = dep["spec"]["template"]["spec"]["containers"]
         assert re.fullmatch(r"registry\.example\.com/gpusched:\d+\.\d+\.\d+", container["image"]), container["image"]
     budgets = {p["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: p["spec"]
                for p in _by_kind(docs, "PodDisruptionBudget").values()}
     for svc in (*LEASED, "api"):
         assert budgets[f"gpusched-{svc}"]["minAvailable"] == 1, svc
-    assert budgets["nats"]["maxUnavailable"] == 1
+    assert budgets["nats"]["maxUnavailable"] == 1 and budgets["gpusched-notifier"]["maxUnavailable"] == 1
+    notifier = _workloads(docs)["gpusched-notifier"]
+    (container,) = notifier["spec"]["template"]["spec"]["containers"]
+    partitions = next(e["value"] for e in container["env"] if e["name"] == "GPUSCHED_NOTIFIER_PARTITIONS")
+    assert notifier["spec"]["replicas"] == int(partitions) == 2
     assert not {f"gpusched-{svc}" for svc in SINGLE_ACTIVE} & set(budgets)  # one pod: a budget would only block drains
 
 

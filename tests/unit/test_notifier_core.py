@@ -10,6 +10,7 @@ import pytest
 
 from schemas import ALL_EVENT_TYPES, FailureReason, JobRejected, NotificationKind, NotifySpec, RejectReason, Webhook
 from schemas.envelope import new_event
+from runtime import eventlog
 from runtime.settings import ConfigError
 from services.notifier import core
 from services.notifier.settings import NotifierSettings
@@ -128,3 +129,24 @@ def test_settings_read_the_secrets_file_and_refuse_a_bad_one(tmp_path, monkeypat
         NotifierSettings.from_env()
     monkeypatch.delenv("GPUSCHED_WEBHOOK_SECRETS_FILE")
     assert NotifierSettings.from_env().secrets == {}
+
+
+def test_teams_are_partitioned_stably_and_partition_0_keeps_the_unpartitioned_durables():
+    from gpusched import permissions
+    from services.notifier.core import MAX_PARTITIONS, durable_names, partition_of
+
+    teams = [f"team-{i}" for i in range(200)]
+    assert [partition_of(t, 4) for t in teams] == [partition_of(t, 4) for t in teams]  # no salted hash()
+    assert set(partition_of(t, 4) for t in teams) == {0, 1, 2, 3}
+    assert all(partition_of(t, 1) == 0 for t in teams)
+    assert durable_names(0) == ("notifier", "notifier-services") and durable_names(3) == ("notifier-p3", "notifier-services-p3")
+    owned = permissions.DURABLES["notifier"][eventlog.EVENTS_STREAM]
+    assert owned == [n for k in range(MAX_PARTITIONS) for n in durable_names(k)]
+
+
+def test_a_partition_outside_the_partitions_is_refused():
+    from runtime.settings import ConfigError
+    from services.notifier.settings import NotifierSettings
+
+    with pytest.raises(ConfigError, match="GPUSCHED_NOTIFIER_PARTITION=2 is out of range; accepted: 0..1"):
+        NotifierSettings(partitions=2, partition=2)
