@@ -64,29 +64,40 @@ def pct(values: list[float], p: float) -> float:
     return v[max(0, min(len(v) - 1, round(p / 100 * (len(v) - 1))))]
 
 
-def nodes(n: int) -> list[NodeRegistered]:
+def node_infos(n: int) -> list[NodeInfo]:
+    """``n`` nodes × 8 GPUs: a quarter h100, half a100, a quarter l4 (RDMA on h100 and a100);
+    racks of 20, blocks of 200."""
     out = []
     for i in range(n):
         flavor = "h100" if i < n * 0.25 else "a100" if i < n * 0.75 else "l4"
-        info = NodeInfo(name=f"node-{i:05d}", gpu_flavor=flavor, gpu_count=8, gpu_memory_mib=81920,
-                        cpu_millis=128_000, memory_mib=1_048_576, features=("rdma",) if flavor != "l4" else (),
-                        nvlink_domain=f"nv-{i}", rack=f"rack-{i // 20}", block=f"block-{i // 200}")
-        out.append(new_event(NodeRegistered, aggregate_id=info.name, producer="executor", occurred_at=T0, key="1",
-                             node=info))
+        out.append(NodeInfo(name=f"node-{i:05d}", gpu_flavor=flavor, gpu_count=8, gpu_memory_mib=81920,
+                            cpu_millis=128_000, memory_mib=1_048_576, features=("rdma",) if flavor != "l4" else (),
+                            nvlink_domain=f"nv-{i}", rack=f"rack-{i // 20}", block=f"block-{i // 200}"))
     return out
+
+
+def nodes(n: int) -> list[NodeRegistered]:
+    return [new_event(NodeRegistered, aggregate_id=info.name, producer="executor", occurred_at=T0, key="1", node=info)
+            for info in node_infos(n)]
+
+
+def draw(rng: random.Random, gangs: tuple[int, ...] = (2, 4, 8)) -> tuple[str, int, int, str]:
+    """(flavor, GPUs per node, gang size, priority class) of one job of the mix: 40 % 1 GPU, 20 % 2,
+    15 % 4, 15 % 8, 10 % gangs of 8-GPU nodes (sizes from ``gangs``); training or deadline-training."""
+    flavor = rng.choices([f for f, _ in FLAVORS], weights=[w for _, w in FLAVORS])[0]
+    kind = rng.choices(["1", "2", "4", "8", "gang"], weights=[40, 20, 15, 15, 10])[0]
+    gpus, gang = (8, rng.choice(gangs)) if kind == "gang" else (int(kind), 1)
+    return flavor, gpus, gang, rng.choice(["training", "deadline-training"])
 
 
 def jobs(n: int, seed: int = 11) -> list:
     rng = random.Random(seed)
     out = []
     for j in range(n):
-        flavor = rng.choices([f for f, _ in FLAVORS], weights=[w for _, w in FLAVORS])[0]
-        kind = rng.choices(["1", "2", "4", "8", "gang"], weights=[40, 20, 15, 15, 10])[0]
-        gpus, gang = (8, rng.choice([2, 4, 8])) if kind == "gang" else (int(kind), 1)
-        pc = rng.choice(["training", "deadline-training"])
+        flavor, gpus, gang, pc = draw(rng)
         spec = JobSpec(kind="training", queue="q", team="t", image="i", gpus=gpus, gang_size=gang,
                        gpu_flavors=(flavor,), priority_class=pc, expected_runtime_seconds=rng.randint(600, 86_400),
-                       node_features=("rdma",) if kind == "gang" and flavor != "l4" else ())
+                       node_features=("rdma",) if gang > 1 and flavor != "l4" else ())
         when = T0 + timedelta(milliseconds=j)
         sub = new_event(JobSubmitted, aggregate_id=f"j{j}", producer="admission", occurred_at=when, key="1",
                         spec=spec, submitter="u", intake_sequence=j + 1)
@@ -176,10 +187,10 @@ def run(policy: Policy, n_nodes: int, n_pending: int, cycles: int, ends: int) ->
     }
 
 
-def in_fresh_process(*args) -> dict:
-    """``run(*args)`` in a new interpreter: no heap, collector state or peak RSS of another run."""
+def in_fresh_process(fn, *args) -> dict:
+    """``fn(*args)`` in a new interpreter: no heap, collector state or peak RSS of another run."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run, *args).result()
+        return pool.submit(fn, *args).result()
 
 
 def summary(runs: list[dict]) -> dict:
@@ -211,7 +222,7 @@ def main() -> None:
     p.add_argument("--policy", action="append", choices=[x.value for x in Policy])
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
-    results = [summary([in_fresh_process(Policy(x), args.nodes, args.pending, args.cycles, args.ends)
+    results = [summary([in_fresh_process(run, Policy(x), args.nodes, args.pending, args.cycles, args.ends)
                         for _ in range(args.runs)])
                for x in (args.policy or ["best-fit", "fgd", "fgd-spread", "fgd-balance"])]
     print(f"scheduler core — {args.nodes} nodes × 8 GPUs (h100/a100/l4), {args.pending} pending "

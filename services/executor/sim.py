@@ -186,9 +186,9 @@ class SimExecutorCore:
     of the lifecycle core's changes against the sim backend at ``now`` (none when neither has
     anything new), then the core's decisions. Pure: no I/O, no wall clock."""
 
-    def __init__(self, cluster: list[NodeInfo], outcome: Outcome | None = None, **clusters) -> None:
+    def __init__(self, nodes: list[NodeInfo], outcome: Outcome | None = None, **clusters) -> None:
         """``clusters``: BackendCore's ``cluster``, ``heartbeat_s`` and ``cluster_flavors``."""
-        self.backend = SimBackend(cluster, outcome)
+        self.backend = SimBackend(nodes, outcome)
         self.core = BackendCore(node_lost_reason=NOT_IN_SPEC, **clusters)
         # The core's own methods: the trace simulator calls these for every event.
         self.evolve = self.core.evolve

@@ -419,3 +419,19 @@ def test_the_sim_backend_takes_a_complete_plan_too():
     core.evolve(cancelled("j2", attempt=1, when=at(12)))  # the log holds neither live any more
     assert reconcile(backend, core.plan(), at(13)).deleted == 1  # j2, an orphan
     assert backend.next_end() is None
+
+
+def test_the_sim_executor_service_builds_its_core_single_or_per_cluster(monkeypatch):
+    """services.executor's build(): the example cluster spec, unnamed or as one cluster's."""
+    from pathlib import Path
+
+    from runtime.settings import Settings
+    from services.executor.__main__ import build
+    from services.executor.config import ClusterConfig
+
+    spec = Path(__file__).resolve().parents[2] / "gpusched" / "examples" / "cluster.yaml"
+    settings = Settings(sim_cluster=spec)
+    single = build(settings, None, ClusterConfig())
+    named = build(settings, None, ClusterConfig(name="east", heartbeat_s=5))
+    assert single.core.cluster is None and (named.core.cluster, named.core.heartbeat_s) == ("east", 5)
+    assert single.backend.nodes == named.backend.nodes
