@@ -46,7 +46,7 @@ from datetime import UTC, datetime
 import httpx
 import nats
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoStreamResponseError, NotFoundError
 from prometheus_client import Counter, Histogram
 
 from runtime import eventlog, observability
@@ -197,9 +197,21 @@ class Notifier:
                                           headers={**observability.trace_headers(msg.headers),
                                                    "Nats-Msg-Id": note.notification_id})
                     NOTIFICATIONS.labels(team=team, kind=note.kind.value).inc()
-            except nats.errors.NoRespondersError:
+            except (nats.errors.NoRespondersError, NoStreamResponseError):
+                # (nats-py turns the server's "no responders" into NoStreamResponseError.) No
+                # stream took the publish: the team has none (counted and skipped), or JetStream
+                # does not answer now (raised: the message comes again).
+                if await self._has_stream(team):
+                    raise
                 self._unprovisioned(team)
         await msg.ack()
+
+    async def _has_stream(self, team: str) -> bool:
+        try:
+            await self.js.stream_info(eventlog.tenant_stream(team))
+        except NotFoundError:
+            return False
+        return True
 
     def _unprovisioned(self, team: str) -> None:
         UNPROVISIONED.labels(team=team).inc()

@@ -326,3 +326,19 @@ async def test_two_partitions_share_the_teams_and_taking_one_on_repeats_nothing(
     # partition 1's durables exist and started after partition 0's acknowledged position
     info = await admin_js.consumer_info(eventlog.EVENTS_STREAM, "notifier-p1")
     assert info.config.opt_start_seq is not None and info.config.opt_start_seq > 1
+
+
+async def test_a_team_without_a_tenant_stream_is_skipped_and_holds_up_no_other(nats_server, admin_js):
+    """Events of a team nobody provisioned (gpusched init --team) are counted and skipped: the
+    fan-out, one message in flight, goes on to the next team's."""
+    from services.notifier.__main__ import UNPROVISIONED
+
+    log = eventlog.EventLog(admin_js)
+    before = UNPROVISIONED.labels(team="team-z")._value.get()
+    await log.append(submitted("z1", spec(team="team-z")))
+    await log.append(submitted("a1", spec(team="team-a")))
+    async with running(notifier(nats_server)):
+        copies = await eventually(lambda: _at_least(
+            read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.job.>"), 1), timeout_s=15)
+    assert [m.subject for m in copies] == ["gpusched.tenant.team-a.job.a1.submitted"]
+    assert UNPROVISIONED.labels(team="team-z")._value.get() == before + 1
