@@ -80,6 +80,13 @@ def valid_cluster(name: str) -> bool:
     return re.fullmatch(NAME_PATTERN, name) is not None and READER_LIKE.search(name) is None
 
 
+def _cluster_is_the_aggregate(event):
+    """A cluster event's ``cluster`` is its aggregate id."""
+    if event.cluster != event.aggregate_id:
+        raise ValueError(f"cluster {event.cluster!r} differs from aggregate_id {event.aggregate_id!r}; they must be equal")
+    return event
+
+
 class ClusterReported(Event):
     """The executor of one cluster reached its cluster's API in the last interval: a heartbeat,
     one per ``interval_seconds`` while it can. A cluster whose reports stop for longer than the
@@ -91,11 +98,7 @@ class ClusterReported(Event):
     nodes: int = Field(ge=0, description="Nodes the executor sees in the cluster")
     interval_seconds: float = Field(gt=0, le=3600, description="Seconds until the next report is due")
 
-    @model_validator(mode="after")
-    def _named(self) -> "ClusterReported":
-        if self.cluster != self.aggregate_id:
-            raise ValueError(f"cluster {self.cluster!r} differs from aggregate_id {self.aggregate_id!r}; they must be equal")
-        return self
+    _named = model_validator(mode="after")(_cluster_is_the_aggregate)
 
 
 class ClusterLost(Event):
@@ -112,11 +115,7 @@ class ClusterLost(Event):
                                    description="The cluster's nodes the log held when it was lost")
     reason: str = Field(default="", max_length=1024)
 
-    @model_validator(mode="after")
-    def _named(self) -> "ClusterLost":
-        if self.cluster != self.aggregate_id:
-            raise ValueError(f"cluster {self.cluster!r} differs from aggregate_id {self.aggregate_id!r}; they must be equal")
-        return self
+    _named = model_validator(mode="after")(_cluster_is_the_aggregate)
 
 
 class GpuTelemetry(Contract):

@@ -317,7 +317,7 @@ class BackendCore:
         self._contacts = 0  # reconcile passes that found the backend reachable
         self._reachable = True  # ... and whether the last pass did: no inventory decisions while not
         self._reported_contacts = 0  # ... when the last heartbeat was decided
-        self._reported_key: str | None = None  # the heartbeat decided and not yet in the log
+        self._reporting = False  # a heartbeat decided and not yet in the log
 
     # -- clusters ----------------------------------------------------------------------------
     def qualify(self, info: NodeInfo) -> NodeInfo | None:
@@ -375,7 +375,7 @@ class BackendCore:
                 if event.cluster == self.cluster:
                     if s.last_report is None or event.occurred_at > s.last_report:
                         s.last_report = event.occurred_at
-                    self._reported_key = None
+                    self._reporting = False
             case ServiceDeployed() | ServiceUpdated():
                 s.services[event.aggregate_id] = (event.spec.team, False)
             case ServiceDeleted():
@@ -534,7 +534,7 @@ class BackendCore:
         """Whatever was decided and not recorded is derived again on the next cycle."""
         s = self.state
         self._inventory_dirty = True
-        self._reported_key = None
+        self._reporting = False
         for job_id, job in s.jobs.items():
             if job.attempt is not None or (job.cancel is not None and not job.finished):
                 s.due[job_id] = None
@@ -570,15 +570,13 @@ class BackendCore:
         reachable (at least one since the last report): an executor whose cluster's API is away,
         or whose passes hang, stops reporting, and the scheduler declares the cluster lost."""
         s = self.state
-        if self._contacts == self._reported_contacts or self.state.inventory is None:
-            return None
+        if self._reporting or self._contacts == self._reported_contacts or s.inventory is None:
+            return None  # (one on its way to the log, or no pass reached the backend since the last)
         if s.last_report is not None and (now - s.last_report).total_seconds() < self.heartbeat_s:
             return None
-        key = now.isoformat()
-        if self._reported_key is not None:
-            return None  # one on its way to the log
-        self._reported_key, self._reported_contacts = key, self._contacts
-        return new_event(ClusterReported, aggregate_id=self.cluster, producer=PRODUCER, occurred_at=now, key=key,
+        self._reporting, self._reported_contacts = True, self._contacts
+        return new_event(ClusterReported, aggregate_id=self.cluster, producer=PRODUCER, occurred_at=now,
+                         key=now.isoformat(),
                          cluster=self.cluster, nodes=len(self.state.inventory), interval_seconds=self.heartbeat_s)
 
     def next_wake(self) -> datetime | None:

@@ -4,8 +4,6 @@ lost; every executor ends the attempts a lost cluster held. Credentials per clus
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 
 from gpusched import permissions
@@ -97,10 +95,6 @@ def test_only_its_own_nodes_are_reported_lost():
 
 def test_a_heartbeat_per_interval_only_while_the_backend_answers():
     c = executor("east")
-    registered(c, "gpu-0")
-    [beat] = [e for e in settle(c) if isinstance(e, ClusterReported)] or [None]
-    assert beat is None  # the registration pass was folded in by `registered`: it counted already
-    c = executor("east")
     c.apply(SyncResult(inventory=[node_info("gpu-0")], reachable=True))
     beats = [e for e in settle(c) if isinstance(e, ClusterReported)]
     assert [(b.cluster, b.nodes, b.interval_seconds) for b in beats] == [("east", 1, 10)]
@@ -122,7 +116,7 @@ def test_every_executor_ends_the_attempts_of_a_lost_cluster_with_the_same_ids():
     decided = []
     for cluster in ("east", "other"):
         c = executor(cluster, *log)
-        assert settle(c, at(1)) == [] or cluster == "other"
+        settle(c, at(1))
         c.evolve(cluster_lost("west", ("gpu-0.west",), when=at(100)))
         decided.append(settle(c, at(100)))
     east, other = decided
@@ -310,5 +304,5 @@ def test_cluster_heartbeat_and_lost_validate_their_names():
     with pytest.raises(ValueError, match="differs from aggregate_id"):
         ClusterReported(aggregate_id="a", event_id="x" * 32, producer="executor", occurred_at=T0, cluster="b",
                         nodes=1, interval_seconds=1)
-    assert cluster_lost("west", ()).nodes == ()
-    assert T0 + timedelta(seconds=1) == at(1)
+    with pytest.raises(ValueError, match="differs from aggregate_id"):
+        new_event(ClusterLost, aggregate_id="a", producer="scheduler", occurred_at=T0, key="x", cluster="b")
