@@ -19,7 +19,7 @@ Two loops:
   try is logged on the team's delivery subject.
 
 Scale-out: with ``GPUSCHED_NOTIFIER_PARTITIONS=N``, N notifiers share the teams, each team to one
-(:func:`services.notifier.core.partition_of`), ``GPUSCHED_NOTIFIER_PARTITION`` saying which is
+(:func:`runtime.teams.partition_of`), ``GPUSCHED_NOTIFIER_PARTITION`` saying which is
 which (a StatefulSet's pod index). Each reads every event through its own fan-out durables
 (:func:`~services.notifier.core.durable_names`) but copies and delivers only its teams': a team's
 order holds (one consumer per team, in log order), and the copies, notifications and webhook POSTs
@@ -40,7 +40,6 @@ import json
 import logging
 import signal
 import time
-from collections import OrderedDict
 from datetime import UTC, datetime
 
 import httpx
@@ -49,7 +48,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import NoStreamResponseError, NotFoundError
 from prometheus_client import Counter, Histogram
 
-from runtime import eventlog, observability
+from runtime import eventlog, observability, teams
 from runtime.settings import Settings
 from schemas import Event, JobSubmitted, NotifySpec, ServiceDeployed, TeamConfigured, parse_event
 from schemas.service import ServiceUpdated
@@ -76,7 +75,6 @@ class Notifier:
     def __init__(self, settings: Settings, options: NotifierSettings | None = None) -> None:
         self.settings, self.options = settings, options or NotifierSettings.from_env()
         self._stop = asyncio.Event()
-        self._teams: OrderedDict[str, str] = OrderedDict()  # job id -> team (LRU)
         self._warned: set[str] = set()
         self._workers: dict[str, asyncio.Task] = {}
         self.durable, self.service_durable = core.durable_names(self.options.partition)
@@ -87,6 +85,7 @@ class Notifier:
     async def run(self) -> None:
         self.nc = await eventlog.connect(self.settings, NAME)
         self.js = self.nc.jetstream()
+        self.teams = teams.TeamIndex(self.js)
         await eventlog.wait_for_streams(self.js)
         supervisor = asyncio.create_task(self._supervise_webhooks())
         loops = [asyncio.create_task(self._fan_out_loop(self.durable, f"{SUBJECT_PREFIX}.job.>", DURABLE)),
@@ -109,7 +108,7 @@ class Notifier:
 
     def mine(self, team: str) -> bool:
         """Whether this notifier's partition copies and delivers ``team``'s."""
-        return self.options.partitions == 1 or core.partition_of(team, self.options.partitions) == self.options.partition
+        return self.options.partitions == 1 or teams.partition_of(team, self.options.partitions) == self.options.partition
 
     async def _start_after(self, durable: str, first: str) -> int | None:
         """Where a partition's new durable starts: after what partition 0's (``first``) has
@@ -172,15 +171,11 @@ class Notifier:
             await msg.ack()
             return
         with observability.span_from_headers(f"notifier {event.type}", msg.headers, job=event.aggregate_id):
-            team = core.team_of(event) or await self._team_of(event)
+            team = await self.teams.team_of(event)
             if team is None:
                 log.warning("no team for an event; skipped", extra={"aggregate": event.aggregate_id, "type": event.type})
                 await msg.ack()
                 return
-            if isinstance(event, JobSubmitted):
-                self._remember(event.aggregate_id, team)
-            elif isinstance(event, ServiceDeployed):
-                self._remember(f"service:{event.aggregate_id}", team)
             if not self.mine(team):
                 await msg.ack()  # another partition's team
                 return
@@ -219,26 +214,6 @@ class Notifier:
             self._warned.add(team)
             log.warning("team has no tenant stream; its jobs' events are not copied (gpusched init --team)",
                         extra={"team": team, "stream": eventlog.tenant_stream(team)})
-
-    def _remember(self, job_id: str, team: str) -> None:
-        self._teams[job_id] = team
-        self._teams.move_to_end(job_id)
-        while len(self._teams) > 100_000:
-            self._teams.popitem(last=False)
-
-    async def _team_of(self, event: Event) -> str | None:
-        """The team of a job (its JobSubmitted) or of a service (its ServiceDeployed), looked up
-        in the log once and cached."""
-        kind = type(event).aggregate
-        key = event.aggregate_id if kind == "job" else f"{kind}:{event.aggregate_id}"
-        if (team := self._teams.get(key)) is not None:
-            return team
-        first = "submitted" if kind == "job" else "deployed"
-        found = await self._last(f"{SUBJECT_PREFIX}.{kind}.{event.aggregate_id}.{first}")
-        team = core.team_of(found) if found is not None else None
-        if team is not None:
-            self._remember(key, team)
-        return team
 
     async def _last(self, subject: str) -> Event | None:
         """The last event on ``subject`` in the log (direct get), or None."""

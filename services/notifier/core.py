@@ -52,27 +52,6 @@ SERVICE_KINDS: dict[type[Event], NotificationKind] = {
 replicas, load reports) are only copied."""
 
 
-def team_of(event: Event) -> str | None:
-    """The team an event itself names (a submission, a rejection of a command, a service's spec);
-    None: look the job's JobSubmitted (the service's ServiceDeployed) up."""
-    if isinstance(event, (JobSubmitted, ServiceDeployed, ServiceUpdated)):
-        return event.spec.team
-    if isinstance(event, JobRejected):
-        return event.team
-    return None
-
-
-MAX_PARTITIONS = 16
-"""Most notifier partitions (GPUSCHED_NOTIFIER_PARTITIONS): their durables are named in the
-notifier's NATS permissions."""
-
-
-def partition_of(team: str, partitions: int) -> int:
-    """The partition (0 .. partitions-1) whose notifier copies and delivers ``team``'s: the same in
-    every process and release (a hash of the name, not Python's salted hash())."""
-    return int.from_bytes(hashlib.sha256(team.encode()).digest()[:8], "big") % partitions
-
-
 def durable_names(partition: int) -> tuple[str, str]:
     """The fan-out durables of one partition (jobs, services): partition 0 keeps the names of the
     unpartitioned notifier, so going from one notifier to several continues where it was."""

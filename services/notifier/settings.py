@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.settings import ConfigError, env_number, env_value
-from services.notifier.core import MAX_PARTITIONS
+from runtime.teams import MAX_PARTITIONS
 
 
 @dataclass(frozen=True)

@@ -293,10 +293,10 @@ async def test_two_partitions_share_the_teams_and_taking_one_on_repeats_nothing(
     """GPUSCHED_NOTIFIER_PARTITIONS=2: each team's events are copied by exactly one notifier, in
     log order; a second partition added to a running notifier starts where the first had
     acknowledged, so nothing is copied twice or lost."""
-    from services.notifier import core
+    from runtime.teams import partition_of
 
     teams = ("team-a", "team-b", "team-c")
-    assert {core.partition_of(t, 2) for t in teams} == {0, 1}  # both partitions have work
+    assert {partition_of(t, 2) for t in teams} == {0, 1}  # both partitions have work
     log = eventlog.EventLog(admin_js)
     for team in teams:
         await log.append(submitted(f"{team}-1", spec(team=team)))

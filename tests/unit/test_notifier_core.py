@@ -10,7 +10,7 @@ import pytest
 
 from schemas import ALL_EVENT_TYPES, FailureReason, JobRejected, NotificationKind, NotifySpec, RejectReason, Webhook
 from schemas.envelope import new_event
-from runtime import eventlog
+from runtime import eventlog, teams
 from runtime.settings import ConfigError
 from services.notifier import core
 from services.notifier.settings import NotifierSettings
@@ -85,7 +85,7 @@ def test_a_rejection_names_its_team_and_field():
     rejected = new_event(JobRejected, aggregate_id="rejected-9", producer="admission", occurred_at=T0, key="9",
                          reason=RejectReason.SCHEMA_INVALID, message="spec.gpus: bad", field="spec.gpus",
                          intake_sequence=9, team="team-b")
-    assert core.team_of(rejected) == "team-b"
+    assert teams.named_team(rejected) == "team-b"
     n = core.notification(rejected, "team-b")
     assert (n.kind, n.reason, n.field) == (K.REJECTED, "schema-invalid", "spec.gpus")
     assert core.copy_subject("team-b", rejected) == "gpusched.tenant.team-b.job.rejected-9.rejected"
@@ -133,7 +133,8 @@ def test_settings_read_the_secrets_file_and_refuse_a_bad_one(tmp_path, monkeypat
 
 def test_teams_are_partitioned_stably_and_partition_0_keeps_the_unpartitioned_durables():
     from gpusched import permissions
-    from services.notifier.core import MAX_PARTITIONS, durable_names, partition_of
+    from runtime.teams import MAX_PARTITIONS, partition_of
+    from services.notifier.core import durable_names
 
     teams = [f"team-{i}" for i in range(200)]
     assert [partition_of(t, 4) for t in teams] == [partition_of(t, 4) for t in teams]  # no salted hash()
