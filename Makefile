@@ -48,13 +48,14 @@ else
 	GPUSCHED_K8S_TESTS=1 $(BIN)/python -m pytest -q tests/executor $(ARGS)
 endif
 
-bench: setup ## Benchmarks (~1 h): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, restarts after 100k/1M events, Kueue's baseline, accounting replay, the API, what-if over 100k jobs, an urgent SLA scale-up
+bench: setup ## Benchmarks (~1 h): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, restarts after 100k/1M events, Kueue's baseline, accounting replay and its live partitions, the API, what-if over 100k jobs, an urgent SLA scale-up
 	$(BIN)/python -m bench $(ARGS)
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.scheduler
 	$(BIN)/python -m bench.restart
 	$(BIN)/python -m bench.kueue
 	$(BIN)/python -m bench.accounting
+	$(BIN)/python -m bench.accounting_partitions
 	$(BIN)/python -m bench.api
 	$(BIN)/python -m bench.whatif
 	$(BIN)/python -m bench.serving

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -164,15 +165,29 @@ async def replay_run(nc, dsn: str, schema: str, batch: int) -> dict:
             "ledger_rows": rows, "position": position}
 
 
-async def main(args) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="gpusched-bench-acct-"))
+@contextlib.asynccontextmanager
+async def servers(prefix: str):
+    """A nats-server with the streams provisioned and a Postgres, in a temporary directory, for
+    one bench run: (the server, Postgres, the admin's NATS client); all stopped after."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
     server = devstack.NatsServer(work / "nats", teams=("team-a",)).start()
     pg = devstack.Postgres(work / "pg").start()
     try:
         nc = await nats.connect(server.url(), user="admin", password=server.creds.users["admin"],
                                 max_outstanding_pings=10, pending_size=64 * 2**20)
+        await eventlog.provision(nc.jetstream())
+        try:
+            yield server, pg, nc
+        finally:
+            await nc.close()
+    finally:
+        pg.stop()
+        server.stop()
+
+
+async def main(args) -> dict:
+    async with servers("gpusched-bench-acct-") as (_, pg, nc):
         js = nc.jetstream()
-        await eventlog.provision(js)
         t = time.perf_counter()
         n = await publish_log(nc, args.events)
         publish_s = time.perf_counter() - t
@@ -193,10 +208,6 @@ async def main(args) -> dict:
                   f"COPY {copy:,.0f} rows/s, ratio {runs[-1]['ratio']:.2f} ({rep['wall_s']:.1f} s; the writers together: "
                   f"waiting for reads {rep['read_s']:.0f} s, parsing and writing {rep['apply_s']:.0f} s, waiting for the turn "
                   f"{rep['turn_wait_s']:.0f} s, CPU {rep['writer_cpu_s']:.0f} s)", flush=True)
-        await nc.close()
-    finally:
-        pg.stop()
-        server.stop()
     med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
     slower = min(med("read_msgs_per_s"), med("copy_rows_per_s"))
     return {

@@ -346,9 +346,14 @@ async def _replay(into, from_seq, from_time, compare, swap, batch, err_console, 
         try:
             await sink.migrate(live)
             live_pos = await sink.position(live)
+            partitioned = len(await sink.partition_rows(live)) > 1
         finally:
             await live.close()
         target = into or "public"
+        if into is None and partitioned:
+            raise UserError("the live read models are projected by several accounting partitions "
+                            "(GPUSCHED_ACCOUNTING_PARTITIONS): a replay into live would race them; accepted: "
+                            "--into <shadow> and then --swap, which the partitions ride through")
         past = to_seq is not None or to_time is not None
         if past:
             last = await eventlog.last_sequence(js)

@@ -380,12 +380,14 @@ class ServiceProcesses:
     log_dir: Path
     env: dict[str, dict[str, str]]  # service -> environment (on top of os.environ)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    runs: dict[str, str] = field(default_factory=dict)  # name -> the Procfile service it runs, where they differ
 
     def start(self, name: str) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, **self.env[name]}
-        self.procs[name] = subprocess.Popen(read_procfile()[name], env=env, stdout=log, stderr=subprocess.STDOUT)
+        command = read_procfile()[self.runs.get(name, name)]
+        self.procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self.procs[name]
 
     def start_all(self) -> None:

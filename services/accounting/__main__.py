@@ -1,6 +1,8 @@
 """Accounting adapter: the log from the stored position, through the ingest pipeline
-(converter -> batch -> Postgres sink, position in the same transaction). Single active
-instance: a second one would race the position row."""
+(converter -> batch -> Postgres sink, position in the same transaction). One process per
+partition (:mod:`services.accounting.partition`; one partition unless
+``GPUSCHED_ACCOUNTING_PARTITIONS`` says more): a second process of the same partition would wait
+on the position row's lock and pass over what the first applied, doing the work twice."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import asyncpg
 from runtime import eventlog, observability
 from runtime.clock import ScaledClock
 from runtime.settings import Settings
-from services.accounting import metrics, pipeline, sink, statements
+from runtime.teams import TeamIndex
+from services.accounting import metrics, partition, pipeline, sink, statements
 
 log = logging.getLogger("accounting")
 NAME = "accounting"
@@ -47,7 +50,7 @@ async def reconnect_pg(conn: asyncpg.Connection, dsn: str) -> asyncpg.Connection
     return await connect_pg(dsn)
 
 
-async def run(settings: Settings, stop: asyncio.Event) -> None:
+async def run(settings: Settings, stop: asyncio.Event, partitioning: partition.Partitioning | None = None) -> None:
     """Project the log into Postgres, strictly in stream order, from the stored position.
 
     The position lives in Postgres, written in the transaction that writes the rows, so the
@@ -57,14 +60,15 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     before a batch that failed to commit."""
     if not settings.pg_dsn:
         raise SystemExit("GPUSCHED_PG_DSN is required by the accounting service")
+    partitioning = partitioning or partition.Partitioning.from_env()
     issuer = statements.Issuer(statements.IssuerConfig.from_env())
     conn = await connect_pg(settings.pg_dsn)
     await sink.migrate(conn)
     collector = (metrics.register(settings.pg_dsn, now=ScaledClock(settings.time_scale, settings.clock_epoch).now)
-                 if settings.metrics_port else None)
+                 if settings.metrics_port and partitioning.first else None)
     nc = await eventlog.connect(settings, "gpusched-accounting")
     js = nc.jetstream()
-    store = _Store(js, conn, settings, issuer)
+    store = _Store(js, conn, settings, issuer, partitioning)
     try:
         await eventlog.wait_for_streams(js)
         failures = 0
@@ -96,10 +100,12 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
 async def _project(js, store: "_Store", settings: Settings, stop: asyncio.Event) -> None:
     """From the stored position on, until ``stop`` or a failure."""
     store.failure = None
-    position = await sink.position(store.conn)
+    p = store.partitioning
+    position = await sink.claim(store.conn, p.projection, [partition.projection_name(k) for k in range(p.partitions)])
     batches = eventlog.read_batches(js, from_seq=position + 1, follow=True, batch=settings.batch_size,
                                     idle_s=settings.tick_s)
-    await pipeline.run(_until(stop, batches, store), store, trace="accounting", observe=store.observe)
+    await pipeline.run(_until(stop, batches, store), store, trace="accounting", observe=store.observe,
+                       skip=store.share.skip if p.partitions > 1 else None)
 
 
 async def _until(stop: asyncio.Event, batches, store: "_Store"):
@@ -116,16 +122,19 @@ async def _until(stop: asyncio.Event, batches, store: "_Store"):
 
 
 class _Store:
-    """The live end of the pipeline: a batch's poison dead-lettered, the batch applied, then the
-    statements that fell due."""
+    """The live end of the pipeline: the batch narrowed to this partition's events, its poison
+    dead-lettered, the batch applied, then the statements that fell due (partition 0)."""
 
-    def __init__(self, js, conn: asyncpg.Connection, settings: Settings, issuer: statements.Issuer) -> None:
+    def __init__(self, js, conn: asyncpg.Connection, settings: Settings, issuer: statements.Issuer,
+                 partitioning: partition.Partitioning) -> None:
         self.js, self.conn, self.settings, self.issuer = js, conn, settings, issuer
+        self.partitioning, self.share = partitioning, partition.Share(partitioning, TeamIndex(js))
         self.failure: Exception | None = None  # the last batch's, until the run starts again
 
     def observe(self, event) -> None:
         observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
         self.issuer.observe(event.occurred_at)
+        self.share.seen(event)
 
     async def __call__(self, converted: pipeline.Converted) -> None:
         try:
@@ -135,13 +144,27 @@ class _Store:
             raise
 
     async def _store(self, converted: pipeline.Converted) -> None:
-        for msg, reason in converted.poison:
+        p = self.partitioning
+        if p.partitions > 1:
+            converted.keep(await self.share.owned(converted.events))
+        for msg, reason in await self.share.dead_letters(converted.poison):
             await eventlog.dead_letter(self.js, NAME, msg, reason)
         try:
-            await _apply(self.conn, converted.entries)
+            await self._apply(converted.entries)
         except UNSTORABLE:
             await self._apply_one_by_one(converted)
-        await _issue(self.conn, self.js, self.issuer)
+        if p.first:
+            await _issue(self.conn, self.js, self.issuer)
+
+    async def _apply(self, entries: list[sink.Entry]) -> None:
+        """Apply a batch in one transaction with its position. A failure commits nothing and is
+        raised: :data:`UNSTORABLE` to be handled event by event, anything else for :func:`run`
+        to reconnect and resume from the stored position (which, after a Postgres crash, is the
+        one Postgres kept, not the one this process last wrote)."""
+        with observability.BATCH_SECONDS.labels(service=NAME).time():
+            await sink.apply_batch(self.conn, entries, self.partitioning.projection,
+                                   partitions=self.partitioning.partitions)
+        observability.APPLIED_SEQUENCE.labels(service=NAME).set(entries[-1][0])
 
     async def _apply_one_by_one(self, converted: pipeline.Converted) -> None:
         """A batch Postgres refuses for its content: each event on its own, and one it refuses
@@ -149,10 +172,10 @@ class _Store:
         nothing after it waits for a write that can never succeed."""
         for entry, msg in zip(converted.entries, converted.messages, strict=True):
             try:
-                await _apply(self.conn, [entry])
+                await self._apply([entry])
             except UNSTORABLE as err:
                 await eventlog.dead_letter(self.js, NAME, msg, f"Postgres cannot store this event: {err}")
-                await _apply(self.conn, [(entry[0], entry[1], [])])
+                await self._apply([(entry[0], entry[1], [])])
 
 
 async def _issue(conn: asyncpg.Connection, js, issuer: statements.Issuer) -> None:
@@ -161,16 +184,6 @@ async def _issue(conn: asyncpg.Connection, js, issuer: statements.Issuer) -> Non
         await issuer.issue_due(conn, js)
     except (*PG_UNAVAILABLE, *eventlog.BROKER_ERRORS) as err:
         log.warning("issuing statements failed; retrying later", extra={"error": repr(err)})
-
-
-async def _apply(conn: asyncpg.Connection, entries: list[sink.Entry]) -> None:
-    """Apply a batch in one transaction with its position. A failure commits nothing and is
-    raised: :data:`UNSTORABLE` to be handled event by event, anything else for :func:`run` to
-    reconnect and resume from the stored position (which, after a Postgres crash, is the one
-    Postgres kept, not the one this process last wrote)."""
-    with observability.BATCH_SECONDS.labels(service=NAME).time():
-        await sink.apply_batch(conn, entries)
-    observability.APPLIED_SEQUENCE.labels(service=NAME).set(entries[-1][0])
 
 
 async def run_until_stopped(settings: Settings, stop: asyncio.Event, grace_s: float = STOP_GRACE_S) -> None:

@@ -33,11 +33,17 @@ from services.accounting import projection, sink
 
 @dataclass
 class Converted:
-    """A batch of messages converted: one entry per message (in the messages' order), and the
-    poison among them."""
+    """A batch of messages converted: one entry and one event (None: poison) per message, in
+    the messages' order, and the poison among them."""
     entries: list[sink.Entry] = field(default_factory=list)
     poison: list[tuple[Msg, str]] = field(default_factory=list)  # (message, reason)
     messages: Sequence[Msg] = ()
+    events: list[Event | None] = field(default_factory=list)
+
+    def keep(self, owned: Sequence[bool]) -> None:
+        """Only the entries owned (a partition's: :mod:`.partition`); every other one stays
+        without operations or id, so that the position still moves past it."""
+        self.entries = [e if mine else (e[0], None, []) for e, mine in zip(self.entries, owned, strict=True)]
 
     @property
     def last_sequence(self) -> int:
@@ -45,20 +51,27 @@ class Converted:
 
 
 def convert(msgs: Sequence[Msg], *, trace: str | None = None,
-            observe: Callable[[Event], None] | None = None) -> Converted:
+            observe: Callable[[Event], None] | None = None,
+            skip: Callable[[str], bool] | None = None) -> Converted:
     """The converter over a batch. ``trace``: a span per message named ``f"{trace} {type}"``,
     continuing the producer's trace from the headers (the live service); ``observe``: called
-    with each event converted."""
+    with each event converted; ``skip``: messages (by subject) not to parse, each an entry
+    without operations or id (another partition's: :mod:`.partition`)."""
     out = Converted(messages=msgs)
-    entries, poison, sequence = out.entries, out.poison, eventlog.sequence  # every message of a replay passes here
+    entries, events, poison, sequence = out.entries, out.events, out.poison, eventlog.sequence
     for msg in msgs:
         seq = sequence(msg)
+        if skip is not None and skip(msg.subject):
+            entries.append((seq, None, []))
+            events.append(None)
+            continue
         if trace:
             with _span(trace, msg, seq):
                 entry, event, reason = _convert_one(seq, msg.data)
         else:
             entry, event, reason = _convert_one(seq, msg.data)
         entries.append(entry)
+        events.append(event)
         if reason is not None:
             poison.append((msg, reason))
         elif observe is not None:
@@ -101,8 +114,9 @@ def _span(trace: str, msg: Msg, seq: int):
 
 async def run(batches: AsyncGenerator[list[Msg], None], store: Callable[[Converted], Awaitable[None]], *,
               trace: str | None = None, observe: Callable[[Event], None] | None = None,
+              skip: Callable[[str], bool] | None = None,
               after: Callable[[Converted], None] | None = None) -> None:
-    """Convert each non-empty batch from the reader (``trace``, ``observe``: see :func:`convert`)
+    """Convert each non-empty batch from the reader (``trace``, ``observe``, ``skip``: see :func:`convert`)
     and store it, in order: a batch is stored while the next one is read and converted (one
     store at a time; a failed store ends the run). ``after``: called with each batch once
     stored. The reader is closed here, in this task, however the run ends: left to the garbage
@@ -114,7 +128,7 @@ async def run(batches: AsyncGenerator[list[Msg], None], store: Callable[[Convert
             async for msgs in batches:
                 if not msgs:
                     continue
-                converted = convert(msgs, trace=trace, observe=observe)
+                converted = convert(msgs, trace=trace, observe=observe, skip=skip)
                 if pending is not None:
                     await pending
                 pending = asyncio.create_task(_stored(store, converted, after))

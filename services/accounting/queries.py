@@ -14,7 +14,7 @@ from nats.js import JetStreamContext
 
 from runtime import eventtime
 from schemas import QueueConfigured, ServiceSpec
-from services.accounting import chargeback
+from services.accounting import chargeback, sink
 from services.accounting.chargeback import Attempt, PriceVersion, QuotaVersion
 
 PRICE_BOOK = "default"
@@ -110,9 +110,10 @@ async def log_now(conn: asyncpg.Connection, wall: datetime) -> datetime:
     return max(wall, newest) if newest is not None else wall
 
 
-async def position(conn: asyncpg.Connection, projection: str = "read-models") -> int:
-    return await conn.fetchval("SELECT last_sequence FROM projection_position WHERE projection = $1",
-                               projection) or 0
+async def position(conn: asyncpg.Connection) -> int:
+    """The stream position up to which the read models hold every event (with accounting
+    partitioned, the lowest partition's: :func:`services.accounting.sink.complete_position`)."""
+    return await sink.complete_position(conn)
 
 
 async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, log: JetStreamContext,

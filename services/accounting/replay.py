@@ -215,13 +215,21 @@ async def swap(dsn: str, log, shadow: str, on_batch=None) -> str:
     try:
         async with admin.transaction():
             await admin.execute("LOCK TABLE public.projection_position IN ACCESS EXCLUSIVE MODE")
-            live_pos = await admin.fetchval(
-                "SELECT last_sequence FROM public.projection_position WHERE projection = $1", sink.PROJECTION) or 0
+            # Partitioned, each partition's row (services/accounting/partition.py): the shadow
+            # catches up to the furthest and takes every row over, so that each partition goes on
+            # from where it is (what it reads again, the shadow has: passed over by event id).
+            live_rows = await sink.partition_rows(admin)
+            live_pos = max((seq for seq, _ in live_rows.values()), default=0)
             await replay(log, shadow_conn, to_seq=live_pos, on_batch=on_batch)
             shadow_pos = await sink.position(shadow_conn)
             if shadow_pos != live_pos:
                 raise ReplayError(f"shadow is at {shadow_pos}, live at {live_pos}: cannot swap (the log's tail "
                                   "is not readable?)")
+            if set(live_rows) != {sink.PROJECTION}:
+                await shadow_conn.execute("DELETE FROM projection_position WHERE projection = $1", sink.PROJECTION)
+                await shadow_conn.executemany(
+                    "INSERT INTO projection_position (projection, last_sequence, partitions) VALUES ($1, $2, $3)",
+                    [(name, seq, n) for name, (seq, n) in live_rows.items()])
             await admin.execute(f"CREATE SCHEMA {retired}")
             for table in TABLES:
                 await admin.execute(f"ALTER TABLE public.{table} SET SCHEMA {retired}")

@@ -208,6 +208,46 @@ async def position(conn: asyncpg.Connection, projection: str = PROJECTION) -> in
     return value or 0
 
 
+_FAMILY = "projection = 'read-models' OR projection LIKE 'read-models/p%'"  # every partition's row
+_CLAIM_LOCK = 0x6770_7370  # advisory lock key for a partition's start ("gpsp")
+
+
+class PartitioningChanged(RuntimeError):
+    """The position rows say another number of partitions than this process runs with."""
+
+
+async def partition_rows(conn: asyncpg.Connection) -> dict[str, tuple[int, int]]:
+    """Every partition's position row: projection -> (last sequence, partitions)."""
+    return {r[0]: (r[1], r[2]) for r in await conn.fetch(
+        f"SELECT projection, last_sequence, partitions FROM projection_position WHERE {_FAMILY}")}
+
+
+async def complete_position(conn: asyncpg.Connection) -> int:
+    """The position up to which the read models hold every event: the lowest partition's
+    (:mod:`.partition`); the only one's when unpartitioned."""
+    return await conn.fetchval(f"SELECT coalesce(min(last_sequence), 0) FROM projection_position WHERE {_FAMILY}")
+
+
+async def claim(conn: asyncpg.Connection, projection: str, names: list[str]) -> int:
+    """Where a partition (position row ``projection``, one of ``names``: every partition's)
+    starts. When the rows are not exactly ``names``, each saying ``len(names)`` partitions (the
+    first start after their number changed), every row is set to the lowest position there was:
+    each partition reads again from there, passing over what it applied already by event id."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", _CLAIM_LOCK)
+        rows = await partition_rows(conn)
+        if set(rows) == set(names) and all(n == len(names) for _, n in rows.values()):
+            return rows[projection][0]
+        floor = min((seq for seq, _ in rows.values()), default=0)
+        if rows:
+            log.warning("accounting partitions changed: every partition starts again from the lowest position",
+                        extra={"partitions": len(names), "before": sorted(rows), "from_sequence": floor})
+        await conn.execute(f"DELETE FROM projection_position WHERE {_FAMILY}")
+        await conn.executemany("INSERT INTO projection_position (projection, last_sequence, partitions) "
+                               "VALUES ($1, $2, $3)", [(name, floor, len(names)) for name in names])
+        return floor
+
+
 Entry = tuple[int, list[Op]] | tuple[int, str | None, list[Op]]
 """(sequence, ops) or (sequence, event id, ops); an entry without an id is not de-duplicated by id."""
 
@@ -284,16 +324,18 @@ async def prior_facts(conn: asyncpg.Connection, keys: list[tuple[str, int]]) -> 
 
 
 async def apply_batch(conn: asyncpg.Connection, batch: list[Entry] | Prepared, projection: str = PROJECTION, *,
-                      maybe_applied: Container[str] | None = None) -> int:
+                      maybe_applied: Container[str] | None = None, partitions: int | None = None) -> int:
     """Apply the operations of every event newer than the stored position and not applied
     before (by event id), then store the new position, all in one transaction. Returns how many
     events were applied. ``batch``: entries, or entries prepared (:func:`prepare`).
-    ``maybe_applied``: see :func:`_record_applied`."""
+    ``maybe_applied``: see :func:`_record_applied`. ``partitions``: the number of partitions the
+    caller runs with; :class:`PartitioningChanged` (nothing applied) if the position row says
+    another (a replay into a target of its own passes None)."""
     prepared = batch if isinstance(batch, Prepared) else prepare(batch)
     if not prepared.entries:
         return 0
     try:
-        return await _apply_batch(conn, prepared, projection, maybe_applied)
+        return await _apply_batch(conn, prepared, projection, maybe_applied, partitions)
     except BaseException:
         copy.forget(conn)
         raise
@@ -325,15 +367,20 @@ async def _record_applied(conn: asyncpg.Connection, prepared: Prepared,
 
 
 async def _apply_batch(conn: asyncpg.Connection, prepared: Prepared, projection: str,
-                       maybe_applied: Container[str] | None) -> int:
+                       maybe_applied: Container[str] | None, partitions: int | None) -> int:
     async with conn.transaction():
-        await conn.execute(
-            "INSERT INTO projection_position (projection, last_sequence) VALUES ($1, 0) ON CONFLICT DO NOTHING",
-            projection,
-        )
-        current = await conn.fetchval(
-            "SELECT last_sequence FROM projection_position WHERE projection = $1 FOR UPDATE", projection
-        )
+        if partitions is None:  # a replay's target: its row starts at 0
+            await conn.execute(
+                "INSERT INTO projection_position (projection, last_sequence) VALUES ($1, 0) ON CONFLICT DO NOTHING",
+                projection)
+        row = await conn.fetchrow(
+            "SELECT last_sequence, partitions FROM projection_position WHERE projection = $1 FOR UPDATE", projection)
+        if partitions is not None and (row is None or row["partitions"] != partitions):
+            raise PartitioningChanged(
+                f"accounting's position rows say {row['partitions'] if row else 'another number of'} partition(s); "
+                f"this process runs with GPUSCHED_ACCOUNTING_PARTITIONS={partitions}: start it again with the "
+                "number the others run with")
+        current = row["last_sequence"]
         if prepared.low <= current:  # some of it is applied already (a redelivery): plan what is left
             prepared = prepare([e for e in prepared.entries if e[0] > current])
         high = max(prepared.high, current)

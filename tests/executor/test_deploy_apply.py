@@ -86,8 +86,8 @@ def wait_ready(plane, want: dict[str, int], timeout: float = 180) -> dict[str, i
     raise AssertionError(f"not ready within {timeout}s: want {want}\n{pods}\n{pvcs}\n{plane.logs('kube-scheduler')}")
 
 
-SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "serving", "api")
-"""Deployments; the notifier is a StatefulSet (one pod per partition)."""
+SERVICES = ("admission", "quota", "scheduler", "executor", "serving", "api")
+"""Deployments; the notifier and accounting are StatefulSets (one pod per partition)."""
 
 
 def test_the_dev_then_the_prod_overlay_apply_server_side_and_come_up(plane):
@@ -102,7 +102,8 @@ def test_the_dev_then_the_prod_overlay_apply_server_side_and_come_up(plane):
 
     out = kubectl(plane, "apply", "--server-side", "-k", str(REPO / "k8s/overlays/dev"))
     assert "statefulset.apps/nats serverside-applied" in out, out
-    dev = {f"Deployment/gpusched-{s}": 1 for s in SERVICES} | {"StatefulSet/nats": 1, "StatefulSet/gpusched-notifier": 1}
+    dev = {f"Deployment/gpusched-{s}": 1 for s in SERVICES} | {"StatefulSet/nats": 1, "StatefulSet/gpusched-notifier": 1,
+                                                               "StatefulSet/gpusched-accounting": 1}
     wait_ready(plane, dev)
 
     # the upgrade to prod: the same objects take prod's replicas, config and image; prod's own appear
@@ -112,7 +113,7 @@ def test_the_dev_then_the_prod_overlay_apply_server_side_and_come_up(plane):
         assert f"{created} serverside-applied" in out, out
     prod = ({f"Deployment/gpusched-{s}": 1 for s in SERVICES}
             | {f"Deployment/gpusched-{s}": 2 for s in ("admission", "quota", "scheduler", "api")}
-            | {"StatefulSet/nats": 3, "StatefulSet/gpusched-notifier": 2})
+            | {"StatefulSet/nats": 3, "StatefulSet/gpusched-notifier": 2, "StatefulSet/gpusched-accounting": 2})
     got = wait_ready(plane, prod)
     print(f"\nprod overlay ready: {got}")
     # applied again: nothing changes, nothing conflicts

@@ -32,10 +32,10 @@ SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifi
 MODULES = {"api": "gpusched.api"}
 """The module a Deployment runs, where it is not services.<name>."""
 READS_PG = {"accounting", "api"}
-SINGLE_ACTIVE = {"executor", "accounting", "serving"}
+SINGLE_ACTIVE = {"executor", "serving"}
 """One replica, and Recreate: never two running."""
-PARTITIONED = {"notifier"}
-"""A StatefulSet: each pod its partition (its pod index) of GPUSCHED_NOTIFIER_PARTITIONS = replicas."""
+PARTITIONED = {"notifier", "accounting"}
+"""A StatefulSet: each pod its partition (its pod index) of GPUSCHED_<SERVICE>_PARTITIONS = replicas."""
 LEASED = {"admission", "quota", "scheduler"}
 """Two replicas, one active by its lease (runtime/lease.py), rolled one at a time."""
 IN_WORKLOADS = {("ServiceAccount", "default"), ("Role", "gpusched-executor"), ("RoleBinding", "gpusched-executor")}
@@ -172,8 +172,8 @@ def test_a_deployment_per_service_running_it(docs: list[dict]) -> None:
             assert dep["spec"]["replicas"] == 1, svc
             assert dep["spec"]["strategy"]["type"] == "Recreate", svc
         elif svc in PARTITIONED:
-            assert str(dep["spec"]["replicas"]) == env["GPUSCHED_NOTIFIER_PARTITIONS"], svc
-            index = next(e for e in container["env"] if e["name"] == "GPUSCHED_NOTIFIER_PARTITION")
+            assert str(dep["spec"]["replicas"]) == env[f"GPUSCHED_{svc.upper()}_PARTITIONS"], svc
+            index = next(e for e in container["env"] if e["name"] == f"GPUSCHED_{svc.upper()}_PARTITION")
             assert index["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
         elif svc in LEASED:
             assert dep["spec"]["replicas"] == 2 and float(env["GPUSCHED_LEASE_TTL_S"]) > 0, svc
@@ -381,11 +381,13 @@ def test_prod_pins_the_image_and_budgets_disruptions(overlays) -> None:
                for p in _by_kind(docs, "PodDisruptionBudget").values()}
     for svc in (*LEASED, "api"):
         assert budgets[f"gpusched-{svc}"]["minAvailable"] == 1, svc
-    assert budgets["nats"]["maxUnavailable"] == 1 and budgets["gpusched-notifier"]["maxUnavailable"] == 1
-    notifier = _workloads(docs)["gpusched-notifier"]
-    (container,) = notifier["spec"]["template"]["spec"]["containers"]
-    partitions = next(e["value"] for e in container["env"] if e["name"] == "GPUSCHED_NOTIFIER_PARTITIONS")
-    assert notifier["spec"]["replicas"] == int(partitions) == 2
+    assert budgets["nats"]["maxUnavailable"] == 1
+    for svc in PARTITIONED:
+        assert budgets[f"gpusched-{svc}"]["maxUnavailable"] == 1
+        workload = _workloads(docs)[f"gpusched-{svc}"]
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        partitions = next(e["value"] for e in container["env"] if e["name"] == f"GPUSCHED_{svc.upper()}_PARTITIONS")
+        assert workload["spec"]["replicas"] == int(partitions) == 2, svc
     assert not {f"gpusched-{svc}" for svc in SINGLE_ACTIVE} & set(budgets)  # one pod: a budget would only block drains
 
 

@@ -1,0 +1,154 @@
+"""Accounting partitioned by team: which events a partition projects, and its position row.
+
+With ``GPUSCHED_ACCOUNTING_PARTITIONS=N`` (default 1), N accounting processes share the
+projection. Each reads the whole log in order and applies:
+
+* partition ``k``: the events of the jobs whose team :func:`runtime.teams.partition_of` maps to
+  ``k`` (every job event; a job's team is its JobSubmitted's);
+* partition 0 besides: everything that is not a job's (nodes, clusters, queues, cohorts, policy,
+  teams, tokens, price books, statements, services and their replicas), and the events of a job
+  whose team cannot be found (a cancel of a job never submitted).
+
+The rows a job's events write (``jobs``, ``attempts``, ``reservations``, ``checkpoints``,
+``usage_ledger``, ``applied_events``) are keyed by the job, and its ledger row reads only its
+own job's rows, so partitions never write or read each other's rows and need no coordination
+but their positions.
+
+Positions: partition ``k`` stores its position in ``projection_position`` under
+:func:`projection_name` (partition 0 keeps ``read-models``, so one accounting going to several
+goes on from where it was), each row tagged with N. The read models are complete up to the
+lowest of those rows (:func:`services.accounting.sink.complete_position`), which is the position
+readers see (queries, statements, metrics). When N changes, the first partition to start moves
+every row to that lowest position (:func:`services.accounting.sink.claim`): each partition reads
+again from there, and what was applied already is passed over by event id. Every batch checks
+that the rows still say N, so a process left running with another N stops instead of applying a
+team twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from runtime.eventlog import READER_SLOTS
+from runtime.settings import ConfigError, env_number
+from runtime.teams import TeamIndex, named_team, partition_of
+from schemas import Event
+from schemas.registry import subject_token
+
+MAX_PARTITIONS = READER_SLOTS // 2
+"""Most accounting partitions: each holds one of the accounting credential's reader consumers
+(:data:`runtime.eventlog.READER_SLOTS`) while it follows the log; the rest are left for a
+partition that restarts before the server has reaped its old reader."""
+
+FAMILY = "read-models"
+"""Partition 0's position row (the unpartitioned one's); partition k's is ``read-models/p<k>``."""
+
+
+def projection_name(partition: int) -> str:
+    return FAMILY if partition == 0 else f"{FAMILY}/p{partition}"
+
+
+@dataclass(frozen=True)
+class Partitioning:
+    partitions: int = 1  # GPUSCHED_ACCOUNTING_PARTITIONS
+    partition: int = 0  # GPUSCHED_ACCOUNTING_PARTITION: this process's share
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.partitions <= MAX_PARTITIONS:
+            raise ConfigError(f"GPUSCHED_ACCOUNTING_PARTITIONS={self.partitions} is out of range; "
+                              f"accepted: 1..{MAX_PARTITIONS}")
+        if not 0 <= self.partition < self.partitions:
+            raise ConfigError(f"GPUSCHED_ACCOUNTING_PARTITION={self.partition} is out of range; accepted: 0.."
+                              f"{self.partitions - 1} (GPUSCHED_ACCOUNTING_PARTITIONS={self.partitions})")
+
+    @classmethod
+    def from_env(cls) -> "Partitioning":
+        return cls(int(env_number("GPUSCHED_ACCOUNTING_PARTITIONS", 1, minimum=1, maximum=MAX_PARTITIONS,
+                                  integer=True)),
+                   int(env_number("GPUSCHED_ACCOUNTING_PARTITION", 0, minimum=0, maximum=MAX_PARTITIONS - 1,
+                                  integer=True)))
+
+    @property
+    def projection(self) -> str:
+        return projection_name(self.partition)
+
+    @property
+    def first(self) -> bool:
+        """Partition 0: it also projects what is not a job's, dead-letters poison, issues
+        statements and exports the read models' metrics."""
+        return self.partition == 0
+
+    def owns(self, event: Event, team: str | None) -> bool:
+        """Whether this partition applies ``event``, of ``team`` (None: no team found)."""
+        if self.partitions == 1:
+            return True
+        if type(event).aggregate != "job" or team is None:
+            return self.first
+        return partition_of(team, self.partitions) == self.partition
+
+
+class Share:
+    """One partition's share of the log, worked out per message: :meth:`skip` before parsing
+    (from the subject and the teams remembered), :meth:`owned` after it (looking a job's team up
+    in the log when it is not remembered), :meth:`dead_letters` for the poison."""
+
+    def __init__(self, partitioning: Partitioning, teams: TeamIndex) -> None:
+        self.partitioning, self.teams = partitioning, teams
+
+    def skip(self, subject: str) -> bool:
+        """Whether the message is surely another partition's, so that it need not be parsed: not a
+        job's and this is not partition 0, or a job's whose team is remembered and another
+        partition's. A JobSubmitted is always parsed: every partition learns its job's team from
+        it (:meth:`seen`)."""
+        p = self.partitioning
+        if p.partitions == 1:
+            return False
+        parts = subject.split(".", 3)
+        if len(parts) != 4:
+            return False  # not an event's subject: parsed, and poison
+        kind, token, suffix = parts[1], parts[2], parts[3]
+        if kind != "job":
+            return not p.first
+        if suffix == "submitted":
+            return False
+        team = self.teams.cached(kind, token)
+        return team is not None and partition_of(team, p.partitions) != p.partition
+
+    def seen(self, event: Event) -> None:
+        """An event parsed: a submission's team is remembered (before the next message is
+        skipped or not)."""
+        if self.partitioning.partitions > 1 and (team := named_team(event)) is not None:
+            kind = type(event).aggregate
+            if kind == "job":
+                self.teams.remember(kind, subject_token(event.aggregate_id), team)
+
+    async def owned(self, events: Sequence[Event | None]) -> list[bool]:
+        """For each event of a batch (None: poison, or skipped), whether this partition applies
+        it. An entry of None has no operations: kept or not, it only moves the position."""
+        p = self.partitioning
+        if p.partitions == 1:
+            return [True] * len(events)
+        out = []
+        for event in events:
+            if event is None or type(event).aggregate != "job":
+                out.append(p.first)
+            else:
+                out.append(p.owns(event, await self.teams.team_of(event)))
+        return out
+
+    async def dead_letters(self, poison: Sequence[tuple[Msg, str]]) -> list[tuple[Msg, str]]:
+        """The poison this partition dead-letters: a message on a job's subject by the partition
+        of the job's team (which never skips it), any other by partition 0; so each once."""
+        p = self.partitioning
+        if p.partitions == 1:
+            return list(poison)
+        mine = []
+        for msg, reason in poison:
+            parts = msg.subject.split(".", 3)
+            team = await self.teams.lookup(parts[1], parts[2]) if len(parts) == 4 and parts[1] == "job" else None
+            if (partition_of(team, p.partitions) == p.partition) if team is not None else p.first:
+                mine.append((msg, reason))
+        return mine

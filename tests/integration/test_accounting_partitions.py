@@ -1,0 +1,200 @@
+"""Accounting partitioned by team (services/accounting/partition.py) against a real nats-server
+and a real Postgres: N processes together give exactly the read models one process gives (a
+rebuild of the same log), each applies only its share, and a change of N loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import asyncpg
+import pytest
+
+from conftest import eventually, service_settings
+from runtime import eventlog
+from runtime.teams import partition_of
+from schemas import JobAdmitted, new_event
+from services.accounting import __main__ as accounting
+from services.accounting import replay, sink
+from services.accounting.partition import Partitioning, projection_name
+from tests.integration.test_accounting_ledger import _statements, admin_nc, december_event, job, s, scenario  # noqa: F401
+
+TEAMS = [f"team-{c}" for c in "abcdefgh"]
+
+
+def workload(prefix: str) -> list:
+    """Jobs of every team (one preempted and run again, with a checkpoint), a queue, a price
+    book, a node, and an event of a job never submitted (partition 0's)."""
+    events = []
+    for i, team in enumerate(TEAMS):
+        events += job(f"{prefix}-{i}", team, gpus=1 + i % 4, start=60 + i, end=3600 + 7 * i,
+                      preempt_at=900 if i % 3 == 0 else None, checkpoint_at=600 if i % 3 == 0 else None)
+    events.append(new_event(JobAdmitted, aggregate_id=f"{prefix}-ghost", producer="admission", occurred_at=s(5),
+                            key="d", queue="q", priority=500, preemptible=True))
+    return events
+
+
+async def run_partitions(nats_server, pg_dsn, n: int, only: list[int] | None = None,
+                         stop: asyncio.Event | None = None):
+    """Accounting partitions of ``n`` (or ``only`` those) as tasks of this process, until
+    ``stop``; returns (stop, tasks)."""
+    settings = service_settings(nats_server, "accounting", pg_dsn=pg_dsn)
+    stop = stop or asyncio.Event()
+    tasks = [asyncio.create_task(accounting.run(settings, stop, Partitioning(n, k)))
+             for k in (only if only is not None else range(n))]
+    return stop, tasks
+
+
+async def stopped(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 20)
+
+
+@contextlib.asynccontextmanager
+async def connected(dsn: str):
+    conn = await asyncpg.connect(dsn)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def project(nats_server, pg_dsn: str, js, n: int) -> dict[str, tuple[int, int]]:
+    """``n`` partitions run until the read models are complete to the log's end; their rows."""
+    stop, tasks = await run_partitions(nats_server, pg_dsn, n)
+    try:
+        await eventually(lambda: at_end(js, pg_dsn), timeout_s=30)
+    finally:
+        await stopped(stop, tasks)
+    async with connected(pg_dsn) as conn:
+        return await sink.partition_rows(conn)
+
+
+async def at(dsn: str, projection: str | None, seq: int) -> bool:
+    """Whether one partition (``projection``) or all (None) are at ``seq``."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        if await conn.fetchval("SELECT to_regclass('projection_position') IS NULL"):
+            return False
+        pos = await (sink.complete_position(conn) if projection is None else sink.position(conn, projection))
+        return pos >= seq
+    finally:
+        await conn.close()
+
+
+async def at_end(js, dsn: str) -> bool:
+    """Whether every partition is at the log's end (which moves when statements are issued)."""
+    return await at(dsn, None, await eventlog.last_sequence(js))
+
+
+async def equals_a_rebuild(admin_nc, dsn: str, schema: str) -> None:  # noqa: F811
+    """Every read model but the position rows equals a rebuild of the log by one process."""
+    await replay.rebuild(admin_nc, dsn, schema)
+    differ = [row["table"] for row in await replay.compare(dsn, schema)
+              if not row["equal"] and row["table"] != "projection_position"]
+    assert differ == []
+
+
+async def test_two_partitions_give_what_one_gives_each_applying_its_own_teams(nats_server, admin_js, admin_nc,  # noqa: F811
+                                                                              pg_dsn):
+    assert {partition_of(t, 2) for t in TEAMS} == {0, 1}
+    log = eventlog.EventLog(admin_js)
+    for e in scenario() + [december_event()] + workload("first"):
+        await log.append(e)
+    await admin_js.publish("gpusched.job.zz.submitted", b"garbage")  # poison: partition 0 dead-letters it
+    last = await eventlog.last_sequence(admin_js)
+
+    # partition 1 alone: its teams' jobs, nothing that is not a job's, its position at the end
+    stop, tasks = await run_partitions(nats_server, pg_dsn, 2, only=[1])
+    try:
+        await eventually(lambda: at(pg_dsn, projection_name(1), last))
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            teams = {r[0] for r in await conn.fetch("SELECT DISTINCT team FROM jobs")}
+            assert teams == {t for t in TEAMS if partition_of(t, 2) == 1}
+            assert await conn.fetchval("SELECT count(*) FROM queues") == 0
+            assert await conn.fetchval("SELECT count(*) FROM nodes") == 0
+            assert await sink.complete_position(conn) == 0  # partition 0 has applied nothing
+        finally:
+            await conn.close()
+        # partition 0 joins while more jobs arrive, and jobs submitted before go on
+        tasks += (await run_partitions(nats_server, pg_dsn, 2, only=[0], stop=stop))[1]
+        for e in workload("second") + job("first-1", "team-b", gpus=2, start=9000, end=9500)[2:]:
+            await log.append(e)
+        await eventually(lambda: at_end(admin_js, pg_dsn), timeout_s=30)
+        await asyncio.sleep(1)  # partition 0 issues statements after a batch: they come in and are applied
+        await eventually(lambda: at_end(admin_js, pg_dsn), timeout_s=30)
+    finally:
+        await stopped(stop, tasks)
+    last = await eventlog.last_sequence(admin_js)
+    assert await _statements(admin_js)  # partition 0 issued the closed periods' statements
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        assert await sink.partition_rows(conn) == {"read-models": (last, 2), "read-models/p1": (last, 2)}
+    finally:
+        await conn.close()
+    dead = [m async for m in eventlog.read(admin_js, stream=eventlog.DLQ_STREAM)]
+    assert len(dead) == 1  # the poison once, not once per partition
+    await equals_a_rebuild(admin_nc, pg_dsn, "one")
+
+
+async def test_a_change_of_partitions_starts_each_from_the_lowest_and_loses_nothing(nats_server, admin_js,
+                                                                                    admin_nc, pg_dsn,  # noqa: F811
+                                                                                    monkeypatch):
+    monkeypatch.setenv("GPUSCHED_STATEMENT_BY", "")  # no statements: the log is only what the test appends
+    log = eventlog.EventLog(admin_js)
+    for e in scenario() + workload("a"):
+        await log.append(e)
+    last = await eventlog.last_sequence(admin_js)
+    assert await project(nats_server, pg_dsn, admin_js, 2) == {"read-models": (last, 2), "read-models/p1": (last, 2)}
+    async with connected(pg_dsn) as conn:  # as if partition 1 had stopped halfway
+        await conn.execute("UPDATE projection_position SET last_sequence = $1 WHERE projection = 'read-models/p1'",
+                           last // 2)
+
+    for e in workload("b"):
+        await log.append(e)
+    last = await eventlog.last_sequence(admin_js)
+    rows = await project(nats_server, pg_dsn, admin_js, 3)
+    assert rows == {projection_name(k): (last, 3) for k in range(3)}
+    await equals_a_rebuild(admin_nc, pg_dsn, "again")
+    async with connected(pg_dsn) as conn:  # a process still running with the old number applies nothing
+        entry = (last + 1, "some-event", [])
+        with pytest.raises(sink.PartitioningChanged, match="say 3 partition"):
+            await sink.apply_batch(conn, [entry], projection_name(1), partitions=2)
+        with pytest.raises(sink.PartitioningChanged):
+            await sink.apply_batch(conn, [entry], "read-models/p5", partitions=6)
+        assert await sink.partition_rows(conn) == rows
+
+    for e in workload("c"):  # back to one: it reads again from the lowest row and holds the only row
+        await log.append(e)
+    last = await eventlog.last_sequence(admin_js)
+    assert await project(nats_server, pg_dsn, admin_js, 1) == {"read-models": (last, 1)}
+    await equals_a_rebuild(admin_nc, pg_dsn, "single")
+
+
+async def test_a_swap_keeps_each_partitions_position(nats_server, admin_js, admin_nc, pg_dsn,  # noqa: F811
+                                                     monkeypatch):
+    """A shadow swapped in under running partitions: it is caught up to the furthest partition
+    and takes every partition's row, so each goes on where it was, and nothing is lost."""
+    monkeypatch.setenv("GPUSCHED_STATEMENT_BY", "")
+    log = eventlog.EventLog(admin_js)
+    for e in scenario() + workload("a"):
+        await log.append(e)
+    last = await eventlog.last_sequence(admin_js)
+    stop, tasks = await run_partitions(nats_server, pg_dsn, 2)
+    try:
+        await eventually(lambda: at(pg_dsn, None, last))
+        await replay.rebuild(admin_nc, pg_dsn, "shadow", to_seq=last // 2)
+        await replay.swap(pg_dsn, admin_js, "shadow")
+        conn = await asyncpg.connect(pg_dsn)
+        try:
+            assert await sink.partition_rows(conn) == {"read-models": (last, 2), "read-models/p1": (last, 2)}
+        finally:
+            await conn.close()
+        for e in workload("b"):
+            await log.append(e)
+        last = await eventlog.last_sequence(admin_js)
+        await eventually(lambda: at(pg_dsn, None, last), timeout_s=30)
+    finally:
+        await stopped(stop, tasks)
+    await equals_a_rebuild(admin_nc, pg_dsn, "after_swap")

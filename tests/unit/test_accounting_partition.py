@@ -1,0 +1,75 @@
+"""Accounting partitioned by team (services/accounting/partition.py): what each partition
+applies, its position row, its settings. The team lookups and the positions run against a real
+nats-server and Postgres in tests/integration/test_accounting_partitions.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.settings import ConfigError
+from runtime.teams import TeamIndex, partition_of
+from services.accounting import pipeline
+from services.accounting.partition import MAX_PARTITIONS, Partitioning, Share, projection_name
+from tests.unit.builders import admitted, node, queue, spec, submitted
+
+A, B = "team-c", "team-a"  # teams of different partitions of two (checked below)
+
+
+def test_the_two_teams_fall_in_different_partitions():
+    assert (partition_of(A, 2), partition_of(B, 2)) == (1, 0)
+
+
+@pytest.mark.parametrize(("event", "team", "p0", "p1"), [
+    (submitted("j1", spec(team=A)), A, False, True),
+    (admitted("j1"), A, False, True),  # a later event of the job: its submission's team
+    (submitted("j2", spec(team=B)), B, True, False),
+    (admitted("ghost"), None, True, False),  # no submission found: partition 0's
+    (node("n1"), None, True, False),  # not a job's: partition 0's
+    (queue("q", (A,)), None, True, False),
+])
+def test_each_event_is_applied_by_exactly_one_partition(event, team, p0, p1):
+    assert Partitioning(2, 0).owns(event, team) is p0
+    assert Partitioning(2, 1).owns(event, team) is p1
+    assert Partitioning(1, 0).owns(event, team)  # unpartitioned: everything
+
+
+def test_partition_0_keeps_the_unpartitioned_position_row():
+    assert [projection_name(k) for k in range(3)] == ["read-models", "read-models/p1", "read-models/p2"]
+    assert Partitioning(3, 2).projection == "read-models/p2" and Partitioning().projection == "read-models"
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"GPUSCHED_ACCOUNTING_PARTITIONS": "2", "GPUSCHED_ACCOUNTING_PARTITION": "2"},
+     "GPUSCHED_ACCOUNTING_PARTITION=2 is out of range; accepted: 0..1"),
+    ({"GPUSCHED_ACCOUNTING_PARTITIONS": str(MAX_PARTITIONS + 1)}, "GPUSCHED_ACCOUNTING_PARTITIONS"),
+    ({"GPUSCHED_ACCOUNTING_PARTITIONS": "two"}, "GPUSCHED_ACCOUNTING_PARTITIONS"),
+])
+def test_settings_out_of_range_say_what_is_accepted(monkeypatch, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        Partitioning.from_env()
+
+
+def test_a_batch_keeps_only_the_partitions_entries_and_its_positions():
+    converted = pipeline.Converted(entries=[(1, "e1", ["op"]), (2, "e2", ["op"]), (3, None, [])])
+    converted.keep([True, False, True])
+    assert converted.entries == [(1, "e1", ["op"]), (2, None, []), (3, None, [])]
+    assert converted.last_sequence == 3
+
+
+@pytest.mark.parametrize(("subject", "p0", "p1"), [
+    ("gpusched.job.j1.submitted", False, False),  # every partition learns the job's team from it
+    ("gpusched.job.j1.admitted", True, False),  # j1 is team A's: partition 1's
+    ("gpusched.job.j2.admitted", False, True),  # team B's: partition 0's
+    ("gpusched.job.j3.admitted", False, False),  # team not remembered: parsed, then looked up
+    ("gpusched.node.n1.registered", False, True),  # not a job's: partition 0's
+    ("garbage", False, False),  # not an event's subject: parsed, and poison
+])
+def test_what_a_partition_need_not_parse(subject, p0, p1):
+    teams = TeamIndex(js=None)  # only what it remembers: these cases never ask the log
+    shares = [Share(Partitioning(2, k), teams) for k in (0, 1)]
+    shares[0].seen(submitted("j1", spec(team=A)))
+    shares[1].seen(submitted("j2", spec(team=B)))
+    assert [s.skip(subject) for s in shares] == [p0, p1]
+    assert not Share(Partitioning(), teams).skip(subject)  # unpartitioned: every message is parsed
