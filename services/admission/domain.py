@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from pydantic import ValidationError
 
@@ -113,6 +115,20 @@ class JobRecord:
     failures: int = 0  # attempts that failed (quota's retry rule counts them)
 
 
+class _Shape(NamedTuple):
+    """What admission's "could it ever run" check reads of a node."""
+    flavor: str | None
+    sharable: bool
+    gpus: int
+    product: str | None
+    features: frozenset[str]
+    memory_mib: int | None
+
+    @classmethod
+    def of(cls, n: NodeInfo) -> "_Shape":
+        return cls(n.gpu_flavor, n.gpu_sharable, n.gpu_count, n.gpu_product, frozenset(n.features), n.gpu_memory_mib)
+
+
 @dataclass
 class AdmissionState:
     queues: dict[str, QueueConfigured] = field(default_factory=dict)
@@ -159,6 +175,7 @@ def _validation_message(err: ValidationError) -> tuple[str, str]:
 class AdmissionCore:
     def __init__(self, priority_classes=DEFAULT_PRIORITY_CLASSES) -> None:
         self.state = AdmissionState(policy=PolicyBook.starting_with(priority_classes))
+        self._shapes: dict[_Shape, int] | None = None  # the nodes by shape, worked out again after they change
 
     # -- evolve ------------------------------------------------------------------------------
     def evolve(self, event: Event) -> None:
@@ -172,8 +189,10 @@ class AdmissionCore:
                 s.policy.apply(event)
             case NodeRegistered() | NodeUpdated():
                 s.nodes[event.node.name] = event.node
+                self._shapes = None
             case NodeLost():
                 s.nodes.pop(event.name, None)
+                self._shapes = None
             case JobSubmitted():
                 spec = event.spec
                 s.jobs[event.aggregate_id] = JobRecord(
@@ -456,6 +475,14 @@ class AdmissionCore:
 
     def restore_state(self, state: AdmissionState) -> None:
         self.state = state
+        self._shapes = None
+
+    def _node_shapes(self) -> dict[_Shape, int]:
+        """How many known nodes have each shape: what admission's checks look at, so that a
+        check costs in proportion to the shapes (a handful per flavor), not to the nodes."""
+        if self._shapes is None:
+            self._shapes = Counter(_Shape.of(n) for n in self.state.nodes.values())
+        return self._shapes
 
     def decide(self, now: datetime) -> list[Event]:
         out: list[Event] = []
@@ -552,27 +579,27 @@ class AdmissionCore:
         business. A flavor with no node registered yet is given the benefit of the doubt (its
         nodes may still be registering), so only a flavor whose nodes are all too small rejects.
         Returns (the field whose value rules the nodes out, the message), or None."""
-        nodes = [n for n in self.state.nodes.values() if n.gpu_flavor in flavors]
-        if {n.gpu_flavor for n in nodes} != set(flavors):
+        shapes = {shape: count for shape, count in self._node_shapes().items() if shape.flavor in flavors}
+        if {shape.flavor for shape in shapes} != set(flavors):
             return None
-        # Each requirement in turn narrows the nodes; the first that leaves too few is at fault.
+        # Each requirement in turn narrows the shapes; the first that leaves none is at fault.
         requirements = (
-            ("spec.gpu_milli", lambda n: spec.gpu_milli is None or n.gpu_sharable),
-            ("spec.gpus", lambda n: n.gpu_count >= spec.gpus),
-            ("spec.gpu_models", lambda n: not spec.gpu_models or n.gpu_product in spec.gpu_models),
-            ("spec.node_features", lambda n: set(spec.node_features) <= set(n.features)),
+            ("spec.gpu_milli", lambda n: spec.gpu_milli is None or n.sharable),
+            ("spec.gpus", lambda n: n.gpus >= spec.gpus),
+            ("spec.gpu_models", lambda n: not spec.gpu_models or n.product in spec.gpu_models),
+            ("spec.node_features", lambda n: set(spec.node_features) <= n.features),
             ("spec.min_gpu_memory_mib",
-             lambda n: spec.min_gpu_memory_mib is None or (n.gpu_memory_mib or 0) >= spec.min_gpu_memory_mib),
+             lambda n: spec.min_gpu_memory_mib is None or (n.memory_mib or 0) >= spec.min_gpu_memory_mib),
         )
         field_ = "spec.gang_size"
         for name, holds in requirements:
-            nodes_left = [n for n in nodes if holds(n)]
-            if not nodes_left:
+            left = {shape: count for shape, count in shapes.items() if holds(shape)}
+            if not left:
                 field_ = name
                 break
-            nodes = nodes_left
+            shapes = left
         else:
-            per_flavor = [sum(1 for n in nodes if n.gpu_flavor == f) for f in flavors]
+            per_flavor = [sum(count for shape, count in shapes.items() if shape.flavor == f) for f in flavors]
             if max(per_flavor) >= spec.gang_size:
                 return None
         if field_ == "spec.gpu_milli":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -18,6 +19,7 @@ from tests.unit.builders import (
     failed,
     node,
     node_lost,
+    node_updated,
     preempted,
     queue,
     spec_dict,
@@ -352,6 +354,27 @@ def test_no_inventory_means_no_unsatisfiable_check_and_lost_nodes_are_forgotten(
     core = core_with(*QUEUES, node("n1", "a100", 8), node("n2", "a100", 8), node_lost("n2"))
     submit(core, submit_payload(spec_dict(gpus=8, gang_size=2, gpu_flavors=["a100"]), job_id="j1"))
     assert core.decide(T0)[0].reason == RejectReason.UNSATISFIABLE
+
+
+def test_the_check_counts_nodes_of_one_shape_and_follows_every_change_of_the_nodes():
+    """The check reads the nodes by shape (a count per shape, worked out again after any change)."""
+    gang = spec_dict(gpus=8, gang_size=2, gpu_flavors=["a100"])
+    core = core_with(*QUEUES, node("n1", "a100", 8))
+    submit(core, submit_payload(gang, job_id="j1"), seq=1)
+    assert core.decide(T0)[0].field == "spec.gang_size"
+    core.evolve(node("n2", "a100", 8))  # a second node of the same shape
+    submit(core, submit_payload(gang, job_id="j2"), seq=2)
+    assert isinstance(core.decide(T0)[-1], JobAdmitted)
+    two_nodes = copy.deepcopy(core.snapshot_state())
+    core.evolve(node_lost("n2"))
+    submit(core, submit_payload(gang, job_id="j3"), seq=3)
+    assert core.decide(T0)[-1].field == "spec.gang_size"
+    core.evolve(node_updated("n1", "a100", 4))
+    submit(core, submit_payload(spec_dict(gpus=8, gpu_flavors=["a100"]), job_id="j4"), seq=4)
+    assert core.decide(T0)[-1].field == "spec.gpus"
+    core.restore_state(two_nodes)  # a snapshot's nodes
+    submit(core, submit_payload(gang, job_id="j5"), seq=5)
+    assert isinstance(core.decide(T0)[-1], JobAdmitted)
 
 
 @pytest.mark.parametrize("pc", sorted(DEFAULT_PRIORITY_CLASSES))
