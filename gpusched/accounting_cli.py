@@ -345,8 +345,9 @@ async def _replay(into, from_seq, from_time, compare, swap, batch, err_console, 
         live = await replay_mod.connect(dsn)
         try:
             await sink.migrate(live)
-            live_pos = await sink.position(live)
-            partitioned = len(await sink.partition_rows(live)) > 1
+            rows = await sink.partition_rows(live)
+            live_pos = max((seq for seq, _ in rows.values()), default=0)  # the furthest partition's
+            partitioned = len(rows) > 1
         finally:
             await live.close()
         target = into or "public"

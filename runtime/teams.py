@@ -15,6 +15,7 @@ from collections import OrderedDict
 from nats.js.errors import NotFoundError
 
 from runtime import eventlog
+from runtime.settings import ConfigError, env_number, env_value
 from schemas import Event, JobRejected, JobSubmitted
 from schemas.registry import SUBJECT_PREFIX, parse_event, subject_token
 from schemas.service import ServiceDeployed, ServiceUpdated
@@ -23,6 +24,18 @@ MAX_PARTITIONS = 16
 """Most partitions of a team-partitioned service (their durables and position rows are named)."""
 
 _FIRST = {"job": "submitted", "service": "deployed"}  # the subject token of an aggregate's first event
+
+
+def partition_from_env(count_var: str, index_var: str) -> tuple[int, int]:
+    """(partitions, this process's partition) from the environment. With several partitions the
+    index must be given: unset or empty (a StatefulSet's pod-index label, which Kubernetes sets
+    from 1.28 on, missing) would make every process partition 0."""
+    partitions = int(env_number(count_var, 1, minimum=1, maximum=MAX_PARTITIONS, integer=True))
+    if partitions > 1 and env_value(index_var) is None:
+        raise ConfigError(f"{index_var} is not set; accepted: this process's partition, 0..{partitions - 1} "
+                          f"({count_var}={partitions}; in Kubernetes, the pod index label of a StatefulSet's "
+                          "pod, apps.kubernetes.io/pod-index, set from Kubernetes 1.28)")
+    return partitions, int(env_number(index_var, 0, minimum=0, maximum=MAX_PARTITIONS - 1, integer=True))
 
 
 def partition_of(team: str, partitions: int) -> int:
@@ -41,52 +54,67 @@ def named_team(event: Event) -> str | None:
 
 
 class TeamIndex:
-    """Job and service -> team: remembered from the first events seen (at most ``size``, least
-    recently used out), otherwise looked up in the log once. Keyed by the aggregate kind and its
-    subject token (:func:`schemas.registry.subject_token`), so that a message's subject is
-    enough to ask before its payload is parsed."""
+    """Job and service -> team, as the log says it up to a point: the team its first valid first
+    event (a JobSubmitted, a ServiceDeployed) names, if that event comes before the point. Teams
+    are remembered with the sequence of the event that named them (at most ``size``, least
+    recently used out), otherwise looked up in the log. Keyed by the aggregate kind and its
+    subject token (:func:`schemas.registry.subject_token`), so that a message's subject is enough
+    to ask before its payload is parsed. Two processes asking about the same point get the same
+    answer, whatever each has seen or remembered."""
 
     def __init__(self, js, size: int = 100_000) -> None:
         self.js, self.size = js, size
-        self._teams: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._teams: OrderedDict[tuple[str, str], tuple[str, int]] = OrderedDict()  # -> (team, its sequence)
 
-    def remember(self, kind: str, token: str, team: str) -> None:
+    def remember(self, kind: str, token: str, team: str, sequence: int) -> None:
+        """``team`` as named at ``sequence`` (an earlier naming stays)."""
         key = (kind, token)
-        self._teams[key] = team
+        known = self._teams.get(key)
+        if known is None or sequence < known[1]:
+            self._teams[key] = (team, sequence)
         self._teams.move_to_end(key)
         while len(self._teams) > self.size:
             self._teams.popitem(last=False)
 
-    def cached(self, kind: str, token: str) -> str | None:
-        """The team remembered for the aggregate, without asking the log."""
-        return self._teams.get((kind, token))
+    def cached(self, kind: str, token: str, before: int | None = None) -> str | None:
+        """The team remembered for the aggregate as named before sequence ``before`` (None: at
+        any point), without asking the log."""
+        known = self._teams.get((kind, token))
+        return known[0] if known is not None and (before is None or known[1] < before) else None
 
-    async def lookup(self, kind: str, token: str) -> str | None:
-        """The team of a job or a service (its first event's), remembered or looked up in the
-        log; None for another kind, or when the log has no first event naming one."""
+    async def lookup(self, kind: str, token: str, before: int | None = None) -> str | None:
+        """The team of a job or a service as named before sequence ``before`` (None: at any point),
+        remembered or looked up in the log: its first event's subject is read from the start, past
+        anything that is not a valid first event naming a team. None for another kind, or when
+        no such event comes before the point."""
         if kind not in _FIRST:
             return None
-        if (team := self._teams.get((kind, token))) is not None:
+        if (team := self.cached(kind, token, before)) is not None:
             return team
-        try:
-            raw = await self.js.get_last_msg(eventlog.EVENTS_STREAM, f"{SUBJECT_PREFIX}.{kind}.{token}.{_FIRST[kind]}",
-                                             direct=True)
-        except NotFoundError:
-            return None
-        try:
-            team = named_team(parse_event(raw.data))
-        except ValueError:  # a poison message on the first event's subject names nobody
-            return None
-        if team is not None:
-            self.remember(kind, token, team)
-        return team
+        subject, seq = f"{SUBJECT_PREFIX}.{kind}.{token}.{_FIRST[kind]}", 1
+        while True:
+            try:
+                raw = await self.js.get_msg(eventlog.EVENTS_STREAM, seq=seq, subject=subject, next=True, direct=True)
+            except NotFoundError:
+                return None
+            if before is not None and raw.seq >= before:
+                return None
+            try:
+                team = named_team(parse_event(raw.data))
+            except ValueError:  # poison on the first event's subject names nobody
+                team = None
+            if team is not None:
+                self.remember(kind, token, team, raw.seq)
+                return team
+            seq = raw.seq + 1
 
-    async def team_of(self, event: Event) -> str | None:
-        """The team of ``event``'s job or service; None when neither it nor the log's first event
-        of its aggregate names one (an event of a job never submitted, of another aggregate)."""
+    async def team_of(self, event: Event, sequence: int | None = None) -> str | None:
+        """The team of ``event`` (at ``sequence`` in the log; None: not known) by its job or service;
+        None when neither it nor an earlier first event of its aggregate names one (an event of a
+        job never submitted, of another aggregate)."""
         kind = type(event).aggregate
         if (team := named_team(event)) is not None:
-            if isinstance(event, (JobSubmitted, ServiceDeployed)):
-                self.remember(kind, subject_token(event.aggregate_id), team)
+            if isinstance(event, (JobSubmitted, ServiceDeployed)) and sequence is not None:
+                self.remember(kind, subject_token(event.aggregate_id), team, sequence)
             return team
-        return await self.lookup(kind, subject_token(event.aggregate_id))
+        return await self.lookup(kind, subject_token(event.aggregate_id), sequence)

@@ -79,6 +79,10 @@ async def run(settings: Settings, stop: asyncio.Event, partitioning: partition.P
                 failures += 1
                 log.warning("NATS unavailable; resuming from the stored position", extra={"error": repr(err)})
                 await asyncio.sleep(eventlog.retry_delay(failures))
+            except sink.PartitioningChanged as err:
+                log.warning("the partitions' positions changed under this process; claiming its partition again",
+                            extra={"error": str(err)})
+                await asyncio.sleep(settings.tick_s)
             except PG_UNAVAILABLE as err:
                 failures += 1
                 log.warning("Postgres unavailable; reconnecting, then resuming from the stored position",
@@ -101,7 +105,18 @@ async def _project(js, store: "_Store", settings: Settings, stop: asyncio.Event)
     """From the stored position on, until ``stop`` or a failure."""
     store.failure = None
     p = store.partitioning
-    position = await sink.claim(store.conn, p.projection, [partition.projection_name(k) for k in range(p.partitions)])
+    names = [partition.projection_name(k) for k in range(p.partitions)]
+    waiting = False
+    # Only partition 0 changes the number of partitions (sink.claim): another partition whose
+    # number the rows do not say waits for partition 0 to start with it (a rolling change).
+    while (position := await sink.claim(store.conn, p.projection, names, may_change=p.first)) is None:
+        if not waiting:
+            log.warning("waiting for partition 0 to start with this number of partitions",
+                        extra={"partitions": p.partitions, "partition": p.partition})
+            waiting = True
+        if stop.is_set():
+            return
+        await asyncio.sleep(settings.tick_s)
     batches = eventlog.read_batches(js, from_seq=position + 1, follow=True, batch=settings.batch_size,
                                     idle_s=settings.tick_s)
     await pipeline.run(_until(stop, batches, store), store, trace="accounting", observe=store.observe,
@@ -118,6 +133,8 @@ async def _until(stop: asyncio.Event, batches, store: "_Store"):
                 raise store.failure
             if stop.is_set():
                 return
+            if not msgs and store.partitioning.first and store.partitioning.partitions > 1:
+                await store.idle()  # the other partitions may have caught up: a statement may be due
             yield msgs
 
 
@@ -130,15 +147,22 @@ class _Store:
         self.js, self.conn, self.settings, self.issuer = js, conn, settings, issuer
         self.partitioning, self.share = partitioning, partition.Share(partitioning, TeamIndex(js))
         self.failure: Exception | None = None  # the last batch's, until the run starts again
+        self.lock = asyncio.Lock()  # one user of the connection at a time: a batch stored, or statements issued
 
-    def observe(self, event) -> None:
+    def observe(self, event, sequence: int) -> None:
         observability.EVENTS_CONSUMED.labels(service=NAME, type=event.type).inc()
         self.issuer.observe(event.occurred_at)
-        self.share.seen(event)
+        self.share.seen(event, sequence)
+
+    async def idle(self) -> None:
+        """Partition 0 with nothing new to read: the statements that fell due meanwhile."""
+        async with self.lock:
+            await _issue(self.conn, self.js, self.issuer)
 
     async def __call__(self, converted: pipeline.Converted) -> None:
         try:
-            await self._store(converted)
+            async with self.lock:
+                await self._store(converted)
         except Exception as err:
             self.failure = err
             raise
@@ -146,7 +170,7 @@ class _Store:
     async def _store(self, converted: pipeline.Converted) -> None:
         p = self.partitioning
         if p.partitions > 1:
-            converted.keep(await self.share.owned(converted.events))
+            converted.keep(await self.share.owned(converted))
         for msg, reason in await self.share.dead_letters(converted.poison):
             await eventlog.dead_letter(self.js, NAME, msg, reason)
         try:

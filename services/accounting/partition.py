@@ -29,14 +29,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 
+from runtime import eventlog
 from runtime.eventlog import READER_SLOTS
-from runtime.settings import ConfigError, env_number
-from runtime.teams import TeamIndex, named_team, partition_of
-from schemas import Event
+from runtime.settings import ConfigError
+from runtime.teams import TeamIndex, partition_from_env, partition_of
+from schemas import Event, JobSubmitted
 from schemas.registry import subject_token
+
+if TYPE_CHECKING:
+    from services.accounting.pipeline import Converted
 
 MAX_PARTITIONS = READER_SLOTS // 2
 """Most accounting partitions: each holds one of the accounting credential's reader consumers
@@ -66,10 +71,7 @@ class Partitioning:
 
     @classmethod
     def from_env(cls) -> "Partitioning":
-        return cls(int(env_number("GPUSCHED_ACCOUNTING_PARTITIONS", 1, minimum=1, maximum=MAX_PARTITIONS,
-                                  integer=True)),
-                   int(env_number("GPUSCHED_ACCOUNTING_PARTITION", 0, minimum=0, maximum=MAX_PARTITIONS - 1,
-                                  integer=True)))
+        return cls(*partition_from_env("GPUSCHED_ACCOUNTING_PARTITIONS", "GPUSCHED_ACCOUNTING_PARTITION"))
 
     @property
     def projection(self) -> str:
@@ -98,11 +100,11 @@ class Share:
     def __init__(self, partitioning: Partitioning, teams: TeamIndex) -> None:
         self.partitioning, self.teams = partitioning, teams
 
-    def skip(self, subject: str) -> bool:
-        """Whether the message is surely another partition's, so that it need not be parsed: not a
-        job's and this is not partition 0, or a job's whose team is remembered and another
-        partition's. A JobSubmitted is always parsed: every partition learns its job's team from
-        it (:meth:`seen`)."""
+    def skip(self, subject: str, sequence: int) -> bool:
+        """Whether the message (``subject``, at ``sequence``) is surely another partition's, so that it need not be parsed: not a
+        job's and this is not partition 0, or a job's whose team is remembered, as named before
+        it, and another partition's. A JobSubmitted is always parsed: every partition learns its
+        job's team from it (:meth:`seen`)."""
         p = self.partitioning
         if p.partitions == 1:
             return False
@@ -114,29 +116,28 @@ class Share:
             return not p.first
         if suffix == "submitted":
             return False
-        team = self.teams.cached(kind, token)
+        team = self.teams.cached(kind, token, before=sequence)
         return team is not None and partition_of(team, p.partitions) != p.partition
 
-    def seen(self, event: Event) -> None:
-        """An event parsed: a submission's team is remembered (before the next message is
-        skipped or not)."""
-        if self.partitioning.partitions > 1 and (team := named_team(event)) is not None:
-            kind = type(event).aggregate
-            if kind == "job":
-                self.teams.remember(kind, subject_token(event.aggregate_id), team)
+    def seen(self, event: Event, sequence: int) -> None:
+        """An event parsed (at ``sequence``): a submission's team is remembered (before the next
+        message is skipped or not)."""
+        if self.partitioning.partitions > 1 and isinstance(event, JobSubmitted):
+            self.teams.remember("job", subject_token(event.aggregate_id), event.spec.team, sequence)
 
-    async def owned(self, events: Sequence[Event | None]) -> list[bool]:
-        """For each event of a batch (None: poison, or skipped), whether this partition applies
-        it. An entry of None has no operations: kept or not, it only moves the position."""
+    async def owned(self, converted: "Converted") -> list[bool]:
+        """For each entry of a converted batch, whether this partition applies it; a job's event
+        by its team as named before it. An entry without an event (poison, or skipped) has no
+        operations: kept or not, it only moves the position."""
         p = self.partitioning
         if p.partitions == 1:
-            return [True] * len(events)
+            return [True] * len(converted.entries)
         out = []
-        for event in events:
+        for entry, event in zip(converted.entries, converted.events, strict=True):
             if event is None or type(event).aggregate != "job":
                 out.append(p.first)
             else:
-                out.append(p.owns(event, await self.teams.team_of(event)))
+                out.append(p.owns(event, await self.teams.team_of(event, entry[0])))
         return out
 
     async def dead_letters(self, poison: Sequence[tuple[Msg, str]]) -> list[tuple[Msg, str]]:
@@ -148,7 +149,8 @@ class Share:
         mine = []
         for msg, reason in poison:
             parts = msg.subject.split(".", 3)
-            team = await self.teams.lookup(parts[1], parts[2]) if len(parts) == 4 and parts[1] == "job" else None
+            team = (await self.teams.lookup(parts[1], parts[2], before=eventlog.sequence(msg))
+                    if len(parts) == 4 and parts[1] == "job" else None)
             if (partition_of(team, p.partitions) == p.partition) if team is not None else p.first:
                 mine.append((msg, reason))
         return mine

@@ -51,17 +51,17 @@ class Converted:
 
 
 def convert(msgs: Sequence[Msg], *, trace: str | None = None,
-            observe: Callable[[Event], None] | None = None,
-            skip: Callable[[str], bool] | None = None) -> Converted:
+            observe: Callable[[Event, int], None] | None = None,
+            skip: Callable[[str, int], bool] | None = None) -> Converted:
     """The converter over a batch. ``trace``: a span per message named ``f"{trace} {type}"``,
     continuing the producer's trace from the headers (the live service); ``observe``: called
-    with each event converted; ``skip``: messages (by subject) not to parse, each an entry
+    with each event converted and its sequence; ``skip``: messages (subject, sequence) not to parse, each an entry
     without operations or id (another partition's: :mod:`.partition`)."""
     out = Converted(messages=msgs)
     entries, events, poison, sequence = out.entries, out.events, out.poison, eventlog.sequence
     for msg in msgs:
         seq = sequence(msg)
-        if skip is not None and skip(msg.subject):
+        if skip is not None and skip(msg.subject, seq):
             entries.append((seq, None, []))
             events.append(None)
             continue
@@ -75,7 +75,7 @@ def convert(msgs: Sequence[Msg], *, trace: str | None = None,
         if reason is not None:
             poison.append((msg, reason))
         elif observe is not None:
-            observe(event)
+            observe(event, seq)
     return out
 
 
@@ -113,8 +113,8 @@ def _span(trace: str, msg: Msg, seq: int):
 
 
 async def run(batches: AsyncGenerator[list[Msg], None], store: Callable[[Converted], Awaitable[None]], *,
-              trace: str | None = None, observe: Callable[[Event], None] | None = None,
-              skip: Callable[[str], bool] | None = None,
+              trace: str | None = None, observe: Callable[[Event, int], None] | None = None,
+              skip: Callable[[str, int], bool] | None = None,
               after: Callable[[Converted], None] | None = None) -> None:
     """Convert each non-empty batch from the reader (``trace``, ``observe``, ``skip``: see :func:`convert`)
     and store it, in order: a batch is stored while the next one is read and converted (one

@@ -117,13 +117,19 @@ async def position(conn: asyncpg.Connection) -> int:
 
 
 async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, log: JetStreamContext,
-                    as_of: datetime | None = None, last_sequence: int | None = None) -> dict[str, Any]:
+                    as_of: datetime | None = None, last_sequence: int | None = None,
+                    whole: bool = False) -> dict[str, Any] | None:
     """A statement computed from the read models as they are now (position = last_sequence):
     the ledger rows and the running attempts that overlap the period (up to ``as_of``). Its log
-    range is :func:`period_first_sequence` .. last_sequence, found in ``log`` (the event log)."""
+    range is :func:`period_first_sequence` .. last_sequence, found in ``log`` (the event log).
+    ``whole``: None unless the read models are at one position (every accounting partition at
+    the same one): a job's row holds its state at its partition's position, so a statement is
+    only what the log says up to one sequence when all of them are there."""
     start, end = chargeback.parse_period(period)
     until = min(end, as_of) if as_of is not None else end
     async with conn.transaction(isolation="repeatable_read", readonly=True):
+        if whole and len({seq for seq, _ in (await sink.partition_rows(conn)).values()}) > 1:
+            return None
         seq = await position(conn) if last_sequence is None else last_sequence
         rows = await attempts(conn, overlapping=(start, until), max_sequence=seq)
         rows += await running_attempts(conn, until)

@@ -228,16 +228,21 @@ async def complete_position(conn: asyncpg.Connection) -> int:
     return await conn.fetchval(f"SELECT coalesce(min(last_sequence), 0) FROM projection_position WHERE {_FAMILY}")
 
 
-async def claim(conn: asyncpg.Connection, projection: str, names: list[str]) -> int:
+async def claim(conn: asyncpg.Connection, projection: str, names: list[str], *, may_change: bool) -> int | None:
     """Where a partition (position row ``projection``, one of ``names``: every partition's)
-    starts. When the rows are not exactly ``names``, each saying ``len(names)`` partitions (the
-    first start after their number changed), every row is set to the lowest position there was:
-    each partition reads again from there, passing over what it applied already by event id."""
+    starts, or None when the rows are not exactly ``names``, each saying ``len(names)``
+    partitions, and the caller may not change them. ``may_change`` (partition 0): the rows are
+    then set to ``names``, each at the lowest position there was, so that each partition reads
+    again from there, passing over what it applied already by event id. Only partition 0 changes
+    them: in a rolling change of the number, a pod still on the old number restarting cannot
+    turn it back."""
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", _CLAIM_LOCK)
         rows = await partition_rows(conn)
         if set(rows) == set(names) and all(n == len(names) for _, n in rows.values()):
             return rows[projection][0]
+        if not may_change:
+            return None
         floor = min((seq for seq, _ in rows.values()), default=0)
         if rows:
             log.warning("accounting partitions changed: every partition starts again from the lowest position",

@@ -108,7 +108,9 @@ class Issuer:
                 last = await self._last_issued(conn, period, dim)
                 if last is not None and (affected is None or end <= affected):
                     continue  # nothing logged since touches this period
-                body = await queries.statement(conn, period, dim, log=js)
+                body = await queries.statement(conn, period, dim, log=js, whole=True)
+                if body is None:  # the partitions are not at one position: again after a later batch
+                    return issued
                 if not body["lines"] or (last is not None and _same_content(body, last)):
                     continue
                 event = new_event(

@@ -171,7 +171,7 @@ class Notifier:
             await msg.ack()
             return
         with observability.span_from_headers(f"notifier {event.type}", msg.headers, job=event.aggregate_id):
-            team = await self.teams.team_of(event)
+            team = await self.teams.team_of(event, eventlog.sequence(msg))
             if team is None:
                 log.warning("no team for an event; skipped", extra={"aggregate": event.aggregate_id, "type": event.type})
                 await msg.ack()

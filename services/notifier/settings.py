@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.settings import ConfigError, env_number, env_value
-from runtime.teams import MAX_PARTITIONS
+from runtime.teams import partition_from_env
 
 
 @dataclass(frozen=True)
@@ -28,15 +28,13 @@ class NotifierSettings:
 
     @classmethod
     def from_env(cls) -> "NotifierSettings":
+        partitions, partition = partition_from_env("GPUSCHED_NOTIFIER_PARTITIONS", "GPUSCHED_NOTIFIER_PARTITION")
         return cls(
             max_attempts=int(env_number("GPUSCHED_WEBHOOK_MAX_ATTEMPTS", 6, minimum=1, maximum=20, integer=True)),
             timeout_s=env_number("GPUSCHED_WEBHOOK_TIMEOUT_S", 5.0, minimum=0.1, maximum=60),
             backoff_cap_s=env_number("GPUSCHED_WEBHOOK_BACKOFF_CAP_S", 30.0, minimum=0.1, maximum=3600),
             secrets=_read_secrets(env_value("GPUSCHED_WEBHOOK_SECRETS_FILE")),
-            partitions=int(env_number("GPUSCHED_NOTIFIER_PARTITIONS", 1, minimum=1, maximum=MAX_PARTITIONS,
-                                      integer=True)),
-            partition=int(env_number("GPUSCHED_NOTIFIER_PARTITION", 0, minimum=0, maximum=MAX_PARTITIONS - 1,
-                                     integer=True)),
+            partitions=partitions, partition=partition,
         )
 
 

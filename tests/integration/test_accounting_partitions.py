@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from datetime import UTC, datetime
 
 import asyncpg
 import pytest
@@ -15,9 +16,10 @@ from runtime import eventlog
 from runtime.teams import partition_of
 from schemas import JobAdmitted, new_event
 from services.accounting import __main__ as accounting
-from services.accounting import replay, sink
+from services.accounting import queries, replay, sink
 from services.accounting.partition import Partitioning, projection_name
-from tests.integration.test_accounting_ledger import _statements, admin_nc, december_event, job, s, scenario  # noqa: F401
+from tests.integration.test_accounting_ledger import _statements, admin_nc, cli_env, december_event, job, s, scenario  # noqa: F401
+from tests.unit.builders import price_book, queue
 
 TEAMS = [f"team-{c}" for c in "abcdefgh"]
 
@@ -88,11 +90,18 @@ async def at_end(js, dsn: str) -> bool:
 
 
 async def equals_a_rebuild(admin_nc, dsn: str, schema: str) -> None:  # noqa: F811
-    """Every read model but the position rows equals a rebuild of the log by one process."""
+    """Every read model equals a rebuild of the log by one process (the positions: the range of
+    sequences the read models hold)."""
     await replay.rebuild(admin_nc, dsn, schema)
-    differ = [row["table"] for row in await replay.compare(dsn, schema)
-              if not row["equal"] and row["table"] != "projection_position"]
-    assert differ == []
+    assert [row for row in await replay.compare(dsn, schema) if not row["equal"]] == []
+
+
+async def claimed(dsn: str, n: int) -> None:
+    """The position rows of ``n`` partitions, as partition 0 makes them when it starts (another
+    partition waits for them)."""
+    async with connected(dsn) as conn:
+        await sink.migrate(conn)
+        assert await sink.claim(conn, "read-models", [projection_name(k) for k in range(n)], may_change=True) == 0
 
 
 async def test_two_partitions_give_what_one_gives_each_applying_its_own_teams(nats_server, admin_js, admin_nc,  # noqa: F811
@@ -104,7 +113,9 @@ async def test_two_partitions_give_what_one_gives_each_applying_its_own_teams(na
     await admin_js.publish("gpusched.job.zz.submitted", b"garbage")  # poison: partition 0 dead-letters it
     last = await eventlog.last_sequence(admin_js)
 
-    # partition 1 alone: its teams' jobs, nothing that is not a job's, its position at the end
+    # partition 1 alone (partition 0 made the rows): its teams' jobs, nothing that is not a
+    # job's, its position at the end
+    await claimed(pg_dsn, 2)
     stop, tasks = await run_partitions(nats_server, pg_dsn, 2, only=[1])
     try:
         await eventually(lambda: at(pg_dsn, projection_name(1), last))
@@ -198,3 +209,115 @@ async def test_a_swap_keeps_each_partitions_position(nats_server, admin_js, admi
     finally:
         await stopped(stop, tasks)
     await equals_a_rebuild(admin_nc, pg_dsn, "after_swap")
+
+
+async def test_a_partition_other_than_0_waits_for_partition_0_to_set_the_number(nats_server, admin_js, pg_dsn,
+                                                                                monkeypatch):
+    """Only partition 0 changes the rows: in a rolling change, a pod on the other number waits
+    (and one restarting on the old number cannot turn the change back)."""
+    monkeypatch.setenv("GPUSCHED_STATEMENT_BY", "")
+    log = eventlog.EventLog(admin_js)
+    for e in scenario() + workload("a"):
+        await log.append(e)
+    last = await eventlog.last_sequence(admin_js)
+    assert await project(nats_server, pg_dsn, admin_js, 2) == {"read-models": (last, 2), "read-models/p1": (last, 2)}
+    for e in workload("b"):
+        await log.append(e)
+    stop, tasks = await run_partitions(nats_server, pg_dsn, 3, only=[1, 2])  # the new number's pods, not yet 0
+    try:
+        await asyncio.sleep(1)
+        async with connected(pg_dsn) as conn:
+            assert await sink.partition_rows(conn) == {"read-models": (last, 2), "read-models/p1": (last, 2)}
+        tasks += (await run_partitions(nats_server, pg_dsn, 3, only=[0], stop=stop))[1]
+        await eventually(lambda: at_end(admin_js, pg_dsn), timeout_s=30)
+    finally:
+        await stopped(stop, tasks)
+    async with connected(pg_dsn) as conn:
+        last = await eventlog.last_sequence(admin_js)
+        assert await sink.partition_rows(conn) == {projection_name(k): (last, 3) for k in range(3)}
+        assert await sink.claim(conn, "read-models/p1", ["read-models", "read-models/p1"], may_change=False) is None
+
+
+async def test_an_event_before_its_jobs_submission_is_partition_0s_in_every_partition(nats_server, admin_js,
+                                                                                     admin_nc, pg_dsn,  # noqa: F811
+                                                                                     monkeypatch):
+    """A job's team is the one named before the event, whenever a partition asks: an event
+    logged before its job's submission is partition 0's, even for a partition that asks after
+    the submission came."""
+    monkeypatch.setenv("GPUSCHED_STATEMENT_BY", "")
+    log = eventlog.EventLog(admin_js)
+    await log.append(new_event(JobAdmitted, aggregate_id="late", producer="admission", occurred_at=s(5),
+                               key="early", queue="q", priority=500, preemptible=True))
+    await admin_js.publish("gpusched.job.late2.submitted", b"garbage")  # a first event that names nobody
+    last = await eventlog.last_sequence(admin_js)
+    await claimed(pg_dsn, 2)
+    stop, tasks = await run_partitions(nats_server, pg_dsn, 2, only=[1])
+    try:
+        await eventually(lambda: at(pg_dsn, projection_name(1), last))
+        late = [e for e in job("late", "team-c", gpus=1) if e.type != "JobAdmitted"]
+        for e in late + job("late2", "team-c", gpus=1):  # team-c: partition 1's
+            await log.append(e)
+        tasks += (await run_partitions(nats_server, pg_dsn, 2, only=[0], stop=stop))[1]
+        await eventually(lambda: at_end(admin_js, pg_dsn))
+    finally:
+        await stopped(stop, tasks)
+    await equals_a_rebuild(admin_nc, pg_dsn, "late")
+
+
+async def test_a_statement_is_issued_at_one_position_of_every_partition(nats_server, admin_js, admin_nc,  # noqa: F811
+                                                                        pg_dsn, monkeypatch):
+    """Partition 1 ahead of partition 0 at the month's close: the statement waits until both are
+    at one position, so it says what the log says up to its last sequence (what `gpusched
+    chargeback --verify` recomputes), and is not revised."""
+    monkeypatch.setenv("GPUSCHED_STATEMENT_GRACE_S", "0")
+    monkeypatch.setenv("GPUSCHED_STATEMENT_BY", "team")
+    assert (partition_of("team-a", 2), partition_of("team-c", 2)) == (0, 1)
+    book = price_book({"a100": 2.0}, effective_from=datetime(2026, 10, 1, tzinfo=UTC))
+    q = queue("q", ("team-a", "team-c"), {"a100": 8}).model_copy(update={"occurred_at": datetime(2026, 11, 1,
+                                                                                                  tzinfo=UTC)})
+    running = job("A", "team-c", gpus=2, start=100, end=2_484_000)  # runs past the month, ends Dec 1 03:00
+    log = eventlog.EventLog(admin_js)
+    for e in [q, book, *job("B", "team-a", gpus=1, start=60, end=3660), *running[:-1], december_event(), running[-1]]:
+        await log.append(e)
+    last = await eventlog.last_sequence(admin_js)
+    await claimed(pg_dsn, 2)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(accounting.run(service_settings(nats_server, "accounting", pg_dsn=pg_dsn), stop,
+                                                Partitioning(2, 1)))]
+    try:
+        await eventually(lambda: at(pg_dsn, projection_name(1), last))
+        slow = service_settings(nats_server, "accounting", pg_dsn=pg_dsn, batch_size=1)  # a statement check per event
+        tasks.append(asyncio.create_task(accounting.run(slow, stop, Partitioning(2, 0))))
+        await eventually(lambda: at_end(admin_js, pg_dsn))
+        await asyncio.sleep(1)
+        await eventually(lambda: at_end(admin_js, pg_dsn))
+    finally:
+        await stopped(stop, tasks)
+    (issued,) = [x for x in await _statements(admin_js) if x.period == "2026-11"]
+    await replay.rebuild(admin_nc, pg_dsn, "verify", to_seq=issued.last_sequence)
+    async with connected(pg_dsn) as conn:
+        await conn.execute('SET search_path TO "verify"')
+        body = await queries.statement(conn, issued.period, issued.group_by, log=admin_js,
+                                       last_sequence=issued.last_sequence)
+    assert body["checksum"] == issued.checksum
+    assert {line["key"] for line in body["lines"]} == {"team-a", "team-c"}
+
+
+async def test_replay_into_a_shadow_compares_equal_with_partitioned_live(nats_server, admin_js, pg_dsn, cli_env,
+                                                                         monkeypatch):  # noqa: F811
+    """`gpusched replay --into shadow` (the CLI's path) under two partitions: equal, positions
+    included; `gpusched replay` into live is refused."""
+    from rich.console import Console
+
+    from gpusched.accounting_cli import _replay
+    from gpusched.userinput import UserError
+
+    monkeypatch.setenv("GPUSCHED_STATEMENT_BY", "")
+    log = eventlog.EventLog(admin_js)
+    for e in scenario() + workload("a"):
+        await log.append(e)
+    await project(nats_server, pg_dsn, admin_js, 2)
+    result = await _replay("shadowc", None, None, True, False, 20_000, Console(stderr=True))
+    assert [r for r in result["compare"] if not r["equal"]] == []
+    with pytest.raises(UserError, match="several accounting partitions"):
+        await _replay(None, None, None, False, False, 20_000, Console(stderr=True))

@@ -43,8 +43,13 @@ def test_partition_0_keeps_the_unpartitioned_position_row():
      "GPUSCHED_ACCOUNTING_PARTITION=2 is out of range; accepted: 0..1"),
     ({"GPUSCHED_ACCOUNTING_PARTITIONS": str(MAX_PARTITIONS + 1)}, "GPUSCHED_ACCOUNTING_PARTITIONS"),
     ({"GPUSCHED_ACCOUNTING_PARTITIONS": "two"}, "GPUSCHED_ACCOUNTING_PARTITIONS"),
+    # several partitions and no index (a pod-index label missing): every process would be partition 0
+    ({"GPUSCHED_ACCOUNTING_PARTITIONS": "2", "GPUSCHED_ACCOUNTING_PARTITION": ""},
+     "GPUSCHED_ACCOUNTING_PARTITION is not set; accepted: this process's partition, 0..1"),
+    ({"GPUSCHED_ACCOUNTING_PARTITIONS": "2"}, "GPUSCHED_ACCOUNTING_PARTITION is not set"),
 ])
 def test_settings_out_of_range_say_what_is_accepted(monkeypatch, env, message):
+    monkeypatch.delenv("GPUSCHED_ACCOUNTING_PARTITION", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=message):
@@ -69,7 +74,9 @@ def test_a_batch_keeps_only_the_partitions_entries_and_its_positions():
 def test_what_a_partition_need_not_parse(subject, p0, p1):
     teams = TeamIndex(js=None)  # only what it remembers: these cases never ask the log
     shares = [Share(Partitioning(2, k), teams) for k in (0, 1)]
-    shares[0].seen(submitted("j1", spec(team=A)))
-    shares[1].seen(submitted("j2", spec(team=B)))
-    assert [s.skip(subject) for s in shares] == [p0, p1]
-    assert not Share(Partitioning(), teams).skip(subject)  # unpartitioned: every message is parsed
+    shares[0].seen(submitted("j1", spec(team=A)), 10)
+    shares[1].seen(submitted("j2", spec(team=B)), 11)
+    assert [s.skip(subject, 20) for s in shares] == [p0, p1]
+    assert not Share(Partitioning(), teams).skip(subject, 20)  # unpartitioned: every message is parsed
+    if subject.endswith(".admitted"):  # a message before the submission named the team: not skipped
+        assert [s.skip(subject, 9) for s in shares] == [False, False]
