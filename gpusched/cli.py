@@ -604,10 +604,21 @@ def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here in
                     k8s: int = typer.Option(0, "--k8s", min=0, max=9, help="The configuration for k8s/ with this "
                                             "many servers (3: k8s/components/nats; 1: k8s/overlays/dev)"),
                     team: list[str] = typer.Option([], "--team", help="The teams' credentials (repeat); default: "
-                                                   "team-research, team-product, team-platform")) -> None:
+                                                   "team-research, team-product, team-platform"),
+                    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="Clients connect with TLS: "
+                                                            "the server's certificate (PEM path on the server)"),
+                    tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="Its key (with --tls-cert)"),
+                    tls_ca: Optional[Path] = typer.Option(None, "--tls-ca", help="Also verify clients: the CA their "
+                                                          "certificates must be signed by (with --tls-cert)")) -> None:
     """Print the reference nats-server configuration (deploy/nats-server.conf), or with --k8s the
-    one of the NATS StatefulSet in k8s/."""
-    from gpusched.devstack import k8s_nats_config, reference_nats_config
+    one of the NATS StatefulSet in k8s/; with --tls-cert and --tls-key, clients must use TLS
+    (docs/operations.md, "TLS")."""
+    from gpusched.devstack import k8s_nats_config, reference_nats_config, tls_block
+
+    if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
+        raise typer.BadParameter("--tls-cert and --tls-key go together (--tls-ca needs both); accepted: both, "
+                                 "both with --tls-ca, or none", param_hint="--tls-cert")
+    tls = tls_block(tls_cert, tls_key, tls_ca) if tls_cert is not None and tls_key is not None else None
 
     bad = [c for c in cluster if not permissions.valid_cluster(c)]
     if bad:
@@ -619,8 +630,8 @@ def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here in
         raise typer.BadParameter(f"{bad[0]!r} is not a team name; accepted: a DNS label ({NAME_PATTERN}) other than "
                                  f"{', '.join(sorted(permissions.RESERVED))} and executor-<cluster>", param_hint="--team")
     teams = {"teams": tuple(team)} if team else {}
-    text = (k8s_nats_config(k8s, clusters=tuple(cluster), **teams) if k8s
-            else reference_nats_config(clusters=tuple(cluster), **teams))
+    text = (k8s_nats_config(k8s, clusters=tuple(cluster), tls=tls, **teams) if k8s
+            else reference_nats_config(clusters=tuple(cluster), tls=tls, **teams))
     if out:
         out.write_text(text)
     else:

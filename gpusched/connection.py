@@ -14,6 +14,7 @@ import nats
 
 from gpusched.userinput import UserError, read_document
 from runtime import eventlog
+from runtime.settings import ConfigError, NatsTls
 
 CONNECTION_FILE = Path(".data/run/connection.json")
 """Where `make run` writes the connection, relative to the directory it runs in."""
@@ -59,7 +60,8 @@ class Connection:
     @classmethod
     def resolve(cls) -> "Connection":
         """Environment first (GPUSCHED_NATS_URL, GPUSCHED_NATS_USER, GPUSCHED_NATS_PASSWORD,
-        GPUSCHED_PG_DSN, GPUSCHED_API_URL, GPUSCHED_API_TOKEN); otherwise what a local `make run`
+        GPUSCHED_PG_DSN, GPUSCHED_API_URL, GPUSCHED_API_TOKEN; TLS to NATS from
+        GPUSCHED_NATS_TLS_CA/_CERT/_KEY when connecting); otherwise what a local `make run`
         wrote: the file GPUSCHED_CONNECTION_FILE names, else .data/run/connection.json in this
         directory, else this user's copy. The file's API address is used only with the file's NATS
         (not when GPUSCHED_NATS_URL names another platform), and its token only with its address."""
@@ -97,6 +99,12 @@ class Connection:
         if self.nats_user:
             kwargs = {"user": self.nats_user, "password": self.nats_password or "",
                       "inbox_prefix": eventlog.inbox_prefix(self.nats_user)}
+        try:
+            tls = NatsTls.from_env()
+        except ConfigError as err:
+            raise UserError(str(err)) from None
+        if tls is not None:
+            kwargs["tls"] = tls.context()
         try:
             return await nats.connect(self.nats_url, connect_timeout=3, max_reconnect_attempts=2,
                                       allow_reconnect=False, name="gpusched-cli", **kwargs)

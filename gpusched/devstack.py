@@ -148,13 +148,22 @@ def nats_config(port: int, store_dir: Path, creds: Credentials, *, sync_always: 
     return re.sub(r'"\$((GPUSCHED_NATS_PASSWORD_|POD_)[A-Z0-9_]+)"', r"$\1", text) if password_refs else text
 
 
+def tls_block(cert: Path, key: Path, ca: Path | None = None) -> dict:
+    """The server's TLS (nats-server's ``tls`` block): every client connection is TLS with this
+    certificate; with ``ca``, each client must also present a certificate that CA signed."""
+    block: dict = {"cert_file": str(cert), "key_file": str(key), "timeout": 5}
+    if ca is not None:
+        block.update(ca_file=str(ca), verify=True)
+    return {"tls": block}
+
+
 K8S_NATS = "nats"
 """The NATS StatefulSet of k8s/components/nats (headless Service nats-headless, client Service
 nats, in the gpusched namespace)."""
 
 
 def k8s_nats_config(replicas: int, teams: tuple[str, ...] = ("team-research", "team-product", "team-platform"),
-                    clusters: tuple[str, ...] = ()) -> str:
+                    clusters: tuple[str, ...] = (), tls: dict | None = None) -> str:
     """k8s/components/nats/nats-server.conf (``replicas`` 3: a JetStream cluster, routes between
     the StatefulSet's pods) or k8s/overlays/dev/nats-single/nats-server.conf (1: one server): the reference
     configuration (fsync always, passwords from the environment) with the pod's name as the
@@ -162,7 +171,7 @@ def k8s_nats_config(replicas: int, teams: tuple[str, ...] = ("team-research", "t
     executors = [f"{permissions.CLUSTER_EXECUTOR_PREFIX}{c}" for c in clusters]
     users = {u: "" for u in ["admin", "operator", *PROCESSES, *executors, *teams]}
     extra: dict = {"server_name": "$POD_NAME", "http_port": 8222, "pid_file": "/var/run/nats/nats.pid",
-                   "lame_duck_duration": "30s", "lame_duck_grace_period": "10s"}
+                   "lame_duck_duration": "30s", "lame_duck_grace_period": "10s", **(tls or {})}
     if replicas > 1:
         extra["cluster"] = {
             "name": "gpusched", "listen": "0.0.0.0:6222",
@@ -177,9 +186,10 @@ def k8s_nats_config(replicas: int, teams: tuple[str, ...] = ("team-research", "t
 
 
 def reference_nats_config(teams: tuple[str, ...] = ("team-research", "team-product", "team-platform"),
-                          clusters: tuple[str, ...] = ()) -> str:
+                          clusters: tuple[str, ...] = (), tls: dict | None = None) -> str:
     """deploy/nats-server.conf: production settings (fsync always), passwords from the environment;
-    with ``clusters``, a credential ``executor-<cluster>`` for each cluster's executor."""
+    with ``clusters``, a credential ``executor-<cluster>`` for each cluster's executor; ``tls``:
+    :func:`tls_block`."""
     executors = [f"{permissions.CLUSTER_EXECUTOR_PREFIX}{c}" for c in clusters]
     users = {u: "" for u in ["admin", "operator", *PROCESSES, *executors, *teams]}
     header = (
@@ -188,7 +198,7 @@ def reference_nats_config(teams: tuple[str, ...] = ("team-research", "team-produ
         "# environment variable named in it; add a tenant user per team.\n"
     )
     return header + nats_config(4222, Path("/data/jetstream"), Credentials(users), sync_always=True,
-                                listen_host="0.0.0.0", password_refs=True) + "\n"
+                                listen_host="0.0.0.0", password_refs=True, extra=tls) + "\n"
 
 
 @dataclass
@@ -198,6 +208,7 @@ class NatsServer:
     teams: tuple[str, ...] = ()
     sync_always: bool = False
     clusters: tuple[str, ...] = ()  # a credential executor-<cluster> for each (many clusters)
+    tls: dict | None = None  # tls_block(): clients connect with TLS
     proc: subprocess.Popen | None = None
     creds: Credentials | None = None
 
@@ -214,7 +225,8 @@ class NatsServer:
         executors = tuple(f"{permissions.CLUSTER_EXECUTOR_PREFIX}{c}" for c in self.clusters)
         self.creds = Credentials.load_or_create(self.creds_path, (*self.teams, *executors))
         conf = self.data_dir / "nats.conf"
-        conf.write_text(nats_config(self.port, self.data_dir / "jetstream", self.creds, sync_always=self.sync_always))
+        conf.write_text(nats_config(self.port, self.data_dir / "jetstream", self.creds, sync_always=self.sync_always,
+                                    extra=self.tls))
         conf.chmod(0o600)
         log = open(self.data_dir / "nats.log", "ab")
         self.proc = subprocess.Popen([_bin("nats-server"), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)

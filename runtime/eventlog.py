@@ -154,6 +154,8 @@ async def connect(settings: Settings, name: str) -> NATS:
     if settings.nats_user:
         kwargs.update(user=settings.nats_user, password=settings.nats_password or "",
                       inbox_prefix=inbox_prefix(settings.nats_user))
+    if settings.nats_tls is not None:
+        kwargs["tls"] = settings.nats_tls.context()
     failures = 0
     health.start_heartbeat()
     while True:

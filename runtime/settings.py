@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,11 +56,47 @@ def env_address(name: str, default: str) -> str:
     return value
 
 
+def _pem(name: str, raw: str | None) -> Path | None:
+    if raw is not None and not os.access(raw, os.R_OK):
+        raise ConfigError(f"{name}={raw!r} is not a readable file; accepted: the path of a PEM file")
+    return Path(raw) if raw else None
+
+
+@dataclass(frozen=True)
+class NatsTls:
+    """TLS to NATS (docs/configuration.md): the CA that signed the server's certificate, and this
+    process's own certificate and key where the server verifies clients. Paths, so that a child
+    process (a rebuild's writers) builds the same context."""
+
+    ca: Path | None = None  # GPUSCHED_NATS_TLS_CA; None: the system's trust store
+    cert: Path | None = None  # GPUSCHED_NATS_TLS_CERT
+    key: Path | None = None  # GPUSCHED_NATS_TLS_KEY
+
+    @classmethod
+    def from_env(cls) -> "NatsTls | None":
+        """None when no TLS variable is set (a tls:// URL still uses TLS, trusting the system's CAs)."""
+        tls = cls(ca=_pem("GPUSCHED_NATS_TLS_CA", env_value("GPUSCHED_NATS_TLS_CA")),
+                  cert=_pem("GPUSCHED_NATS_TLS_CERT", env_value("GPUSCHED_NATS_TLS_CERT")),
+                  key=_pem("GPUSCHED_NATS_TLS_KEY", env_value("GPUSCHED_NATS_TLS_KEY")))
+        if (tls.cert is None) != (tls.key is None):
+            raise ConfigError("GPUSCHED_NATS_TLS_CERT and GPUSCHED_NATS_TLS_KEY go together: a client certificate "
+                              "and its key; accepted: both set, or neither")
+        return tls if tls.ca or tls.cert else None
+
+    def context(self) -> ssl.SSLContext:
+        """A client context that verifies the server (hostname included) against ``ca``."""
+        ctx = ssl.create_default_context(cafile=str(self.ca) if self.ca else None)
+        if self.cert is not None:
+            ctx.load_cert_chain(str(self.cert), str(self.key))
+        return ctx
+
+
 @dataclass(frozen=True)
 class Settings:
     nats_url: str = "nats://127.0.0.1:4222"
     nats_user: str | None = None
     nats_password: str | None = None
+    nats_tls: NatsTls | None = None
     pg_dsn: str | None = None
     stream_replicas: int = 1
     duplicate_window_s: float = 120.0
@@ -87,6 +124,7 @@ class Settings:
             nats_url=env_value("GPUSCHED_NATS_URL", cls.nats_url) or cls.nats_url,
             nats_user=env_value("GPUSCHED_NATS_USER"),
             nats_password=env_value("GPUSCHED_NATS_PASSWORD"),
+            nats_tls=NatsTls.from_env(),
             pg_dsn=env_value("GPUSCHED_PG_DSN"),
             stream_replicas=int(env_number("GPUSCHED_STREAM_REPLICAS", 1, minimum=1, maximum=5, integer=True)),
             duplicate_window_s=env_number("GPUSCHED_DUPLICATE_WINDOW_S", 120.0, minimum=1, maximum=86_400),

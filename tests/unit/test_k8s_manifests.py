@@ -282,6 +282,9 @@ UNSET_ON_PURPOSE = {
     "GPUSCHED_LOCAL_NODE": "local backend only",
     "GPUSCHED_LOCAL_TELEMETRY_S": "local backend only",
     "GPUSCHED_K8S_SERVICE_ACCOUNT": "unset: the Jobs' Pods run as the namespace's default ServiceAccount",
+    **{f"GPUSCHED_NATS_TLS_{v}": "TLS to NATS: set where NATS requires it (a remote cluster's executor, "
+                                 "docs/operations.md); the namespace's own NATS takes plain connections"
+       for v in ("CA", "CERT", "KEY")},
 }
 # Read by every service (runtime/settings.py) but used by one only.
 ONLY_FOR = {"GPUSCHED_PG_DSN": "accounting"}

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NatsClient
 
 from runtime import eventlog
+from runtime.settings import NatsTls
 from services.accounting import pipeline, sink
 from services.accounting.bulk.collector import BatchCollector
 from services.accounting.target import ReplayError, connect
@@ -37,31 +38,36 @@ WRITERS = 2
 
 @dataclass(frozen=True)
 class NatsOptions:
-    """How a writer process connects: the parent's server and credentials. A ``tls://`` URL
-    carries over (nats-py then uses the system's trust store); an SSL context the caller built
-    does not cross a process boundary."""
+    """How a writer process connects: the parent's server and credentials, and TLS as the
+    environment gives it (GPUSCHED_NATS_TLS_*: paths, which cross a process boundary where an
+    SSL context the caller built does not). A ``tls://`` URL carries over too."""
 
     servers: tuple[str, ...]
     user: str | None = None
     password: str | None = None
     token: str | None = None
+    tls: NatsTls | None = None
 
     @classmethod
     def of(cls, nc: NatsClient) -> NatsOptions:
-        if nc.options.get("tls") is not None:
-            raise ReplayError("a rebuild's writer processes cannot reuse the caller's TLS context; connect with "
-                              "a tls:// URL (the system's trust store) or replay without writer_process")
         url = nc.connected_url
         if url is None:
             raise ReplayError("NATS is not connected")
+        tls = NatsTls.from_env()
+        if nc.options.get("tls") is not None and tls is None:
+            raise ReplayError("a rebuild's writer processes cannot reuse the caller's TLS context; set "
+                              "GPUSCHED_NATS_TLS_CA (and _CERT/_KEY) or connect with a tls:// URL (the system's trust "
+                              "store), or replay without writer_process")
         return cls(servers=(url.geturl(),), user=nc.options.get("user"), password=nc.options.get("password"),
-                   token=nc.options.get("token"))
+                   token=nc.options.get("token"), tls=tls)
 
     async def connect(self) -> NatsClient:
         auth = {k: v for k, v in (("user", self.user), ("password", self.password), ("token", self.token)) if v}
         nc = eventlog.RawDeliveryClient()  # the ranges' reads skip nats-py's per-message handling
         if self.user:
             auth["inbox_prefix"] = eventlog.inbox_prefix(self.user)
+        if self.tls is not None:
+            auth["tls"] = self.tls.context()
         await nc.connect(list(self.servers), name="gpusched-replay-writer", allow_reconnect=False, connect_timeout=5,
                          **auth)
         return nc
