@@ -123,3 +123,16 @@ def test_the_dev_then_the_prod_overlay_apply_server_side_and_come_up(plane):
     assert image == "registry.example.com/gpusched:0.1.0"
     claims = json.loads(kubectl(plane, "get", "pvc", "-n", NAMESPACE, "-o", "json"))["items"]
     assert sorted(c["status"]["phase"] for c in claims) == ["Bound"] * 3
+
+    # TLS for every NATS client on top (k8s/overlays/prod-tls): the Secret it names, then the
+    # same objects rolled with the CA mounted, and NATS exposed to the other clusters
+    kubectl(plane, "create", "secret", "generic", "nats-tls", "-n", NAMESPACE,
+            "--from-literal=tls.crt=placeholder", "--from-literal=tls.key=placeholder",
+            "--from-literal=ca.crt=placeholder")
+    out = kubectl(plane, "apply", "--server-side", "-k", str(REPO / "k8s/overlays/prod-tls"))
+    for created in ("service/nats-external", "networkpolicy.networking.k8s.io/nats-from-remote-clusters"):
+        assert f"{created} serverside-applied" in out, out
+    wait_ready(plane, prod)
+    env = kubectl(plane, "get", "statefulset/gpusched-accounting", "-n", NAMESPACE,
+                  "-o", "jsonpath={.spec.template.spec.containers[0].env[?(@.name=='GPUSCHED_NATS_TLS_CA')].value}")
+    assert env == "/etc/nats-ca/ca.crt"

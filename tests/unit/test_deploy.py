@@ -41,10 +41,35 @@ K8S_NATS_CONFIGS = {3: ROOT / "k8s" / "components" / "nats" / "nats-server.conf"
                     1: ROOT / "k8s" / "overlays" / "dev" / "nats-single" / "nats-server.conf"}
 
 
+K8S_NATS_TLS_CONFIG = ROOT / "k8s" / "components" / "nats-tls" / "nats-server.conf"
+K8S_TLS = devstack.tls_block(Path("/etc/nats-tls/tls.crt"), Path("/etc/nats-tls/tls.key"))
+
+
 def test_committed_k8s_nats_configs_match_the_generator():
     for replicas, path in K8S_NATS_CONFIGS.items():
         assert path.read_text() == devstack.k8s_nats_config(replicas), (
             f"run `gpusched dev nats-config --k8s {replicas} --out {path.relative_to(ROOT)}`")
+    assert K8S_NATS_TLS_CONFIG.read_text() == devstack.k8s_nats_config(3, tls=K8S_TLS), (
+        "run `gpusched dev nats-config --k8s 3 --tls-cert /etc/nats-tls/tls.crt --tls-key /etc/nats-tls/tls.key "
+        "--out k8s/components/nats-tls/nats-server.conf`")
+
+
+def test_nats_server_accepts_the_k8s_tls_config_with_certificates_where_it_says(tmp_path):
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("nats.gpusched.svc")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "tls.crt"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
+    conf = tmp_path / "nats.conf"
+    conf.write_text(K8S_NATS_TLS_CONFIG.read_text().replace("/etc/nats-tls/", f"{tmp_path}/"))
+    users = ["admin", "operator", *permissions.SERVICES, permissions.API_USER, "team-research", "team-product", "team-platform"]
+    env = {**os.environ, "POD_NAME": "nats-0", **{devstack.password_variable(u): f"pw-{u}" for u in users}}
+    ok = subprocess.run([devstack._bin("nats-server"), "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr + ok.stdout
+    (tmp_path / "tls.key").unlink()  # the key where the configuration says is what it runs with
+    bad = subprocess.run([devstack._bin("nats-server"), "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "tls.key" in bad.stderr + bad.stdout
 
 
 def test_nats_server_accepts_the_k8s_configs_cluster_and_single():

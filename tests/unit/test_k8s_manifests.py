@@ -354,7 +354,7 @@ OVERLAYS = REPO_ROOT / "k8s" / "overlays"
 
 @pytest.fixture(scope="module")
 def overlays() -> dict[str, list[dict]]:
-    return {name: [d for d in yaml.safe_load_all(_render(OVERLAYS / name)) if d] for name in ("dev", "prod")}
+    return {name: [d for d in yaml.safe_load_all(_render(OVERLAYS / name)) if d] for name in ("dev", "prod", "prod-tls")}
 
 
 def test_the_overlays_render_schema_valid_labelled_documents(overlays) -> None:
@@ -422,3 +422,30 @@ def test_dev_runs_everything_once(overlays) -> None:
     assert "routes" not in conf_map["data"]["nats.conf"]
     assert _by_kind(docs, "ConfigMap")["gpusched-config"]["data"]["GPUSCHED_STREAM_REPLICAS"] == "1"
     assert not {"PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor"} & {d["kind"] for d in docs}
+
+
+def test_prod_tls_makes_every_client_trust_the_ca_and_exposes_nats(overlays) -> None:
+    """k8s/components/nats-tls over prod: the servers take TLS only, with the Secret nats-tls's
+    certificate; every gpusched workload trusts its ca.crt, and only that key reaches its pods."""
+    docs = overlays["prod-tls"]
+    (conf_map,) = [c for name, c in _by_kind(docs, "ConfigMap").items() if name.startswith("nats-config")]
+    # the generated configuration with the tls block (tests/unit/test_deploy.py: the generator's)
+    assert conf_map["data"]["nats.conf"] == (REPO_ROOT / "k8s/components/nats-tls/nats-server.conf").read_text()
+    assert '"cert_file": "/etc/nats-tls/tls.crt"' in conf_map["data"]["nats.conf"]
+    nats = _by_kind(docs, "StatefulSet")["nats"]["spec"]["template"]["spec"]
+    assert {"name": "tls", "secret": {"secretName": "nats-tls"}} in nats["volumes"]
+    (server,) = nats["containers"]
+    assert {"name": "tls", "mountPath": "/etc/nats-tls", "readOnly": True} in server["volumeMounts"]
+    for name, workload in _workloads(docs).items():
+        pod = workload["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert {"name": "GPUSCHED_NATS_TLS_CA", "value": "/etc/nats-ca/ca.crt"} in container["env"], name
+        assert {"name": "nats-ca", "mountPath": "/etc/nats-ca", "readOnly": True} in container["volumeMounts"], name
+        (ca,) = [v for v in pod["volumes"] if v["name"] == "nats-ca"]
+        assert ca["secret"] == {"secretName": "nats-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}, name
+    assert _by_kind(docs, "Service")["nats-external"]["spec"]["type"] == "LoadBalancer"
+    remote = _by_kind(docs, "NetworkPolicy")["nats-from-remote-clusters"]["spec"]
+    assert remote["ingress"][0]["ports"] == [{"port": 4222, "protocol": "TCP"}]
+    # the rest is prod's: the same objects, and nothing of prod's own configuration lost
+    prod = {(d["kind"], d["metadata"]["name"]) for d in overlays["prod"] if not d["metadata"]["name"].startswith("nats-config")}
+    assert prod <= {(d["kind"], d["metadata"]["name"]) for d in docs}
