@@ -104,7 +104,7 @@ class Connection:
         except ConfigError as err:
             raise UserError(str(err)) from None
         if tls is not None:
-            kwargs["tls"] = tls.context()
+            kwargs.update(tls.connect_options())
         try:
             return await nats.connect(self.nats_url, connect_timeout=3, max_reconnect_attempts=2,
                                       allow_reconnect=False, name="gpusched-cli", **kwargs)

@@ -30,7 +30,7 @@ from rich.table import Table
 from gpusched import commands, connection, devstack, history, pricebook, queueconfig
 from gpusched.api import tokens
 from runtime import eventlog
-from runtime.settings import Settings
+from runtime.settings import NatsTls, Settings
 from schemas import JobSpec, SubmitJob
 from schemas.auth import Role
 from schemas.job import JobKind
@@ -233,7 +233,9 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     connection.save(operator, run_dir / "connection.json")
 
     nc = await eventlog.connect(Settings(nats_url=admin.nats_url, nats_user=admin.nats_user,
-                                         nats_password=admin.nats_password), "gpusched-dev")  # reconnects for ever
+                                         nats_password=admin.nats_password,
+                                         nats_tls=None if nats_server else NatsTls.from_env()),
+                                "gpusched-dev")  # reconnects for ever
     js = nc.jetstream()
     await eventlog.provision(js, eventlog.StreamLimits.from_settings(Settings.from_env()), teams=TEAMS)
     for event in queueconfig.plan_queues(example("queues.yaml"), await queueconfig.current_queues(js), datetime.now(UTC)):

@@ -151,7 +151,10 @@ def nats_config(port: int, store_dir: Path, creds: Credentials, *, sync_always: 
 def tls_block(cert: Path, key: Path, ca: Path | None = None) -> dict:
     """The server's TLS (nats-server's ``tls`` block): every client connection is TLS with this
     certificate; with ``ca``, each client must also present a certificate that CA signed."""
-    block: dict = {"cert_file": str(cert), "key_file": str(key), "timeout": 5}
+    block: dict = {"cert_file": str(cert), "key_file": str(key), "timeout": 5,
+                   # TLS from the first byte: no client sends anything, credentials included,
+                   # before the handshake (the clients connect with tls_handshake_first)
+                   "handshake_first": True}
     if ca is not None:
         block.update(ca_file=str(ca), verify=True)
     return {"tls": block}

@@ -26,6 +26,7 @@ import contextlib
 import inspect
 import json
 import logging
+import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -155,28 +156,47 @@ async def connect(settings: Settings, name: str) -> NATS:
         kwargs.update(user=settings.nats_user, password=settings.nats_password or "",
                       inbox_prefix=inbox_prefix(settings.nats_user))
     if settings.nats_tls is not None:
-        kwargs["tls"] = settings.nats_tls.context()
+        kwargs.update(settings.nats_tls.connect_options())
     failures = 0
     health.start_heartbeat()
+    last_error: list[Exception | None] = [None]  # what nats-py last reported (a failed handshake's reason)
+
+    async def on_error(err: Exception) -> None:
+        last_error[0] = err
+        await _connection_error(err)
+
     while True:
+        last_error[0] = None
         try:
-            nc = await nats.connect(
+            # Each try bounded: after a failed TLS handshake nats-py can wait for ever closing the
+            # socket (nats-io/nats.py#718), and the service would hang instead of trying again.
+            nc = await asyncio.wait_for(nats.connect(
                 settings.nats_url,
                 name=name,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 connect_timeout=5,
-                error_cb=_connection_error,
+                error_cb=on_error,
                 disconnected_cb=_disconnected,
                 reconnected_cb=_reconnected,
                 **kwargs,
-            )
+            ), CONNECT_ATTEMPT_S)
             health.HEALTH.nats = True
             return nc
         except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.TimeoutError) as err:
             failures += 1
-            log.warning("NATS unavailable, retrying", extra={"url": settings.nats_url, "error": repr(err)})
+            cause = last_error[0] or err
+            if isinstance(cause, ssl.SSLError):
+                log.warning("NATS refused: the TLS handshake failed (GPUSCHED_NATS_TLS_CA must be the CA that signed "
+                            "the server's certificate, which must name the address in GPUSCHED_NATS_URL); retrying",
+                            extra={"url": settings.nats_url, "error": repr(cause)})
+            else:
+                log.warning("NATS unavailable, retrying", extra={"url": settings.nats_url, "error": repr(err)})
             await asyncio.sleep(retry_delay(failures))
+
+
+CONNECT_ATTEMPT_S = 20.0
+"""The longest one try to connect may take before it is given up and tried again."""
 
 
 async def close(nc: NATS) -> None:

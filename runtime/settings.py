@@ -57,7 +57,7 @@ def env_address(name: str, default: str) -> str:
 
 
 def _pem(name: str, raw: str | None) -> Path | None:
-    if raw is not None and not os.access(raw, os.R_OK):
+    if raw is not None and not (os.path.isfile(raw) and os.access(raw, os.R_OK)):
         raise ConfigError(f"{name}={raw!r} is not a readable file; accepted: the path of a PEM file")
     return Path(raw) if raw else None
 
@@ -81,7 +81,14 @@ class NatsTls:
         if (tls.cert is None) != (tls.key is None):
             raise ConfigError("GPUSCHED_NATS_TLS_CERT and GPUSCHED_NATS_TLS_KEY go together: a client certificate "
                               "and its key; accepted: both set, or neither")
-        return tls if tls.ca or tls.cert else None
+        if not (tls.ca or tls.cert):
+            return None
+        try:
+            tls.context()
+        except (ssl.SSLError, OSError) as err:
+            raise ConfigError(f"GPUSCHED_NATS_TLS_CA/_CERT/_KEY cannot be loaded ({err}); accepted: PEM files, the "
+                              "certificate with its own key") from None
+        return tls
 
     def context(self) -> ssl.SSLContext:
         """A client context that verifies the server (hostname included) against ``ca``."""
@@ -89,6 +96,12 @@ class NatsTls:
         if self.cert is not None:
             ctx.load_cert_chain(str(self.cert), str(self.key))
         return ctx
+
+    def connect_options(self) -> dict:
+        """nats-py's options: TLS from the first byte (``tls_handshake_first``; the server's
+        ``handshake_first``, gpusched.devstack.tls_block), so that no server, or anything in between,
+        can have the client go on in plain text and read its credentials."""
+        return {"tls": self.context(), "tls_handshake_first": True}
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from faststream.nats import NatsBroker
-from faststream.security import SASLPlaintext
+from faststream.nats.security import NatsSecurity, NatsUserPassword
+from faststream.security import BaseSecurity, SASLPlaintext
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -51,12 +52,23 @@ KEEP_S = 60.0
 API_USER = permissions.API_USER
 
 def new_broker(settings: Settings) -> NatsBroker:
-    security = SASLPlaintext(username=settings.nats_user, password=settings.nats_password or "") \
-        if settings.nats_user else None
-    return NatsBroker(settings.nats_url, security=security,
+    return NatsBroker(settings.nats_url, security=_security(settings),
                       inbox_prefix=eventlog.inbox_prefix(settings.nats_user or API_USER), name="gpusched-api",
                       max_reconnect_attempts=-1, graceful_timeout=5.0,
                       log_level=logging.DEBUG)  # not a line per message
+
+
+def _security(settings: Settings) -> BaseSecurity | None:
+    """The API's user and password; with GPUSCHED_NATS_TLS_*, over TLS from the first byte (as
+    every other client: runtime.settings.NatsTls.connect_options)."""
+    tls = settings.nats_tls
+    if tls is None:
+        return SASLPlaintext(username=settings.nats_user, password=settings.nats_password or "") \
+            if settings.nats_user else None
+    options = {"ssl_context": tls.context(), "tls_handshake_first": True}
+    if settings.nats_user:
+        return NatsUserPassword(username=settings.nats_user, password=settings.nats_password or "", **options)
+    return NatsSecurity(**options)
 
 
 # -- what the API publishes ----------------------------------------------------------------------

@@ -605,28 +605,27 @@ class AdmissionCore:
         if field_ == "spec.gpu_milli":
             queue = self.state.queues.get(spec.queue)
             quota_flavors = {q.flavor for q in queue.quotas} if queue is not None else set()
-            shared = sorted({n.gpu_flavor for n in self.state.nodes.values()
-                             if n.gpu_sharable and n.gpu_flavor in quota_flavors})
+            shared = sorted({n.flavor for n in self._node_shapes() if n.sharable and n.flavor in quota_flavors})
             return field_, (
                 f"spec.gpu_milli: {spec.gpu_milli} thousandths of a GPU needs a node whose GPUs are shared, and none "
                 f"of the nodes of flavors {list(flavors)} shares its GPUs; accepted: whole GPUs (no gpu_milli), or "
                 f"gpu_flavors with shared GPUs on queue {spec.queue!r}: {', '.join(shared) or '(none)'}"
             )
-        shapes = "; ".join(self._largest_node(f) for f in sorted(flavors))
+        largest = "; ".join(self._largest_node(f) for f in sorted(flavors))
         return field_, (
             f"{field_}: spec.gpus {spec.gpus} × gang_size {spec.gang_size} with min_gpu_memory_mib "
             f"{spec.min_gpu_memory_mib}, gpu_models {list(spec.gpu_models)} and node_features "
             f"{list(spec.node_features)} fits no "
-            f"{spec.gang_size} node(s) of flavors {list(flavors)}; largest node per flavor: {shapes}"
+            f"{spec.gang_size} node(s) of flavors {list(flavors)}; largest node per flavor: {largest}"
         )
 
     def _largest_node(self, flavor: str) -> str:
-        """A flavor's most GPUs, most GPU memory and features, over its known nodes."""
-        nodes = [n for n in self.state.nodes.values() if n.gpu_flavor == flavor]
-        memory = max((n.gpu_memory_mib or 0) for n in nodes)
-        features = sorted({f for n in nodes for f in n.features})
-        models = sorted({n.gpu_product for n in nodes if n.gpu_product})
-        return (f"{flavor}: {max(n.gpu_count for n in nodes)} GPUs, {memory} MiB each, features {features}, "
+        """A flavor's most GPUs, most GPU memory and features, over its known node shapes."""
+        shapes = [n for n in self._node_shapes() if n.flavor == flavor]
+        memory = max((n.memory_mib or 0) for n in shapes)
+        features = sorted({f for n in shapes for f in n.features})
+        models = sorted({n.product for n in shapes if n.product})
+        return (f"{flavor}: {max(n.gpus for n in shapes)} GPUs, {memory} MiB each, features {features}, "
                 f"models {models}")
 
 

@@ -90,10 +90,10 @@ async def test_services_the_cli_and_a_rebuild_connect_with_the_servers_ca(tmp_pa
                 assert progress.applied == 6
             finally:
                 await nc.close()
-            # not trusting the server's CA (the system's store, or another CA): refused
-            for tls in ({}, {"ca": pki["other_ca"]}):
+            # without TLS (the server waits for a handshake that never comes), or trusting another CA: refused
+            for tls, says in (({}, "TimeoutError"), ({"ca": pki["other_ca"]}, "certificate verify failed")):
                 cli_env(monkeypatch, server, "operator", **tls)
-                with pytest.raises(UserError, match="cannot connect to NATS .*certificate verify failed"):
+                with pytest.raises(UserError, match=f"cannot connect to NATS .*{says}"):
                     await Connection.resolve().nats()
         finally:
             await admin.close()
@@ -113,9 +113,55 @@ async def test_a_server_that_verifies_clients_takes_only_certificates_its_ca_sig
             await nc.close()
 
 
+async def test_a_service_that_cannot_verify_the_server_says_so_and_keeps_trying(tmp_path, pki, monkeypatch, caplog):
+    """A wrong CA at a service's start: each try is bounded (nats-py may otherwise wait for ever
+    closing the refused socket), the refusal is logged as a TLS one, and the service tries again."""
+    monkeypatch.setattr(eventlog, "CONNECT_ATTEMPT_S", 2.0)
+    with tls_server(tmp_path, pki) as server:
+        task = asyncio.create_task(eventlog.connect(
+            service_settings(server, "quota", nats_tls=NatsTls(ca=pki["other_ca"])), "test-quota"))
+        try:
+            await eventually(lambda: len([r for r in caplog.records if "TLS handshake failed" in r.getMessage()]) >= 2,
+                             timeout_s=30)
+            assert not task.done()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_client_with_tls_never_goes_on_in_plain_text(nats_server, pki, monkeypatch):
+    """A client with GPUSCHED_NATS_TLS_* starts with the TLS handshake (tls_handshake_first):
+    against a server that answers in plain text (what a server without TLS, or anything posing
+    as one, does) it is refused before it sends its user and password."""
+    cli_env(monkeypatch, nats_server, "operator", ca=pki["ca"])
+    with pytest.raises(UserError, match="cannot connect to NATS"):
+        await Connection.resolve().nats()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(eventlog.connect(service_settings(nats_server, "quota", nats_tls=NatsTls(ca=pki["ca"])),
+                                                "test-quota"), 3)
+
+
+async def test_the_apis_broker_connects_over_tls(tmp_path, pki):
+    """The API's FastStream broker (its intake publishes and answer subscriptions) with the same
+    settings as every other client."""
+    from gpusched.api.bus import new_broker
+
+    with tls_server(tmp_path, pki) as server:
+        broker = new_broker(service_settings(server, "api", nats_tls=NatsTls(ca=pki["ca"])))
+        client = await asyncio.wait_for(broker.connect(), 10)
+        try:
+            # (nats-py keeps its transport's stream writer private: the one way to see the TLS layer)
+            assert client.is_connected and client._transport._io_writer.get_extra_info("ssl_object") is not None
+        finally:
+            await broker.stop()
+
+
 @pytest.mark.parametrize(("env", "message"), [
     ({"CERT": "client_cert"}, "GPUSCHED_NATS_TLS_CERT and GPUSCHED_NATS_TLS_KEY go together"),
     ({"CA": "/nonexistent/ca.pem"}, "GPUSCHED_NATS_TLS_CA='/nonexistent/ca.pem' is not a readable file"),
+    ({"CA": "/tmp"}, "GPUSCHED_NATS_TLS_CA='/tmp' is not a readable file"),  # a directory
+    ({"CA": "key"}, "cannot be loaded"),  # not a certificate
+    ({"CERT": "client_cert", "KEY": "key"}, "cannot be loaded"),  # another certificate's key
 ])
 def test_tls_settings_say_what_is_wrong(pki, monkeypatch, env, message):
     for var in ("CA", "CERT", "KEY"):

@@ -282,9 +282,8 @@ UNSET_ON_PURPOSE = {
     "GPUSCHED_LOCAL_NODE": "local backend only",
     "GPUSCHED_LOCAL_TELEMETRY_S": "local backend only",
     "GPUSCHED_K8S_SERVICE_ACCOUNT": "unset: the Jobs' Pods run as the namespace's default ServiceAccount",
-    **{f"GPUSCHED_NATS_TLS_{v}": "TLS to NATS: set where NATS requires it (a remote cluster's executor, "
-                                 "docs/operations.md); the namespace's own NATS takes plain connections"
-       for v in ("CA", "CERT", "KEY")},
+    **{f"GPUSCHED_NATS_TLS_{v}": "TLS to NATS: the base's NATS takes plain connections; k8s/components/nats-tls "
+                                 "sets the CA (docs/operations.md)" for v in ("CA", "CERT", "KEY")},
 }
 # Read by every service (runtime/settings.py) but used by one only.
 ONLY_FOR = {"GPUSCHED_PG_DSN": "accounting"}

@@ -67,7 +67,7 @@ class NatsOptions:
         if self.user:
             auth["inbox_prefix"] = eventlog.inbox_prefix(self.user)
         if self.tls is not None:
-            auth["tls"] = self.tls.context()
+            auth.update(self.tls.connect_options())
         await nc.connect(list(self.servers), name="gpusched-replay-writer", allow_reconnect=False, connect_timeout=5,
                          **auth)
         return nc
