@@ -116,17 +116,20 @@ class JobRecord:
 
 
 class _Shape(NamedTuple):
-    """What admission's "could it ever run" check reads of a node."""
+    """What admission's "could it ever run" check reads of a node (its cluster: a gang's members
+    share one)."""
     flavor: str | None
     sharable: bool
     gpus: int
     product: str | None
     features: frozenset[str]
     memory_mib: int | None
+    cluster: str | None
 
     @classmethod
     def of(cls, n: NodeInfo) -> "_Shape":
-        return cls(n.gpu_flavor, n.gpu_sharable, n.gpu_count, n.gpu_product, frozenset(n.features), n.gpu_memory_mib)
+        return cls(n.gpu_flavor, n.gpu_sharable, n.gpu_count, n.gpu_product, frozenset(n.features), n.gpu_memory_mib,
+                   n.cluster)
 
 
 @dataclass
@@ -599,8 +602,11 @@ class AdmissionCore:
                 break
             shapes = left
         else:
-            per_flavor = [sum(count for shape, count in shapes.items() if shape.flavor == f) for f in flavors]
-            if max(per_flavor) >= spec.gang_size:
+            # a gang's members are of one flavor and in one cluster (the scheduler's rule)
+            per_group = Counter()
+            for shape, count in shapes.items():
+                per_group[(shape.flavor, shape.cluster)] += count
+            if max(per_group.values()) >= spec.gang_size:
                 return None
         if field_ == "spec.gpu_milli":
             queue = self.state.queues.get(spec.queue)
@@ -616,7 +622,8 @@ class AdmissionCore:
             f"{field_}: spec.gpus {spec.gpus} × gang_size {spec.gang_size} with min_gpu_memory_mib "
             f"{spec.min_gpu_memory_mib}, gpu_models {list(spec.gpu_models)} and node_features "
             f"{list(spec.node_features)} fits no "
-            f"{spec.gang_size} node(s) of flavors {list(flavors)}; largest node per flavor: {largest}"
+            f"{spec.gang_size} node(s) of flavors {list(flavors)} (of one flavor, in one cluster); largest node per "
+            f"flavor: {largest}"
         )
 
     def _largest_node(self, flavor: str) -> str:

@@ -377,6 +377,20 @@ def test_the_check_counts_nodes_of_one_shape_and_follows_every_change_of_the_nod
     assert isinstance(core.decide(T0)[-1], JobAdmitted)
 
 
+def test_a_gang_must_fit_in_one_cluster():
+    """A gang's members run in one cluster (the scheduler never splits one): two clusters of two
+    nodes each cannot host a gang of three, though four nodes are known."""
+    nodes = [node(f"n{i}.{c}", "a100", 8, cluster=c) for c in ("east", "west") for i in range(2)]
+    core = core_with(*QUEUES, *nodes)
+    submit(core, submit_payload(spec_dict(gpus=8, gang_size=3, gpu_flavors=["a100"]), job_id="j1"), seq=1)
+    (event,) = core.decide(T0)
+    assert (event.reason, event.field) == (RejectReason.UNSATISFIABLE, "spec.gang_size")
+    assert "in one cluster" in event.message
+    core.evolve(node("n2.east", "a100", 8, cluster="east"))  # a third in one of them
+    submit(core, submit_payload(spec_dict(gpus=8, gang_size=3, gpu_flavors=["a100"]), job_id="j2"), seq=2)
+    assert isinstance(core.decide(T0)[-1], JobAdmitted)
+
+
 @pytest.mark.parametrize("pc", sorted(DEFAULT_PRIORITY_CLASSES))
 def test_admitted_with_priority_of_class(pc):
     core, job_id = submitted_core(*QUEUES, payload=submit_payload(spec_dict(priority_class=pc), job_id="j1"))
