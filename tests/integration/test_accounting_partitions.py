@@ -13,11 +13,11 @@ import pytest
 
 from conftest import eventually, service_settings
 from runtime import eventlog
-from runtime.teams import partition_of
+from runtime.teams import TeamIndex, partition_of
 from schemas import JobAdmitted, new_event
 from services.accounting import __main__ as accounting
-from services.accounting import queries, replay, sink
-from services.accounting.partition import Partitioning, projection_name
+from services.accounting import pipeline, queries, replay, sink
+from services.accounting.partition import Partitioning, Share, projection_name
 from tests.integration.test_accounting_ledger import _statements, admin_nc, cli_env, december_event, job, s, scenario  # noqa: F401
 from tests.unit.builders import price_book, queue
 
@@ -238,30 +238,35 @@ async def test_a_partition_other_than_0_waits_for_partition_0_to_set_the_number(
         assert await sink.claim(conn, "read-models/p1", ["read-models", "read-models/p1"], may_change=False) is None
 
 
-async def test_an_event_before_its_jobs_submission_is_partition_0s_in_every_partition(nats_server, admin_js,
-                                                                                     admin_nc, pg_dsn,  # noqa: F811
-                                                                                     monkeypatch):
-    """A job's team is the one named before the event, whenever a partition asks: an event
-    logged before its job's submission is partition 0's, even for a partition that asks after
-    the submission came."""
-    monkeypatch.setenv("GPUSCHED_STATEMENT_BY", "")
+async def test_every_partition_gives_an_event_the_owner_the_log_names_before_it(nats_server, admin_js):
+    """A job's team is the one named before the event, whoever asks and whenever: an event
+    logged before its job's submission is partition 0's for a partition that asked before the
+    submission came, one that asks after it, and one that remembers it; a submission subject whose
+    first message is poison names the team of the first valid one after it."""
     log = eventlog.EventLog(admin_js)
-    await log.append(new_event(JobAdmitted, aggregate_id="late", producer="admission", occurred_at=s(5),
-                               key="early", queue="q", priority=500, preemptible=True))
-    await admin_js.publish("gpusched.job.late2.submitted", b"garbage")  # a first event that names nobody
-    last = await eventlog.last_sequence(admin_js)
-    await claimed(pg_dsn, 2)
-    stop, tasks = await run_partitions(nats_server, pg_dsn, 2, only=[1])
-    try:
-        await eventually(lambda: at(pg_dsn, projection_name(1), last))
-        late = [e for e in job("late", "team-c", gpus=1) if e.type != "JobAdmitted"]
-        for e in late + job("late2", "team-c", gpus=1):  # team-c: partition 1's
-            await log.append(e)
-        tasks += (await run_partitions(nats_server, pg_dsn, 2, only=[0], stop=stop))[1]
-        await eventually(lambda: at_end(admin_js, pg_dsn))
-    finally:
-        await stopped(stop, tasks)
-    await equals_a_rebuild(admin_nc, pg_dsn, "late")
+    early = new_event(JobAdmitted, aggregate_id="late", producer="admission", occurred_at=s(5), key="early",
+                      queue="q", priority=500, preemptible=True)
+    await log.append(early)
+    await admin_js.publish("gpusched.job.late2.submitted", b"garbage")
+    shares = lambda: [Share(Partitioning(2, k), TeamIndex(admin_js)) for k in (0, 1)]  # noqa: E731
+
+    async def owners(share_pair, event, seq):
+        return [(await share.owned(pipeline.Converted(entries=[(seq, event.event_id, [])], events=[event])))[0]
+                for share in share_pair]
+
+    before = shares()
+    assert await owners(before, early, 1) == [True, False]  # asked before the submission: partition 0's
+    late = [e for e in job("late", "team-c", gpus=1) if e.type != "JobAdmitted"]  # team-c: partition 1's
+    late2 = job("late2", "team-c", gpus=1)
+    for e in late + late2:
+        await log.append(e)
+    after, remembering = shares(), shares()
+    for share in remembering:
+        share.seen(late[0], 3)  # the submission, at sequence 3
+    for pair in (before, after, remembering):
+        assert await owners(pair, early, 1) == [True, False]  # still partition 0's
+        assert await owners(pair, late[1], 4) == [False, True]  # after the submission: team-c's
+        assert await owners(pair, late2[1], 9) == [False, True]  # past the poison: the valid submission's team
 
 
 async def test_a_statement_is_issued_at_one_position_of_every_partition(nats_server, admin_js, admin_nc,  # noqa: F811
