@@ -345,9 +345,9 @@ async def durable_consumer(
     doubling delays (:data:`BACKOFF_STEPS`). A consumer created before these limits (or with
     another ``max_ack_pending``) is brought up to them. ``max_ack_pending=1`` keeps strict order
     across a consumer's crash or restart: nothing later is delivered while a delivered message is
-    unacknowledged (a batch left behind would otherwise come back after later messages). ``backoff=False`` for a consumer that naks with its own delay: on a
-    consumer with a backoff list nats-server honours a nak's delay once, then redelivers on the
-    list (a 0.2 s re-decide would wait a minute; tests/integration/test_admission_redelivery.py)."""
+    unacknowledged (a batch left behind would otherwise come back after later messages).
+    ``backoff=False`` for a consumer that naks with its own delay: on a consumer with a backoff
+    list nats-server honours a nak's delay once, then redelivers on the list (a 0.2 s re-decide would wait a minute; tests/integration/test_admission_redelivery.py)."""
     steps = [ack_wait_s * 2**i for i in range(BACKOFF_STEPS)] if backoff else None
     limits = {"max_deliver": MAX_DELIVER, "backoff": steps}
     try:

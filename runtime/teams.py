@@ -3,8 +3,8 @@
 Services that scale out by team (the notifier, accounting) split the teams over N partitions with
 :func:`partition_of`, the same in every process. An event names its team only when it carries a
 spec (a submission, a service's deployment or update) or a rejection; every other event of a job
-or a service is the team's of its first event, which :class:`TeamIndex` looks up in the log (a
-direct get of the last message on the first event's subject) and remembers.
+or a service is the team's its first valid first event before it names, which :class:`TeamIndex`
+remembers or looks up in the log (direct gets on the first event's subject, from the start).
 """
 
 from __future__ import annotations

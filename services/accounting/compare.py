@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncpg
 
+from services.accounting import sink
 from services.accounting.target import TABLES, q
 
 # Columns that record when a row was written, not what the log says: left out of checksums.
@@ -25,7 +26,7 @@ async def table_checksums(conn: asyncpg.Connection, schema: str) -> dict[str, tu
             # highest (one row, or one per accounting partition: services/accounting/partition.py)
             low, high = await conn.fetchrow(
                 f"SELECT min(last_sequence), max(last_sequence) FROM {q(schema)}.projection_position "
-                "WHERE projection = 'read-models' OR projection LIKE 'read-models/p%'")
+                f"WHERE {sink.PARTITION_ROWS}")
             out[table] = (1, f"read-models {low}..{high}")
             continue
         cols = [r["attname"] for r in await conn.fetch(

@@ -4,25 +4,27 @@ With ``GPUSCHED_ACCOUNTING_PARTITIONS=N`` (default 1), N accounting processes sh
 projection. Each reads the whole log in order and applies:
 
 * partition ``k``: the events of the jobs whose team :func:`runtime.teams.partition_of` maps to
-  ``k`` (every job event; a job's team is its JobSubmitted's);
+  ``k`` (every job event; a job's team is the one its first valid JobSubmitted before the event
+  names: :class:`runtime.teams.TeamIndex`);
 * partition 0 besides: everything that is not a job's (nodes, clusters, queues, cohorts, policy,
   teams, tokens, price books, statements, services and their replicas), and the events of a job
-  whose team cannot be found (a cancel of a job never submitted).
+  no submission before them names a team for (a cancel of a job never submitted).
 
 The rows a job's events write (``jobs``, ``attempts``, ``reservations``, ``checkpoints``,
 ``usage_ledger``, ``applied_events``) are keyed by the job, and its ledger row reads only its
-own job's rows, so partitions never write or read each other's rows and need no coordination
-but their positions.
+own job's rows, so partitions do not write or read each other's rows and need no coordination
+but their positions (but for the events of a job logged before its submission, which partition
+0 writes: docs/accounting.md, "Limits").
 
 Positions: partition ``k`` stores its position in ``projection_position`` under
 :func:`projection_name` (partition 0 keeps ``read-models``, so one accounting going to several
 goes on from where it was), each row tagged with N. The read models are complete up to the
 lowest of those rows (:func:`services.accounting.sink.complete_position`), which is the position
-readers see (queries, statements, metrics). When N changes, the first partition to start moves
-every row to that lowest position (:func:`services.accounting.sink.claim`): each partition reads
-again from there, and what was applied already is passed over by event id. Every batch checks
-that the rows still say N, so a process left running with another N stops instead of applying a
-team twice.
+readers see (queries, statements, metrics). When N changes, partition 0 moves every row to that
+lowest position (:func:`services.accounting.sink.claim`; another partition waits for it): each
+partition reads again from there, and what was applied already is passed over by event id.
+Every batch checks that the rows still say N, so a process left running with another N stops
+applying and claims its partition again instead of applying a team twice.
 """
 
 from __future__ import annotations
@@ -83,13 +85,17 @@ class Partitioning:
         statements and exports the read models' metrics."""
         return self.partition == 0
 
-    def owns(self, event: Event, team: str | None) -> bool:
-        """Whether this partition applies ``event``, of ``team`` (None: no team found)."""
-        if self.partitions == 1:
-            return True
-        if type(event).aggregate != "job" or team is None:
+    def owns(self, team: str | None) -> bool:
+        """Whether this partition applies a job's events of ``team`` (None: no team named: partition 0)."""
+        if team is None:
             return self.first
-        return partition_of(team, self.partitions) == self.partition
+        return self.partitions == 1 or partition_of(team, self.partitions) == self.partition
+
+
+def _parts(subject: str) -> tuple[str, str, str] | None:
+    """An event subject's (aggregate kind, its token, event token); None for another subject."""
+    parts = subject.split(".", 3)
+    return (parts[1], parts[2], parts[3]) if len(parts) == 4 else None
 
 
 class Share:
@@ -101,23 +107,20 @@ class Share:
         self.partitioning, self.teams = partitioning, teams
 
     def skip(self, subject: str, sequence: int) -> bool:
-        """Whether the message (``subject``, at ``sequence``) is surely another partition's, so that it need not be parsed: not a
-        job's and this is not partition 0, or a job's whose team is remembered, as named before
-        it, and another partition's. A JobSubmitted is always parsed: every partition learns its
-        job's team from it (:meth:`seen`)."""
+        """Whether the message (``subject``, at ``sequence``) is surely another partition's, so
+        that it need not be parsed: not a job's and this is not partition 0, or a job's whose team
+        is remembered, as named before it, and another partition's. A JobSubmitted is always
+        parsed: every partition learns its job's team from it (:meth:`seen`)."""
         p = self.partitioning
-        if p.partitions == 1:
-            return False
-        parts = subject.split(".", 3)
-        if len(parts) != 4:
-            return False  # not an event's subject: parsed, and poison
-        kind, token, suffix = parts[1], parts[2], parts[3]
+        if p.partitions == 1 or (parts := _parts(subject)) is None:
+            return False  # unpartitioned, or not an event's subject (parsed, and poison)
+        kind, token, suffix = parts
         if kind != "job":
             return not p.first
         if suffix == "submitted":
             return False
         team = self.teams.cached(kind, token, before=sequence)
-        return team is not None and partition_of(team, p.partitions) != p.partition
+        return team is not None and not p.owns(team)
 
     def seen(self, event: Event, sequence: int) -> None:
         """An event parsed (at ``sequence``): a submission's team is remembered (before the next
@@ -137,7 +140,7 @@ class Share:
             if event is None or type(event).aggregate != "job":
                 out.append(p.first)
             else:
-                out.append(p.owns(event, await self.teams.team_of(event, entry[0])))
+                out.append(p.owns(await self.teams.team_of(event, entry[0])))
         return out
 
     async def dead_letters(self, poison: Sequence[tuple[Msg, str]]) -> list[tuple[Msg, str]]:
@@ -148,9 +151,9 @@ class Share:
             return list(poison)
         mine = []
         for msg, reason in poison:
-            parts = msg.subject.split(".", 3)
-            team = (await self.teams.lookup(parts[1], parts[2], before=eventlog.sequence(msg))
-                    if len(parts) == 4 and parts[1] == "job" else None)
-            if (partition_of(team, p.partitions) == p.partition) if team is not None else p.first:
+            parts = _parts(msg.subject)
+            team = (await self.teams.lookup("job", parts[1], before=eventlog.sequence(msg))
+                    if parts is not None and parts[0] == "job" else None)
+            if p.owns(team):
                 mine.append((msg, reason))
         return mine

@@ -208,7 +208,8 @@ async def position(conn: asyncpg.Connection, projection: str = PROJECTION) -> in
     return value or 0
 
 
-_FAMILY = "projection = 'read-models' OR projection LIKE 'read-models/p%'"  # every partition's row
+PARTITION_ROWS = "projection = 'read-models' OR projection LIKE 'read-models/p%'"
+"""SQL condition: every accounting partition's position row (services/accounting/partition.py)."""
 _CLAIM_LOCK = 0x6770_7370  # advisory lock key for a partition's start ("gpsp")
 
 
@@ -219,13 +220,14 @@ class PartitioningChanged(RuntimeError):
 async def partition_rows(conn: asyncpg.Connection) -> dict[str, tuple[int, int]]:
     """Every partition's position row: projection -> (last sequence, partitions)."""
     return {r[0]: (r[1], r[2]) for r in await conn.fetch(
-        f"SELECT projection, last_sequence, partitions FROM projection_position WHERE {_FAMILY}")}
+        f"SELECT projection, last_sequence, partitions FROM projection_position WHERE {PARTITION_ROWS}")}
 
 
 async def complete_position(conn: asyncpg.Connection) -> int:
     """The position up to which the read models hold every event: the lowest partition's
     (:mod:`.partition`); the only one's when unpartitioned."""
-    return await conn.fetchval(f"SELECT coalesce(min(last_sequence), 0) FROM projection_position WHERE {_FAMILY}")
+    return await conn.fetchval(
+        f"SELECT coalesce(min(last_sequence), 0) FROM projection_position WHERE {PARTITION_ROWS}")
 
 
 async def claim(conn: asyncpg.Connection, projection: str, names: list[str], *, may_change: bool) -> int | None:
@@ -247,7 +249,7 @@ async def claim(conn: asyncpg.Connection, projection: str, names: list[str], *, 
         if rows:
             log.warning("accounting partitions changed: every partition starts again from the lowest position",
                         extra={"partitions": len(names), "before": sorted(rows), "from_sequence": floor})
-        await conn.execute(f"DELETE FROM projection_position WHERE {_FAMILY}")
+        await conn.execute(f"DELETE FROM projection_position WHERE {PARTITION_ROWS}")
         await conn.executemany("INSERT INTO projection_position (projection, last_sequence, partitions) "
                                "VALUES ($1, $2, $3)", [(name, floor, len(names)) for name in names])
         return floor
@@ -383,8 +385,8 @@ async def _apply_batch(conn: asyncpg.Connection, prepared: Prepared, projection:
         if partitions is not None and (row is None or row["partitions"] != partitions):
             raise PartitioningChanged(
                 f"accounting's position rows say {row['partitions'] if row else 'another number of'} partition(s); "
-                f"this process runs with GPUSCHED_ACCOUNTING_PARTITIONS={partitions}: start it again with the "
-                "number the others run with")
+                f"this process runs with GPUSCHED_ACCOUNTING_PARTITIONS={partitions}: it claims its partition again "
+                "(services/accounting/partition.py)")
         current = row["last_sequence"]
         if prepared.low <= current:  # some of it is applied already (a redelivery): plan what is left
             prepared = prepare([e for e in prepared.entries if e[0] > current])

@@ -19,18 +19,24 @@ def test_the_two_teams_fall_in_different_partitions():
     assert (partition_of(A, 2), partition_of(B, 2)) == (1, 0)
 
 
-@pytest.mark.parametrize(("event", "team", "p0", "p1"), [
-    (submitted("j1", spec(team=A)), A, False, True),
-    (admitted("j1"), A, False, True),  # a later event of the job: its submission's team
-    (submitted("j2", spec(team=B)), B, True, False),
-    (admitted("ghost"), None, True, False),  # no submission found: partition 0's
-    (node("n1"), None, True, False),  # not a job's: partition 0's
-    (queue("q", (A,)), None, True, False),
+@pytest.mark.parametrize(("event", "p0", "p1"), [
+    (submitted("j1", spec(team=A)), False, True),
+    (admitted("j1"), False, True),  # a later event of the job: its submission's team (remembered)
+    (submitted("j2", spec(team=B)), True, False),
+    (node("n1"), True, False),  # not a job's: partition 0's
+    (queue("q", (A,)), True, False),
 ])
-def test_each_event_is_applied_by_exactly_one_partition(event, team, p0, p1):
-    assert Partitioning(2, 0).owns(event, team) is p0
-    assert Partitioning(2, 1).owns(event, team) is p1
-    assert Partitioning(1, 0).owns(event, team)  # unpartitioned: everything
+async def test_each_event_is_applied_by_exactly_one_partition(event, p0, p1):
+    teams = TeamIndex(js=None)  # what it remembers: these cases never ask the log
+    teams.remember("job", "j1", A, 1)
+    batch = pipeline.Converted(entries=[(5, event.event_id, [])], events=[event])
+    owned = [(await Share(Partitioning(n, k), teams).owned(batch))[0] for n, k in ((2, 0), (2, 1), (1, 0))]
+    assert owned == [p0, p1, True]  # unpartitioned: everything
+
+
+def test_a_job_without_a_team_is_partition_0s():
+    assert [Partitioning(2, k).owns(None) for k in (0, 1)] == [True, False]
+    assert [Partitioning(2, k).owns(A) for k in (0, 1)] == [False, True]
 
 
 def test_partition_0_keeps_the_unpartitioned_position_row():

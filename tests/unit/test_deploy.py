@@ -27,14 +27,20 @@ def test_committed_nats_config_matches_the_generator():
 def test_nats_server_accepts_the_config_and_names_a_missing_password(tmp_path):
     conf = ROOT / "deploy" / "nats-server.conf"
     binary = devstack._bin("nats-server")
-    users = ["admin", "operator", *permissions.SERVICES, permissions.API_USER, "team-research", "team-product", "team-platform"]
-    env = {**os.environ, **{devstack.password_variable(u): f"pw-{u}" for u in users}}
+    env = _passwords()
     ok = subprocess.run([binary, "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr + ok.stdout
     del env[devstack.password_variable("quota")]
     bad = subprocess.run([binary, "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
     assert bad.returncode != 0
     assert "GPUSCHED_NATS_PASSWORD_QUOTA" in bad.stderr + bad.stdout
+
+
+def _passwords() -> dict[str, str]:
+    """The environment nats-server reads the reference configurations' passwords from."""
+    users = ["admin", "operator", *permissions.SERVICES, permissions.API_USER, "team-research", "team-product",
+             "team-platform"]
+    return {**os.environ, **{devstack.password_variable(u): f"pw-{u}" for u in users}}
 
 
 K8S_NATS_CONFIGS = {3: ROOT / "k8s" / "components" / "nats" / "nats-server.conf",
@@ -63,8 +69,7 @@ def test_nats_server_accepts_the_k8s_tls_config_with_certificates_where_it_says(
     cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
     conf = tmp_path / "nats.conf"
     conf.write_text(K8S_NATS_TLS_CONFIG.read_text().replace("/etc/nats-tls/", f"{tmp_path}/"))
-    users = ["admin", "operator", *permissions.SERVICES, permissions.API_USER, "team-research", "team-product", "team-platform"]
-    env = {**os.environ, "POD_NAME": "nats-0", **{devstack.password_variable(u): f"pw-{u}" for u in users}}
+    env = {**_passwords(), "POD_NAME": "nats-0"}
     ok = subprocess.run([devstack._bin("nats-server"), "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr + ok.stdout
     (tmp_path / "tls.key").unlink()  # the key where the configuration says is what it runs with
@@ -74,8 +79,7 @@ def test_nats_server_accepts_the_k8s_tls_config_with_certificates_where_it_says(
 
 def test_nats_server_accepts_the_k8s_configs_cluster_and_single():
     binary = devstack._bin("nats-server")
-    users = ["admin", "operator", *permissions.SERVICES, permissions.API_USER, "team-research", "team-product", "team-platform"]
-    env = {**os.environ, "POD_NAME": "nats-0", **{devstack.password_variable(u): f"pw-{u}" for u in users}}
+    env = {**_passwords(), "POD_NAME": "nats-0"}
     for replicas, path in K8S_NATS_CONFIGS.items():
         text = path.read_text()
         assert ('"sync_interval": "always"' in text) and (("routes" in text) == (replicas > 1)), path
