@@ -9,7 +9,8 @@ Roles (docs/events.md, "Credentials and permissions"):
   ``executor-<cluster>``, one per cluster of a multi-cluster platform): publishes only the
   event types it produces and its own dead letters; creates, reads and deletes only its own durables
   and readers; admission, quota and scheduler also write and read their own snapshot bucket, and
-  admission, quota, scheduler, serving and executor their own lease bucket.
+  admission, quota, scheduler, serving and executor their own lease bucket (admission: one of
+  each per partition).
 - **api** (the HTTP API, gpusched.api): commands of any team's users and the operator's, each
   sent as the API's caller; core subscriptions to admission's answers, the intake's dead letters
   and the teams' event copies; direct gets on the event log and the dead letters. No consumer.
@@ -26,6 +27,7 @@ snapshot chunks).
 from __future__ import annotations
 
 from runtime import lease, snapshot
+from runtime.teams import MAX_READING_PARTITIONS
 from runtime.eventlog import (
     DLQ_STREAM,
     EVENTS_STREAM,
@@ -45,8 +47,13 @@ API = "$JS.API"
 SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifier", "serving")
 """Every service credential; gpusched.devstack starts the ones deploy/Procfile lists."""
 
+ADMISSION_PARTITIONS = [""] + [f"-p{k}" for k in range(1, MAX_READING_PARTITIONS)]
+"""The suffix of each admission partition's durables, lease and snapshot bucket (partition 0: none;
+services/admission/__main__.py durable_names)."""
+
 DURABLES: dict[str, dict[str, list[str]]] = {
-    "admission": {EVENTS_STREAM: ["admission"], INTAKE_STREAM: ["admission-intake"]},
+    "admission": {EVENTS_STREAM: [f"admission{p}" for p in ADMISSION_PARTITIONS],
+                  INTAKE_STREAM: [f"admission-intake{p}" for p in ADMISSION_PARTITIONS]},
     "quota": {EVENTS_STREAM: ["quota"]},
     "scheduler": {EVENTS_STREAM: ["scheduler"]},
     "executor": {EVENTS_STREAM: ["executor"]},
@@ -150,10 +157,11 @@ def service_permissions(service: str) -> dict:
         for durable in durables:
             publish += consumer_api(stream, service if kind != service else durable)
     publish += _readers(service, READS[kind])
-    if kind in SNAPSHOTTED:
-        publish += snapshot_api(service)
-    if kind in LEASED:
-        publish += lease_api(service)
+    for instance in [f"{service}{p}" for p in ADMISSION_PARTITIONS] if service == "admission" else [service]:
+        if kind in SNAPSHOTTED:
+            publish += snapshot_api(instance)
+        if kind in LEASED:
+            publish += lease_api(instance)
     if service == "notifier":  # writes every team's tenant stream; delivers webhooks from each
         publish += [f"{P}.tenant.>", f"{API}.STREAM.NAMES", f"{API}.STREAM.INFO.*",
                     *consumer_api("*", NOTIFIER_TENANT_DURABLE)]

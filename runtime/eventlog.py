@@ -327,7 +327,15 @@ async def dead_letter(js: JetStreamContext, service: str, msg: Msg, reason: str)
     )
 
 
-async def durable_consumer(
+async def durable_consumer(js: JetStreamContext, *, stream: str, durable: str,
+                           **config) -> JetStreamContext.PullSubscription:
+    """Bind to a durable pull consumer, creating it if absent (:func:`ensure_durable`, which takes
+    ``config``)."""
+    await ensure_durable(js, stream=stream, durable=durable, **config)
+    return await js.pull_subscribe_bind(durable=durable, stream=stream)
+
+
+async def ensure_durable(
     js: JetStreamContext,
     *,
     stream: str,
@@ -337,8 +345,8 @@ async def durable_consumer(
     ack_wait_s: float = 30.0,
     max_ack_pending: int = 4096,
     backoff: bool = True,
-) -> JetStreamContext.PullSubscription:
-    """Bind to (creating if absent) a durable pull consumer. ``start_seq`` applies only when the
+) -> None:
+    """Create a durable pull consumer if absent. ``start_seq`` applies only when the
     consumer is created: a service that just rebuilt its state to sequence N starts at N + 1.
 
     Redelivery is bounded: at most :data:`MAX_DELIVER` deliveries, after ``ack_wait_s`` and then
@@ -370,7 +378,6 @@ async def durable_consumer(
                 or info.config.max_ack_pending != max_ack_pending):
             await js.add_consumer(stream, info.config.evolve(ack_wait=ack_wait_s, max_ack_pending=max_ack_pending,
                                                              **limits))
-    return await js.pull_subscribe_bind(durable=durable, stream=stream)
 
 
 def last_delivery(msg: Msg) -> bool:

@@ -114,7 +114,8 @@ def failure(err: BaseException) -> str:
 
 class DecisionService:
     def __init__(self, name: str, core: Core, settings: Settings, clock: Clock | None = None) -> None:
-        self.name = name
+        self.name = name  # metrics, dead letters, logs
+        self.instance = name  # its durable consumer, lease and snapshot bucket (one per partition)
         self.core = core
         self.settings = settings
         self.clock = clock or ScaledClock(settings.time_scale, settings.clock_epoch)
@@ -133,11 +134,25 @@ class DecisionService:
     def stop(self) -> None:
         self._stop.set()
 
+    def passes_over(self, subject: str) -> bool:
+        """Whether a message on ``subject`` surely changes nothing in the state, so that it need not
+        be parsed (a partitioned service: another partition's job). Its position still counts."""
+        return False
+
+    def dead_letters(self, subject: str) -> bool:
+        """Whether this process dead-letters poison on ``subject`` (a partitioned service: the
+        partition that would have folded it, so that it is dead-lettered once)."""
+        return True
+
     def _fold(self, msg: Msg) -> str | None:
         """Fold one message from the log into the state. Returns why it is poison (it was passed
-        over), or None (folded, or at or below the applied position: already in)."""
+        over), or None (folded, passed over unread, or at or below the applied position: already in)."""
         seq = eventlog.sequence(msg)
         if seq <= self.applied_seq:
+            return None
+        if self.passes_over(msg.subject):
+            self.applied_seq = seq
+            self.last_seq[subject_scope(msg.subject)] = seq
             return None
         try:
             event = parse_event(msg.data)
@@ -240,21 +255,21 @@ class DecisionService:
         try:
             await eventlog.wait_for_streams(js)
             if self.settings.snapshot_every and hasattr(self.core, "snapshot_state"):
-                self.snapshots = snapshot.SnapshotStore(js, self.name, self.settings.stream_replicas)
+                self.snapshots = snapshot.SnapshotStore(js, self.instance, self.settings.stream_replicas)
                 await self._restore(js)
             if not await self._retrying("rebuild", lambda: self.rebuild(js)):
                 return
             health.HEALTH.done("rebuild")
             lease = None
             if self.settings.lease_ttl_s > 0:
-                lease = Lease(js, self.name, self.settings.lease_ttl_s, replicas=self.settings.stream_replicas)
+                lease = Lease(js, self.instance, self.settings.lease_ttl_s, replicas=self.settings.stream_replicas)
                 if not await self._retrying("stand by", lambda: self._stand_by(js, lease)) or not lease.held:
                     return  # stopped while standing by
             ACTIVE.labels(service=self.name).set(1)
             if lease is not None:
                 health.HEALTH.role = "active"
             appender = eventlog.EventLog(js)
-            log.info("consuming", extra={"durable": self.name})
+            log.info("consuming", extra={"durable": self.instance})
             tasks = [asyncio.create_task(self._main_loop(js, appender)),
                      asyncio.create_task(self._retrying("side loop", lambda: self.side_loop(js, appender)))]
             if lease is not None:
@@ -380,7 +395,7 @@ class DecisionService:
         """Read what the log holds past the applied position, then bind the durable consumer
         (created at the next sequence if it does not exist)."""
         await self.rebuild(js)
-        return await eventlog.durable_consumer(js, stream=eventlog.EVENTS_STREAM, durable=self.name,
+        return await eventlog.durable_consumer(js, stream=eventlog.EVENTS_STREAM, durable=self.instance,
                                                start_seq=self.applied_seq + 1)
 
     async def _main_loop(self, js, appender: eventlog.EventLog) -> None:
@@ -410,7 +425,7 @@ class DecisionService:
         with observability.BATCH_SECONDS.labels(service=self.name).time():
             for msg in msgs:
                 reason = self._fold(msg)
-                if reason is not None and not await self._retrying(
+                if reason is not None and self.dead_letters(msg.subject) and not await self._retrying(
                         "dead letter", lambda: eventlog.dead_letter(js, self.name, msg, reason)):
                     return  # stopped: unacked, so the next process sees the batch again
             observability.APPLIED_SEQUENCE.labels(service=self.name).set(self.applied_seq)

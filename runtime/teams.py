@@ -23,6 +23,12 @@ from schemas.service import ServiceDeployed, ServiceUpdated
 MAX_PARTITIONS = 16
 """Most partitions of a team-partitioned service (their durables and position rows are named)."""
 
+MAX_READING_PARTITIONS = eventlog.READER_SLOTS // 2
+"""Most partitions of a service whose processes each hold one of its credential's reader
+consumers (:data:`runtime.eventlog.READER_SLOTS`) while they fold the log (accounting; admission,
+a partition's active and its standby): the rest are left for a process that restarts before the
+server has reaped its old reader."""
+
 _FIRST = {"job": "submitted", "service": "deployed"}  # the subject token of an aggregate's first event
 
 

@@ -36,19 +36,17 @@ from typing import TYPE_CHECKING
 from nats.aio.msg import Msg
 
 from runtime import eventlog
-from runtime.eventlog import READER_SLOTS
 from runtime.settings import ConfigError
-from runtime.teams import TeamIndex, partition_from_env, partition_of
+from runtime.teams import MAX_READING_PARTITIONS, TeamIndex, partition_from_env, partition_of
 from schemas import Event, JobSubmitted
 from schemas.registry import subject_token
 
 if TYPE_CHECKING:
     from services.accounting.pipeline import Converted
 
-MAX_PARTITIONS = READER_SLOTS // 2
+MAX_PARTITIONS = MAX_READING_PARTITIONS
 """Most accounting partitions: each holds one of the accounting credential's reader consumers
-(:data:`runtime.eventlog.READER_SLOTS`) while it follows the log; the rest are left for a
-partition that restarts before the server has reaped its old reader."""
+while it follows the log."""
 
 FAMILY = "read-models"
 """Partition 0's position row (the unpartitioned one's); partition k's is ``read-models/p<k>``."""

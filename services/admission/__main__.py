@@ -1,21 +1,65 @@
-"""Admission adapter: the event loop of :class:`DecisionService` plus the intake consumer."""
+"""Admission adapter: the event loop of :class:`DecisionService` plus the intake consumer.
+
+Partitioned by team with ``GPUSCHED_ADMISSION_PARTITIONS=N`` (default 1) and
+``GPUSCHED_ADMISSION_PARTITION=k``: N admissions, each deciding for the teams
+:func:`runtime.teams.partition_of` maps to its k (:class:`services.admission.domain.Partition`),
+each single-active with its own lease and standbys. Partition k has its own durables
+(``admission-p<k>`` on the log, ``admission-intake-p<k>`` on the intake; partition 0 keeps
+``admission`` and ``admission-intake``), lease and snapshot bucket (``admission-p<k>``). Each
+reads every command and handles those published on its teams' intake subjects; it folds the log
+and passes over the events of other partitions' jobs and services unread. A job id or service
+name another partition's team took is refused from the log: every partition folds every
+JobSubmitted and ServiceDeployed, and a new job's first event is appended only if its subjects
+hold nothing yet, so of two teams asking at once one gets the id and the other an answer.
+"""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from runtime import eventlog, observability
 from runtime.loop import DecisionService, run_service
+from runtime.settings import ConfigError
+from runtime.teams import MAX_READING_PARTITIONS, partition_from_env
 from schemas import Event, JobSubmitted
 from schemas.commands import intake_principal
-from services.admission.domain import AdmissionCore, PoisonCommand
+from services.admission.domain import AdmissionCore, Partition, PoisonCommand
 
 log = logging.getLogger("admission")
 
 INTAKE_DURABLE = "admission-intake"
 DEAD_LETTER_NAME = "admission.intake"
+MAX_PARTITIONS = MAX_READING_PARTITIONS
+"""Most admission partitions: each process (a partition's active and its standby) holds one of the
+admission credential's reader consumers while it folds the log."""
+
+
+def partition_from_environment() -> Partition:
+    """GPUSCHED_ADMISSION_PARTITIONS and GPUSCHED_ADMISSION_PARTITION; ConfigError naming what is accepted."""
+    count, index = partition_from_env("GPUSCHED_ADMISSION_PARTITIONS", "GPUSCHED_ADMISSION_PARTITION")
+    if count > MAX_PARTITIONS:
+        raise ConfigError(f"GPUSCHED_ADMISSION_PARTITIONS={count} is out of range; accepted: 1..{MAX_PARTITIONS}")
+    if index >= count:
+        raise ConfigError(f"GPUSCHED_ADMISSION_PARTITION={index} is out of range; accepted: 0..{count - 1} "
+                          f"(GPUSCHED_ADMISSION_PARTITIONS={count})")
+    return Partition(count, index)
+
+
+def durable_names(name: str, partition: Partition) -> tuple[str, str]:
+    """(its durable, lease and snapshot name on the log, its intake durable)."""
+    if partition.index == 0:
+        return name, INTAKE_DURABLE
+    return f"{name}-p{partition.index}", f"{INTAKE_DURABLE}-p{partition.index}"
+
+
+def _aggregate(subject: str) -> tuple[str, str] | None:
+    """An event subject's (aggregate kind, subject token); None for another subject."""
+    parts = subject.split(".", 3)
+    return (parts[1], parts[2]) if len(parts) == 4 else None
 
 
 def _identity(events: list[Event]) -> set[str]:
@@ -32,9 +76,61 @@ class AdmissionService(DecisionService):
     collides with an earlier one of the same batch (same job id or key) or is a cancel: then
     what came before is appended and folded in first."""
 
+    def __init__(self, name: str, core: AdmissionCore, settings, clock=None) -> None:
+        super().__init__(name, core, settings, clock)
+        self.partition = core.state.partition
+        self.instance, self.intake_durable = durable_names(name, self.partition)
+
+    def passes_over(self, subject: str) -> bool:
+        """Events of another partition's job or service are not parsed."""
+        return (agg := _aggregate(subject)) is not None and self.core.foreign(*agg)  # type: ignore[attr-defined]
+
+    def dead_letters(self, subject: str) -> bool:
+        """Poison on a job's or service's subject: by its team's partition (the others pass it
+        over unread); before any first event named a team, and anything else: by partition 0."""
+        if self.partition.count == 1:
+            return True
+        core: AdmissionCore = self.core  # type: ignore[assignment]
+        if (agg := _aggregate(subject)) is not None:
+            if core.foreign(*agg):
+                return False
+            if agg[0] == "job" and agg[1] in core.state.jobs or agg[0] == "service" and agg[1] in core.state.services:
+                return True
+        return self.partition.index == 0
+
+    def mine(self, msg: Msg) -> bool:
+        """Whether this partition handles an intake command: one published on a subject of its
+        teams, or (partition 0) on a subject that names no team (dead-lettered)."""
+        if self.partition.count == 1:
+            return True
+        try:
+            return self.partition.owns(intake_principal(msg.subject).team)
+        except ValueError:
+            return self.partition.index == 0
+
+    async def _intake_durables(self, js) -> None:
+        """Create the intake durables that do not exist yet: a new one of partition k > 0 starts
+        after what partition 0's has acknowledged (at the intake's start when partition 0 has none
+        either: a fresh platform). Partition 0 creates every partition's before it handles a
+        command, so none of another partition's commands it passes over (acknowledges) is
+        missing from that partition's durable; partition k creates its own in case it starts
+        first. The number of partitions is changed with admission stopped and caught up
+        (docs/operations.md): every durable then starts at the same point."""
+        try:
+            info = await js.consumer_info(eventlog.INTAKE_STREAM, INTAKE_DURABLE)
+            start = info.ack_floor.stream_seq + 1
+        except NotFoundError:
+            start = None
+        mine = range(self.partition.count) if self.partition.index == 0 else [self.partition.index]
+        for k in mine:
+            durable = durable_names(self.name, Partition(self.partition.count, k))[1]
+            # It naks a command whose events were refused, to decide it again 0.2 s later: no backoff list.
+            await eventlog.ensure_durable(js, stream=eventlog.INTAKE_STREAM, durable=durable,
+                                          start_seq=start if k else None, backoff=False)
+
     async def side_loop(self, js, appender: eventlog.EventLog) -> None:
-        # It naks a command whose events were refused, to decide it again 0.2 s later: no backoff list.
-        sub = await eventlog.durable_consumer(js, stream=eventlog.INTAKE_STREAM, durable=INTAKE_DURABLE,
+        await self._intake_durables(js)
+        sub = await eventlog.durable_consumer(js, stream=eventlog.INTAKE_STREAM, durable=self.intake_durable,
                                               backoff=False)
         while True:
             msgs = await eventlog.fetch(sub, self.settings.batch_size, 1.0)
@@ -42,6 +138,9 @@ class AdmissionService(DecisionService):
             pending: list[tuple[Msg, list[Event]]] = []
             seen: set[str] = set()
             for msg in msgs:
+                if not self.mine(msg):
+                    await msg.ack()  # another partition's team
+                    continue
                 if msg.subject.endswith(".cancel") and pending:
                     await self._flush(appender, pending)
                     pending, seen = [], set()
@@ -120,7 +219,11 @@ class AdmissionService(DecisionService):
 
 
 def main() -> None:
-    run_service("admission", lambda settings, clock: AdmissionCore(), AdmissionService)
+    try:
+        partition = partition_from_environment()
+    except ConfigError as err:
+        sys.exit(str(err))
+    run_service("admission", lambda settings, clock: AdmissionCore(partition=partition), AdmissionService)
 
 
 if __name__ == "__main__":

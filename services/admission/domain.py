@@ -10,12 +10,21 @@ validate the service commands into ServiceDeployed, ServiceUpdated, ScaleRequest
 ServiceDeleted; ``decide`` also submits the replica jobs the serving controller asks for
 (ReplicaRequested -> JobSubmitted) and cancels the ones it retires (ReplicaRetired ->
 JobCancelRequested). A replica job is then admitted like any other.
+
+Partitioned by team (``AdmissionCore(partition=Partition(n, k))``, docs/scaling.md): a core
+decides for the teams :func:`runtime.teams.partition_of` maps to its partition ``k`` of ``n`` and
+holds only their jobs and services. Job ids and service names are platform-wide, so it also
+remembers which ids and names another partition's teams took (from their JobSubmitted and
+ServiceDeployed, which every partition folds), to answer a command that reuses one. Every other
+event of another partition's job or service changes nothing here (and the adapter need not
+parse it: :meth:`AdmissionCore.foreign`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -24,6 +33,7 @@ from typing import NamedTuple
 from pydantic import ValidationError
 
 from runtime.policy import PolicyBook
+from runtime.teams import partition_of
 from schemas import (
     DEFAULT_PRIORITY_CLASSES,
     CancelJob,
@@ -59,6 +69,7 @@ from schemas.commands import (
 from schemas.commands import DeleteService, DeployService, ReportServiceLoad, ScaleService
 from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
 from schemas.node import NodeInfo
+from schemas.registry import subject_token
 from schemas.service import (
     ReplicaRequested,
     ReplicaRetired,
@@ -74,6 +85,25 @@ PRODUCER = "admission"
 CHECKPOINT_CLOCK_SKEW = timedelta(seconds=60)
 """How far in the future (by the platform clock) a reported checkpoint time may lie."""
 TERMINAL = (JobRejected, JobSucceeded, JobCancelled)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Which teams a core decides for: those :func:`runtime.teams.partition_of` maps to
+    ``index`` of ``count`` (every team with one partition)."""
+
+    count: int = 1
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"partition {self.index} of {self.count}: accepted 0..{self.count - 1}")
+
+    def owns(self, team: str) -> bool:
+        return self.count == 1 or partition_of(team, self.count) == self.index
+
+    def __str__(self) -> str:
+        return f"partition {self.index} of {self.count}"
 
 
 class PoisonCommand(ValueError):
@@ -147,6 +177,11 @@ class AdmissionState:
     replicas_to_cancel: dict[str, ReplicaRetired] = field(default_factory=dict)
     # retired before their JobSubmitted was folded (it may still be in flight): cancelled once it is
     retired_early: dict[str, ReplicaRetired] = field(default_factory=dict)
+    partition: Partition = field(default_factory=Partition)
+    # the subject tokens (schemas.registry.subject_token) of the jobs and services of the teams of
+    # other partitions -> their team: ids and names are platform-wide
+    foreign_jobs: dict[str, str] = field(default_factory=dict)
+    foreign_services: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,13 +211,45 @@ def _validation_message(err: ValidationError) -> tuple[str, str]:
 
 
 class AdmissionCore:
-    def __init__(self, priority_classes=DEFAULT_PRIORITY_CLASSES) -> None:
-        self.state = AdmissionState(policy=PolicyBook.starting_with(priority_classes))
+    def __init__(self, priority_classes=DEFAULT_PRIORITY_CLASSES, partition: Partition = Partition()) -> None:
+        self.state = AdmissionState(policy=PolicyBook.starting_with(priority_classes), partition=partition)
         self._shapes: dict[_Shape, int] | None = None  # the nodes by shape, worked out again after they change
+
+    def foreign(self, kind: str, token: str) -> bool:
+        """Whether an event of this aggregate (its kind and subject token), other than its first,
+        surely changes nothing here: a job or service of another partition's team. Ownership is
+        the team that the aggregate's first event before this one names, as in :meth:`evolve`."""
+        s = self.state
+        if kind == "job":
+            return token in s.foreign_jobs
+        if kind == "service":
+            return token in s.foreign_services
+        return False
+
+    def _elsewhere(self, event: Event) -> bool:
+        """Whether ``event`` belongs to a job or service of another partition's team (nothing to
+        fold). Its first event (a JobSubmitted, a ServiceDeployed) decides: one naming another
+        partition's team makes the id or name taken here, and everything after it is passed over."""
+        s = self.state
+        kind = type(event).aggregate
+        if s.partition.count == 1 or kind not in ("job", "service"):
+            return False
+        token = subject_token(event.aggregate_id)
+        if self.foreign(kind, token):
+            return True
+        first = (isinstance(event, JobSubmitted) and event.aggregate_id not in s.jobs
+                 or isinstance(event, ServiceDeployed) and event.aggregate_id not in s.services)
+        if first and not s.partition.owns(event.spec.team):
+            taken = s.foreign_jobs if kind == "job" else s.foreign_services
+            taken[token] = sys.intern(event.spec.team)
+            return True
+        return False
 
     # -- evolve ------------------------------------------------------------------------------
     def evolve(self, event: Event) -> None:
         s = self.state
+        if self._elsewhere(event):
+            return
         match event:
             case QueueConfigured():
                 s.queues[event.name] = event
@@ -337,6 +404,12 @@ class AdmissionCore:
                 f"resubmit the same spec, or use a new key",
                 "spec.idempotency_key", requested=job_id,
             )
+        if subject_token(job_id) in s.foreign_jobs:
+            raise SubmitRefused(
+                RejectReason.DUPLICATE_JOB_ID,
+                f"job_id {job_id!r} already exists (a job of another team); job ids are never reused; omit job_id "
+                f"to have one assigned", "job_id", requested=job_id,
+            )
         if (existing := s.jobs.get(job_id)) is not None:
             if existing.intake_sequence == intake_seq:
                 return None
@@ -352,6 +425,9 @@ class AdmissionCore:
         """The job a command of ``subject_team`` names; PoisonCommand when there is none or it
         belongs to another team (``hint``, with ``{team}`` for the job's team, ends that message)."""
         job = self.state.jobs.get(job_id)
+        if (team := self.state.foreign_jobs.get(subject_token(job_id))) is not None:
+            raise PoisonCommand(f"{command}: job {job_id} belongs to team {team!r}, not {subject_team!r}"
+                                + hint.format(team=team))
         if job is None:
             raise PoisonCommand(f"{command}: job_id {job_id!r} does not exist")
         if job.team != subject_team:
@@ -417,7 +493,7 @@ class AdmissionCore:
             raise PoisonCommand(f"DeployService: spec.team {spec.team!r} does not match the intake subject's team "
                                 f"{sender.team!r}; accepted: {sender.team!r}")
         existing = self.state.services.get(spec.name)
-        if existing is not None and existing.team != sender.team:
+        if existing is not None and existing.team != sender.team or subject_token(spec.name) in self.state.foreign_services:
             raise PoisonCommand(f"DeployService: spec.name {spec.name!r} is a service of another team; "
                                 "accepted: a name no other team uses")
         user = command.on_behalf_of or sender.user
@@ -428,7 +504,7 @@ class AdmissionCore:
         if existing is None or existing.deleted:
             generation = 1 if existing is None else existing.generation + 1
             return [new_event(ServiceDeployed, aggregate_id=spec.name, producer=PRODUCER, occurred_at=now,
-                              key=f"deploy/{generation}", spec=spec, deployed_by=user, generation=generation,
+                              key=f"deploy/{generation}/{seq}", spec=spec, deployed_by=user, generation=generation,
                               intake_sequence=seq)]
         if existing.spec == spec:
             return []  # redelivered, or deployed again unchanged
@@ -462,6 +538,8 @@ class AdmissionCore:
                           deleted_by=command.on_behalf_of or sender.user, intake_sequence=seq)]
 
     def _team_service(self, command: str, name: str, team: str) -> ServiceRecord:
+        if (owner := self.state.foreign_services.get(subject_token(name))) is not None:
+            raise PoisonCommand(f"{command}: service {name} belongs to team {owner!r}, not {team!r}")
         svc = self.state.services.get(name)
         if svc is None or svc.deleted:
             raise PoisonCommand(f"{command}: service {name!r} does not exist")
@@ -477,6 +555,8 @@ class AdmissionCore:
         return self.state
 
     def restore_state(self, state: AdmissionState) -> None:
+        if state.partition != self.state.partition:
+            raise ValueError(f"the snapshot holds {state.partition}'s state; this core is {self.state.partition}'s")
         self.state = state
         self._shapes = None
 

@@ -1,0 +1,147 @@
+"""Admission partitioned by team against a real nats-server, with the admission credential: two
+partitions decide every team's jobs once between them, a job id two teams of different partitions
+ask for at once goes to one (the other is answered duplicate-job-id), poison is dead-lettered
+once, and a partition that starts after partition 0 misses none of its teams' commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from datetime import UTC, datetime
+
+import pytest
+
+from conftest import eventually, running, service_settings
+from runtime import eventlog
+from runtime.teams import partition_of
+from schemas import NodeRegistered, QueueConfigured, new_event, parse_event
+from schemas.node import NodeInfo
+from schemas.queue import FlavorQuota
+from services.admission.__main__ import AdmissionService, durable_names
+from services.admission.domain import AdmissionCore, Partition
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+TEAMS = ("team-a", "team-b", "team-c", "team-d")
+P0 = [t for t in TEAMS if partition_of(t, 2) == 0]
+P1 = [t for t in TEAMS if partition_of(t, 2) == 1]
+
+
+def test_both_partitions_have_teams():
+    assert P0 and P1
+
+
+@pytest.fixture
+async def configured(admin_js):
+    log = eventlog.EventLog(admin_js)
+    await log.append(new_event(QueueConfigured, aggregate_id="research", producer="config", occurred_at=NOW, key="1",
+                               name="research", allowed_teams=TEAMS, quotas=(FlavorQuota(flavor="a100", nominal=8),)))
+    await log.append(new_event(NodeRegistered, aggregate_id="n1", producer="executor", occurred_at=NOW, key="1",
+                               node=NodeInfo(name="n1", gpu_flavor="a100", gpu_count=8, gpu_memory_mib=40960)))
+    return admin_js
+
+
+def partition(nats_server, k: int, count: int = 2, **settings) -> AdmissionService:
+    return AdmissionService("admission", AdmissionCore(partition=Partition(count, k)),
+                            service_settings(nats_server, "admission", **settings))
+
+
+async def submit(js, team: str, job_id: str | None = None) -> int:
+    body = {"spec": {"kind": "training", "queue": "research", "team": team, "image": "img", "gpus": 1}}
+    if job_id:
+        body["job_id"] = job_id
+    return (await js.publish(f"gpusched.intake.{team}.submit", json.dumps(body).encode())).seq
+
+
+async def events(js) -> list:
+    return [parse_event(m.data) async for m in eventlog.read(js, subjects=["gpusched.job.>"])]
+
+
+async def dead(js, name: str) -> list:
+    return [m async for m in eventlog.read(js, stream=eventlog.DLQ_STREAM, subjects=[f"gpusched.deadletter.{name}"])]
+
+
+async def test_two_partitions_decide_every_job_once(nats_server, configured):
+    js = configured
+    async with running(partition(nats_server, 0)) as p0, running(partition(nats_server, 1)) as p1:
+        for i in range(10):
+            for team in TEAMS:
+                await submit(js, team)
+
+        async def decided():
+            log = await events(js)
+            return len([e for e in log if e.type == "JobAdmitted"]) == 40 and log
+        log = await eventually(decided, timeout_s=30)
+        per_job = Counter((e.aggregate_id, e.type) for e in log)
+        assert set(per_job.values()) == {1}  # one JobSubmitted and one JobAdmitted each
+        assert {e.spec.team for e in log if e.type == "JobSubmitted"} == set(TEAMS)
+        # each holds its own teams' jobs only
+        assert {j.team for j in p0.core.state.jobs.values()} == set(P0)
+        assert {j.team for j in p1.core.state.jobs.values()} == set(P1)
+
+        # Two teams of different partitions ask for one job id at once: one gets it.
+        await asyncio.gather(submit(js, P0[0], "shared-id"), submit(js, P1[0], "shared-id"))
+
+        async def answered():
+            log = await events(js)
+            subs = [e for e in log if e.type == "JobSubmitted" and e.aggregate_id == "shared-id"]
+            refused = [e for e in log if e.type == "JobRejected" and e.requested_job_id == "shared-id"]
+            return (subs, refused) if subs and refused else None
+        subs, refused = await eventually(answered, timeout_s=30)
+        assert len(subs) == 1 and len(refused) == 1
+        assert refused[0].reason == "duplicate-job-id" and refused[0].team != subs[0].spec.team
+
+        # The other team cancels the job: refused by its own partition, dead-lettered once.
+        loser = refused[0].team
+        await js.publish(f"gpusched.intake.{loser}.cancel", json.dumps({"job_id": "shared-id"}).encode())
+        # Poison on the log (not a job's) and on the intake (no team): dead-lettered once each.
+        await js.publish("gpusched.queue.broken.configured", b"not json")
+        await js.publish("gpusched.intake.nobody", b"{}")
+        end = await eventlog.last_sequence(js)
+        await eventually(lambda: p0.applied_seq >= end and p1.applied_seq >= end)
+
+        async def dead_lettered():
+            intake = await dead(js, "admission.intake")
+            return len(intake) == 2 and len(await dead(js, "admission")) == 1 and intake
+        intake = await eventually(dead_lettered, timeout_s=15)
+        await asyncio.sleep(0.5)  # nothing more comes
+        assert len(await dead(js, "admission")) == 1 and len(await dead(js, "admission.intake")) == 2
+        # once by itself, not only by the dead letters' de-duplication window (2 minutes)
+        assert p0.dead_letters("gpusched.queue.broken.configured") and not p1.dead_letters("gpusched.queue.broken.configured")
+        for e in (e for e in log if e.type == "JobSubmitted"):
+            owner = partition_of(e.spec.team, 2)
+            assert [p.dead_letters(f"gpusched.job.{e.aggregate_id}.admitted") for p in (p0, p1)] == [owner == 0, owner == 1]
+        reasons = sorted(m.headers["Gpusched-Reason"] for m in intake)
+        assert any("belongs to team" in r for r in reasons) and any("unknown intake subject" in r for r in reasons)
+
+    names = {c.name async for c in _consumers(js, eventlog.INTAKE_STREAM)}
+    assert {"admission-intake", "admission-intake-p1"} <= names
+    assert {"admission", "admission-p1"} <= {c.name async for c in _consumers(js, eventlog.EVENTS_STREAM)}
+
+
+async def _consumers(js, stream):
+    for info in await js.consumers_info(stream):
+        yield info.config
+
+
+async def test_a_partition_starting_after_partition_0_misses_none_of_its_commands(nats_server, configured):
+    """Partition 0 creates partition 1's intake durable before it passes over partition 1's
+    commands; a snapshot of one admission is not taken for partition 0's."""
+    js = configured
+    async with running(partition(nats_server, 0, count=1)):
+        await submit(js, P1[0], "before")
+        await eventually(lambda: _admitted(js, "before"))
+    async with running(partition(nats_server, 0)) as p0:
+        await eventually(lambda: p0.applied_seq > 0)
+        await submit(js, P1[0], "waiting")
+        await submit(js, P0[0], "mine")
+        await eventually(lambda: _admitted(js, "mine"))
+        assert not await _admitted(js, "waiting")
+        assert {j.team for j in p0.core.state.jobs.values()} == {P0[0]}  # not folded from one admission's snapshot
+        async with running(partition(nats_server, 1)):
+            await eventually(lambda: _admitted(js, "waiting"))
+    assert durable_names("admission", Partition(2, 1)) == ("admission-p1", "admission-intake-p1")
+
+
+async def _admitted(js, job_id: str) -> bool:
+    return "JobAdmitted" in [parse_event(m.data).type async for m in eventlog.read(js, subjects=[f"gpusched.job.{job_id}.>"])]
