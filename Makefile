@@ -56,6 +56,7 @@ bench: setup ## Benchmarks (~1 h): e2e beside the raw JetStream ceiling, the quo
 	$(BIN)/python -m bench.kueue
 	$(BIN)/python -m bench.accounting
 	$(BIN)/python -m bench.accounting_partitions
+	$(BIN)/python -m bench.admission_partitions
 	$(BIN)/python -m bench.api
 	$(BIN)/python -m bench.whatif
 	$(BIN)/python -m bench.serving

@@ -23,6 +23,7 @@ import asyncpg
 import nats
 import psutil
 
+from bench import command_line
 from gpusched import commands, devstack
 from runtime import eventlog
 from schemas import JobSpec, SubmitJob, parse_event
@@ -262,9 +263,4 @@ if __name__ == "__main__":
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--raw", type=int, default=5000, help="messages per raw publish run")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    result = asyncio.run(main(args))
-    report(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    command_line(parser, main, report)

@@ -28,6 +28,7 @@ import asyncpg
 import nats
 import psutil
 
+from bench import command_line
 from gpusched import devstack
 from runtime import eventlog
 from schemas import (
@@ -243,9 +244,4 @@ if __name__ == "__main__":
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=20_000, help="events per replay transaction")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    result = asyncio.run(main(args))
-    report(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    command_line(parser, main, report)

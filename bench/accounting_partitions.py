@@ -27,6 +27,7 @@ from pathlib import Path
 import asyncpg
 import psutil
 
+from bench import command_line
 from bench.accounting import JOB, T0, raw_ordered_read, servers, template
 from runtime import eventlog
 from runtime.teams import partition_of
@@ -136,9 +137,4 @@ if __name__ == "__main__":
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--partitions", default="1,2", help="comma-separated numbers of partitions to run")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    result = asyncio.run(main(args))
-    report(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    command_line(parser, main, report)

@@ -39,6 +39,7 @@ import httpx
 import nats
 import psutil
 
+from bench import command_line
 from bench.__main__ import pct
 from gpusched import commands, devstack
 from gpusched.api import tokens
@@ -475,9 +476,4 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--fanout-events", type=int, default=50)
     parser.add_argument("--page-jobs", type=int, default=10_000)
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    result = asyncio.run(main(args))
-    report(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    command_line(parser, main, report)

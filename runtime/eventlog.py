@@ -345,9 +345,10 @@ async def ensure_durable(
     ack_wait_s: float = 30.0,
     max_ack_pending: int = 4096,
     backoff: bool = True,
+    description: str | None = None,
 ) -> None:
-    """Create a durable pull consumer if absent. ``start_seq`` applies only when the
-    consumer is created: a service that just rebuilt its state to sequence N starts at N + 1.
+    """Create a durable pull consumer if absent. ``start_seq`` and ``description`` apply only when
+    the consumer is created: a service that just rebuilt its state to sequence N starts at N + 1.
 
     Redelivery is bounded: at most :data:`MAX_DELIVER` deliveries, after ``ack_wait_s`` and then
     doubling delays (:data:`BACKOFF_STEPS`). A consumer created before these limits (or with
@@ -370,6 +371,7 @@ async def ensure_durable(
             filter_subjects=filter_subjects,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start_seq else DeliverPolicy.ALL,
             opt_start_seq=start_seq,
+            description=description,
             **limits,
         )
         await js.add_consumer(stream, config)

@@ -200,6 +200,12 @@ class DecisionService:
             self._caught_up.clear()
             await self._caught_up.wait()
 
+    async def wait_applied(self, seq: int, timeout_s: float) -> None:
+        """Until the state includes the log up to ``seq``, or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while self.applied_seq < seq and time.monotonic() < deadline and not self._stop.is_set():
+            await asyncio.sleep(0.02)
+
     async def side_loop(self, js, appender: eventlog.EventLog) -> None:
         """A second input some services have (admission's intake). Runs beside the main loop;
         returning ends the service, so the default waits for stop()."""

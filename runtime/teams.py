@@ -25,9 +25,12 @@ MAX_PARTITIONS = 16
 
 MAX_READING_PARTITIONS = eventlog.READER_SLOTS // 2
 """Most partitions of a service whose processes each hold one of its credential's reader
-consumers (:data:`runtime.eventlog.READER_SLOTS`) while they fold the log (accounting; admission,
-a partition's active and its standby): the rest are left for a process that restarts before the
-server has reaped its old reader."""
+consumers (:data:`runtime.eventlog.READER_SLOTS`) while they read the log: accounting's, one
+process a partition, leaves half for a process that restarts before the server has reaped its old
+reader. Admission's processes (a partition's active and its standby) hold one only while they
+fold what the log holds past their state (at start; a standby every third of its lease ttl): at
+four partitions with a standby each they may take all eight at once, and a process finding none
+free retries."""
 
 _FIRST = {"job": "submitted", "service": "deployed"}  # the subject token of an aggregate's first event
 

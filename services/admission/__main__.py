@@ -39,14 +39,16 @@ admission credential's reader consumers while it folds the log."""
 
 
 def partition_from_environment() -> Partition:
-    """GPUSCHED_ADMISSION_PARTITIONS and GPUSCHED_ADMISSION_PARTITION; ConfigError naming what is accepted."""
+    """GPUSCHED_ADMISSION_PARTITIONS (N) and GPUSCHED_ADMISSION_PARTITION (k: partition k mod N, so
+    that StatefulSet pods k and k+N, its pod index, are one partition's active and standby);
+    ConfigError naming what is accepted."""
     count, index = partition_from_env("GPUSCHED_ADMISSION_PARTITIONS", "GPUSCHED_ADMISSION_PARTITION")
     if count > MAX_PARTITIONS:
         raise ConfigError(f"GPUSCHED_ADMISSION_PARTITIONS={count} is out of range; accepted: 1..{MAX_PARTITIONS}")
-    if index >= count:
-        raise ConfigError(f"GPUSCHED_ADMISSION_PARTITION={index} is out of range; accepted: 0..{count - 1} "
-                          f"(GPUSCHED_ADMISSION_PARTITIONS={count})")
-    return Partition(count, index)
+    if index >= 2 * count:
+        raise ConfigError(f"GPUSCHED_ADMISSION_PARTITION={index} is out of range; accepted: 0..{2 * count - 1} "
+                          f"(GPUSCHED_ADMISSION_PARTITIONS={count}: k and k+{count} are partition k)")
+    return Partition(count, index % count)
 
 
 def durable_names(name: str, partition: Partition) -> tuple[str, str]:
@@ -109,24 +111,42 @@ class AdmissionService(DecisionService):
             return self.partition.index == 0
 
     async def _intake_durables(self, js) -> None:
-        """Create the intake durables that do not exist yet: a new one of partition k > 0 starts
-        after what partition 0's has acknowledged (at the intake's start when partition 0 has none
-        either: a fresh platform). Partition 0 creates every partition's before it handles a
-        command, so none of another partition's commands it passes over (acknowledges) is
-        missing from that partition's durable; partition k creates its own in case it starts
-        first. The number of partitions is changed with admission stopped and caught up
-        (docs/operations.md): every durable then starts at the same point."""
+        """Make the intake durables this process needs before it handles a command: partition 0
+        its own and every other partition's, partition k its own (in case it starts first).
+
+        A new durable of partition k > 0 starts after what partition 0's has acknowledged (at the
+        intake's start when partition 0 has none either: a fresh platform), so none of partition
+        k's commands that partition 0 passed over is missing from it. It is tagged with the
+        partitioning it was made for; one tagged for another partitioning is made again, and
+        partition 0 deletes those of partitions past the count: a durable left from an earlier
+        count would hand its partition the commands of that time again (2 -> 1 -> 2 partitions).
+        Any change of the count but from one is made with admission stopped and caught up
+        (docs/operations.md), so that every durable starts at the same point."""
         try:
             info = await js.consumer_info(eventlog.INTAKE_STREAM, INTAKE_DURABLE)
             start = info.ack_floor.stream_seq + 1
         except NotFoundError:
             start = None
-        mine = range(self.partition.count) if self.partition.index == 0 else [self.partition.index]
-        for k in mine:
-            durable = durable_names(self.name, Partition(self.partition.count, k))[1]
-            # It naks a command whose events were refused, to decide it again 0.2 s later: no backoff list.
-            await eventlog.ensure_durable(js, stream=eventlog.INTAKE_STREAM, durable=durable,
-                                          start_seq=start if k else None, backoff=False)
+        count, index = self.partition.count, self.partition.index
+        if index == 0:
+            for k in range(count, MAX_PARTITIONS):
+                try:
+                    await js.delete_consumer(eventlog.INTAKE_STREAM, durable_names(self.name, Partition(k + 1, k))[1])
+                except NotFoundError:
+                    pass
+        for k in range(1, count) if index == 0 else [index]:
+            partition = Partition(count, k)
+            durable = durable_names(self.name, partition)[1]
+            try:
+                if (await js.consumer_info(eventlog.INTAKE_STREAM, durable)).config.description != str(partition):
+                    await js.delete_consumer(eventlog.INTAKE_STREAM, durable)
+            except NotFoundError:
+                pass
+            # It naks a command whose events were refused, to decide it again: no backoff list.
+            await eventlog.ensure_durable(js, stream=eventlog.INTAKE_STREAM, durable=durable, start_seq=start,
+                                          description=str(partition), backoff=False)
+        if index == 0:
+            await eventlog.ensure_durable(js, stream=eventlog.INTAKE_STREAM, durable=INTAKE_DURABLE, backoff=False)
 
     async def side_loop(self, js, appender: eventlog.EventLog) -> None:
         await self._intake_durables(js)
@@ -144,21 +164,25 @@ class AdmissionService(DecisionService):
                 if msg.subject.endswith(".cancel") and pending:
                     await self._flush(appender, pending)
                     pending, seen = [], set()
-                events = await self._handle(js, msg)
-                if events is None:
-                    continue
-                if _identity(events) & seen:
+                outcome = self._handle(msg)
+                if pending and (isinstance(outcome, str) or not outcome or _identity(outcome) & seen):
+                    # Its answer may depend on what came before it in the batch (refused: a scale
+                    # of a service deployed just before; nothing to do: a redeploy of a service
+                    # deleted just before; the same job, key or service): that is recorded and
+                    # folded in first, and the command handled again.
                     await self._flush(appender, pending)
                     pending, seen = [], set()
-                    events = await self._handle(js, msg)
-                    if events is None:
-                        continue
-                pending.append((msg, events))
-                seen |= _identity(events)
+                    outcome = self._handle(msg)
+                if isinstance(outcome, str):
+                    await eventlog.dead_letter(js, DEAD_LETTER_NAME, msg, outcome)
+                    await msg.ack()
+                    continue
+                pending.append((msg, outcome))
+                seen |= _identity(outcome)
             await self._flush(appender, pending)
 
-    async def _handle(self, js, msg: Msg) -> list[Event] | None:
-        """The events a command leads to; None when it was dead-lettered."""
+    def _handle(self, msg: Msg) -> list[Event] | str:
+        """The events a command leads to, or why it is poison (for the dead-letter subject)."""
         core: AdmissionCore = self.core  # type: ignore[assignment]
         seq = msg.metadata.sequence.stream
         verb = msg.subject.rsplit(".", 1)[-1]
@@ -191,9 +215,7 @@ class AdmissionService(DecisionService):
             else:
                 reason = None
             if reason is not None:
-                await eventlog.dead_letter(js, DEAD_LETTER_NAME, msg, reason)
-                await msg.ack()
-                return None
+                return reason
         ctx = observability.trace_headers(msg.headers)
         for event in events:
             if ctx:
@@ -204,6 +226,13 @@ class AdmissionService(DecisionService):
         if not pending:
             return
         refused = await self.append_all(appender, [e for _, events in pending for e in events])
+        if refused:
+            # What refused them (another partition's job of that id, a decision already taken) is
+            # in the log: they are decided again once the state holds it.
+            try:
+                await self.wait_applied(await eventlog.last_sequence(appender.js), timeout_s=10.0)
+            except eventlog.BROKER_ERRORS:
+                pass
         for msg, events in pending:
             if not any((type(e).aggregate, e.aggregate_id) in refused for e in events):
                 await msg.ack()

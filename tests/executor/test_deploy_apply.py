@@ -86,8 +86,9 @@ def wait_ready(plane, want: dict[str, int], timeout: float = 180) -> dict[str, i
     raise AssertionError(f"not ready within {timeout}s: want {want}\n{pods}\n{pvcs}\n{plane.logs('kube-scheduler')}")
 
 
-SERVICES = ("admission", "quota", "scheduler", "executor", "serving", "api")
-"""Deployments; the notifier and accounting are StatefulSets (one pod per partition)."""
+SERVICES = ("quota", "scheduler", "executor", "serving", "api")
+"""Deployments; the notifier, accounting and admission are StatefulSets (admission: two pods per
+partition)."""
 
 
 def test_the_dev_then_the_prod_overlay_apply_server_side_and_come_up(plane):
@@ -103,7 +104,8 @@ def test_the_dev_then_the_prod_overlay_apply_server_side_and_come_up(plane):
     out = kubectl(plane, "apply", "--server-side", "-k", str(REPO / "k8s/overlays/dev"))
     assert "statefulset.apps/nats serverside-applied" in out, out
     dev = {f"Deployment/gpusched-{s}": 1 for s in SERVICES} | {"StatefulSet/nats": 1, "StatefulSet/gpusched-notifier": 1,
-                                                               "StatefulSet/gpusched-accounting": 1}
+                                                               "StatefulSet/gpusched-accounting": 1,
+                                                               "StatefulSet/gpusched-admission": 1}
     wait_ready(plane, dev)
 
     # the upgrade to prod: the same objects take prod's replicas, config and image; prod's own appear
@@ -112,8 +114,9 @@ def test_the_dev_then_the_prod_overlay_apply_server_side_and_come_up(plane):
                     "servicemonitor.monitoring.coreos.com/gpusched", "service/gpusched-quota-metrics"):
         assert f"{created} serverside-applied" in out, out
     prod = ({f"Deployment/gpusched-{s}": 1 for s in SERVICES}
-            | {f"Deployment/gpusched-{s}": 2 for s in ("admission", "quota", "scheduler", "api")}
-            | {"StatefulSet/nats": 3, "StatefulSet/gpusched-notifier": 2, "StatefulSet/gpusched-accounting": 2})
+            | {f"Deployment/gpusched-{s}": 2 for s in ("quota", "scheduler", "api")}
+            | {"StatefulSet/nats": 3, "StatefulSet/gpusched-notifier": 2, "StatefulSet/gpusched-accounting": 2,
+               "StatefulSet/gpusched-admission": 4})
     got = wait_ready(plane, prod)
     print(f"\nprod overlay ready: {got}")
     # applied again: nothing changes, nothing conflicts

@@ -13,13 +13,14 @@ from datetime import UTC, datetime
 import pytest
 
 from conftest import eventually, running, service_settings
-from runtime import eventlog
+from runtime import eventlog, lease, snapshot
 from runtime.teams import partition_of
 from schemas import NodeRegistered, QueueConfigured, new_event, parse_event
 from schemas.node import NodeInfo
 from schemas.queue import FlavorQuota
 from services.admission.__main__ import AdmissionService, durable_names
 from services.admission.domain import AdmissionCore, Partition
+from tests.unit.builders import service_spec
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 TEAMS = ("team-a", "team-b", "team-c", "team-d")
@@ -145,3 +146,95 @@ async def test_a_partition_starting_after_partition_0_misses_none_of_its_command
 
 async def _admitted(js, job_id: str) -> bool:
     return "JobAdmitted" in [parse_event(m.data).type async for m in eventlog.read(js, subjects=[f"gpusched.job.{job_id}.>"])]
+
+
+async def _settled(js, *durables: str) -> None:
+    """Until each intake durable has nothing left to deliver or acknowledge."""
+    async def idle():
+        for durable in durables:
+            info = await js.consumer_info(eventlog.INTAKE_STREAM, durable)
+            if info.num_pending or info.num_ack_pending:
+                return False
+        return True
+    await eventually(idle, timeout_s=20)
+    await asyncio.sleep(0.3)
+
+
+async def _service_log(js) -> list[tuple[str, int | None]]:
+    return [(e.type, getattr(e, "generation", None))
+            async for e in _parsed(eventlog.read(js, subjects=["gpusched.service.>"]))]
+
+
+async def _parsed(msgs):
+    async for m in msgs:
+        yield parse_event(m.data)
+
+
+async def test_a_durable_left_from_an_earlier_partitioning_hands_nothing_again(nats_server, configured):
+    """2 partitions, then 1, then 2 again: partition 1's intake durable of the first time is not
+    used again (it would hand partition 1 the commands the single admission handled, and delete
+    the service deployed again)."""
+    js, team = configured, P1[0]
+    spec = {"spec": service_spec(name="chat", team=team, desired=1, lo=1, hi=2).model_dump(mode="json")}
+
+    async def send(verb: str, body: dict) -> None:
+        await js.publish(f"gpusched.intake.{team}.{verb}", json.dumps(body).encode())
+
+    async with running(partition(nats_server, 0)), running(partition(nats_server, 1)):
+        await send("deploy", spec)
+        await eventually(lambda: _has(js, ("ServiceDeployed", 1)))
+        await _settled(js, "admission-intake", "admission-intake-p1")
+    async with running(partition(nats_server, 0, count=1)):
+        await send("delete", {"service": "chat"})
+        await send("deploy", spec)
+        await send("scale", {"service": "chat", "replicas": 2})
+        await eventually(lambda: _has(js, ("ScaleRequested", None)))
+        await _settled(js, "admission-intake")
+    before = await _service_log(js)
+    assert before == [("ServiceDeployed", 1), ("ServiceDeleted", None), ("ServiceDeployed", 2), ("ScaleRequested", None)]
+    async with running(partition(nats_server, 0)), running(partition(nats_server, 1)):
+        await send("scale", {"service": "chat", "replicas": 1})
+        await eventually(lambda: _has(js, ("ScaleRequested", None), count=2))
+        await _settled(js, "admission-intake", "admission-intake-p1")
+    assert await _service_log(js) == [*before, ("ScaleRequested", None)]
+
+
+async def _has(js, entry, count: int = 1) -> bool:
+    return (await _service_log(js)).count(entry) >= count
+
+
+async def test_a_redeploy_after_a_delete_in_one_batch_is_recorded(nats_server, configured):
+    """One admission, both commands in one fetched batch: the deploy is handled after the delete
+    is recorded (before, it was answered against the service as it was before the batch: the
+    same spec, nothing to do, and acknowledged without an event)."""
+    js, team = configured, "team-a"
+    spec = {"spec": service_spec(name="chat", team=team, desired=1, lo=1, hi=2).model_dump(mode="json")}
+    async with running(partition(nats_server, 0, count=1)):
+        await js.publish(f"gpusched.intake.{team}.deploy", json.dumps(spec).encode())
+        await eventually(lambda: _has(js, ("ServiceDeployed", 1)))
+    await js.publish(f"gpusched.intake.{team}.delete", json.dumps({"service": "chat"}).encode())
+    await js.publish(f"gpusched.intake.{team}.deploy", json.dumps(spec).encode())
+    async with running(partition(nats_server, 0, count=1)):
+        await _settled(js, "admission-intake")
+    assert await _service_log(js) == [("ServiceDeployed", 1), ("ServiceDeleted", None), ("ServiceDeployed", 2)]
+
+
+async def test_a_partition_starting_alone_starts_where_partition_0_stopped(nats_server, configured):
+    """Partition 1 of 2 starting before partition 0 makes its intake durable after what the
+    single admission acknowledged; with its own lease and snapshot bucket (the admission
+    credential's rights for partition 1)."""
+    js = configured
+    async with running(partition(nats_server, 0, count=1)):
+        await submit(js, P1[0], "earlier")
+        await eventually(lambda: _admitted(js, "earlier"))
+        await _settled(js, "admission-intake")
+    floor = (await js.consumer_info(eventlog.INTAKE_STREAM, "admission-intake")).ack_floor.stream_seq
+    async with running(partition(nats_server, 1, lease_ttl_s=2)) as p1:
+        await submit(js, P1[0], "later")
+        await eventually(lambda: _admitted(js, "later"))
+        assert p1.core.state.jobs["earlier"].intake_sequence < floor + 1
+    info = await js.consumer_info(eventlog.INTAKE_STREAM, "admission-intake-p1")
+    assert info.config.opt_start_seq == floor + 1 and info.config.description == "partition 1 of 2"
+    assert [e.type for e in await events(js) if e.aggregate_id == "earlier"] == ["JobSubmitted", "JobAdmitted"]
+    await js.stream_info(lease.stream("admission-p1"))
+    await js.stream_info(snapshot.stream("admission-p1"))  # saved on the clean stop

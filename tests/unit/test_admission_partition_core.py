@@ -187,3 +187,16 @@ def test_a_snapshot_of_another_partitioning_is_not_restored():
 def test_a_partition_out_of_range_is_refused(count, index):
     with pytest.raises(ValueError, match="accepted"):
         Partition(count, index)
+
+
+def test_two_teams_deploying_one_name_at_once_append_different_events():
+    """Each partition grants the name before it folds the other's ServiceDeployed. The events
+    differ in id (their key names the command), so the log refuses the second as a conflict on
+    the service's subjects instead of taking it for a duplicate of the first (JetStream drops a
+    message whose id it has seen before it checks the expected sequence) and acknowledging it."""
+    a, b = "team-a", next(t for t in TEAMS if partition_of(t, 2) != partition_of("team-a", 2))
+    cores = partitions_of(2)
+    (first,) = handle(owner(cores, a), "deploy", a, body("deploy", a, "chat", None), 1)
+    (second,) = handle(owner(cores, b), "deploy", b, body("deploy", b, "chat", None), 2)
+    assert first.aggregate_id == second.aggregate_id == "chat" and first.generation == second.generation == 1
+    assert first.event_id != second.event_id

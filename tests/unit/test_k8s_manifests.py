@@ -38,6 +38,9 @@ PARTITIONED = {"notifier", "accounting"}
 """A StatefulSet: each pod its partition (its pod index) of GPUSCHED_<SERVICE>_PARTITIONS = replicas."""
 LEASED = {"admission", "quota", "scheduler"}
 """Two replicas, one active by its lease (runtime/lease.py), rolled one at a time."""
+LEASED_PARTITIONS = {"admission"}
+"""A StatefulSet of leased partitions: pods k and k+N (its pod index) are partition k's active and
+standby, so replicas = 2 × GPUSCHED_<SERVICE>_PARTITIONS."""
 IN_WORKLOADS = {("ServiceAccount", "default"), ("Role", "gpusched-executor"), ("RoleBinding", "gpusched-executor")}
 
 # (apiGroup, resource, verb) triples the executor may use, and nothing more.
@@ -159,7 +162,8 @@ def test_the_teams_jobs_run_where_no_platform_secret_is(docs: list[dict]) -> Non
 def test_a_deployment_per_service_running_it(docs: list[dict]) -> None:
     deployments = _workloads(docs)
     assert set(deployments) == {f"gpusched-{s}" for s in SERVICES}
-    assert {n for n, d in deployments.items() if d["kind"] == "StatefulSet"} == {f"gpusched-{s}" for s in PARTITIONED}
+    assert {n for n, d in deployments.items() if d["kind"] == "StatefulSet"} == {
+        f"gpusched-{s}" for s in PARTITIONED | LEASED_PARTITIONS}
     for svc in SERVICES:
         dep = deployments[f"gpusched-{svc}"]
         pod = dep["spec"]["template"]["spec"]
@@ -171,10 +175,13 @@ def test_a_deployment_per_service_running_it(docs: list[dict]) -> None:
         if svc in SINGLE_ACTIVE:
             assert dep["spec"]["replicas"] == 1, svc
             assert dep["spec"]["strategy"]["type"] == "Recreate", svc
-        elif svc in PARTITIONED:
-            assert str(dep["spec"]["replicas"]) == env[f"GPUSCHED_{svc.upper()}_PARTITIONS"], svc
+        elif svc in PARTITIONED | LEASED_PARTITIONS:
+            per_partition = 2 if svc in LEASED_PARTITIONS else 1
+            assert dep["spec"]["replicas"] == per_partition * int(env[f"GPUSCHED_{svc.upper()}_PARTITIONS"]), svc
             index = next(e for e in container["env"] if e["name"] == f"GPUSCHED_{svc.upper()}_PARTITION")
             assert index["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+            if svc in LEASED_PARTITIONS:
+                assert float(env["GPUSCHED_LEASE_TTL_S"]) > 0, svc
         elif svc in LEASED:
             assert dep["spec"]["replicas"] == 2 and float(env["GPUSCHED_LEASE_TTL_S"]) > 0, svc
             assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, svc
@@ -381,15 +388,16 @@ def test_prod_pins_the_image_and_budgets_disruptions(overlays) -> None:
         assert re.fullmatch(r"registry\.example\.com/gpusched:\d+\.\d+\.\d+", container["image"]), container["image"]
     budgets = {p["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: p["spec"]
                for p in _by_kind(docs, "PodDisruptionBudget").values()}
-    for svc in (*LEASED, "api"):
+    for svc in ({*LEASED, "api"} - LEASED_PARTITIONS):
         assert budgets[f"gpusched-{svc}"]["minAvailable"] == 1, svc
     assert budgets["nats"]["maxUnavailable"] == 1
-    for svc in PARTITIONED:
+    for svc in PARTITIONED | LEASED_PARTITIONS:
         assert budgets[f"gpusched-{svc}"]["maxUnavailable"] == 1
         workload = _workloads(docs)[f"gpusched-{svc}"]
         (container,) = workload["spec"]["template"]["spec"]["containers"]
         partitions = next(e["value"] for e in container["env"] if e["name"] == f"GPUSCHED_{svc.upper()}_PARTITIONS")
-        assert workload["spec"]["replicas"] == int(partitions) == 2, svc
+        per_partition = 2 if svc in LEASED_PARTITIONS else 1
+        assert workload["spec"]["replicas"] == per_partition * int(partitions) == per_partition * 2, svc
     assert not {f"gpusched-{svc}" for svc in SINGLE_ACTIVE} & set(budgets)  # one pod: a budget would only block drains
 
 
