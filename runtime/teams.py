@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 
 from nats.js.errors import NotFoundError
 
@@ -45,6 +46,43 @@ def partition_from_env(count_var: str, index_var: str) -> tuple[int, int]:
                           f"({count_var}={partitions}; in Kubernetes, the pod index label of a StatefulSet's "
                           "pod, apps.kubernetes.io/pod-index, set from Kubernetes 1.28)")
     return partitions, int(env_number(index_var, 0, minimum=0, maximum=MAX_PARTITIONS - 1, integer=True))
+
+
+async def partition_durables(js, *, stream: str, name: Callable[[int], str], partitions: int, partition: int,
+                             most: int = MAX_PARTITIONS, **config) -> None:
+    """Make the durables of a team-partitioned service's partitions that one process needs before
+    it passes over (acknowledges) another partition's message: partition 0 its own and every
+    other partition's, partition k its own (in case it starts first). ``name(k)`` is partition
+    k's durable (of at most ``most`` partitions: its credential's); ``config`` goes to
+    :func:`runtime.eventlog.ensure_durable`.
+
+    A new durable of partition k > 0 starts after what partition 0's has acknowledged (where
+    partition 0's would start when it has none either), so none of partition k's messages that
+    partition 0 passed over is missing from it. Each is tagged with the partitioning it was made
+    for; one tagged for another partitioning is made again, and partition 0 deletes those of
+    partitions past the count: a durable left from an earlier count would hand its partition
+    the messages of that time again (2 -> 1 -> 2 partitions). A change of the count other than
+    from one is made with the service stopped and caught up, so that every durable starts at the
+    same point (docs/operations.md)."""
+    try:
+        start = (await js.consumer_info(stream, name(0))).ack_floor.stream_seq + 1
+    except NotFoundError:
+        start = config.get("start_seq")
+    config.pop("start_seq", None)
+    if partition == 0:
+        for k in range(partitions, most):
+            try:
+                await js.delete_consumer(stream, name(k))
+            except NotFoundError:
+                pass
+    for k in range(1, partitions) if partition == 0 else [partition]:
+        tag = f"partition {k} of {partitions}"
+        try:
+            if (await js.consumer_info(stream, name(k))).config.description != tag:
+                await js.delete_consumer(stream, name(k))
+        except NotFoundError:
+            pass
+        await eventlog.ensure_durable(js, stream=stream, durable=name(k), start_seq=start, description=tag, **config)
 
 
 def partition_of(team: str, partitions: int) -> int:

@@ -19,12 +19,11 @@ import logging
 import sys
 
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
 
 from runtime import eventlog, observability
 from runtime.loop import DecisionService, run_service
 from runtime.settings import ConfigError
-from runtime.teams import MAX_READING_PARTITIONS, partition_from_env
+from runtime.teams import MAX_READING_PARTITIONS, partition_durables, partition_from_env
 from schemas import Event, JobSubmitted
 from schemas.commands import intake_principal
 from services.admission.domain import AdmissionCore, Partition, PoisonCommand
@@ -110,46 +109,12 @@ class AdmissionService(DecisionService):
         except ValueError:
             return self.partition.index == 0
 
-    async def _intake_durables(self, js) -> None:
-        """Make the intake durables this process needs before it handles a command: partition 0
-        its own and every other partition's, partition k its own (in case it starts first).
-
-        A new durable of partition k > 0 starts after what partition 0's has acknowledged (at the
-        intake's start when partition 0 has none either: a fresh platform), so none of partition
-        k's commands that partition 0 passed over is missing from it. It is tagged with the
-        partitioning it was made for; one tagged for another partitioning is made again, and
-        partition 0 deletes those of partitions past the count: a durable left from an earlier
-        count would hand its partition the commands of that time again (2 -> 1 -> 2 partitions).
-        Any change of the count but from one is made with admission stopped and caught up
-        (docs/operations.md), so that every durable starts at the same point."""
-        try:
-            info = await js.consumer_info(eventlog.INTAKE_STREAM, INTAKE_DURABLE)
-            start = info.ack_floor.stream_seq + 1
-        except NotFoundError:
-            start = None
-        count, index = self.partition.count, self.partition.index
-        if index == 0:
-            for k in range(count, MAX_PARTITIONS):
-                try:
-                    await js.delete_consumer(eventlog.INTAKE_STREAM, durable_names(self.name, Partition(k + 1, k))[1])
-                except NotFoundError:
-                    pass
-        for k in range(1, count) if index == 0 else [index]:
-            partition = Partition(count, k)
-            durable = durable_names(self.name, partition)[1]
-            try:
-                if (await js.consumer_info(eventlog.INTAKE_STREAM, durable)).config.description != str(partition):
-                    await js.delete_consumer(eventlog.INTAKE_STREAM, durable)
-            except NotFoundError:
-                pass
-            # It naks a command whose events were refused, to decide it again: no backoff list.
-            await eventlog.ensure_durable(js, stream=eventlog.INTAKE_STREAM, durable=durable, start_seq=start,
-                                          description=str(partition), backoff=False)
-        if index == 0:
-            await eventlog.ensure_durable(js, stream=eventlog.INTAKE_STREAM, durable=INTAKE_DURABLE, backoff=False)
-
     async def side_loop(self, js, appender: eventlog.EventLog) -> None:
-        await self._intake_durables(js)
+        # A partition's intake durable starts where partition 0's stopped (runtime.teams). It naks a
+        # command whose events were refused, to decide it again: no backoff list.
+        await partition_durables(js, stream=eventlog.INTAKE_STREAM, partitions=self.partition.count,
+                                 partition=self.partition.index, most=MAX_PARTITIONS, backoff=False,
+                                 name=lambda k: durable_names(self.name, Partition(k + 1, k))[1])
         sub = await eventlog.durable_consumer(js, stream=eventlog.INTAKE_STREAM, durable=self.intake_durable,
                                               backoff=False)
         while True:

@@ -24,7 +24,9 @@ which (a StatefulSet's pod index). Each reads every event through its own fan-ou
 (:func:`~services.notifier.core.durable_names`) but copies and delivers only its teams': a team's
 order holds (one consumer per team, in log order), and the copies, notifications and webhook POSTs
 (the work) are divided. A partition's durable that does not exist yet starts where partition 0's
-has acknowledged, so adding notifiers neither loses nor repeats anything.
+has acknowledged, and partition 0 makes every partition's before it passes over another's event
+(:func:`runtime.teams.partition_durables`), so adding notifiers neither loses nor repeats
+anything.
 
 Both loops are nats-py pull consumers, as in the other services. FastStream 0.7's pull subscriber
 was tried for the fan-out and left: it handles the messages of one fetched batch concurrently
@@ -58,8 +60,7 @@ from services.notifier import core
 from services.notifier.settings import NotifierSettings
 
 NAME = "notifier"
-DURABLE = "notifier"
-SERVICE_DURABLE = "notifier-services"
+DURABLE = "notifier"  # on each tenant stream (webhook delivery)
 log = logging.getLogger(NAME)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
 
@@ -77,7 +78,6 @@ class Notifier:
         self._stop = asyncio.Event()
         self._warned: set[str] = set()
         self._workers: dict[str, asyncio.Task] = {}
-        self.durable, self.service_durable = core.durable_names(self.options.partition)
 
     def stop(self) -> None:
         self._stop.set()
@@ -88,9 +88,8 @@ class Notifier:
         self.teams = teams.TeamIndex(self.js)
         await eventlog.wait_for_streams(self.js)
         supervisor = asyncio.create_task(self._supervise_webhooks())
-        loops = [asyncio.create_task(self._fan_out_loop(self.durable, f"{SUBJECT_PREFIX}.job.>", DURABLE)),
-                 asyncio.create_task(self._fan_out_loop(self.service_durable, f"{SUBJECT_PREFIX}.service.>",
-                                                        SERVICE_DURABLE))]
+        loops = [asyncio.create_task(self._fan_out_loop(0, f"{SUBJECT_PREFIX}.job.>")),
+                 asyncio.create_task(self._fan_out_loop(1, f"{SUBJECT_PREFIX}.service.>"))]
         try:
             # both end when stopped; one that fails for anything but the broker takes the process
             # down (its supervisor restarts it) rather than dying unnoticed beside the other
@@ -110,34 +109,22 @@ class Notifier:
         """Whether this notifier's partition copies and delivers ``team``'s."""
         return self.options.partitions == 1 or teams.partition_of(team, self.options.partitions) == self.options.partition
 
-    async def _start_after(self, durable: str, first: str) -> int | None:
-        """Where a partition's new durable starts: after what partition 0's (``first``) has
-        acknowledged; None (the log's start) for partition 0, an existing durable, or when there
-        is no partition 0 yet."""
-        if durable == first:
-            return None
-        try:
-            await self.js.consumer_info(eventlog.EVENTS_STREAM, durable)
-            return None  # it exists: it goes on from where it is
-        except NotFoundError:
-            pass
-        try:
-            info = await self.js.consumer_info(eventlog.EVENTS_STREAM, first)
-        except NotFoundError:
-            return None
-        return info.ack_floor.stream_seq + 1
-
-    async def _fan_out_loop(self, durable: str, subject: str, first: str) -> None:
+    async def _fan_out_loop(self, family: int, subject: str) -> None:
+        """The fan-out of one family of durables (``family``: 0 jobs, 1 services; core.durable_names)."""
         failures = 0
         while not self._stop.is_set():
             try:
                 # One message in flight (max_ack_pending=1): a team's copies stay in log order even
                 # when a notifier dies, or stops, with messages delivered and not acknowledged:
                 # those come again before anything later (with a batch in flight, the later ones
-                # would be copied first and the batch after its ack wait).
-                sub = await eventlog.durable_consumer(self.js, stream=eventlog.EVENTS_STREAM, durable=durable,
-                                                      filter_subjects=[subject], max_ack_pending=1,
-                                                      start_seq=await self._start_after(durable, first))
+                # would be copied first and the batch after its ack wait). A partition's durable
+                # starts where partition 0's stopped (runtime.teams.partition_durables).
+                config = {"filter_subjects": [subject], "max_ack_pending": 1}
+                await teams.partition_durables(self.js, stream=eventlog.EVENTS_STREAM, partitions=self.options.partitions,
+                                               partition=self.options.partition,
+                                               name=lambda k: core.durable_names(k)[family], **config)
+                durable = core.durable_names(self.options.partition)[family]
+                sub = await eventlog.durable_consumer(self.js, stream=eventlog.EVENTS_STREAM, durable=durable, **config)
                 while not self._stop.is_set():
                     for msg in await eventlog.fetch(sub, 1, 1.0):
                         await self._handle(msg)

@@ -21,6 +21,7 @@ import pytest
 from conftest import connect_as, eventually, service_settings
 from gpusched import devstack
 from runtime import eventlog, lease
+from runtime.teams import partition_of
 from schemas import JobScheduled, NodeAssignment, new_event, parse_event
 from tests.integration.test_telemetry import REPO
 from tests.unit.builders import admitted, node, queue, spec, submitted
@@ -30,9 +31,10 @@ JOBS = 300
 NODES = 40  # × 8 GPUs: room for every job
 
 
-def start(nats_server, service: str, log_path, metrics_port: int) -> subprocess.Popen:
+def start(nats_server, service: str, log_path, metrics_port: int, **extra: str) -> subprocess.Popen:
     env = {**os.environ, **nats_server.env(service), "GPUSCHED_TICK_S": "0.05", "GPUSCHED_LEASE_TTL_S": str(TTL_S),
-           "GPUSCHED_SNAPSHOT_EVERY": "0", "GPUSCHED_LOG_FORMAT": "text", "GPUSCHED_METRICS_PORT": str(metrics_port)}
+           "GPUSCHED_SNAPSHOT_EVERY": "0", "GPUSCHED_LOG_FORMAT": "text", "GPUSCHED_METRICS_PORT": str(metrics_port),
+           **extra}
     return subprocess.Popen([sys.executable, "-m", f"services.{service}"], cwd=REPO, env=env,
                             stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
 
@@ -74,11 +76,11 @@ def readiness(port: int) -> dict | None:
 @pytest.fixture
 def processes(nats_server, tmp_path):
     procs: dict[str, list[subprocess.Popen]] = {}
-    ports = iter(devstack.free_ports(8))
+    ports = iter(devstack.free_ports(10))
 
-    def spawn(service: str) -> subprocess.Popen:
+    def spawn(service: str, **env: str) -> subprocess.Popen:
         port = next(ports)
-        proc = start(nats_server, service, tmp_path / f"{service}.log", port)
+        proc = start(nats_server, service, tmp_path / f"{service}.log", port, **env)
         proc.metrics_port = port  # type: ignore[attr-defined]
         procs.setdefault(service, []).append(proc)
         return proc
@@ -229,3 +231,47 @@ async def test_kill_9_of_the_active_admission_mid_load(nats_server, admin_js, pr
     print(f"\nadmission failover, lease ttl {TTL_S:g} s: no decisions for {gap:.2f} s")
     assert gap < 3 * TTL_S
     await tenant.close()
+
+
+async def test_kill_9_of_one_admission_partitions_active_mid_load(nats_server, admin_js, processes):
+    """Two admission partitions, each an active and a standby (four processes): a kill -9 of
+    partition 1's active one stalls only partition 1's teams, for about the lease ttl; every
+    submission of both becomes exactly one JobSubmitted and one JobAdmitted."""
+    teams = {partition_of(t, 2): t for t in ("team-a", "team-b", "team-c", "team-d")}
+    assert set(teams) == {0, 1}
+    log = eventlog.EventLog(admin_js)
+    await log.append(queue(teams=tuple(teams.values()), quotas={"a100": 64}))
+    await log.append(node("n0"))
+    for k in (0, 1, 0, 1):
+        processes("admission", GPUSCHED_ADMISSION_PARTITIONS="2", GPUSCHED_ADMISSION_PARTITION=str(k))
+    for name in ("admission", "admission-p1"):
+        await eventually(lambda: holder_pid(admin_js, name), timeout_s=30)
+
+    async def send(k: int, i: int) -> None:
+        payload = {"job_id": f"p{k}-{i}", "spec": {"kind": "training", "queue": "research", "team": teams[k],
+                                                   "image": "img", "gpus": 1}}
+        await admin_js.publish(f"gpusched.intake.{teams[k]}.submit", json.dumps(payload).encode())
+
+    count = 90
+    for i in range(count):
+        await send(0, i)
+        await send(1, i)
+        if i == count // 3:
+            await eventually(lambda: _at_least(appended(admin_js, "admitted"), count // 2), timeout_s=30)
+            pid = await holder_pid(admin_js, "admission-p1")
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.time()
+        await asyncio.sleep(1 / 30)
+    await eventually(lambda: _at_least(appended(admin_js, "admitted"), 2 * count), timeout_s=60)
+    await asyncio.sleep(2 * TTL_S)  # anything decided twice would be in by now
+    for kind in ("submitted", "admitted"):
+        per_job = [m.subject.split(".")[2] for m in await appended(admin_js, kind)]
+        assert sorted(per_job) == sorted(f"p{k}-{i}" for k in (0, 1) for i in range(count)), kind
+    assert await holder_pid(admin_js, "admission-p1") not in (None, pid)
+    admitted = [m for m in await appended(admin_js, "admitted") if m.metadata.timestamp.timestamp() > killed_at]
+
+    def gap(k: int) -> float:
+        return min(m.metadata.timestamp.timestamp() for m in admitted if m.subject.split(".")[2].startswith(f"p{k}-")) - killed_at
+    print(f"\nadmission partition 1 failover, lease ttl {TTL_S:g} s: no decisions for its teams for {gap(1):.2f} s; "
+          f"partition 0's next decision after {gap(0):.2f} s")
+    assert gap(1) < 3 * TTL_S and gap(0) < TTL_S

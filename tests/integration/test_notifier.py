@@ -20,8 +20,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from conftest import connect_as, eventually, running, service_settings
+
 from runtime import eventlog
 from schemas import NotifySpec, TeamConfigured, Webhook, new_event
 from schemas.tenant import JobNotification, NotificationDelivery
@@ -326,6 +328,47 @@ async def test_two_partitions_share_the_teams_and_taking_one_on_repeats_nothing(
     # partition 1's durables exist and started after partition 0's acknowledged position
     info = await admin_js.consumer_info(eventlog.EVENTS_STREAM, "notifier-p1")
     assert info.config.opt_start_seq is not None and info.config.opt_start_seq > 1
+
+
+async def test_partition_1_starting_after_partition_0_loses_nothing_and_is_remade_after_one_notifier(
+        nats_server, admin_js):
+    """Partition 0 of two runs alone and passes over partition 1's team's events: partition 1,
+    started later, still copies them (partition 0 made its durable first). Then one notifier,
+    then two again: partition 1's durable of the first time is made again where the single one
+    stopped, not used from where it was (it would copy that time's events again)."""
+    from runtime.teams import partition_of
+
+    team = next(t for t in ("team-a", "team-b", "team-c") if partition_of(t, 2) == 1)
+    log = eventlog.EventLog(admin_js)
+
+    def partitioned(k: int) -> Notifier:
+        return Notifier(service_settings(nats_server, "notifier"),
+                        NotifierSettings(secrets={"team-a": SECRET}, backoff_cap_s=0.2, partitions=2, partition=k))
+
+    async def passed_over(end: int) -> bool:
+        try:
+            return (await admin_js.consumer_info(eventlog.EVENTS_STREAM, "notifier")).ack_floor.stream_seq >= end
+        except NotFoundError:  # not made yet
+            return False
+
+    def copies():
+        return read_tenant(nats_server, team, f"gpusched.tenant.{team}.job.>")
+
+    async with running(partitioned(0)):
+        end = await log.append(submitted(f"{team}-1", spec(team=team)))
+        await eventually(lambda: passed_over(end))
+    async with running(partitioned(1)):
+        await eventually(lambda: _at_least(copies(), 1))
+    async with running(notifier(nats_server)):
+        end = await log.append(admitted(f"{team}-1"))
+        await eventually(lambda: _at_least(copies(), 2))
+        await eventually(lambda: passed_over(end))
+    async with running(partitioned(0)), running(partitioned(1)):
+        await log.append(started(f"{team}-1"))
+        await eventually(lambda: _at_least(copies(), 3), timeout_s=ACK_WAIT_RACE_S)
+    info = await admin_js.consumer_info(eventlog.EVENTS_STREAM, "notifier-p1")
+    assert info.config.description == "partition 1 of 2" and info.config.opt_start_seq == end + 1
+    assert [m.subject.rsplit(".", 1)[1] for m in await copies()] == ["submitted", "admitted", "started"]
 
 
 async def test_a_team_without_a_tenant_stream_is_skipped_and_holds_up_no_other(nats_server, admin_js):
