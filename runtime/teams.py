@@ -61,9 +61,11 @@ async def partition_durables(js, *, stream: str, name: Callable[[int], str], par
     partition 0 passed over is missing from it. Each is tagged with the partitioning it was made
     for; one tagged for another partitioning is made again, and partition 0 deletes those of
     partitions past the count: a durable left from an earlier count would hand its partition
-    the messages of that time again (2 -> 1 -> 2 partitions). A change of the count other than
-    from one is made with the service stopped and caught up, so that every durable starts at the
-    same point (docs/operations.md)."""
+    the messages of that time again (2 -> 1 -> 2 partitions). One without a tag (made by a
+    release before the tags) is taken as made for this partitioning, so that an upgrade keeps
+    each partition's position. The count is changed with the service stopped and every
+    partition's durable caught up, so that every durable starts at the same point: a partition
+    behind the others would otherwise lose what partition 0 passed over (docs/operations.md)."""
     try:
         start = (await js.consumer_info(stream, name(0))).ack_floor.stream_seq + 1
     except NotFoundError:
@@ -78,7 +80,8 @@ async def partition_durables(js, *, stream: str, name: Callable[[int], str], par
     for k in range(1, partitions) if partition == 0 else [partition]:
         tag = f"partition {k} of {partitions}"
         try:
-            if (await js.consumer_info(stream, name(k))).config.description != tag:
+            made_for = (await js.consumer_info(stream, name(k))).config.description
+            if made_for is not None and made_for != tag:
                 await js.delete_consumer(stream, name(k))
         except NotFoundError:
             pass

@@ -39,14 +39,11 @@ admission credential's reader consumers while it folds the log."""
 
 def partition_from_environment() -> Partition:
     """GPUSCHED_ADMISSION_PARTITIONS (N) and GPUSCHED_ADMISSION_PARTITION (k: partition k mod N, so
-    that StatefulSet pods k and k+N, its pod index, are one partition's active and standby);
+    that StatefulSet pods k, k+N, k+2N... , its pod index, are one partition's active and standbys);
     ConfigError naming what is accepted."""
     count, index = partition_from_env("GPUSCHED_ADMISSION_PARTITIONS", "GPUSCHED_ADMISSION_PARTITION")
     if count > MAX_PARTITIONS:
         raise ConfigError(f"GPUSCHED_ADMISSION_PARTITIONS={count} is out of range; accepted: 1..{MAX_PARTITIONS}")
-    if index >= 2 * count:
-        raise ConfigError(f"GPUSCHED_ADMISSION_PARTITION={index} is out of range; accepted: 0..{2 * count - 1} "
-                          f"(GPUSCHED_ADMISSION_PARTITIONS={count}: k and k+{count} are partition k)")
     return Partition(count, index % count)
 
 
@@ -135,9 +132,12 @@ class AdmissionService(DecisionService):
                     # of a service deployed just before; nothing to do: a redeploy of a service
                     # deleted just before; the same job, key or service): that is recorded and
                     # folded in first, and the command handled again.
-                    await self._flush(appender, pending)
+                    refused = await self._flush(appender, pending)
                     pending, seen = [], set()
                     outcome = self._handle(msg)
+                    if isinstance(outcome, str) and refused and not eventlog.last_delivery(msg):
+                        await msg.nak(delay=0.2)  # it may need one of those, decided again on redelivery
+                        continue
                 if isinstance(outcome, str):
                     await eventlog.dead_letter(js, DEAD_LETTER_NAME, msg, outcome)
                     await msg.ack()
@@ -187,9 +187,11 @@ class AdmissionService(DecisionService):
                 self.trace_ctx[event.aggregate_id] = ctx
         return events
 
-    async def _flush(self, appender: eventlog.EventLog, pending: list[tuple[Msg, list[Event]]]) -> None:
+    async def _flush(self, appender: eventlog.EventLog, pending: list[tuple[Msg, list[Event]]]) -> bool:
+        """Append the events of the commands so far and ack them; nak those whose events were
+        refused (decided again on redelivery). True when any was."""
         if not pending:
-            return
+            return False
         refused = await self.append_all(appender, [e for _, events in pending for e in events])
         if refused:
             # What refused them (another partition's job of that id, a decision already taken) is
@@ -210,6 +212,7 @@ class AdmissionService(DecisionService):
             else:
                 await msg.nak(delay=0.2)  # decide again on redelivery, with fresher state
         await self.wait_caught_up()
+        return bool(refused)
 
 
 def main() -> None:

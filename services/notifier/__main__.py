@@ -112,18 +112,18 @@ class Notifier:
     async def _fan_out_loop(self, family: int, subject: str) -> None:
         """The fan-out of one family of durables (``family``: 0 jobs, 1 services; core.durable_names)."""
         failures = 0
+        durable = core.durable_names(self.options.partition)[family]
+        # One message in flight (max_ack_pending=1): a team's copies stay in log order even when a
+        # notifier dies, or stops, with messages delivered and not acknowledged: those come again
+        # before anything later (with a batch in flight, the later ones would be copied first and
+        # the batch after its ack wait).
+        config = {"filter_subjects": [subject], "max_ack_pending": 1}
         while not self._stop.is_set():
             try:
-                # One message in flight (max_ack_pending=1): a team's copies stay in log order even
-                # when a notifier dies, or stops, with messages delivered and not acknowledged:
-                # those come again before anything later (with a batch in flight, the later ones
-                # would be copied first and the batch after its ack wait). A partition's durable
-                # starts where partition 0's stopped (runtime.teams.partition_durables).
-                config = {"filter_subjects": [subject], "max_ack_pending": 1}
+                # a partition's durable starts where partition 0's stopped (runtime.teams.partition_durables)
                 await teams.partition_durables(self.js, stream=eventlog.EVENTS_STREAM, partitions=self.options.partitions,
                                                partition=self.options.partition,
                                                name=lambda k: core.durable_names(k)[family], **config)
-                durable = core.durable_names(self.options.partition)[family]
                 sub = await eventlog.durable_consumer(self.js, stream=eventlog.EVENTS_STREAM, durable=durable, **config)
                 while not self._stop.is_set():
                     for msg in await eventlog.fetch(sub, 1, 1.0):

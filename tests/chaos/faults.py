@@ -10,6 +10,11 @@ from dataclasses import dataclass
 from gpusched.devstack import SERVICES
 
 BROKERS = ("nats", "postgres")
+ADMISSION_PARTITIONS = ("admission", "admission-p1")
+"""Admission runs as two partitions by team (GPUSCHED_ADMISSION_PARTITIONS=2): ``admission`` is
+partition 0, ``admission-p1`` partition 1; each is killed like a service."""
+PROCESSES = (*SERVICES, *ADMISSION_PARTITIONS[1:])
+"""Every process of the chaos run's stack but the brokers: the services and admission's second partition."""
 
 
 @dataclass(frozen=True)
@@ -20,8 +25,8 @@ class Fault:
 
 
 def targets(rng: random.Random, kills: tuple[int, int] = (2, 3)) -> list[str]:
-    """Each service ``kills[0]`` to ``kills[1]`` times, each broker once, in a random order."""
-    out = [name for name in SERVICES for _ in range(rng.randint(*kills))] + list(BROKERS)
+    """Each process ``kills[0]`` to ``kills[1]`` times, each broker once, in a random order."""
+    out = [name for name in PROCESSES for _ in range(rng.randint(*kills))] + list(BROKERS)
     rng.shuffle(out)
     return out
 

@@ -21,7 +21,6 @@ import asyncpg
 import nats
 from nats.js.errors import APIError
 
-from gpusched.devstack import SERVICES
 from runtime import eventlog
 from schemas import Event, JobAdmitted, JobRejected, JobSubmitted
 from schemas.registry import SUBJECT_PREFIX, parse_event
@@ -146,7 +145,7 @@ class Report:
 
     def summary(self) -> str:
         c, cfg = self.counts, self.config
-        services = ", ".join(f"{s} {self.kills[s]}" for s in SERVICES)
+        services = ", ".join(f"{s} {self.kills[s]}" for s in faults.PROCESSES)
         lines = [
             f"chaos run, seed {cfg.seed} (GPUSCHED_CHAOS_SEED={cfg.seed} repeats its load, faults and fuzz)",
             f"jobs: {cfg.jobs} of the load and the final one submitted, {c['JobAdmitted']} admitted; ended "
@@ -360,7 +359,7 @@ class ChaosRun:
                   "priority preemptions in a queue": c["ReclaimRequested:priority"],
                   "cancellations": c["JobCancelled"], "nats-server restarts": kills["nats"],
                   "postgres restarts": kills["postgres"], "malformed commands": len(self.sent_malformed)}
-        wanted |= {f"kills of {s}": kills[s] for s in SERVICES}
+        wanted |= {f"kills of {s}": kills[s] for s in faults.PROCESSES}
         return [f"the run had no {what}" for what, n in wanted.items() if n == 0]
 
     def _all_admitted(self, histories) -> list[str]:

@@ -1,7 +1,7 @@
-"""The chaos run's stack — nats-server with a file store, Postgres, the five services as processes —
-with the harness as its supervisor: it takes pieces down with SIGKILL on schedule, brings them back
-(nats-server on the same port and store, Postgres on the same data directory), and restarts and
-records any service that exits on its own."""
+"""The chaos run's stack — nats-server with a file store, Postgres, the services as processes
+(admission as two partitions by team) — with the harness as its supervisor: it takes pieces down
+with SIGKILL on schedule, brings them back (nats-server on the same port and store, Postgres on
+the same data directory), and restarts and records any service that exits on its own."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusched import devstack
+from tests.chaos.faults import ADMISSION_PARTITIONS, PROCESSES
 from tests.chaos.workload import TEAMS, TIME_SCALE
 
 
@@ -61,7 +62,10 @@ class Stack:
         env = devstack.service_env(self.nats.env, self.pg.dsn, cluster=cluster, time_scale=TIME_SCALE, epoch=epoch,
                                    extra={"GPUSCHED_TICK_S": "0.1", "GPUSCHED_SNAPSHOT_EVERY": "2000",
                                           "GPUSCHED_SNAPSHOT_MIN_INTERVAL_S": "0"})
-        self.procs = devstack.ServiceProcesses(self.logs, env)
+        for k, name in enumerate(ADMISSION_PARTITIONS):
+            env[name] = {**env["admission"], "GPUSCHED_ADMISSION_PARTITIONS": str(len(ADMISSION_PARTITIONS)),
+                         "GPUSCHED_ADMISSION_PARTITION": str(k)}
+        self.procs = devstack.ServiceProcesses(self.logs, env, runs={name: "admission" for name in ADMISSION_PARTITIONS})
         self.procs.start_all()
 
     def take_down(self, target: str) -> None:
@@ -106,4 +110,4 @@ class Stack:
     def tracebacks(self) -> dict[str, int]:
         """Per service, how many tracebacks its log holds."""
         return {name: (self.logs / f"{name}.log").read_text(errors="replace").count("Traceback")
-                for name in devstack.SERVICES if (self.logs / f"{name}.log").exists()}
+                for name in PROCESSES if (self.logs / f"{name}.log").exists()}

@@ -9,7 +9,6 @@ from collections import Counter
 
 import pytest
 
-from gpusched.devstack import SERVICES
 from schemas import FailureReason, JobRejected, new_event
 from tests.chaos import faults, fuzz, invariants, workload
 from tests.unit import builders as b
@@ -131,7 +130,7 @@ def test_the_same_seed_gives_the_same_run():
 def test_the_schedule_kills_every_service_twice_and_each_broker_once(seed):
     schedule = faults.schedule(random.Random(seed), 200)
     kills = Counter(f.target for f in schedule)
-    assert all(kills[s] >= 2 for s in SERVICES) and kills["nats"] == kills["postgres"] == 1
+    assert all(kills[s] >= 2 for s in faults.PROCESSES) and kills["nats"] == kills["postgres"] == 1
     for before, after in zip(schedule, schedule[1:]):
         assert before.at + before.down_s < after.at  # one fault is over before the next
     assert schedule[-1].at < 0.85 * 200
