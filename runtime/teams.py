@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from nats.js.errors import NotFoundError
 
@@ -69,8 +70,7 @@ async def partition_durables(js, *, stream: str, name: Callable[[int], str], par
     try:
         start = (await js.consumer_info(stream, name(0))).ack_floor.stream_seq + 1
     except NotFoundError:
-        start = config.get("start_seq")
-    config.pop("start_seq", None)
+        start = None
     if partition == 0:
         for k in range(partitions, most):
             try:
@@ -78,7 +78,7 @@ async def partition_durables(js, *, stream: str, name: Callable[[int], str], par
             except NotFoundError:
                 pass
     for k in range(1, partitions) if partition == 0 else [partition]:
-        tag = f"partition {k} of {partitions}"
+        tag = str(Partition(partitions, k))
         try:
             made_for = (await js.consumer_info(stream, name(k))).config.description
             if made_for is not None and made_for != tag:
@@ -91,6 +91,25 @@ async def partition_durables(js, *, stream: str, name: Callable[[int], str], par
 def partition_of(team: str, partitions: int) -> int:
     """The partition (0 .. partitions-1) that owns ``team``: the same in every process and version."""
     return int.from_bytes(hashlib.sha256(team.encode()).digest()[:8], "big") % partitions
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One partition of a team-partitioned service: the teams :func:`partition_of` maps to
+    ``index`` of ``count`` (every team with one partition)."""
+
+    count: int = 1
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"partition {self.index} of {self.count}: accepted 0..{self.count - 1}")
+
+    def owns(self, team: str) -> bool:
+        return self.count == 1 or partition_of(team, self.count) == self.index
+
+    def __str__(self) -> str:
+        return f"partition {self.index} of {self.count}"
 
 
 def named_team(event: Event) -> str | None:

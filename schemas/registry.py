@@ -123,6 +123,13 @@ def subject_token(name: str) -> str:
     return name.replace(".", "_")
 
 
+def subject_parts(subject: str) -> tuple[str, str, str] | None:
+    """An event subject's (aggregate kind, the aggregate's subject token, event token); None for
+    another subject. Read from the subject alone, before (or without) parsing the payload."""
+    parts = subject.split(".", 3)
+    return (parts[1], parts[2], parts[3]) if len(parts) == 4 else None
+
+
 def subject_suffix(event_type: str) -> str:
     return _TABLE[EVENT_TYPES_BY_NAME[event_type]][1]
 

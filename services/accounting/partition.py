@@ -39,7 +39,7 @@ from runtime import eventlog
 from runtime.settings import ConfigError
 from runtime.teams import MAX_READING_PARTITIONS, TeamIndex, partition_from_env, partition_of
 from schemas import Event, JobSubmitted
-from schemas.registry import subject_token
+from schemas.registry import subject_parts, subject_token
 
 if TYPE_CHECKING:
     from services.accounting.pipeline import Converted
@@ -90,12 +90,6 @@ class Partitioning:
         return self.partitions == 1 or partition_of(team, self.partitions) == self.partition
 
 
-def _parts(subject: str) -> tuple[str, str, str] | None:
-    """An event subject's (aggregate kind, its token, event token); None for another subject."""
-    parts = subject.split(".", 3)
-    return (parts[1], parts[2], parts[3]) if len(parts) == 4 else None
-
-
 class Share:
     """One partition's share of the log, worked out per message: :meth:`skip` before parsing
     (from the subject and the teams remembered), :meth:`owned` after it (looking a job's team up
@@ -110,7 +104,7 @@ class Share:
         is remembered, as named before it, and another partition's. A JobSubmitted is always
         parsed: every partition learns its job's team from it (:meth:`seen`)."""
         p = self.partitioning
-        if p.partitions == 1 or (parts := _parts(subject)) is None:
+        if p.partitions == 1 or (parts := subject_parts(subject)) is None:
             return False  # unpartitioned, or not an event's subject (parsed, and poison)
         kind, token, suffix = parts
         if kind != "job":
@@ -149,7 +143,7 @@ class Share:
             return list(poison)
         mine = []
         for msg, reason in poison:
-            parts = _parts(msg.subject)
+            parts = subject_parts(msg.subject)
             team = (await self.teams.lookup("job", parts[1], before=eventlog.sequence(msg))
                     if parts is not None and parts[0] == "job" else None)
             if p.owns(team):

@@ -2,7 +2,7 @@
 
 Partitioned by team with ``GPUSCHED_ADMISSION_PARTITIONS=N`` (default 1) and
 ``GPUSCHED_ADMISSION_PARTITION=k``: N admissions, each deciding for the teams
-:func:`runtime.teams.partition_of` maps to its k (:class:`services.admission.domain.Partition`),
+:func:`runtime.teams.partition_of` maps to its k (:class:`runtime.teams.Partition`),
 each single-active with its own lease and standbys. Partition k has its own durables
 (``admission-p<k>`` on the log, ``admission-intake-p<k>`` on the intake; partition 0 keeps
 ``admission`` and ``admission-intake``), lease and snapshot bucket (``admission-p<k>``). Each
@@ -23,10 +23,11 @@ from nats.aio.msg import Msg
 from runtime import eventlog, observability
 from runtime.loop import DecisionService, run_service
 from runtime.settings import ConfigError
-from runtime.teams import MAX_READING_PARTITIONS, partition_durables, partition_from_env
+from runtime.teams import MAX_READING_PARTITIONS, Partition, partition_durables, partition_from_env
 from schemas import Event, JobSubmitted
 from schemas.commands import intake_principal
-from services.admission.domain import AdmissionCore, Partition, PoisonCommand
+from schemas.registry import subject_parts
+from services.admission.domain import AdmissionCore, PoisonCommand
 
 log = logging.getLogger("admission")
 
@@ -47,17 +48,16 @@ def partition_from_environment() -> Partition:
     return Partition(count, index % count)
 
 
-def durable_names(name: str, partition: Partition) -> tuple[str, str]:
-    """(its durable, lease and snapshot name on the log, its intake durable)."""
-    if partition.index == 0:
+def durable_names(name: str, partition: int) -> tuple[str, str]:
+    """A partition's (durable, lease and snapshot name on the log; intake durable)."""
+    if partition == 0:
         return name, INTAKE_DURABLE
-    return f"{name}-p{partition.index}", f"{INTAKE_DURABLE}-p{partition.index}"
+    return f"{name}-p{partition}", f"{INTAKE_DURABLE}-p{partition}"
 
 
 def _aggregate(subject: str) -> tuple[str, str] | None:
     """An event subject's (aggregate kind, subject token); None for another subject."""
-    parts = subject.split(".", 3)
-    return (parts[1], parts[2]) if len(parts) == 4 else None
+    return parts[:2] if (parts := subject_parts(subject)) is not None else None
 
 
 def _identity(events: list[Event]) -> set[str]:
@@ -70,14 +70,14 @@ def _identity(events: list[Event]) -> set[str]:
 
 class AdmissionService(DecisionService):
     """Commands are validated against state that includes everything admission wrote so far.
-    A batch of commands is handled together and its events appended at once, unless a command
-    collides with an earlier one of the same batch (same job id or key) or is a cancel: then
-    what came before is appended and folded in first."""
+    A batch of commands is handled together and its events appended at once, unless a command's
+    answer may depend on an earlier one of the same batch (refused, nothing to do, or the same
+    job id, key or service): then what came before is appended and folded in first."""
 
     def __init__(self, name: str, core: AdmissionCore, settings, clock=None) -> None:
         super().__init__(name, core, settings, clock)
         self.partition = core.state.partition
-        self.instance, self.intake_durable = durable_names(name, self.partition)
+        self.instance, self.intake_durable = durable_names(name, self.partition.index)
 
     def passes_over(self, subject: str) -> bool:
         """Events of another partition's job or service are not parsed."""
@@ -111,7 +111,7 @@ class AdmissionService(DecisionService):
         # command whose events were refused, to decide it again: no backoff list.
         await partition_durables(js, stream=eventlog.INTAKE_STREAM, partitions=self.partition.count,
                                  partition=self.partition.index, most=MAX_PARTITIONS, backoff=False,
-                                 name=lambda k: durable_names(self.name, Partition(k + 1, k))[1])
+                                 name=lambda k: durable_names(self.name, k)[1])
         sub = await eventlog.durable_consumer(js, stream=eventlog.INTAKE_STREAM, durable=self.intake_durable,
                                               backoff=False)
         while True:
@@ -123,9 +123,6 @@ class AdmissionService(DecisionService):
                 if not self.mine(msg):
                     await msg.ack()  # another partition's team
                     continue
-                if msg.subject.endswith(".cancel") and pending:
-                    await self._flush(appender, pending)
-                    pending, seen = [], set()
                 outcome = self._handle(msg)
                 if pending and (isinstance(outcome, str) or not outcome or _identity(outcome) & seen):
                     # Its answer may depend on what came before it in the batch (refused: a scale

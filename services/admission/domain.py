@@ -33,7 +33,7 @@ from typing import NamedTuple
 from pydantic import ValidationError
 
 from runtime.policy import PolicyBook
-from runtime.teams import partition_of
+from runtime.teams import Partition
 from schemas import (
     DEFAULT_PRIORITY_CLASSES,
     CancelJob,
@@ -85,25 +85,6 @@ PRODUCER = "admission"
 CHECKPOINT_CLOCK_SKEW = timedelta(seconds=60)
 """How far in the future (by the platform clock) a reported checkpoint time may lie."""
 TERMINAL = (JobRejected, JobSucceeded, JobCancelled)
-
-
-@dataclass(frozen=True)
-class Partition:
-    """Which teams a core decides for: those :func:`runtime.teams.partition_of` maps to
-    ``index`` of ``count`` (every team with one partition)."""
-
-    count: int = 1
-    index: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.index < self.count:
-            raise ValueError(f"partition {self.index} of {self.count}: accepted 0..{self.count - 1}")
-
-    def owns(self, team: str) -> bool:
-        return self.count == 1 or partition_of(team, self.count) == self.index
-
-    def __str__(self) -> str:
-        return f"partition {self.index} of {self.count}"
 
 
 class PoisonCommand(ValueError):

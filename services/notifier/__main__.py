@@ -107,7 +107,7 @@ class Notifier:
 
     def mine(self, team: str) -> bool:
         """Whether this notifier's partition copies and delivers ``team``'s."""
-        return self.options.partitions == 1 or teams.partition_of(team, self.options.partitions) == self.options.partition
+        return teams.Partition(self.options.partitions, self.options.partition).owns(team)
 
     async def _fan_out_loop(self, family: int, subject: str) -> None:
         """The fan-out of one family of durables (``family``: 0 jobs, 1 services; core.durable_names)."""

@@ -141,7 +141,7 @@ async def test_a_partition_starting_after_partition_0_misses_none_of_its_command
         assert {j.team for j in p0.core.state.jobs.values()} == {P0[0]}  # not folded from one admission's snapshot
         async with running(partition(nats_server, 1)):
             await eventually(lambda: _admitted(js, "waiting"))
-    assert durable_names("admission", Partition(2, 1)) == ("admission-p1", "admission-intake-p1")
+    assert durable_names("admission", 1) == ("admission-p1", "admission-intake-p1")
 
 
 async def _admitted(js, job_id: str) -> bool:
