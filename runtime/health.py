@@ -7,7 +7,9 @@ port, beside ``/metrics`` (runtime/observability.py serves all three).
 * **ready**: connected to NATS now, JetStream answering (a decision service's last fetch from
   its consumer, or its standby's last read of the log, did not fail: a server without its
   JetStream quorum refuses them), and nothing this process registered as pending (a decision
-  service's rebuild: its state caught up with the log). A standby is ready: it follows the log.
+  service's rebuild: its state caught up with the log; accounting's first catch-up with the log;
+  Postgres answering, for accounting and the API, :func:`watch`). A standby is ready: it follows
+  the log.
 
 Each answer is JSON: ``{"ok": bool, ...}`` with what is missing, status 200 or 503.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 LIVE_WITHIN_S = 30.0
@@ -68,3 +71,20 @@ def start_heartbeat() -> None:
             HEALTH.beat = time.monotonic()
             await asyncio.sleep(BEAT_EVERY_S)
     _heartbeat = asyncio.get_running_loop().create_task(beat())
+
+
+async def watch(what: str, probe: Callable[[], Awaitable[object]], *, every_s: float = 5.0,
+                timeout_s: float = 5.0) -> None:
+    """Keep ``what`` pending in :data:`HEALTH` while ``probe`` fails or takes over ``timeout_s``
+    (e.g. a ``SELECT 1`` on a pool: Postgres down or unreachable), tried every ``every_s``. Runs
+    until cancelled."""
+    while True:
+        try:
+            await asyncio.wait_for(probe(), timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            HEALTH.waiting_for(what)
+        else:
+            HEALTH.done(what)
+        await asyncio.sleep(every_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from nats.js.errors import NotFoundError
 from gpusched.api import bus, console, problems, routes, serving, telemetry
 from gpusched.commands import Answer
 from gpusched.api.auth import Authenticator
-from runtime import eventlog, observability
+from runtime import eventlog, health, observability
 from runtime.settings import ConfigError, Settings, env_address, env_number
 from schemas import SubmitJob, parse_event
 from schemas.commands import DeployService, Principal
@@ -129,9 +130,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
         app.state.gateway = Gateway(publishers, js)
         app.state.auth = Authenticator(pool)
         app.state.broker = broker
+        # /readyz on the metrics port: not ready while Postgres (tokens, every read) does not answer
+        postgres = asyncio.create_task(health.watch("postgres", lambda: pool.fetchval("SELECT 1")))
         try:
             yield
         finally:
+            postgres.cancel()
             await broker.stop()
             await pool.close()
             await nc.close()

@@ -12,7 +12,7 @@ import logging
 import signal
 
 import asyncpg
-from runtime import eventlog, observability
+from runtime import eventlog, health, observability
 from runtime.clock import ScaledClock
 from runtime.settings import Settings
 from runtime.teams import TeamIndex
@@ -62,7 +62,11 @@ async def run(settings: Settings, stop: asyncio.Event, partitioning: partition.P
         raise SystemExit("GPUSCHED_PG_DSN is required by the accounting service")
     partitioning = partitioning or partition.Partitioning.from_env()
     issuer = statements.Issuer(statements.IssuerConfig.from_env())
+    # /readyz: ready once Postgres answers and the projection has caught up with the log (_project)
+    health.HEALTH.waiting_for("postgres")
+    health.HEALTH.waiting_for("catch-up")
     conn = await connect_pg(settings.pg_dsn)
+    health.HEALTH.done("postgres")
     await sink.migrate(conn)
     collector = (metrics.register(settings.pg_dsn, now=ScaledClock(settings.time_scale, settings.clock_epoch).now)
                  if settings.metrics_port and partitioning.first else None)
@@ -77,6 +81,7 @@ async def run(settings: Settings, stop: asyncio.Event, partitioning: partition.P
                 await _project(js, store, settings, stop)
             except eventlog.BROKER_ERRORS as err:
                 failures += 1
+                health.HEALTH.jetstream = False
                 log.warning("NATS unavailable; resuming from the stored position", extra={"error": repr(err)})
                 await asyncio.sleep(eventlog.retry_delay(failures))
             except sink.PartitioningChanged as err:
@@ -87,8 +92,10 @@ async def run(settings: Settings, stop: asyncio.Event, partitioning: partition.P
                 failures += 1
                 log.warning("Postgres unavailable; reconnecting, then resuming from the stored position",
                             extra={"error": repr(err)})
+                health.HEALTH.waiting_for("postgres")
                 await asyncio.sleep(eventlog.retry_delay(failures))
                 store.conn = await reconnect_pg(store.conn, settings.pg_dsn)
+                health.HEALTH.done("postgres")
             else:
                 failures = 0
     finally:
@@ -104,6 +111,7 @@ async def run(settings: Settings, stop: asyncio.Event, partitioning: partition.P
 async def _project(js, store: "_Store", settings: Settings, stop: asyncio.Event) -> None:
     """From the stored position on, until ``stop`` or a failure."""
     store.failure = None
+    health.HEALTH.waiting_for("catch-up")  # /readyz: until the projection reaches the log's end as it is now
     p = store.partitioning
     names = [partition.projection_name(k) for k in range(p.partitions)]
     waiting = False
@@ -117,6 +125,9 @@ async def _project(js, store: "_Store", settings: Settings, stop: asyncio.Event)
         if stop.is_set():
             return
         await asyncio.sleep(settings.tick_s)
+    store.catch_up_to = (await js.stream_info(eventlog.EVENTS_STREAM)).state.last_seq
+    if position >= store.catch_up_to:
+        health.HEALTH.done("catch-up")
     batches = eventlog.read_batches(js, from_seq=position + 1, follow=True, batch=settings.batch_size,
                                     idle_s=settings.tick_s)
     await pipeline.run(_until(stop, batches, store), store, trace="accounting", observe=store.observe,
@@ -133,6 +144,9 @@ async def _until(stop: asyncio.Event, batches, store: "_Store"):
                 raise store.failure
             if stop.is_set():
                 return
+            health.HEALTH.jetstream = True  # the reader answered
+            if not msgs:
+                health.HEALTH.done("catch-up")  # nothing left to read
             if not msgs and store.partitioning.first and store.partitioning.partitions > 1:
                 await store.idle()  # the other partitions may have caught up: a statement may be due
             yield msgs
@@ -147,6 +161,7 @@ class _Store:
         self.js, self.conn, self.settings, self.issuer = js, conn, settings, issuer
         self.partitioning, self.share = partitioning, partition.Share(partitioning, TeamIndex(js))
         self.failure: Exception | None = None  # the last batch's, until the run starts again
+        self.catch_up_to = 0  # the log's last sequence when the projection started (readiness)
         self.lock = asyncio.Lock()  # one user of the connection at a time: a batch stored, or statements issued
 
     def observe(self, event, sequence: int) -> None:
@@ -189,6 +204,8 @@ class _Store:
             await sink.apply_batch(self.conn, entries, self.partitioning.projection,
                                    partitions=self.partitioning.partitions)
         observability.APPLIED_SEQUENCE.labels(service=NAME).set(entries[-1][0])
+        if entries[-1][0] >= self.catch_up_to:
+            health.HEALTH.done("catch-up")
 
     async def _apply_one_by_one(self, converted: pipeline.Converted) -> None:
         """A batch Postgres refuses for its content: each event on its own, and one it refuses

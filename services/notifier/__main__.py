@@ -50,7 +50,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import NoStreamResponseError, NotFoundError
 from prometheus_client import Counter, Histogram
 
-from runtime import eventlog, observability, teams
+from runtime import eventlog, health, observability, teams
 from runtime.settings import Settings
 from schemas import Event, JobSubmitted, NotifySpec, ServiceDeployed, TeamConfigured, parse_event
 from schemas.service import ServiceUpdated
@@ -129,8 +129,10 @@ class Notifier:
                     for msg in await eventlog.fetch(sub, 1, 1.0):
                         await self._handle(msg)
                     failures = 0
+                    health.HEALTH.jetstream = True  # /readyz: its consumer answers
             except eventlog.BROKER_ERRORS as err:
                 failures += 1
+                health.HEALTH.jetstream = False
                 log.warning("fan-out lost the broker; resuming", extra={"error": repr(err), "durable": durable})
                 await asyncio.sleep(eventlog.retry_delay(failures))
 
