@@ -96,7 +96,8 @@ class Readiness(Contract):
     loading its weights."""
 
     delay_seconds: float = Field(default=10.0, ge=0, le=3600)
-    http_path: str | None = Field(default=None, max_length=256, pattern=r"^/[^\s]*$",
+    # NUL is refused in every string (schemas.registry.check_no_nul); the pattern says so too
+    http_path: str | None = Field(default=None, max_length=256, pattern=r"^/[^\s\x00]*$",
                                   description="Readiness probe path on the replica's port (kubernetes backend)")
     port: int | None = Field(default=None, ge=1, le=65535,
                              description="The port the replicas serve on: the kubernetes backend's Service routes to it")
