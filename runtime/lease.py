@@ -12,19 +12,27 @@ within seconds when the active one dies (docs/operations.md, "High availability"
   makes that fail: the lease is lost. A write that landed though its answer was lost (a
   timeout) is recognised by the holder id in the key.
 * **Fencing**: the holder gives up deciding before anyone else can take the lease: the key can
-  age out no sooner than the ttl after the start of the last renewal that got through, and the
-  loop (runtime/loop.py) stops when a renewal fails and the next could not land before that.
+  age out no sooner than the ttl after the start of the last write of it that got through
+  (``since``), and the loop (runtime/loop.py) stops when a renewal fails and the next could not
+  land before that. Between renewals the loop fetches and appends only while the lease is
+  :meth:`Lease.current` (less than :data:`CURRENT_SHARE` of the ttl since that write, on this
+  process's monotonic clock, which runs on while the process is paused); otherwise it waits for
+  the next renewal, or ends when the lease is lost.
 * **The ttl** is the bucket's, set when the bucket is created; a process configured with another
   ttl uses the bucket's (and says so), so that processes never disagree about it.
 * **Release**: on a clean stop, ``delete`` conditional on the revision, so a standby need not
   wait out the ttl.
 
-The lease keeps two actives from deciding at once in the steady state; it cannot stop a paused
-process from appending a decision it took just before its lease ran out. That is harmless: each
-decision is appended conditional on the last sequence of its aggregate that the decider saw
-(runtime/loop.py), so one taken on an out-of-date state is refused, and its id is derived from
-what it decides, so the new active taking the same decision is the same event (JetStream drops
-the repeat). tests/integration/test_failover.py shows both.
+A process paused (SIGSTOP, a VM freeze, a long GC) past its lease finds it no longer current
+when it wakes, so it neither fetches nor appends; its renewal then fails and it exits. What is
+left is a pause that falls between that check and the write to the socket. An append from such
+a process is refused when it decides on an aggregate the new active has written since
+(each decision is appended conditional on the last sequence of its aggregate that the decider
+saw, runtime/loop.py), and a repeat of the new active's decision is the same event (ids are
+derived from what is decided; JetStream drops the repeat). A decision about one aggregate
+taken on an out-of-date view of another (a GPU the new active gave away meanwhile) is not
+caught by those checks: the current-lease check is what keeps it out.
+tests/integration/test_failover.py pauses the active scheduler with SIGSTOP past its lease.
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ from nats.js.errors import APIError, BadRequestError, KeyNotFoundError, KeyWrong
 log = logging.getLogger(__name__)
 
 KEY = "active"
+CURRENT_SHARE = 0.75
+"""The share of the ttl after the last write of the lease during which its holder decides;
+renewals come every third of the ttl, so a healthy holder never reaches it."""
 
 
 def bucket(service: str) -> str:
@@ -65,7 +76,7 @@ class Lease:
         self.js, self.service, self.ttl_s, self.replicas = js, service, ttl_s, replicas
         self.holder = holder or holder_id()
         self.revision: int | None = None  # of this holder's last write; None: not held
-        self.since = 0.0  # monotonic start of the acquisition that got through (fencing starts from it)
+        self.since = 0.0  # monotonic start of the last write of the key that got through (fencing starts from it)
         self._kv = None
 
     async def _bucket(self):
@@ -99,6 +110,16 @@ class Lease:
     def held(self) -> bool:
         return self.revision is not None
 
+    def current(self, now: float | None = None) -> bool:
+        """Held, and last written less than :data:`CURRENT_SHARE` of the ttl ago: its holder
+        may fetch and append."""
+        now = time.monotonic() if now is None else now
+        return self.held and now < self.since + CURRENT_SHARE * self.ttl_s
+
+    def lose(self) -> None:
+        """This process no longer holds it (its renewal failed, or another holder wrote it)."""
+        self.revision = None
+
     async def try_acquire(self) -> bool:
         """Take the lease if nobody holds it."""
         kv = await self._bucket()
@@ -118,12 +139,15 @@ class Lease:
         if self.revision is None:
             return False
         kv = await self._bucket()
+        started = time.monotonic()
         try:
             self.revision = await kv.update(KEY, self.holder.encode(), last=self.revision)
-            return True
         except KeyWrongLastSequenceError:
             self.revision = await self._ours()
-            return self.revision is not None
+            if self.revision is None:
+                return False
+        self.since = started
+        return True
 
     async def holder_now(self) -> str | None:
         """Who holds it now, as the bucket says (None: nobody)."""

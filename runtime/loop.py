@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 APPEND_WINDOW = 128  # appends in flight at once (different aggregates only)
 LOG_EVERY_S = 30.0  # a failure that repeats every cycle is logged at most this often
+END_CHECK_EVERY_S = 1.0  # an idle main loop compares the log's end with its position at most this often
 
 DECIDE_FAILURES = Counter("gpusched_decide_failures_total",
                           "Decision cycles whose decide() raised; retried on the next cycle", ["service"])
@@ -130,6 +131,8 @@ class DecisionService:
         self._snapshot_seq = 0  # the applied position the newest snapshot holds
         self._log_id: str | None = None  # the event stream's creation time, once known
         self._snapshot_at = time.monotonic()
+        self.lease: Lease | None = None  # a single-active service's, once it is active
+        self._end_checked = 0.0  # monotonic time the main loop last compared the log's end with its position
 
     def stop(self) -> None:
         self._stop.set()
@@ -177,11 +180,13 @@ class DecisionService:
             if ctx:
                 self.trace_ctx[event.aggregate_id] = ctx
 
-    async def rebuild(self, js) -> int:
-        """Fold the log from the applied position to its current end; returns the end. At start
-        this is the whole log; after a broker outage, what the live feed may have missed. Poison
-        is passed over as the live path passes it over (which dead-letters it)."""
-        end = await eventlog.last_sequence(js)
+    async def rebuild(self, js, end: int | None = None) -> int:
+        """Fold the log from the applied position to ``end`` (default: its current end); returns
+        the end. At start this is the whole log; after a broker outage, what the live feed may
+        have missed; before a message past a gap, the messages the durable consumer delivered to
+        another process (:meth:`_handle_batch`). Poison is passed over as the live path passes it
+        over (which dead-letters it)."""
+        end = await eventlog.last_sequence(js) if end is None else end
         count = 0
         async for msgs in eventlog.read_batches(js, from_seq=self.applied_seq + 1, to_seq=end):
             for msg in msgs:
@@ -238,6 +243,8 @@ class DecisionService:
         # append carries this span's context on to whoever consumes the event.
         parent = self.trace_ctx.get(event.aggregate_id, {}) if key[0] == "job" else {}
         scope = subject_scope(event_subject(event))
+        if self.lease is not None and not self.lease.current():
+            return False  # paused past the lease, or it is being lost: decided again once renewed
         with observability.span_from_headers(f"{self.name} {event.type}", parent, job=event.aggregate_id):
             try:
                 seq = await log_.append(event, expected_last_seq=self.last_seq.get(scope, 0))
@@ -272,6 +279,7 @@ class DecisionService:
                 if not await self._retrying("stand by", lambda: self._stand_by(js, lease)) or not lease.held:
                     return  # stopped while standing by
             ACTIVE.labels(service=self.name).set(1)
+            self.lease = lease
             if lease is not None:
                 health.HEALTH.role = "active"
             appender = eventlog.EventLog(js)
@@ -327,10 +335,12 @@ class DecisionService:
             started = time.monotonic()
             try:
                 if not await asyncio.wait_for(lease.renew(), timeout=ttl / 4):
+                    lease.lose()
                     raise LeaseLost(f"{self.name}: another process holds the lease now")
                 renewed = started
             except (asyncio.TimeoutError, *eventlog.BROKER_ERRORS) as err:
                 if time.monotonic() + ttl / 3 + ttl / 4 >= renewed + ttl:
+                    lease.lose()
                     raise LeaseLost(f"{self.name}: the lease could not be renewed before it may age out "
                                     f"({ttl:g} s ttl; {err!r})") from err
 
@@ -408,11 +418,18 @@ class DecisionService:
         sub = None
         failures = 0
         while not self._stop.is_set():
+            if not await self._lease_current():
+                return  # lost: run() ends the process (_keep raised LeaseLost)
             try:
                 if sub is None:
                     sub = await self._subscribe(js)
                 msgs = await eventlog.fetch(sub, self.settings.batch_size, self.settings.tick_s)
                 health.HEALTH.jetstream = True
+                if not msgs and time.monotonic() >= self._end_checked + END_CHECK_EVERY_S:
+                    # Idle: the log's last messages may have gone to another process (_handle_batch)
+                    self._end_checked = time.monotonic()
+                    if await eventlog.last_sequence(js) > self.applied_seq:
+                        await self.rebuild(js)
                 await self._handle_batch(js, appender, msgs)
                 failures = 0
                 if self._snapshot_due():
@@ -427,9 +444,23 @@ class DecisionService:
                 sub = await _unsubscribe(sub)
                 await self._pause(eventlog.retry_delay(failures))
 
+    async def _lease_current(self) -> bool:
+        """Wait while the lease is held but not current (this process was paused, or a renewal is
+        late); False once it is lost. Without a lease: True."""
+        while self.lease is not None and self.lease.held and not self.lease.current():
+            await self._pause(0.05)
+        return self.lease is None or self.lease.held
+
     async def _handle_batch(self, js, appender: eventlog.EventLog, msgs: list[Msg]) -> None:
         with observability.BATCH_SECONDS.labels(service=self.name).time():
             for msg in msgs:
+                if eventlog.sequence(msg) > self.applied_seq + 1:
+                    # The durable consumer delivered the messages in between to another process
+                    # (a deposed active that fetched them after its pause, and acked or dropped
+                    # them): read them from the log, in order, before this one.
+                    log.info("reading from the log what the durable consumer delivered elsewhere",
+                             extra={"from_seq": self.applied_seq + 1, "to_seq": eventlog.sequence(msg) - 1})
+                    await self.rebuild(js, end=eventlog.sequence(msg) - 1)
                 reason = self._fold(msg)
                 if reason is not None and self.dead_letters(msg.subject) and not await self._retrying(
                         "dead letter", lambda: eventlog.dead_letter(js, self.name, msg, reason)):

@@ -1,7 +1,8 @@
 """Single-active quota and scheduler, each with a standby (runtime/lease.py), as real processes
 against a real nats-server. kill -9 of the active one mid-load: the standby takes the lease and
 decides on within seconds; no decision is appended twice; a deposed active's late append is
-refused by the log, and its repeat of a decision the new one took is dropped as a duplicate."""
+refused by the log, and its repeat of a decision the new one took is dropped as a duplicate; an
+active paused past its lease (SIGSTOP) neither fetches nor appends when it wakes, and exits."""
 
 from __future__ import annotations
 
@@ -275,3 +276,104 @@ async def test_kill_9_of_one_admission_partitions_active_mid_load(nats_server, a
     print(f"\nadmission partition 1 failover, lease ttl {TTL_S:g} s: no decisions for its teams for {gap(1):.2f} s; "
           f"partition 0's next decision after {gap(0):.2f} s")
     assert gap(1) < 3 * TTL_S and gap(0) < TTL_S
+
+
+async def _feed_until(log: eventlog.EventLog, per_s: float, woke: asyncio.Event, after: int) -> int:
+    """Like ``feed``, until ``after`` jobs past the moment ``woke`` is set; returns how many in all."""
+    count, left = 0, after
+    while left:
+        now = datetime.now(UTC)
+        await log.append(submitted(f"j{count}", spec(gpus=1), when=now))
+        await log.append(admitted(f"j{count}", when=now))
+        count += 1
+        left -= woke.is_set()
+        await asyncio.sleep(1 / per_s)
+    return count
+
+
+async def _holds(js, service: str, pid: int) -> bool:
+    return await holder_pid(js, service) == pid
+
+
+async def test_a_paused_scheduler_that_wakes_after_losing_its_lease_appends_nothing_twice(
+        nats_server, admin_js, processes, tmp_path):
+    """SIGSTOP of the active scheduler mid-load (a GC pause, a frozen VM): the standby takes the
+    lease after the ttl and schedules on; SIGCONT while jobs still come in. The woken process
+    finds its lease no longer current, so it neither fetches nor appends, and exits when its
+    renewal fails; what the shared durable consumer delivered to it, the new active reads from
+    the log. Every job is reserved and scheduled exactly once, and no GPU is given twice (before
+    runtime/loop.py checked the lease before each fetch and append, about half the runs lost jobs
+    or gave a GPU twice)."""
+    log = eventlog.EventLog(admin_js)
+    await log.append(queue(quotas={"a100": NODES * 8}))
+    for i in range(NODES):
+        await log.append(node(f"n{i}"))
+    processes("quota")
+    schedulers: list[subprocess.Popen] = []
+    loader = None
+    try:
+        for k, port in enumerate(devstack.free_ports(2)):  # a log file each: what the woken one said
+            proc = start(nats_server, "scheduler", tmp_path / f"scheduler-{k}.log", port, GPUSCHED_LOG_FORMAT="json")
+            proc.metrics_port = port  # type: ignore[attr-defined]
+            schedulers.append(proc)
+        for service in ("quota", "scheduler"):
+            await eventually(lambda: holder_pid(admin_js, service), timeout_s=30)
+        answers = await eventually(lambda: _all_ready([readiness(p.metrics_port) for p in schedulers]), timeout_s=30)
+        assert sorted(a["role"] for a in answers) == ["active", "standby"], answers
+
+        woke = asyncio.Event()
+        loader = asyncio.create_task(_feed_until(log, 40, woke, after=60))
+        await eventually(lambda: _at_least(appended(admin_js, "scheduled"), 30), timeout_s=60)
+        paused_pid = await holder_pid(admin_js, "scheduler")
+        paused = next(p for p in schedulers if p.pid == paused_pid)
+        other = next(p for p in schedulers if p.pid != paused_pid)
+        os.kill(paused.pid, signal.SIGSTOP)
+        paused_at = time.time()
+        try:
+            await eventually(lambda: _holds(admin_js, "scheduler", other.pid), timeout_s=30)
+            taken_over = len(await appended(admin_js, "scheduled"))
+            await eventually(lambda: _at_least(appended(admin_js, "scheduled"), taken_over + 20), timeout_s=30)
+        finally:
+            os.kill(paused.pid, signal.SIGCONT)
+            resumed_at = time.time()
+            woke.set()
+        assert not loader.done()  # jobs still come in while the woken one finds out
+        jobs = await loader
+        scheduled = await eventually(lambda: _at_least(appended(admin_js, "scheduled"), jobs), timeout_s=60)
+        await asyncio.sleep(2 * TTL_S)  # a late append of the woken one would be in by now
+
+        scheduled = await appended(admin_js, "scheduled")
+        reserved = await appended(admin_js, "quota_reserved")
+        for kind, msgs in (("QuotaReserved", reserved), ("JobScheduled", scheduled)):
+            per_job = [m.subject.split(".")[2] for m in msgs]
+            assert len(per_job) == len(set(per_job)) == jobs, kind
+        # nor was a GPU given twice: a decision the woken one took on its stale view of the nodes
+        # (another job's aggregate, so no concurrency check of that job's refuses it) would show here
+        gpus = [(a.node, i) for m in scheduled for a in parse_event(m.data).placement for i in a.gpu_indices]
+        assert len(gpus) == len(set(gpus)) == jobs, sorted(g for g in gpus if gpus.count(g) > 1)
+        assert await holder_pid(admin_js, "scheduler") == other.pid
+        # the woken one stops deciding: it exits as a lost lease says (3, no traceback), or stands by
+        said = (tmp_path / f"scheduler-{schedulers.index(paused)}.log").read_text()
+        assert "Traceback" not in said, said
+        if paused.poll() is None:
+            assert (await eventually(lambda: readiness(paused.metrics_port), timeout_s=10))["role"] == "standby"
+        else:
+            assert paused.returncode == 3 and "lease lost" in said, (paused.returncode, said)
+        gap = min(m.metadata.timestamp.timestamp() for m in scheduled
+                  if m.metadata.timestamp.timestamp() > paused_at) - paused_at
+        print(f"\nscheduler paused {resumed_at - paused_at:.2f} s, lease ttl {TTL_S:g} s: no decisions for "
+              f"{gap:.2f} s; {jobs} jobs; the woken one: exit {paused.poll()}, "
+              f"{said.count('decision refused')} decisions refused")
+        assert gap < 3 * TTL_S, gap
+    finally:
+        if loader is not None and not loader.done():
+            loader.cancel()
+        for proc in schedulers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+        for proc in schedulers:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()

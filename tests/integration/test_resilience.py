@@ -5,12 +5,13 @@ process goes on; durable consumers redeliver a bounded number of times."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime
 
 from conftest import eventually, running, service_settings
 from runtime import eventlog, loop
 from runtime.loop import DecisionService
-from schemas import Event
+from schemas import Event, parse_event
 from services.quota.domain import QuotaCore
 from tests.unit.builders import admitted, queue, submitted
 
@@ -142,3 +143,41 @@ async def test_the_last_delivery_is_known(admin_js):
         assert eventlog.last_delivery(msg) == (delivery == eventlog.MAX_DELIVER)
         await msg.nak()
     assert await eventlog.fetch(sub, 1, 1) == []  # the server gave up on it
+
+
+async def test_what_the_durable_consumer_delivers_to_another_process_is_read_from_the_log(nats_server, admin_js):
+    """Two clients of one durable consumer: a deposed active that fetched after its pause, and
+    acked (or will drop) what it got, beside the new active. The active reads from the log every
+    message it did not get, in order, before the next one it gets (runtime/loop.py,
+    _handle_batch): every job is decided, and every event folded once."""
+    log = eventlog.EventLog(admin_js)
+    await log.append(queue(quotas={"a100": 30}))
+    core = FaultyCore()
+    service = quota(nats_server, core)
+    taken: list[int] = []
+    async with running(service):
+        await eventually(lambda: service.applied_seq >= 1)
+        other = await admin_js.pull_subscribe_bind(durable="quota", stream=eventlog.EVENTS_STREAM)
+
+        async def deposed() -> None:
+            while True:
+                for msg in await eventlog.fetch(other, 1, 0.05):
+                    taken.append(eventlog.sequence(msg))
+                    await msg.ack()
+
+        thief = asyncio.create_task(deposed())
+        try:
+            for i in range(30):
+                await job(log, f"k{i}")
+            await eventually(lambda: _all_reserved(admin_js, 30), timeout_s=30)
+        finally:
+            thief.cancel()
+        end = await eventlog.last_sequence(admin_js)
+        await eventually(lambda: service.applied_seq >= end)
+    assert taken, "the other client got nothing: the test did not exercise the path"
+    folded = [m async for m in eventlog.read(admin_js)]
+    assert sorted(core.folded) == sorted(parse_event(m.data).event_id for m in folded)
+
+
+async def _all_reserved(js, count: int) -> bool:
+    return all([await reserved(js, f"k{i}") for i in range(count)])
