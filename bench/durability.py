@@ -1,0 +1,66 @@
+"""What `sync_interval: always` costs: acknowledged JetStream publishes on a nats-server with the
+default periodic fsync and on one that syncs every write before it acknowledges (what
+deploy/nats-server.conf and k8s/components/nats run), in the same run, on the same disk.
+
+    python -m bench.durability [--raw N] [--sequential N] [--repeats R] [--json PATH]
+
+Each server is one node (R1) on a temporary directory; the messages are those of `python -m
+bench`'s ceiling (700 bytes, a Nats-Msg-Id each), published sequentially (one ack awaited per
+publish: what one service append waits for) and pipelined (1,000 awaiting their ack). R3 adds a
+round trip to a quorum whose members each sync too; it is not measured here (one machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import nats
+from nats.js.api import StorageType, StreamConfig
+
+from bench import command_line
+from bench.__main__ import raw_publish, raw_publish_pipelined
+from gpusched import devstack
+
+
+async def _measure(sync_always: bool, args) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="gpusched-durability-"))
+    server = devstack.NatsServer(work / "nats", sync_always=sync_always).start()
+    try:
+        nc = await nats.connect(server.url(), user="admin", password=server.creds.users["admin"])
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name="RAW", subjects=["raw.>"], storage=StorageType.FILE,
+                                         duplicate_window=120))
+        sequential = [await raw_publish(js, args.sequential, f"raw.s{r}") for r in range(args.repeats)]
+        pipelined = [await raw_publish_pipelined(nc, args.raw, f"raw.p{r}") for r in range(args.repeats)]
+        await nc.close()
+    finally:
+        server.stop()
+    return {"sequential_msgs_per_s": sequential, "pipelined_msgs_per_s": pipelined,
+            "sequential_median": statistics.median(sequential), "pipelined_median": statistics.median(pipelined)}
+
+
+async def main(args) -> dict:
+    default = await _measure(False, args)
+    always = await _measure(True, args)
+    return {"repeats": args.repeats, "default": default, "always": always,
+            "ratio_sequential": always["sequential_median"] / default["sequential_median"],
+            "ratio_pipelined": always["pipelined_median"] / default["pipelined_median"]}
+
+
+def report(r: dict) -> None:
+    print(f"\nsync_interval: always against the default (one nats-server, R1; medians of {r['repeats']})")
+    print(f"{'publishes':<44} {'default':>12} {'always':>12} {'ratio':>7}")
+    for label, key, ratio in (("sequential (one ack awaited each), msg/s", "sequential_median", "ratio_sequential"),
+                              ("pipelined (1,000 in flight), msg/s", "pipelined_median", "ratio_pipelined")):
+        print(f"{label:<44} {r['default'][key]:>12,.0f} {r['always'][key]:>12,.0f} {r[ratio]:>7.2f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--raw", type=int, default=20_000, help="pipelined publishes per repeat")
+    parser.add_argument("--sequential", type=int, default=3_000, help="sequential publishes per repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    command_line(parser, main, report)
