@@ -16,7 +16,9 @@ Policies (docs/scheduling.md):
 * ``fgd-balance``: ``fgd-spread`` with one more key between the score and the order: the growth
   of the node's *CPU deficit*, the CPU it would lack to serve its free GPU capacity at the
   workload's CPU per GPU (``Workload.cpu_per_milli``). Among equally fragmenting choices it takes
-  the one that keeps CPU and GPU in step, so GPUs are not stranded behind used-up CPU.
+  the one that keeps CPU and GPU in step, so GPUs are not stranded behind used-up CPU. A
+  CPU-only task goes to the node with the fewest free GPU thousandths (then the order), as in
+  ``best-fit``: its CPU is least needed there.
 
 A request is one gang member's share (``gpus`` whole GPUs or one ``milli`` fraction), repeated on
 ``gang`` distinct nodes, all or nothing. A gang takes the smallest topology domain that holds all
@@ -305,7 +307,10 @@ def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist:
 def _integer_key(policy: Policy, name: str, free, after, cpu: int | None, req: Request, dist: Workload,
                  growth: float) -> tuple:
     """``fgd-spread`` and ``fgd-balance``: the integer score, the CPU deficit's growth (0 for
-    ``fgd-spread``, and where the node's CPU or the workload's is not known), the order."""
+    ``fgd-spread``, and where the node's CPU or the workload's is not known), the order.
+    ``fgd-balance`` puts a CPU-only task where the fewest GPU thousandths are free."""
+    if policy == Policy.FGD_BALANCE and req.gpus == 0:
+        return (sum(free), 0, spread_rank(name))
     if policy == Policy.FGD_BALANCE and cpu is not None and dist.cpu_per_milli is not None:
         deficit = cpu_deficit_growth(sum(free), sum(after), cpu, cpu - req.cpu, dist.cpu_per_milli)
         return (spread_score(growth), round(deficit), spread_rank(name))

@@ -338,6 +338,24 @@ def test_fgd_balance_keeps_cpu_in_step_with_free_gpus_where_fgd_ties():
     assert picked == {Policy.FGD_SPREAD: ["b"], Policy.FGD_BALANCE: ["a"]}
 
 
+def test_fgd_balance_puts_a_cpu_only_task_where_the_fewest_gpus_are_free():
+    from services.scheduler.placement import Workload
+
+    # A CPU-only task blocks no task class on either node (FGD's growth 0 on both): fgd-spread
+    # takes the first in its fixed order ("big", 8 free GPUs); fgd-balance takes "small" (1 free
+    # GPU), where its CPU is least needed by GPU work.
+    assert spread_rank("big") < spread_rank("small")
+    w = Workload.of_requests({(1, 4000): 1.0})
+    picked = {}
+    for policy in (Policy.FGD_SPREAD, Policy.FGD_BALANCE):
+        core = SchedulerCore(policy, workload=w)
+        log = Log()
+        drive(core, [node("big", gpus=8, cpu_millis=96000), node("small", gpus=1, cpu_millis=96000)], log=log)
+        out = drive(core, [submitted("j", spec(gpus=0, cpu_millis=8000)), admitted("j"), reserved("j")], log=log)
+        picked[policy] = list(placements(out)["j"])
+    assert picked == {Policy.FGD_SPREAD: ["big"], Policy.FGD_BALANCE: ["small"]}
+
+
 def test_live_workload_is_cpu_aware_for_the_integer_scored_policies():
     h = H(node("a", gpus=8, cpu_millis=96000), policy=Policy.FGD_BALANCE)
     h.job("one", 1, cpu_millis=2000)
