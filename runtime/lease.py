@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 
 KEY = "active"
 CURRENT_SHARE = 0.75
-"""The share of the ttl after the last write of the lease during which its holder decides;
-renewals come every third of the ttl, so a healthy holder never reaches it."""
+"""The share of the ttl after the last write of the lease during which its holder decides.
+Renewals start every third of the ttl after the last one ended, so a holder whose renewals are
+answered within a sixth of the ttl never reaches it; a slower one pauses until the answer."""
 
 
 def bucket(service: str) -> str:
@@ -143,9 +144,10 @@ class Lease:
         try:
             self.revision = await kv.update(KEY, self.holder.encode(), last=self.revision)
         except KeyWrongLastSequenceError:
+            # An earlier write of ours landed though its answer was lost: still ours, written at
+            # a time we do not know, so ``since`` stays at the last write we know of.
             self.revision = await self._ours()
-            if self.revision is None:
-                return False
+            return self.revision is not None
         self.since = started
         return True
 

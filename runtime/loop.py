@@ -180,13 +180,11 @@ class DecisionService:
             if ctx:
                 self.trace_ctx[event.aggregate_id] = ctx
 
-    async def rebuild(self, js, end: int | None = None) -> int:
-        """Fold the log from the applied position to ``end`` (default: its current end); returns
-        the end. At start this is the whole log; after a broker outage, what the live feed may
-        have missed; before a message past a gap, the messages the durable consumer delivered to
-        another process (:meth:`_handle_batch`). Poison is passed over as the live path passes it
-        over (which dead-letters it)."""
-        end = await eventlog.last_sequence(js) if end is None else end
+    async def rebuild(self, js) -> int:
+        """Fold the log from the applied position to its current end; returns the end. At start
+        this is the whole log; after a broker outage, what the live feed may have missed. Poison
+        is passed over as the live path passes it over (which dead-letters it)."""
+        end = await eventlog.last_sequence(js)
         count = 0
         async for msgs in eventlog.read_batches(js, from_seq=self.applied_seq + 1, to_seq=end):
             for msg in msgs:
@@ -329,17 +327,15 @@ class DecisionService:
         start of the last renewal that got through. So this process stops deciding before any
         other can take the lease."""
         ttl = lease.ttl_s
-        renewed = lease.since  # the start of the last renewal (or the acquisition) that got through
         while not self._stop.is_set():
             await self._pause(ttl / 3)
-            started = time.monotonic()
             try:
                 if not await asyncio.wait_for(lease.renew(), timeout=ttl / 4):
                     lease.lose()
                     raise LeaseLost(f"{self.name}: another process holds the lease now")
-                renewed = started
             except (asyncio.TimeoutError, *eventlog.BROKER_ERRORS) as err:
-                if time.monotonic() + ttl / 3 + ttl / 4 >= renewed + ttl:
+                # lease.since: the start of the last write of it known to have got through
+                if time.monotonic() + ttl / 3 + ttl / 4 >= lease.since + ttl:
                     lease.lose()
                     raise LeaseLost(f"{self.name}: the lease could not be renewed before it may age out "
                                     f"({ttl:g} s ttl; {err!r})") from err
@@ -428,8 +424,9 @@ class DecisionService:
                 if not msgs and time.monotonic() >= self._end_checked + END_CHECK_EVERY_S:
                     # Idle: the log's last messages may have gone to another process (_handle_batch)
                     self._end_checked = time.monotonic()
-                    if await eventlog.last_sequence(js) > self.applied_seq:
-                        await self.rebuild(js)
+                    end = await eventlog.last_sequence(js)
+                    if end > self.applied_seq and not await self._read_missed(js, end):
+                        continue  # stopped
                 await self._handle_batch(js, appender, msgs)
                 failures = 0
                 if self._snapshot_due():
@@ -447,24 +444,41 @@ class DecisionService:
     async def _lease_current(self) -> bool:
         """Wait while the lease is held but not current (this process was paused, or a renewal is
         late); False once it is lost. Without a lease: True."""
-        while self.lease is not None and self.lease.held and not self.lease.current():
+        while self.lease is not None and self.lease.held and not self.lease.current() and not self._stop.is_set():
             await self._pause(0.05)
         return self.lease is None or self.lease.held
+
+    async def _fold_live(self, js, msg: Msg) -> bool:
+        """Fold one message of the live feed, dead-lettering it when it is poison (here: see
+        :meth:`dead_letters`). False when stopped before the dead letter went out (the message
+        stays unacked, so the next process sees it again)."""
+        reason = self._fold(msg)
+        return reason is None or not self.dead_letters(msg.subject) or await self._retrying(
+            "dead letter", lambda: eventlog.dead_letter(js, self.name, msg, reason))
+
+    async def _read_missed(self, js, end: int) -> bool:
+        """Fold the log from the applied position to ``end`` as the live feed folds it: what the
+        shared durable consumer delivered to another process (a deposed active that fetched
+        after a pause). False when stopped part way."""
+        log.info("reading from the log what the durable consumer delivered elsewhere",
+                 extra={"from_seq": self.applied_seq + 1, "to_seq": end})
+        async for msgs in eventlog.read_batches(js, from_seq=self.applied_seq + 1, to_seq=end):
+            for msg in msgs:
+                if not await self._fold_live(js, msg):
+                    return False
+        self.applied_seq = max(self.applied_seq, end)
+        return True
 
     async def _handle_batch(self, js, appender: eventlog.EventLog, msgs: list[Msg]) -> None:
         with observability.BATCH_SECONDS.labels(service=self.name).time():
             for msg in msgs:
-                if eventlog.sequence(msg) > self.applied_seq + 1:
-                    # The durable consumer delivered the messages in between to another process
-                    # (a deposed active that fetched them after its pause, and acked or dropped
-                    # them): read them from the log, in order, before this one.
-                    log.info("reading from the log what the durable consumer delivered elsewhere",
-                             extra={"from_seq": self.applied_seq + 1, "to_seq": eventlog.sequence(msg) - 1})
-                    await self.rebuild(js, end=eventlog.sequence(msg) - 1)
-                reason = self._fold(msg)
-                if reason is not None and self.dead_letters(msg.subject) and not await self._retrying(
-                        "dead letter", lambda: eventlog.dead_letter(js, self.name, msg, reason)):
+                # A gap before it: the durable consumer delivered the messages in between to
+                # another process (which acked or dropped them); they come from the log, in order.
+                gap = eventlog.sequence(msg) > self.applied_seq + 1
+                if gap and not await self._read_missed(js, eventlog.sequence(msg) - 1):
                     return  # stopped: unacked, so the next process sees the batch again
+                if not await self._fold_live(js, msg):
+                    return
             observability.APPLIED_SEQUENCE.labels(service=self.name).set(self.applied_seq)
             if self.applied_seq >= self.own_high_water:
                 self._caught_up.set()

@@ -126,6 +126,7 @@ async def _project(js, store: "_Store", settings: Settings, stop: asyncio.Event)
             return
         await asyncio.sleep(settings.tick_s)
     store.catch_up_to = (await js.stream_info(eventlog.EVENTS_STREAM)).state.last_seq
+    store.read_to = store.stored_to = position
     if position >= store.catch_up_to:
         health.HEALTH.done("catch-up")
     batches = eventlog.read_batches(js, from_seq=position + 1, follow=True, batch=settings.batch_size,
@@ -145,8 +146,10 @@ async def _until(stop: asyncio.Event, batches, store: "_Store"):
             if stop.is_set():
                 return
             health.HEALTH.jetstream = True  # the reader answered
-            if not msgs:
-                health.HEALTH.done("catch-up")  # nothing left to read
+            if msgs:
+                store.read_to = eventlog.sequence(msgs[-1])
+            elif store.stored_to >= store.read_to:
+                health.HEALTH.done("catch-up")  # nothing left to read, and all that was read is stored
             if not msgs and store.partitioning.first and store.partitioning.partitions > 1:
                 await store.idle()  # the other partitions may have caught up: a statement may be due
             yield msgs
@@ -162,6 +165,7 @@ class _Store:
         self.partitioning, self.share = partitioning, partition.Share(partitioning, TeamIndex(js))
         self.failure: Exception | None = None  # the last batch's, until the run starts again
         self.catch_up_to = 0  # the log's last sequence when the projection started (readiness)
+        self.read_to = self.stored_to = 0  # the last sequence handed to the pipeline, and stored
         self.lock = asyncio.Lock()  # one user of the connection at a time: a batch stored, or statements issued
 
     def observe(self, event, sequence: int) -> None:
@@ -181,6 +185,9 @@ class _Store:
         except Exception as err:
             self.failure = err
             raise
+        self.stored_to = converted.last_sequence
+        if self.stored_to >= self.catch_up_to:
+            health.HEALTH.done("catch-up")
 
     async def _store(self, converted: pipeline.Converted) -> None:
         p = self.partitioning
@@ -204,8 +211,6 @@ class _Store:
             await sink.apply_batch(self.conn, entries, self.partitioning.projection,
                                    partitions=self.partitioning.partitions)
         observability.APPLIED_SEQUENCE.labels(service=NAME).set(entries[-1][0])
-        if entries[-1][0] >= self.catch_up_to:
-            health.HEALTH.done("catch-up")
 
     async def _apply_one_by_one(self, converted: pipeline.Converted) -> None:
         """A batch Postgres refuses for its content: each event on its own, and one it refuses

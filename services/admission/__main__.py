@@ -115,6 +115,8 @@ class AdmissionService(DecisionService):
         sub = await eventlog.durable_consumer(js, stream=eventlog.INTAKE_STREAM, durable=self.intake_durable,
                                               backoff=False)
         while True:
+            if not await self._lease_current():
+                return  # lost: the process ends (runtime.loop)
             msgs = await eventlog.fetch(sub, self.settings.batch_size, 1.0)
             await self.wait_caught_up()
             pending: list[tuple[Msg, list[Event]]] = []
