@@ -131,7 +131,11 @@ class Lease:
             self.revision = await self._ours()
             if self.revision is None:
                 return False
-        self.since = started
+            # an earlier create of ours landed though its answer was lost, at a time we do not
+            # know: not current (runtime/loop.py decides nothing) until the first renewal
+            self.since = float("-inf")
+        else:
+            self.since = started
         log.info("lease acquired", extra={"service": self.service, "holder": self.holder})
         return True
 

@@ -299,6 +299,9 @@ class DecisionService:
                 except asyncio.CancelledError:
                     pass
             ACTIVE.labels(service=self.name).set(0)
+            if lease is not None and not lease.held and not self._stop.is_set():
+                # lost, and a loop saw it before _keep's LeaseLost was awaited here
+                raise LeaseLost(f"{self.name}: the lease was lost")
             if self._stop.is_set():
                 await self._save_snapshot()
                 if lease is not None:
@@ -443,10 +446,10 @@ class DecisionService:
 
     async def _lease_current(self) -> bool:
         """Wait while the lease is held but not current (this process was paused, or a renewal is
-        late); False once it is lost. Without a lease: True."""
+        late); False once it is lost, or when stopped. Without a lease: True unless stopped."""
         while self.lease is not None and self.lease.held and not self.lease.current() and not self._stop.is_set():
             await self._pause(0.05)
-        return self.lease is None or self.lease.held
+        return (self.lease is None or self.lease.held) and not self._stop.is_set()
 
     async def _fold_live(self, js, msg: Msg) -> bool:
         """Fold one message of the live feed, dead-lettering it when it is poison (here: see

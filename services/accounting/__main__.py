@@ -126,7 +126,6 @@ async def _project(js, store: "_Store", settings: Settings, stop: asyncio.Event)
             return
         await asyncio.sleep(settings.tick_s)
     store.catch_up_to = (await js.stream_info(eventlog.EVENTS_STREAM)).state.last_seq
-    store.read_to = store.stored_to = position
     if position >= store.catch_up_to:
         health.HEALTH.done("catch-up")
     batches = eventlog.read_batches(js, from_seq=position + 1, follow=True, batch=settings.batch_size,
@@ -146,10 +145,6 @@ async def _until(stop: asyncio.Event, batches, store: "_Store"):
             if stop.is_set():
                 return
             health.HEALTH.jetstream = True  # the reader answered
-            if msgs:
-                store.read_to = eventlog.sequence(msgs[-1])
-            elif store.stored_to >= store.read_to:
-                health.HEALTH.done("catch-up")  # nothing left to read, and all that was read is stored
             if not msgs and store.partitioning.first and store.partitioning.partitions > 1:
                 await store.idle()  # the other partitions may have caught up: a statement may be due
             yield msgs
@@ -165,7 +160,6 @@ class _Store:
         self.partitioning, self.share = partitioning, partition.Share(partitioning, TeamIndex(js))
         self.failure: Exception | None = None  # the last batch's, until the run starts again
         self.catch_up_to = 0  # the log's last sequence when the projection started (readiness)
-        self.read_to = self.stored_to = 0  # the last sequence handed to the pipeline, and stored
         self.lock = asyncio.Lock()  # one user of the connection at a time: a batch stored, or statements issued
 
     def observe(self, event, sequence: int) -> None:
@@ -185,9 +179,8 @@ class _Store:
         except Exception as err:
             self.failure = err
             raise
-        self.stored_to = converted.last_sequence
-        if self.stored_to >= self.catch_up_to:
-            health.HEALTH.done("catch-up")
+        if converted.last_sequence >= self.catch_up_to:
+            health.HEALTH.done("catch-up")  # the backlog there was at the start is stored
 
     async def _store(self, converted: pipeline.Converted) -> None:
         p = self.partitioning

@@ -39,6 +39,8 @@ class ExecutorService(DecisionService):
         await asyncio.to_thread(self.backend.start)
         try:
             while not self._stop.is_set():
+                if not await self._lease_current():
+                    return  # lost, or stopped: a deposed executor reconciles nothing (runtime.loop)
                 try:
                     plan = self.core.plan()
                     result = await asyncio.to_thread(reconcile, self.backend, plan, datetime.now(UTC))
