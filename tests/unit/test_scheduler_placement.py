@@ -318,6 +318,18 @@ def test_fgd_balance_cpu_deficit_growth(gpu_before, gpu_after, cpu_before, cpu_a
     assert cpu_deficit_growth(gpu_before, gpu_after, cpu_before, cpu_after, 3.0) == growth
 
 
+def spread_and_balance_pick(workload, nodes, job_spec) -> tuple[list[str], list[str]]:
+    """The nodes one job gets under fgd-spread and under fgd-balance, each on a fresh core."""
+    picked = []
+    for policy in (Policy.FGD_SPREAD, Policy.FGD_BALANCE):
+        core = SchedulerCore(policy, workload=workload)
+        log = Log()
+        drive(core, nodes, log=log)
+        out = drive(core, [submitted("j", job_spec), admitted("j"), reserved("j")], log=log)
+        picked.append(list(placements(out)["j"]))
+    return picked[0], picked[1]
+
+
 def test_fgd_balance_keeps_cpu_in_step_with_free_gpus_where_fgd_ties():
     from services.scheduler.placement import Workload
 
@@ -328,14 +340,8 @@ def test_fgd_balance_keeps_cpu_in_step_with_free_gpus_where_fgd_ties():
     assert spread_rank("b") < spread_rank("a")
     w = Workload.of_requests({(1, 4000): 0.5, (1, 2000): 0.5})
     assert w.cpu_per_milli == 3.0
-    picked = {}
-    for policy in (Policy.FGD_SPREAD, Policy.FGD_BALANCE):
-        core = SchedulerCore(policy, workload=w)
-        log = Log()
-        drive(core, [node("a", gpus=4, cpu_millis=64000), node("b", gpus=4, cpu_millis=12000)], log=log)
-        out = drive(core, [submitted("j", spec(gpus=1, cpu_millis=4000)), admitted("j"), reserved("j")], log=log)
-        picked[policy] = list(placements(out)["j"])
-    assert picked == {Policy.FGD_SPREAD: ["b"], Policy.FGD_BALANCE: ["a"]}
+    nodes = [node("a", gpus=4, cpu_millis=64000), node("b", gpus=4, cpu_millis=12000)]
+    assert spread_and_balance_pick(w, nodes, spec(gpus=1, cpu_millis=4000)) == (["b"], ["a"])
 
 
 def test_fgd_balance_puts_a_cpu_only_task_where_the_fewest_gpus_are_free():
@@ -346,14 +352,8 @@ def test_fgd_balance_puts_a_cpu_only_task_where_the_fewest_gpus_are_free():
     # GPU), where its CPU is least needed by GPU work.
     assert spread_rank("big") < spread_rank("small")
     w = Workload.of_requests({(1, 4000): 1.0})
-    picked = {}
-    for policy in (Policy.FGD_SPREAD, Policy.FGD_BALANCE):
-        core = SchedulerCore(policy, workload=w)
-        log = Log()
-        drive(core, [node("big", gpus=8, cpu_millis=96000), node("small", gpus=1, cpu_millis=96000)], log=log)
-        out = drive(core, [submitted("j", spec(gpus=0, cpu_millis=8000)), admitted("j"), reserved("j")], log=log)
-        picked[policy] = list(placements(out)["j"])
-    assert picked == {Policy.FGD_SPREAD: ["big"], Policy.FGD_BALANCE: ["small"]}
+    nodes = [node("big", gpus=8, cpu_millis=96000), node("small", gpus=1, cpu_millis=96000)]
+    assert spread_and_balance_pick(w, nodes, spec(gpus=0, cpu_millis=8000)) == (["big"], ["small"])
 
 
 def test_live_workload_is_cpu_aware_for_the_integer_scored_policies():
