@@ -93,7 +93,7 @@ lint: setup ## The layering contracts (import-linter; also run by `make test`)
 schemas: setup ## Regenerate schemas/json (the models), schemas/openapi.json (the API), schemas/asyncapi.json (NATS)
 	$(BIN)/python -m schemas.export
 	$(BIN)/python -m gpusched.api.openapi
-	$(BIN)/python -m gpusched.asyncapi
+	$(BIN)/python -m gpusched.api.asyncapi
 
 clean: ## Remove the virtualenv and local data (.data)
 	rm -rf $(VENV) .data .pytest_cache .hypothesis .cache

@@ -15,7 +15,7 @@ import nats
 import pytest
 import pytest_asyncio
 
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from runtime.settings import Settings
 

@@ -24,7 +24,8 @@ import nats
 import psutil
 
 from bench import command_line
-from gpusched import commands, devstack
+from gpusched.gateway import commands
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from schemas import JobSpec, SubmitJob, parse_event
 from schemas.queue import FlavorQuota, QueueConfigured

@@ -29,7 +29,7 @@ import nats
 import psutil
 
 from bench import command_line
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from schemas import (
     JobAdmitted, JobCheckpointed, JobScheduled, JobSpec, JobStarted, JobSubmitted, JobSucceeded, NodeAssignment,

@@ -34,7 +34,7 @@ import psutil
 
 from bench import command_line
 from bench.__main__ import raw_publish_pipelined
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from runtime.teams import partition_of
 from schemas import NodeRegistered, QueueConfigured, new_event

@@ -41,9 +41,10 @@ import psutil
 
 from bench import command_line
 from bench.__main__ import pct
-from gpusched import commands, devstack
+from gpusched.gateway import commands
+from gpusched.dev import stack as devstack
 from gpusched.api import tokens
-from gpusched.client import AsyncClient
+from gpusched.sdk.client import AsyncClient
 from runtime import eventlog
 from schemas import JobSpec, SubmitJob
 from schemas.auth import Role
@@ -397,7 +398,7 @@ async def cli_submit(p: Platform, n: int) -> dict[str, float]:
         subprocess.run([sys.executable, "-c", "pass"], check=True)
         bare_python.append((time.perf_counter() - t) * 1000)
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import gpusched.cli"], check=True)
+        subprocess.run([sys.executable, "-c", "import gpusched.cli.main"], check=True)
         imports.append((time.perf_counter() - t) * 1000)
     return {"raw_p50_ms": pct(raw, 50), "sdk_p50_ms": pct(sdk, 50), "nats_cli_path_p50_ms": pct(over_nats, 50),
             "process_p50_ms": statistics.median(process),
@@ -464,7 +465,7 @@ def report(r: dict) -> None:
         ("gpusched submit's path: NATS as the operator", f"{cli['nats_cli_path_p50_ms']:.1f} ms",
          f"{cli['nats_cli_path_p50_ms'] / cli['raw_p50_ms']:.2f}× raw"),
         ("`gpusched submit` whole process (median of 10)", f"{cli['process_p50_ms']:.0f} ms",
-         f"python start {cli['bare_python_ms']:.0f} ms; `import gpusched.cli` {cli['import_cli_ms']:.0f} ms"),
+         f"python start {cli['bare_python_ms']:.0f} ms; `import gpusched.cli.main` {cli['import_cli_ms']:.0f} ms"),
     ]
     for name, value, ratio in rows:
         print(f"  {name:<52} {value:>16}   {ratio}")

@@ -23,7 +23,7 @@ from nats.js.api import StorageType, StreamConfig
 
 from bench import command_line
 from bench.__main__ import raw_publish, raw_publish_pipelined
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 
 
 async def _server(sync_always: bool, work: Path):

@@ -23,9 +23,10 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from gpusched import pricebook, queueconfig
-from gpusched.devrun import example
-from gpusched.tracesim import decide_until_quiet
+from gpusched.config import pricebook
+from gpusched.config import queues as queueconfig
+from gpusched.dev.run import example
+from gpusched.sim.trace import decide_until_quiet
 from schemas import Event, dumps
 from schemas.commands import Principal
 from schemas.registry import event_subject

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import nats
 
-from gpusched import commands, devstack
+from gpusched.gateway import commands
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from schemas import CohortConfigured, FlavorQuota, JobSpec, QueueConfigured, SubmitJob, new_event, parse_event
 from schemas.queue import PreemptionPolicy
@@ -159,7 +160,7 @@ def figures(events: list, klass: dict[str, str], submitted_at: dict[str, float],
 def run_cores(scale: float, tick_s: float = 0.02) -> dict:
     """The same scenario through the quota, scheduler and sim-executor cores in one process on
     a virtual clock stepped every ``tick_s``: the policy alone, with no pipeline between them."""
-    from gpusched.tracesim import Platform
+    from gpusched.sim.trace import Platform
     from schemas import JobAdmitted, JobSubmitted
     from schemas.node import NodeInfo
     from schemas.priority import DEFAULT_PRIORITY_CLASSES

@@ -10,7 +10,7 @@ machine). Each run gets its own directory under a temporary root: the node and p
 Kubernetes objects (JSON documents in .yaml files, the layout of the peer's data/ folder and its
 pod_csv_to_yaml.py), the two config files its scripts/generate_config_and_run.py writes for the
 paper's BestFit and FGD runs, and the log. The log's "[Alloc]" lines (one per task) are read the way
-the peer's experiments/analysis/merge_alloc_discrete.py reads them (gpusched.tracesim.fgd_curve).
+the peer's experiments/analysis/merge_alloc_discrete.py reads them (gpusched.sim.trace.fgd_curve).
 
 Go 1.24 and later ignore rand.Seed unless GODEBUG=randseednop=0, which the run sets: without it
 every seed would give another workload than the paper's.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import gobuild
-from gpusched import tracesim
+from gpusched.sim import trace as tracesim
 
 POLICIES = {"BestFit": "BestFitScore", "FGD": "FGDScore"}
 CHECKOUT = ("go.mod", "go.sum", "cmd", "pkg", "vendor", "example")  # the peer's paths a build and a run use

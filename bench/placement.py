@@ -4,7 +4,7 @@ it (`gpusched sim --protocol fgd`), beside that simulator's own results.
     python -m bench.placement [--seeds 42-51] [--policy P ...] [--variant gpuspec20] [--json PATH]
                               [--draws go|python] [--peer DIR [--peer-seeds 42]]
 
-Each (policy, seed) runs the platform's own cores (gpusched.tracesim: QuotaCore, SchedulerCore,
+Each (policy, seed) runs the platform's own cores (gpusched.sim.trace: QuotaCore, SchedulerCore,
 SimExecutorCore) in a worker process, two at a time; its wall time and peak memory are the
 worker's. By default the tasks are the very sequence the peer builds for the seed: its Go
 random draws come from bench/gorand (built with the local Go; without Go, Python's RNG, which
@@ -34,7 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench import podlists
-from gpusched import tracesim
+from gpusched.sim import trace as tracesim
 from services.scheduler.placement import Policy, parse_policy
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "alibaba-gpu-2023"

@@ -138,7 +138,7 @@ def write(rows: list[dict], out: Path) -> Path:
 
 if __name__ == "__main__":
     from bench.placement import TRACE
-    from gpusched import tracesim
+    from gpusched.sim import trace as tracesim
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=KINDS)

@@ -4,7 +4,7 @@ runtime/snapshot.py).
     python -m bench.restart [--events N ...] [--service S ...] [--tail T]
 
 For each log length N: the log is the events of a synthetic openb-shaped trace replayed through
-the platform's cores (gpusched.tracesim: every job submitted, admitted, reserved, scheduled,
+the platform's cores (gpusched.sim.trace: every job submitted, admitted, reserved, scheduled,
 started, succeeded and released), published by the admin on a real nats-server. Then, for each
 service, as its own process with its own credential (deploy/Procfile):
 
@@ -35,7 +35,8 @@ from pathlib import Path
 import nats
 import psutil
 
-from gpusched import devstack, tracesim
+from gpusched.dev import stack as devstack
+from gpusched.sim import trace as tracesim
 from runtime import eventlog, snapshot
 from schemas import JobAdmitted, JobSpec, JobSubmitted, QuotaReserved, new_event
 from schemas.registry import event_subject, subject_suffix
@@ -80,7 +81,7 @@ async def publish(nc, messages: list[tuple[str, bytes, str]]) -> float:
 
 def probe(service: str, job_id: str, when) -> list:
     """The events after which ``service`` has exactly one thing to decide: this job."""
-    from gpusched.tracesim import FLAVOR, QUEUE, TEAM
+    from gpusched.sim.trace import FLAVOR, QUEUE, TEAM
 
     spec = JobSpec(kind="batch", queue=QUEUE, team=TEAM, priority_class="batch-low", image="probe", gpus=1,
                    cpu_millis=1000, memory_mib=1024, expected_runtime_seconds=60)

@@ -61,7 +61,7 @@ from bench.scheduler import (
     pct,
     summary,
 )
-from gpusched.tracesim import decide_until_quiet
+from gpusched.sim.trace import decide_until_quiet
 from schemas import (
     ClusterLost,
     Event,

@@ -35,8 +35,8 @@ import statistics
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from gpusched.service_cli import load_curve
-from gpusched.tracesim import decide_until_quiet
+from gpusched.cli.services import load_curve
+from gpusched.sim.trace import decide_until_quiet
 from schemas import Event, JobPreempted, QueueConfigured, new_event
 from schemas.node import NodeInfo
 from schemas.commands import Principal

@@ -30,7 +30,8 @@ import nats
 import psutil
 
 from bench import history
-from gpusched import devstack, whatif_cli
+from gpusched.dev import stack as devstack
+from gpusched.cli import whatif as whatif_cli
 from runtime import eventlog
 from schemas import parse_event
 
@@ -59,7 +60,7 @@ def timed_cli(server: devstack.NatsServer, *args: str) -> tuple[float, float, st
     sampled every 0.2 s while it runs (its own, not the largest of this process's children)."""
     env = {**os.environ, **server.env("operator")}
     began = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "gpusched.cli", *args], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "gpusched.cli.main", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     peak = 0
     watched = psutil.Process(proc.pid)

@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from conftest import eventually
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from schemas.registry import dumps, event_subject
 from services.accounting import sink

@@ -21,7 +21,8 @@ import asyncpg
 import pytest
 
 from conftest import connect_as, eventually
-from gpusched import commands, devstack
+from gpusched.gateway import commands
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from schemas import JobSpec, SubmitJob, parse_event
 from schemas.queue import FlavorQuota, QueueConfigured
@@ -161,7 +162,7 @@ async def test_500_jobs_survive_kill_9_of_every_service(stack, nats_server):
 
     # the CLI reads the same numbers
     env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_PG_DSN": dsn}
-    cli = [sys.executable, "-m", "gpusched.cli"]
+    cli = [sys.executable, "-m", "gpusched.cli.main"]
     usage = json.loads(subprocess.run(cli + ["usage", "-o", "json"], env=env, capture_output=True, check=True, text=True).stdout)
     assert sum(r["gpu_hours"] for r in usage) * 3600 == pytest.approx(ledger, rel=1e-6)
     events = json.loads(subprocess.run(cli + ["events", "e2e-0007", "-o", "json"], env=env, capture_output=True,
@@ -190,7 +191,7 @@ async def test_cli_submit_and_read_back(stack, nats_server, tmp_path):
     job.write_text("kind: training\nqueue: q-team-a\nteam: team-a\nimage: img\ngpus: 2\ngpu_flavors: [a100]\n"
                    "expected_runtime_seconds: 30\n")
     env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_PG_DSN": dsn}
-    cli = [sys.executable, "-m", "gpusched.cli"]
+    cli = [sys.executable, "-m", "gpusched.cli.main"]
     out = json.loads(subprocess.run(cli + ["submit", "-f", str(job), "-o", "json"], env=env, capture_output=True,
                                     check=True, text=True).stdout)
     assert out["decision"] == "JobAdmitted"

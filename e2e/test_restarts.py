@@ -15,7 +15,8 @@ import pytest
 
 from conftest import TEST_TEAMS, eventually
 from e2e.test_e2e import CLUSTER, TIME_SCALE, _finished, _position_at, count_subject, log_summary, workload
-from gpusched import commands, devstack
+from gpusched.gateway import commands
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from runtime.settings import Settings
 from schemas.queue import FlavorQuota, QueueConfigured

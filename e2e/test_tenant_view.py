@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import eventually
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from schemas import TeamConfigured, new_event
 from tests.natscli import nats_cli, run_nats  # noqa: F401  (nats_cli is a fixture)

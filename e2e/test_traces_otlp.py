@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import eventually
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from gpusched.api import tokens
 from runtime import eventlog
 from schemas.auth import Role
@@ -118,7 +118,7 @@ async def test_a_jobs_spans_from_the_cli_or_the_api_and_every_service_share_one_
         job.write_text("kind: training\nqueue: q-team-a\nteam: team-a\nimage: img\ngpus: 1\n"
                        "expected_runtime_seconds: 30\n")
         cli_env = {**os.environ, **nats_server.env("operator"), **otlp}
-        out = json.loads(subprocess.run([sys.executable, "-m", "gpusched.cli", "submit", "-f", str(job), "-o", "json"],
+        out = json.loads(subprocess.run([sys.executable, "-m", "gpusched.cli.main", "submit", "-f", str(job), "-o", "json"],
                                         env=cli_env, capture_output=True, check=True, text=True).stdout)
         assert out["decision"] == "JobAdmitted"
         assert await eventually(traced(spans, out["trace_id"], {"gpusched-cli"} | services), timeout_s=60,

@@ -45,7 +45,7 @@ P = SUBJECT_PREFIX
 API = "$JS.API"
 
 SERVICES = ("admission", "quota", "scheduler", "executor", "accounting", "notifier", "serving")
-"""Every service credential; gpusched.devstack starts the ones deploy/Procfile lists."""
+"""Every service credential; gpusched.dev.stack starts the ones deploy/Procfile lists."""
 
 ADMISSION_PARTITIONS = [""] + [f"-p{k}" for k in range(1, MAX_READING_PARTITIONS)]
 """The suffix of each admission partition's durables, lease and snapshot bucket (partition 0: none;

@@ -99,7 +99,7 @@ class NatsTls:
 
     def connect_options(self) -> dict:
         """nats-py's options: TLS from the first byte (``tls_handshake_first``; the server's
-        ``handshake_first``, gpusched.devstack.tls_block), so that no server, or anything in between,
+        ``handshake_first``, gpusched.dev.stack.tls_block), so that no server, or anything in between,
         can have the client go on in plain text and read its credentials."""
         return {"tls": self.context(), "tls_handshake_first": True}
 

@@ -14,7 +14,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from gpusched.api import bus, console, problems, routes, serving, telemetry
-from gpusched.commands import Answer
+from gpusched.gateway.commands import Answer
 from gpusched.api.auth import Authenticator
 from runtime import eventlog, health, observability
 from runtime.settings import ConfigError, Settings, env_address, env_number

@@ -1,5 +1,5 @@
 """The API's side of NATS. What it publishes is declared with FastStream (which also writes
-the AsyncAPI document of it, `gpusched.asyncapi`): the commands on the intake subjects. What it
+the AsyncAPI document of it, `gpusched.api.asyncapi`): the commands on the intake subjects. What it
 listens to are plain nats-py core subscriptions (no consumer, nothing stored):
 
 - the admission decisions (``gpusched.job.*.<token>`` of the answers, and the intake's dead
@@ -32,7 +32,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from gpusched import commands, permissions
+from gpusched import permissions
+from gpusched.gateway import commands
 from runtime import eventlog
 from runtime.settings import Settings
 from schemas import Event, parse_event
@@ -42,7 +43,7 @@ from schemas.registry import SUBJECT_PREFIX
 log = logging.getLogger(__name__)
 P = SUBJECT_PREFIX
 ANSWER_SUBJECTS = permissions.api_answer_subjects()
-"""The events that answer a command (gpusched.commands: SubmitAnswers, CancelAnswers, CheckpointAnswers,
+"""The events that answer a command (gpusched.gateway.commands: SubmitAnswers, CancelAnswers, CheckpointAnswers,
 ServiceAnswers)."""
 INTAKE_DEAD_LETTERS = commands.INTAKE_DEAD_LETTERS
 TENANT_EVENTS = P + ".tenant.{team}.job.>"

@@ -17,7 +17,7 @@ from fastapi import APIRouter, FastAPI, Form, Path, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from gpusched import history
+from gpusched.gateway import history
 from gpusched.api import reads
 from gpusched.api.auth import COOKIE, Identity, bearer
 from gpusched.api.problems import Problem

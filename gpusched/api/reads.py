@@ -10,7 +10,7 @@ from typing import Any
 
 import asyncpg
 
-from gpusched import quota_usage
+from gpusched.gateway import queue_usage as quota_usage
 from services.accounting import queries
 
 JOB_STATES = ("submitted", "rejected", "queued", "reserved", "scheduled", "running", "succeeded", "failed",

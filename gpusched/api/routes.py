@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from gpusched import commands, history
+from gpusched.gateway import commands
+from gpusched.gateway import history
 from gpusched.api import reads, telemetry
 from gpusched.api.auth import Identity, forbidden, identity, require, team_filter
 from gpusched.api.bus import TenantEvent

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request, Response
 from pydantic import Field, ValidationError
 
-from gpusched import commands
+from gpusched.gateway import commands
 from gpusched.api.auth import Identity, require, team_filter
 from gpusched.api.problems import Problem, from_malformed, from_validation
 from gpusched.api.routes import ERRORS, PROBLEM, READERS, Me, Strict, WaitS, json_body

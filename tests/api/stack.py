@@ -16,7 +16,7 @@ import asyncpg
 import httpx
 import nats
 
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from gpusched.api import tokens
 from runtime import eventlog
 from schemas.auth import Role

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpusched import AsyncClient, Client, Forbidden, InvalidInput, NotFound, Rejected, Unauthorized, WaitTimeout
-from gpusched.connection import Connection
+from gpusched.gateway.connection import Connection
 from gpusched.userinput import UserError
 from schemas import JobSpec, SubmitJob
 from tests.api.stack import job_document
@@ -190,7 +190,7 @@ def test_the_connection_files_token_goes_only_to_its_api(tmp_path, monkeypatch):
 
 
 def test_server_sent_event_lines_parse_as_the_format_says():
-    from gpusched.client import _Events
+    from gpusched.sdk.client import _Events
 
     parser = _Events()
     lines = [": ping", "", "event: open", 'data: {"team":', 'data:  "team-a"}', "", "event: gone", "id: 7", "",

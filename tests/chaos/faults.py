@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from gpusched.devstack import SERVICES
+from gpusched.dev.stack import SERVICES
 
 BROKERS = ("nats", "postgres")
 ADMISSION_PARTITIONS = ("admission", "admission-p1")

@@ -380,7 +380,7 @@ class ChaosRun:
     def _rebuild(self) -> list[str]:
         """`gpusched replay --into chaos_shadow`: a fresh rebuild compared with the live tables."""
         env = {**os.environ, **self.stack.nats.env("operator"), "GPUSCHED_PG_DSN": self.stack.pg.dsn}
-        cmd = [sys.executable, "-m", "gpusched.cli", "replay", "--into", "chaos_shadow", "-o", "json"]
+        cmd = [sys.executable, "-m", "gpusched.cli.main", "replay", "--into", "chaos_shadow", "-o", "json"]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         if run.returncode not in (0, 1):  # 1: the compare differs (the tables below say where)
             return [f"gpusched replay exited {run.returncode}: {run.stderr.strip()[-500:]}"]

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from tests.chaos.faults import ADMISSION_PARTITIONS, PROCESSES
 from tests.chaos.workload import TEAMS, TIME_SCALE
 

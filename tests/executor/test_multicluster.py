@@ -17,7 +17,7 @@ import nats
 import pytest
 
 from conftest import eventually, running
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from runtime.loop import DecisionService
 from runtime.settings import Settings

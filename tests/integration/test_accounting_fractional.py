@@ -14,7 +14,7 @@ from schemas import (
     QuotaReserved,
     new_event,
 )
-from gpusched import quota_usage
+from gpusched.gateway import queue_usage as quota_usage
 from services.accounting import chargeback, metrics, projection, queries, replay, sink
 from services.accounting.bulk import copy
 from tests.unit.builders import price_book, queue

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from conftest import connect_as, eventually, reset_log, service_settings
-from gpusched import accounting_cli
+from gpusched.cli import accounting as accounting_cli
 from runtime import eventlog
 from schemas import (
     JobAdmitted, JobCheckpointed, JobPreempted, JobRetryScheduled, JobScheduled, JobSpec, JobStarted, JobSubmitted,
@@ -240,7 +240,7 @@ async def test_service_metrics_endpoint_passes_promtool(nats_server, admin_js, p
     """The accounting process's own /metrics (process, service and read-model metrics)."""
     import urllib.request
 
-    from gpusched import devstack
+    from gpusched.dev import stack as devstack
     port = devstack.free_port()
     log = eventlog.EventLog(admin_js)
     for e in scenario():
@@ -425,7 +425,7 @@ async def test_cli_prices_usage_and_chargeback(nats_server, admin_js, pg_dsn, tm
     book.write_text("price_books:\n  - effective_from: 2026-10-01T00:00:00Z\n    gpu_prices: {a100: 2.0}\n")
     env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_PG_DSN": pg_dsn,
            "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
-    cli = [sys.executable, "-m", "gpusched.cli"]
+    cli = [sys.executable, "-m", "gpusched.cli.main"]
 
     def gs(*args, check=True):
         proc = subprocess.run(cli + list(args), env=env, capture_output=True, text=True, timeout=60, cwd=REPO)

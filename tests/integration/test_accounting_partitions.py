@@ -314,7 +314,7 @@ async def test_replay_into_a_shadow_compares_equal_with_partitioned_live(nats_se
     included; `gpusched replay` into live is refused."""
     from rich.console import Console
 
-    from gpusched.accounting_cli import _replay
+    from gpusched.cli.accounting import _replay
     from gpusched.userinput import UserError
 
     monkeypatch.setenv("GPUSCHED_STATEMENT_BY", "")

@@ -263,7 +263,7 @@ async def test_gpusched_checkpoint_uses_the_platform_clock_and_fails_when_refuse
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
-        return subprocess.run([sys.executable, "-m", "gpusched.cli", "checkpoint", "ckpt-cli", "--team", "team-a",
+        return subprocess.run([sys.executable, "-m", "gpusched.cli.main", "checkpoint", "ckpt-cli", "--team", "team-a",
                                *args, "-o", "json"], env=env, capture_output=True, text=True, timeout=60)
 
     refused = await asyncio.to_thread(cli, "--attempt", "2", "--step", "5")

@@ -12,7 +12,7 @@ import pytest
 from runtime import eventlog
 from schemas import parse_event
 
-CLI = [sys.executable, "-m", "gpusched.cli"]
+CLI = [sys.executable, "-m", "gpusched.cli.main"]
 V1 = """
 cohorts: [{name: shared}]
 queues:

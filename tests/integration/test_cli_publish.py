@@ -17,7 +17,7 @@ JOB = {"kind": "training", "queue": "research", "team": "team-a", "image": "img"
 
 async def cli(nats_server, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "gpusched.cli", *args, "-o", "json"],
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "gpusched.cli.main", *args, "-o", "json"],
                                    env=env, capture_output=True, text=True, timeout=60)
 
 

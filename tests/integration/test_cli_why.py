@@ -36,7 +36,7 @@ def admitted(job_id: str, gpus: int) -> list:
 async def cli(nats_server, pg_dsn, *args: str) -> dict:
     env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_PG_DSN": pg_dsn,
            "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
-    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "gpusched.cli", *args, "-o", "json"],
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "gpusched.cli.main", *args, "-o", "json"],
                                    env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 import pytest
 
 from conftest import connect_as, eventually, service_settings
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import eventlog, lease
 from runtime.teams import partition_of
 from schemas import JobScheduled, NodeAssignment, new_event, parse_event

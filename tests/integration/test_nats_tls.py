@@ -13,8 +13,8 @@ import pytest
 import trustme
 
 from conftest import eventually, service_settings
-from gpusched import devstack
-from gpusched.connection import Connection
+from gpusched.dev import stack as devstack
+from gpusched.gateway.connection import Connection
 from gpusched.userinput import UserError
 from runtime import eventlog
 from runtime.settings import ConfigError, NatsTls

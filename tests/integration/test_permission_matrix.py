@@ -21,7 +21,8 @@ import nats
 import pytest
 
 from conftest import connect_as, eventually, running, service_settings
-from gpusched import devstack, permissions
+from gpusched import permissions
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from schemas import JobRejected, JobSubmitted, parse_event
 from schemas.job import rejection_id

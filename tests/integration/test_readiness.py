@@ -12,7 +12,7 @@ import sys
 import asyncpg
 
 from conftest import eventually
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from services.accounting import sink
 from tests.integration.test_failover import readiness, start

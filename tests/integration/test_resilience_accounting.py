@@ -14,7 +14,7 @@ import time
 import asyncpg
 
 from conftest import eventually
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from services.accounting.__main__ import STOP_GRACE_S
 from tests.integration.test_telemetry import REPO
@@ -82,7 +82,7 @@ async def test_accounting_rides_out_a_postgres_restart_and_stops_promptly_while_
     assert "Postgres unavailable" in text or "postgres write failed" in text
 
     env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
-    out = subprocess.run([sys.executable, "-m", "gpusched.cli", "dlq", "-o", "json"], env=env, cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "gpusched.cli.main", "dlq", "-o", "json"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     dead = [r for r in json.loads(out.stdout) if r["subject"] == "gpusched.deadletter.accounting"]

@@ -9,7 +9,8 @@ import asyncio
 import asyncpg
 
 from conftest import eventually
-from gpusched import devrun, devstack
+from gpusched.dev import run as devrun
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from runtime.settings import Settings
 

@@ -29,7 +29,7 @@ import asyncpg
 import pytest
 
 from conftest import eventually, running, service_settings
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import eventlog
 from schemas import JobCancelRequested, JobScheduled, JobSpec, JobSubmitted, NodeRegistered, new_event, parse_event
 from schemas.job import NodeAssignment
@@ -107,7 +107,7 @@ async def accounting_metrics(nats_server, admin_js, pg_dsn: str) -> AsyncIterato
 def cli(nats_server, pg_dsn: str, *args: str) -> str:
     env = {**os.environ, **nats_server.env("operator"), "GPUSCHED_PG_DSN": pg_dsn,
            "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
-    proc = subprocess.run([sys.executable, "-m", "gpusched.cli", *args], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "gpusched.cli.main", *args], env=env, capture_output=True, text=True,
                           timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout

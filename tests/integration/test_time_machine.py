@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from conftest import connect_as, eventually, service_settings
-from gpusched import accounting_cli
+from gpusched.cli import accounting as accounting_cli
 from runtime import eventlog
 from runtime.clock import ScaledClock
 from schemas import JobRejected, RejectReason, new_event, parse_event
@@ -60,7 +60,7 @@ def gs(nats_server, pg_dsn):
            "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
 
     def call(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "gpusched.cli", *args], env=env, capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "gpusched.cli.main", *args], env=env, capture_output=True, text=True,
                               timeout=120, cwd=REPO)
     return call
 

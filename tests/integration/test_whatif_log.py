@@ -16,7 +16,7 @@ from bench import history
 from runtime import eventlog
 from schemas import parse_event
 
-CLI = [sys.executable, "-m", "gpusched.cli"]
+CLI = [sys.executable, "-m", "gpusched.cli.main"]
 JOBS = 2000
 
 CHANGES = """

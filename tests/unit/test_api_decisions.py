@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from gpusched import commands
+from gpusched.gateway import commands
 from gpusched.api.bus import Decisions, Hub, TenantEvent, tenant_event
 from schemas import JobRejected, RejectReason, new_event
 from tests.unit.builders import T0, admitted, submitted

@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from gpusched import asyncapi
+from gpusched.api import asyncapi
 from schemas.commands import INTAKE_VERBS
 from schemas.registry import ALL_EVENT_TYPES
 from schemas.tenant import NotificationDelivery

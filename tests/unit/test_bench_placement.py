@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import peer, podlists
-from gpusched.tracesim import NODE_FILE, POD_FILE, fgd_tasks, load_trace, write_synthetic_trace
+from gpusched.sim.trace import NODE_FILE, POD_FILE, fgd_tasks, load_trace, write_synthetic_trace
 
 
 @pytest.fixture(scope="module")

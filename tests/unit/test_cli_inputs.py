@@ -11,7 +11,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from gpusched import userinput
-from gpusched.cli import app
+from gpusched.cli.main import app
 from gpusched.userinput import MAX_DEPTH, MAX_FILE_BYTES, UserError, read_document
 
 JOB = "kind: training\nqueue: research\nteam: team-a\nimage: img\ngpus: 1\n"

@@ -14,7 +14,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpusched import commands, pricebook, queueconfig
+from gpusched.gateway import commands
+from gpusched.config import pricebook
+from gpusched.config import queues as queueconfig
 from gpusched.userinput import MAX_LINE, UserError
 
 EXAMPLES = 1000

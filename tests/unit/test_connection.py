@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from gpusched import connection
-from gpusched.connection import Connection
+from gpusched.gateway import connection
+from gpusched.gateway.connection import Connection
 
 STACK = Connection("nats://127.0.0.1:4999", "operator", "secret", "postgresql://127.0.0.1:5999/gpusched")
 

@@ -6,7 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from gpusched import devstack, permissions
+from gpusched import permissions
+from gpusched.dev import stack as devstack
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from gpusched import devstack
+from gpusched.dev import stack as devstack
 from runtime import health, observability
 from runtime.health import LIVE_WITHIN_S, Health
 

@@ -30,7 +30,7 @@ def test_the_layer_contracts_are_kept():
     ("runtime/clock.py", "import services.quota.domain"),           # the runtime reaching up to a service
     ("services/quota/capacity.py", "import services.scheduler.inventory"),  # one service importing another
     ("schemas/priority.py", "import runtime.clock"),                  # the contract importing the runtime
-    ("services/executor/cluster.py", "import gpusched.devstack"),     # a service importing an application
+    ("services/executor/cluster.py", "import gpusched.dev.stack"),     # a service importing an application
 ])
 def test_an_import_that_runs_back_up_breaks_a_contract(tmp_path, module, line):
     for package in PACKAGES:

@@ -177,7 +177,7 @@ def test_quota_reclaims_with_the_protection_window_in_force():
 def test_apply_refuses_a_queue_that_names_a_class_not_in_force(queue_fields, message):
     import yaml
 
-    from gpusched import queueconfig
+    from gpusched.config import queues as queueconfig
     from gpusched.userinput import UserError
 
     document = yaml.safe_load(f"queues:\n  - {{name: research, allowed_teams: [team-a], {queue_fields},\n"

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gpusched import pricebook
+from gpusched.config import pricebook
 from gpusched.userinput import UserError
 
 NOW = datetime(2026, 11, 20, tzinfo=UTC)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gpusched.cli import app
-from gpusched.tracesim import (TraceError, fgd_curve, fgd_tasks, inflation, load_trace, replay, workload_of,
+from gpusched.cli.main import app
+from gpusched.sim.trace import (TraceError, fgd_curve, fgd_tasks, inflation, load_trace, replay, workload_of,
                                write_synthetic_trace)
 from services.scheduler.placement import Policy
 

@@ -69,7 +69,7 @@ def test_the_state_is_frozen_after_a_rebuild(monkeypatch):
 
 
 async def _why(monkeypatch, events):
-    from gpusched import history
+    from gpusched.gateway import history
 
     async def fake_job_events(js, job_id):
         return list(enumerate(events, start=1))

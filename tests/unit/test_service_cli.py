@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpusched.devrun import example
-from gpusched.service_cli import load_curve
+from gpusched.dev.run import example
+from gpusched.cli.services import load_curve
 from gpusched.userinput import UserError
 
 

@@ -2,7 +2,7 @@
 holds the same state, and decides the same, as a core that folded the whole log.
 
 The log is 100,000+ events the decision cores wrote themselves: a synthetic openb-shaped trace
-replayed through quota, the scheduler and the sim backend (gpusched.tracesim), each job submitted,
+replayed through quota, the scheduler and the sim backend (gpusched.sim.trace), each job submitted,
 admitted, reserved, scheduled, started, succeeded and released; the cluster is small for the load,
 so most of the time jobs wait (quota holds, the scheduler has heads that do not fit)."""
 
@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 from sortedcontainers import SortedList
 
-from gpusched import tracesim
+from gpusched.sim import trace as tracesim
 from runtime import snapshot
 from services.admission.domain import AdmissionCore
 from services.quota.domain import QuotaCore

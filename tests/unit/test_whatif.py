@@ -1,4 +1,4 @@
-"""The what-if replay (gpusched/whatif.py): what it takes from a recorded log, that a replay with
+"""The what-if replay (gpusched/sim/whatif.py): what it takes from a recorded log, that a replay with
 no change reproduces the recorded decisions, that a change takes effect at the window's start,
 and how the report's figures are computed."""
 
@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from bench import history
-from gpusched import tracesim, whatif, whatif_cli, whatif_trace
+from gpusched.sim import trace as tracesim
+from gpusched.sim import whatif
+from gpusched.cli import whatif as whatif_cli
+from gpusched.sim import whatif_trace
 from gpusched.userinput import UserError
 from schemas import FailureReason, PriceBookUpdated, new_event
 from schemas.accounting import FlavorPrice

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusched.devstack import free_port, free_ports
+from gpusched.dev.stack import free_port, free_ports
 
 HERE = Path(__file__).parent
 STAGES = HERE.parent / "kwok-pod-stages.yaml"

@@ -20,9 +20,18 @@ from rich.markup import escape
 from rich.text import Text
 from rich.table import Table
 
-from gpusched import (accounting_cli, commands, history, log_cli, permissions, pricebook, queueconfig, quota_usage,
-                      service_cli, token_cli, userinput, whatif_cli)
-from gpusched.connection import Connection
+from gpusched import permissions, userinput
+from gpusched.cli import accounting as accounting_cli
+from gpusched.gateway import commands
+from gpusched.gateway import history
+from gpusched.cli import log as log_cli
+from gpusched.config import pricebook
+from gpusched.config import queues as queueconfig
+from gpusched.gateway import queue_usage as quota_usage
+from gpusched.cli import services as service_cli
+from gpusched.cli import tokens as token_cli
+from gpusched.cli import whatif as whatif_cli
+from gpusched.gateway.connection import Connection
 from gpusched.userinput import UserError
 from runtime import eventlog, observability
 from runtime.settings import Settings
@@ -258,7 +267,7 @@ def through_api(connection: Connection, what: str, call) -> dict[str, Any]:
     (but a rejection, which the caller reports) as a UserError naming the problem."""
     import httpx
 
-    from gpusched.client import ApiError
+    from gpusched.sdk.client import ApiError
 
     try:
         with connection.client() as gs:
@@ -271,7 +280,7 @@ def through_api(connection: Connection, what: str, call) -> dict[str, Any]:
 
 
 def _submitted(gs, command, wait: bool, on_behalf_of: str | None) -> dict[str, Any]:
-    from gpusched.client import Rejected
+    from gpusched.sdk.client import Rejected
 
     result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": None, "decision": None}
     # the same fields as over NATS but trace_id (the API's request carries the trace)
@@ -502,7 +511,7 @@ def sim_cmd(
     """Replay a GPU cluster trace through the quota, scheduler and sim-executor cores."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gpusched import tracesim as rp
+    from gpusched.sim import trace as rp
     from services.scheduler.placement import parse_policy
 
     try:
@@ -592,7 +601,7 @@ def dev_up(
     duration: float = typer.Option(0, help="Stop after this many seconds (0: run until Ctrl-C)"),
 ) -> None:
     """Run NATS, Postgres and the services locally, with an optional demo workload."""
-    from gpusched.devrun import run_dev
+    from gpusched.dev.run import run_dev
 
     sys.exit(run_dev(data_dir=data_dir, time_scale=time_scale, demo=demo, demo_jobs=demo_jobs, duration=duration))
 
@@ -613,7 +622,7 @@ def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here in
     """Print the reference nats-server configuration (deploy/nats-server.conf), or with --k8s the
     one of the NATS StatefulSet in k8s/; with --tls-cert and --tls-key, clients must use TLS
     (docs/operations.md, "TLS")."""
-    from gpusched.devstack import k8s_nats_config, reference_nats_config, tls_block
+    from gpusched.dev.stack import k8s_nats_config, reference_nats_config, tls_block
 
     if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
         raise typer.BadParameter("--tls-cert and --tls-key go together (--tls-ca needs both); accepted: both, "

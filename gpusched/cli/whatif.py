@@ -1,5 +1,5 @@
 """``gpusched whatif``: the recorded log (or an Alibaba-format trace) replayed under a changed
-configuration, beside what actually happened (gpusched/whatif.py; docs/whatif.md)."""
+configuration, beside what actually happened (gpusched/sim/whatif.py; docs/whatif.md)."""
 
 
 import json
@@ -11,8 +11,10 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from gpusched import queueconfig, userinput, whatif
-from gpusched.accounting_cli import parse_time
+from gpusched import userinput
+from gpusched.config import queues as queueconfig
+from gpusched.sim import whatif
+from gpusched.cli.accounting import parse_time
 from gpusched.userinput import UserError
 from runtime import eventlog
 from runtime.settings import ConfigError, env_choice, env_value
@@ -179,7 +181,8 @@ def register(app: typer.Typer, *, run: Callable, with_js: Callable, guarded: Cal
         options = options_from_env(policy)
         began = time.monotonic()
         if trace is not None:
-            from gpusched import tracesim, whatif_trace
+            from gpusched.sim import trace as tracesim
+            from gpusched.sim import whatif_trace
             try:
                 recording = whatif_trace.recording(trace, limit)
             except tracesim.TraceError as err:

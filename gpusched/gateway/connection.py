@@ -84,8 +84,8 @@ class Connection:
         )
 
     def client(self):
-        """The SDK client of the API this connection names (gpusched.client.Client)."""
-        from gpusched.client import Client
+        """The SDK client of the API this connection names (gpusched.sdk.client.Client)."""
+        from gpusched.sdk.client import Client
 
         if not self.api_token:
             raise UserError(f"the API at {self.api_url} needs a token: set GPUSCHED_API_TOKEN (`gpusched token issue`)")

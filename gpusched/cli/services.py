@@ -11,8 +11,8 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from gpusched import commands
-from gpusched.connection import Connection
+from gpusched.gateway import commands
+from gpusched.gateway.connection import Connection
 from gpusched.userinput import UserError
 from services.accounting import queries
 

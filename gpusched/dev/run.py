@@ -27,7 +27,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from gpusched import commands, connection, devstack, history, pricebook, queueconfig
+from gpusched.gateway import commands
+from gpusched.gateway import connection
+from gpusched.dev import stack as devstack
+from gpusched.gateway import history
+from gpusched.config import pricebook
+from gpusched.config import queues as queueconfig
 from gpusched.api import tokens
 from runtime import eventlog
 from runtime.settings import NatsTls, Settings
@@ -322,7 +327,7 @@ async def _demo_tokens(js, path: Path) -> dict[str, str]:
 
 def _save_api(path: Path, url: str, token: str) -> None:
     """Add the API's address and the operator's token to the connection files `make run` wrote,
-    so that the CLI and the SDK reach the API (gpusched.connection)."""
+    so that the CLI and the SDK reach the API (gpusched.gateway.connection)."""
     for target in (path, connection.user_connection_file()):
         saved = json.loads(target.read_text())
         saved.update(api_url=url, api_token=token)

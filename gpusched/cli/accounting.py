@@ -1,6 +1,6 @@
 """Accounting commands of the `gpusched` CLI: usage roll-ups and time travel, the price book,
 chargeback statements (and verifying one by replay), replay into a shadow with compare and swap,
-and the operations metrics. Registered onto the main app by :mod:`gpusched.cli`."""
+and the operations metrics. Registered onto the main app by :mod:`gpusched.cli.main`."""
 
 
 import csv
@@ -18,9 +18,9 @@ import nats.errors
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from gpusched import pricebook
-from gpusched.connection import Connection
-from gpusched.points import check_range, parse_point, parse_time
+from gpusched.config import pricebook
+from gpusched.gateway.connection import Connection
+from gpusched.cli.points import check_range, parse_point, parse_time
 from gpusched.userinput import UserError, print_error
 from runtime import eventlog
 from schemas import ChargebackStatementIssued, parse_event

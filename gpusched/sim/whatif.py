@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from gpusched.tracesim import decide_until_quiet
+from gpusched.sim.trace import decide_until_quiet
 from gpusched.userinput import UserError
 from schemas import (
     CohortConfigured,
@@ -112,7 +112,7 @@ class Recording:
     actual: Outcomes = field(default_factory=lambda: Outcomes())  # what happened, for the report
     prices: list[PriceVersion] = field(default_factory=list)
     events: int = 0
-    decisions_recorded: bool = True  # False: a trace (gpusched/whatif_trace.py), no decisions to compare
+    decisions_recorded: bool = True  # False: a trace (gpusched/sim/whatif_trace.py), no decisions to compare
     _started: dict[tuple[str, int], datetime] = field(default_factory=dict)
 
     def add(self, seq: int, event: Event) -> None:

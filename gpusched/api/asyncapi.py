@@ -8,8 +8,8 @@ code. Two sources, one document:
   ``gpusched.<aggregate>.{id}.<token>`` with its event's schema, the teams' subjects the notifier
   writes, the dead letters, and the headers each message carries.
 
-    python -m gpusched.asyncapi          # rewrite schemas/asyncapi.json
-    python -m gpusched.asyncapi --check  # exit 1 if the committed file differs from the code
+    python -m gpusched.api.asyncapi          # rewrite schemas/asyncapi.json
+    python -m gpusched.api.asyncapi --check  # exit 1 if the committed file differs from the code
 
 tests/unit/test_asyncapi.py validates the document against the official AsyncAPI 3.0.0 schema.
 """
@@ -33,7 +33,7 @@ from schemas.export import ContractSchema, write_or_check
 from schemas.registry import ALL_EVENT_TYPES, PRODUCERS, SUBJECT_PREFIX, subject_suffix
 from schemas.tenant import JobNotification, NotificationDelivery
 
-OUT = Path(__file__).resolve().parents[1] / "schemas" / "asyncapi.json"
+OUT = Path(__file__).resolve().parents[2] / "schemas" / "asyncapi.json"
 P = SUBJECT_PREFIX
 COMMANDS: dict[str, type[BaseModel]] = COMMAND_MODELS
 PARAMETERS = {

@@ -1,5 +1,5 @@
 """`gpusched log`: browse and filter the whole event log (the GPUSCHED_EVENTS stream) as a table
-or JSON lines. Registered onto the main app by :mod:`gpusched.cli`.
+or JSON lines. Registered onto the main app by :mod:`gpusched.cli.main`.
 
 Filters on type, aggregate and id become subject filters of the reader's consumer
 (``gpusched.<aggregate>.<id>.<token>``, schemas.registry), so the server sends only what matches.
@@ -19,7 +19,7 @@ import typer
 from nats.js import JetStreamContext
 from rich.text import Text
 
-from gpusched.points import check_range, parse_point
+from gpusched.cli.points import check_range, parse_point
 from gpusched.userinput import UserError
 from runtime import eventlog
 from schemas.envelope import NAME_PATTERN, Event

@@ -1,4 +1,4 @@
-"""An Alibaba-format trace (the openb layout, gpusched/tracesim.py) as a what-if recording: the
+"""An Alibaba-format trace (the openb layout, gpusched/sim/trace.py) as a what-if recording: the
 trace's tasks are the submissions, its nodes the cluster, and what the trace recorded (each
 task's wait until ``scheduled_time`` and its run until ``deletion_time``) the actual column.
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
-from gpusched import tracesim
-from gpusched.whatif import Recording, Run, JobOutcome
+from gpusched.sim import trace as tracesim
+from gpusched.sim.whatif import Recording, Run, JobOutcome
 from schemas import FlavorQuota, JobSpec, JobSubmitted, QueueConfigured, new_event
 
 QOS_TEAMS = {"LS": ("ls", "inference-sla"), "Guaranteed": ("guaranteed", "deadline-training"),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gpusched import permissions
 
-PROCFILE = Path(__file__).resolve().parents[1] / "deploy" / "Procfile"
+PROCFILE = Path(__file__).resolve().parents[2] / "deploy" / "Procfile"
 
 
 def read_procfile(path: Path = PROCFILE) -> dict[str, list[str]]:

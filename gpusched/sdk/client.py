@@ -141,7 +141,7 @@ def job_document(job: Any) -> dict[str, Any]:
     if isinstance(job, BaseModel):
         raise TypeError(f"a {type(job).__name__} is not a job; accepted: SubmitJob, JobSpec, a dict or a file path")
     if isinstance(job, (str, Path)):
-        from gpusched.commands import submit_command_from_file
+        from gpusched.gateway.commands import submit_command_from_file
 
         return submit_command_from_file(Path(job)).model_dump(mode="json", exclude_none=True)
     if isinstance(job, dict):

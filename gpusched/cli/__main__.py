@@ -1,0 +1,3 @@
+from gpusched.cli.main import main
+
+main()
