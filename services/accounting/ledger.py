@@ -19,7 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from services.accounting.operations import (
+    AttemptEnded, InsertAttempt, InsertCheckpoint, InsertJob, InsertReservation, Operation, SetJobState,
+)
 
 USAGE_COLUMNS = ("job_id", "attempt", "team", "project", "queue", "flavor", "gpus", "started_at", "ended_at",
                  "gpu_seconds", "outcome", "sequence", "borrowed_gpus", "borrowed_gpu_seconds", "lost_gpu_seconds",
@@ -56,15 +60,8 @@ class Reservation(NamedTuple):
     borrowed_milli: int | None = None
 
 
-class Ended(NamedTuple):
-    """An attempt's end, as the converter emits it (operation ``attempt_ended``)."""
-    job_id: str
-    attempt: int
-    started_at: datetime
-    ended_at: datetime
-    seconds: float  # ended_at - started_at, never negative
-    outcome: str  # the event type that ended it
-    sequence: int
+Ended = AttemptEnded
+"""An attempt's end, as the converter emits it (:class:`.operations.AttemptEnded`)."""
 
 
 class Facts(NamedTuple):
@@ -119,8 +116,7 @@ def usage_row(facts: Facts, end: Ended) -> tuple | None:
 @dataclass
 class Book:
     """The ledger facts of one batch, collected from its operations in log order (:meth:`add`);
-    each ``attempt_ended`` is kept with the facts the batch had given by then (:attr:`ended`).
-    The statement names and argument layouts are the converter's (:mod:`.projection`)."""
+    each :class:`AttemptEnded` is kept with the facts the batch had given by then (:attr:`ended`)."""
 
     jobs: dict[str, JobFacts] = field(default_factory=dict)
     flavors: dict[str, str | None] = field(default_factory=dict)  # job -> flavor last set in the batch
@@ -129,41 +125,39 @@ class Book:
     checkpoints: dict[tuple[str, int], list[tuple[datetime, int]]] = field(default_factory=dict)
     ended: list[tuple[Ended, Facts, bool]] = field(default_factory=list)  # (end, the batch's facts, flavor set)
 
-    def add(self, statement: str, args: tuple) -> None:
+    def add(self, op: Operation) -> None:
         """Take note of one operation (run for every operation of a replay: one dictionary
         lookup for those that carry no ledger fact)."""
-        take = _TAKE.get(statement)
-        if take is None and statement not in _TAKE:
-            take = _TAKE[statement] = _flavor_setter(statement)
+        take = _TAKE.get(type(op))
         if take is not None:
-            take(self, args)
+            take(self, op)
 
     def keys(self) -> list[tuple[str, int]]:
         """The attempts that end in the batch: whose earlier facts the read models are asked for."""
         return list(dict.fromkeys((end.job_id, end.attempt) for end, _, _ in self.ended))
 
 
-def _submitted(book: Book, args: tuple) -> None:
-    # (job, team, project, queue, kind, class, submitter, gpus, gang, total_gpus, at, seq, cpu, mem, gpu_milli)
-    if args[0] not in book.jobs:
-        book.jobs[args[0]] = JobFacts(args[1], args[2], args[3], args[9], args[12], args[13], args[14])
+def _submitted(book: Book, op: InsertJob) -> None:
+    if op.job_id not in book.jobs:
+        book.jobs[op.job_id] = JobFacts(op.team, op.project, op.queue, op.total_gpus, op.cpu_millis, op.memory_mib,
+                                        op.gpu_milli)
 
 
-def _reserved(book: Book, args: tuple) -> None:  # (job, attempt, queue, flavor, gpus, borrowed, at, seq)
-    if (key := (args[0], args[1])) not in book.reservations:
-        book.reservations[key] = Reservation(*args[2:8])
+def _reserved(book: Book, op: InsertReservation) -> None:
+    if (key := (op.job_id, op.attempt)) not in book.reservations:
+        book.reservations[key] = Reservation(op.queue, op.flavor, op.gpus, op.borrowed, op.gpu_milli,
+                                             op.borrowed_milli)
 
 
-def _queued(book: Book, args: tuple) -> None:  # (job, attempt, at, seq)
-    book.queued.setdefault((args[0], args[1]), args[2])
+def _queued(book: Book, op: InsertAttempt) -> None:
+    book.queued.setdefault((op.job_id, op.attempt), op.queued_at)
 
 
-def _checkpointed(book: Book, args: tuple) -> None:  # (job, attempt, at, seq)
-    book.checkpoints.setdefault((args[0], args[1]), []).append((args[2], args[3]))
+def _checkpointed(book: Book, op: InsertCheckpoint) -> None:
+    book.checkpoints.setdefault((op.job_id, op.attempt), []).append((op.checkpointed_at, op.seq))
 
 
-def _ended(book: Book, args: tuple) -> None:
-    end = Ended(*args)
+def _ended(book: Book, end: AttemptEnded) -> None:
     job_id, key = end.job_id, (end.job_id, end.attempt)
     checkpoints = book.checkpoints.get(key)
     book.ended.append((end, Facts(book.jobs.get(job_id), book.flavors.get(job_id), book.reservations.get(key),
@@ -171,25 +165,16 @@ def _ended(book: Book, args: tuple) -> None:
                        job_id in book.flavors))
 
 
-def _flavor_setter(statement: str) -> Callable[[Book, tuple], None] | None:
-    """For ``set_state:a,b`` (arguments: job, state, seq, then the named columns' values) that
-    names the flavor: a note of the job's flavor. None for any other statement."""
-    if not statement.startswith("set_state:"):
-        return None
-    columns = statement.split(":", 1)[1].split(",")
-    if "flavor" not in columns:
-        return None
-    at = 3 + columns.index("flavor")
-
-    def note(book: Book, args: tuple) -> None:
-        book.flavors[args[0]] = args[at]
-    return note
+def _state_set(book: Book, op: SetJobState) -> None:
+    """A job change that sets the flavor: the job's flavor as last set."""
+    if "flavor" in op.columns:
+        book.flavors[op.job_id] = op.columns["flavor"]
 
 
-# statement -> what the book notes of it (None: nothing); set_state statements are added as met
-_TAKE: dict[str, Callable[[Book, tuple], None] | None] = {
-    "job_submitted": _submitted, "reservation": _reserved, "attempt_queued": _queued,
-    "checkpoint": _checkpointed, "attempt_ended": _ended,
+# operation type -> what the book notes of it; every other type carries no ledger fact
+_TAKE: dict[type, Callable[[Book, Any], None]] = {
+    InsertJob: _submitted, InsertReservation: _reserved, InsertAttempt: _queued, InsertCheckpoint: _checkpointed,
+    AttemptEnded: _ended, SetJobState: _state_set,
 }
 
 

@@ -18,17 +18,18 @@ from importlib import resources
 
 import asyncpg
 
+from schemas.jobstate import JobState
 from services.accounting import ledger
+from services.accounting import operations as ops
 from services.accounting.bulk import copy
-from services.accounting.projection import Op
-from services.accounting.sql import JOB_COLUMNS, JOB_DEFAULTS, JOB_LAST_SEQUENCE, JOB_SPEC_COLUMNS, SQL, STATE_COLUMNS
+from services.accounting.sql import JOB_COLUMNS, JOB_DEFAULTS, JOB_SPEC_COLUMNS
 
 log = logging.getLogger(__name__)
 
 PROJECTION = "read-models"
 _MIGRATION_LOCK = 0x6770_7573  # advisory lock key for migrations ("gpus")
 
-# Ops of these statements are applied grouped, in this phase order (log order within each
+# Operations of these statements are applied grouped, in this phase order (log order within each
 # statement). That is safe because a job's row is inserted before any update to it, every job
 # change is one statement (job_update) kept in log order, a reservation is inserted before its
 # release, and the attempt tables are keyed by (job, attempt). The ledger rows go last (their
@@ -37,72 +38,85 @@ _MIGRATION_LOCK = 0x6770_7573  # advisory lock key for migrations ("gpus")
 _PHASE = {"job_submitted": 0, "job_rejected": 1, "job_update": 2, "attempt_queued": 3, "reservation": 3,
           "checkpoint": 3, "reservation_released": 4}
 
+# operation type -> the statement (:data:`.sql.SQL`) it is applied with; its fields are the
+# statement's parameters (but InsertJob's and InsertReservation's: :func:`_fold` completes
+# them). SetJobState and SetWaitReason fold into job_update; AttemptEnded is the ledger's.
+STATEMENTS: dict[type, str] = {
+    ops.InsertJob: "job_submitted", ops.RejectJob: "job_rejected", ops.InsertAttempt: "attempt_queued",
+    ops.InsertReservation: "reservation", ops.ReleaseReservation: "reservation_released",
+    ops.InsertCheckpoint: "checkpoint", ops.UpsertNode: "node", ops.MarkNodeLost: "node_lost",
+    ops.MarkNodesLost: "nodes_lost", ops.RecordClusterReport: "cluster_reported", ops.MarkClusterLost: "cluster_lost",
+    ops.InsertGpuTelemetry: "gpu_telemetry", ops.UpsertCohort: "cohort", ops.UpsertQueue: "queue",
+    ops.MarkQueueDeleted: "queue_deleted", ops.InsertQuotaVersion: "quota_history", ops.InsertPriceBook: "price_book",
+    ops.UpsertTeam: "team", ops.InsertPolicy: "policy", ops.InsertApiToken: "api_token",
+    ops.RevokeApiToken: "api_token_revoked", ops.InsertStatement: "statement", ops.UpsertService: "service_deployed",
+    ops.UpdateService: "service_updated", ops.RequestScale: "service_scale_requested",
+    ops.SetServiceScale: "service_scaled", ops.SetServiceLoad: "service_load",
+    ops.MarkServiceDeleted: "service_deleted", ops.InsertReplica: "replica_requested",
+    ops.SetReplicaState: "replica_state",
+}
 
-def _update_layout(statement: str) -> tuple[int, ...]:
-    """For ``set_state:a,b``: where in a job_update row the op's values go (each column is a
-    flag, then its value; the flag is at the position returned)."""
-    names = [n for n in statement.split(":", 1)[1].split(",") if n]
-    if unknown := set(names) - STATE_COLUMNS:
-        raise ValueError(f"set_state: unknown columns {sorted(unknown)}")
-    index = {c: i for i, (c, _) in enumerate(JOB_COLUMNS)}
-    return tuple(3 + 2 * index[n] for n in names)
-
-
+# A job_update row: (job id, state or None, sequence, then per JOB_COLUMNS column a flag, then
+# its value); the flag of each column at this position.
+_FLAG_AT: dict[str, int] = {c: 3 + 2 * i for i, (c, _) in enumerate(JOB_COLUMNS)}
 _NO_CHANGE = (False, None) * len(JOB_COLUMNS)
-_WAIT_REASON = _update_layout("set_state:reason,message")
-_layouts: dict[str, tuple[int, ...]] = {}  # set_state statement -> its layout (a handful of call sites)
+_SUBMITTED = JobState.SUBMITTED.value  # a new job row's state
 
 
-def _normalize(op: Op) -> tuple[str, tuple]:
-    """The converter's op (other than a job's change: see plan) as (statement, arguments) of
-    the SQL above."""
-    statement, args = op
-    if statement == "job_submitted":
-        return "job_submitted", (*args, "submitted", *JOB_DEFAULTS)
-    if statement == "reservation":
-        return "reservation", (*args, None)  # not released
-    if statement not in SQL or statement in ("job_update", "usage"):
-        raise ValueError(f"no SQL for operation {statement!r}")
-    return statement, args
+# operation type -> its group in a plan: (phase, statement) for the phased statements; the
+# statement alone for those kept in log order
+_GROUP: dict[type, tuple[int, str]] = {kind: (_PHASE[name], name) for kind, name in STATEMENTS.items()
+                                       if name in _PHASE}
+_IN_ORDER: dict[type, str] = {kind: name for kind, name in STATEMENTS.items() if name not in _PHASE}
 
 
-def plan(ops: list[Op], book: ledger.Book | None = None) -> list[tuple[str, list[tuple]]]:
-    """The batch's operations as (statement, rows) groups in the order they are executed;
-    ``book`` (if given) collects the batch's ledger facts and its attempts' ends, in log order.
+def _unknown_column(columns) -> ValueError:
+    unknown = sorted(set(columns) - set(_FLAG_AT))
+    return ValueError(f"SetJobState: no job column {unknown[0]!r}; columns: {sorted(_FLAG_AT)}")
 
-    A job's changes (``set_state:…`` and ``wait_reason``) fold into one job_update row per job
-    as they come, in log order: the later value of each column wins, the latest state and
-    sequence. Nothing in a batch reads a job's mutable columns between its updates (phase
-    order), so one update per job has the same effect as several. This loop runs for every op
-    of a replay, so the fold is written out here rather than called."""
-    grouped: dict[tuple[int, str], list[tuple]] = {}
-    ordered: list[tuple[str, list[tuple]]] = []
+
+def plan(operations: list[ops.Operation], book: ledger.Book | None = None) -> list[tuple[str, list[tuple]]]:
+    """The batch's operations as (statement, rows) groups in the order they are executed, by
+    each operation's type; ``book`` (if given) collects the batch's ledger facts and its
+    attempts' ends, in log order.
+
+    A job's changes (:class:`.operations.SetJobState`, :class:`.operations.SetWaitReason`) fold
+    into one job_update row per job as they come, in log order: the later value of each column
+    wins, the latest state and sequence. Nothing in a batch reads a job's mutable columns
+    between its updates (phase order), so one update per job has the same effect as several.
+    The rows of job_submitted and reservation are their operations until :func:`_fold`
+    completes them. This loop runs for every operation of a replay, so the fold is written out
+    here rather than called."""
+    grouped: dict[tuple[int, str], list] = {}
+    ordered: list[tuple[str, list]] = []
     updates: dict[str, list] = {}
-    layouts = _layouts
-    for op in ops:
-        statement, args = op
-        if book is not None:
-            book.add(statement, args)
-            if statement == "attempt_ended":
-                continue
-        layout = layouts.get(statement)
-        if layout is None and statement.startswith("set_state:"):
-            layout = layouts[statement] = _update_layout(statement)
-        if layout is not None:  # (job, state, seq, *values)
-            job_id, state, seq, values = args[0], args[1], args[2], args[3:]
-        elif statement == "wait_reason":  # (job, reason, message, seq)
-            job_id, state, seq, values, layout = args[0], None, args[3], args[1:3], _WAIT_REASON
-        else:
-            name, args = _normalize(op)
-            if name in _PHASE:
-                grouped.setdefault((_PHASE[name], name), []).append(args)
-            elif ordered and ordered[-1][0] == name:
-                ordered[-1][1].append(args)
-            else:
-                ordered.append((name, [args]))
+    group_of, flag_at, set_state, wait_reason = _GROUP, _FLAG_AT, ops.SetJobState, ops.SetWaitReason
+    take = None if book is None else book.add
+    for op in operations:
+        kind = type(op)
+        if take is not None:
+            take(op)
+        key = group_of.get(kind)
+        if key is not None:
+            rows = grouped.get(key)
+            if rows is None:
+                grouped[key] = rows = []
+            rows.append(op)
             continue
-        if len(values) != len(layout):
-            raise ValueError(f"{statement}: {len(layout)} values expected, got {len(values)}")
+        if kind is set_state:
+            job_id, state, seq, columns = op
+        elif kind is wait_reason:
+            job_id, state, seq, columns = op.job_id, None, op.seq, {"reason": op.reason, "message": op.message}
+        else:
+            name = _IN_ORDER.get(kind)
+            if name is not None:
+                if ordered and ordered[-1][0] == name:
+                    ordered[-1][1].append(op)
+                else:
+                    ordered.append((name, [op]))
+            elif kind is not ops.AttemptEnded:  # an attempt's end is the ledger's (the book took it)
+                raise ValueError(f"no statement for operation {op!r}")
+            continue
         row = updates.get(job_id)
         if row is None:
             updates[job_id] = row = [job_id, state, seq, *_NO_CHANGE]
@@ -110,9 +124,12 @@ def plan(ops: list[Op], book: ledger.Book | None = None) -> list[tuple[str, list
             if state is not None:
                 row[1] = state
             row[2] = seq
-        for pos, value in zip(layout, values):
-            row[pos] = True
-            row[pos + 1] = value
+        for column, value in columns.items():
+            at = flag_at.get(column)
+            if at is None:
+                raise _unknown_column(columns)
+            row[at] = True
+            row[at + 1] = value
     if updates:
         grouped[(_PHASE["job_update"], "job_update")] = [tuple(r) for r in updates.values()]
     return [(name, rows) for (_, name), rows in sorted(grouped.items())] + ordered
@@ -123,58 +140,62 @@ async def _fold(conn: asyncpg.Connection, groups: list[tuple[str, list[tuple]]])
     the batch is one insert with its final state (not an insert and an update: a second version
     of the row and of each of its index entries), a reservation reserved and released in it is
     one insert with its release. Only for rows that do not exist yet (one indexed probe): the
-    change to a row that exists stays an update. The same effect as the phases, applied in order."""
+    change to a row that exists stays an update. The same effect as the phases, applied in order.
+    Completes the rows of job_submitted and reservation (their operations in the plan)."""
     groups = [(name, list(rows)) for name, rows in groups]
     by_name = {name: rows for name, rows in groups if name in _PHASE}  # one group per phased statement
     subs, updates = by_name.get("job_submitted"), by_name.get("job_update")
-    if subs and updates:
-        rejected = {r[0] for r in by_name.get("job_rejected", ())}
-        update_of = {r[0]: r for r in updates}  # merged: one per job
-        first: dict[str, int] = {}
-        for i, r in enumerate(subs):
-            if r[0] in update_of and r[0] not in rejected:
-                first.setdefault(r[0], i)
-        if first:
-            exists = {r[0] for r in await conn.fetch("SELECT job_id FROM jobs WHERE job_id = ANY($1::text[])",
-                                                     list(first))}
-            spec, folded = len(JOB_SPEC_COLUMNS), set()
-            for job_id, i in first.items():
-                if job_id in exists:
-                    continue
-                row, upd = list(subs[i]), update_of[job_id]
-                if upd[1] is not None:
-                    row[spec] = upd[1]
-                row[JOB_LAST_SEQUENCE] = upd[2]  # the latest change's
-                for k in range(len(JOB_COLUMNS)):
-                    if upd[3 + 2 * k]:
-                        row[spec + 1 + k] = upd[4 + 2 * k]
-                subs[i] = tuple(row)
-                folded.add(job_id)
-            updates[:] = [r for r in updates if r[0] not in folded]
+    if subs:
+        folded_jobs: dict[int, tuple] = {}
+        if updates:
+            rejected = {r.job_id for r in by_name.get("job_rejected", ())}
+            update_of = {r[0]: r for r in updates}  # merged: one per job
+            first: dict[str, int] = {}
+            for i, sub in enumerate(subs):
+                if sub.job_id in update_of and sub.job_id not in rejected:
+                    first.setdefault(sub.job_id, i)
+            if first:
+                exists = {r[0] for r in await conn.fetch("SELECT job_id FROM jobs WHERE job_id = ANY($1::text[])",
+                                                         list(first))}
+                spec, folded = len(JOB_SPEC_COLUMNS), set()
+                for job_id, i in first.items():
+                    if job_id in exists:
+                        continue
+                    upd = update_of[job_id]  # (job, state, seq, flag, value, ...)
+                    row = [*subs[i]._replace(seq=upd[2]), _SUBMITTED if upd[1] is None else upd[1], *JOB_DEFAULTS]
+                    for k in range(len(JOB_COLUMNS)):
+                        if upd[3 + 2 * k]:
+                            row[spec + 1 + k] = upd[4 + 2 * k]
+                    folded_jobs[i] = tuple(row)
+                    folded.add(job_id)
+                updates[:] = [r for r in updates if r[0] not in folded]
+        subs[:] = [folded_jobs.get(i) or (*sub, _SUBMITTED, *JOB_DEFAULTS) for i, sub in enumerate(subs)]
     reservations, releases = by_name.get("reservation"), by_name.get("reservation_released")
-    if reservations and releases:
-        release_of: dict[tuple, tuple] = {}
-        for r in releases:
-            release_of.setdefault((r[0], r[1]), r)  # the first release of an attempt is the one applied
-        first = {}
-        for i, r in enumerate(reservations):
-            if (r[0], r[1]) in release_of:
-                first.setdefault((r[0], r[1]), i)
-        if first:
-            keys = list(first)
-            exists = {(r[0], r[1]) for r in await conn.fetch(
-                "SELECT job_id, attempt FROM reservations WHERE (job_id, attempt) IN "
-                "(SELECT * FROM unnest($1::text[], $2::integer[]))", [k[0] for k in keys], [k[1] for k in keys])}
-            folded = set()
-            for key, i in first.items():
-                if key in exists:
-                    continue
-                _, _, released_at, seq = release_of[key]
-                # (job, attempt, queue, flavor, gpus, borrowed, gpu_milli, borrowed_milli, reserved_at)
-                # + the release's sequence and time
-                reservations[i] = (*reservations[i][:9], seq, released_at)
-                folded.add(key)
-            releases[:] = [r for r in releases if (r[0], r[1]) not in folded]
+    if reservations:
+        folded_reservations: dict[int, tuple] = {}
+        if releases:
+            release_of: dict[tuple[str, int], ops.ReleaseReservation] = {}
+            for r in releases:
+                release_of.setdefault((r.job_id, r.attempt), r)  # the first release of an attempt is the one applied
+            firsts: dict[tuple[str, int], int] = {}
+            for i, r in enumerate(reservations):
+                if (r.job_id, r.attempt) in release_of:
+                    firsts.setdefault((r.job_id, r.attempt), i)
+            if firsts:
+                keys = list(firsts)
+                exists_r = {(r[0], r[1]) for r in await conn.fetch(
+                    "SELECT job_id, attempt FROM reservations WHERE (job_id, attempt) IN "
+                    "(SELECT * FROM unnest($1::text[], $2::integer[]))", [k[0] for k in keys], [k[1] for k in keys])}
+                folded_keys = set()
+                for key, i in firsts.items():
+                    if key in exists_r:
+                        continue
+                    release = release_of[key]  # the row takes the release's sequence and time
+                    folded_reservations[i] = (*reservations[i]._replace(seq=release.seq), release.released_at)
+                    folded_keys.add(key)
+                releases[:] = [r for r in releases if (r.job_id, r.attempt) not in folded_keys]
+        reservations[:] = [folded_reservations.get(i) or (*r, None)  # not released
+                           for i, r in enumerate(reservations)]
     return [(name, rows) for name, rows in groups if rows]
 
 
@@ -255,7 +276,7 @@ async def claim(conn: asyncpg.Connection, projection: str, names: list[str], *, 
         return floor
 
 
-Entry = tuple[int, list[Op]] | tuple[int, str | None, list[Op]]
+Entry = tuple[int, list[ops.Operation]] | tuple[int, str | None, list[ops.Operation]]
 """(sequence, ops) or (sequence, event id, ops); an entry without an id is not de-duplicated by id."""
 
 
@@ -268,7 +289,7 @@ class Prepared:
     position is below the batch, and no id in it was applied before); :func:`apply_batch`
     checks, and works it out again for what is left when not."""
 
-    entries: list[tuple[int, str | None, list[Op]]]
+    entries: list[tuple[int, str | None, list[ops.Operation]]]
     first: dict[str, int]  # event id -> its first sequence in the batch
     groups: list[tuple[str, list[tuple]]]
     applied: int  # events planned
@@ -284,16 +305,16 @@ def prepare(batch: list[Entry], skip: frozenset[str] | set[str] = frozenset()) -
     for seq, event_id, _ in entries:
         if event_id is not None and event_id not in first:
             first[event_id] = seq
-    ops: list[Op] = []
+    planned: list[ops.Operation] = []
     applied = 0
     for seq, event_id, event_ops in entries:
         if event_id is not None and (event_id in skip or first[event_id] != seq):
             continue  # the same event appended again: no effect
-        ops += event_ops
+        planned += event_ops
         applied += 1
     seqs = [e[0] for e in entries]
     book = ledger.Book()
-    return Prepared(entries, first, plan(ops, book), applied, min(seqs, default=0), max(seqs, default=0), book)
+    return Prepared(entries, first, plan(planned, book), applied, min(seqs, default=0), max(seqs, default=0), book)
 
 
 _PRIOR = """

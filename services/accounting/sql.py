@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.accounting.ledger import USAGE_COLUMNS
 
-# Columns set_state operations may set (the converter's vocabulary); anything else is a bug.
+# Columns a job's change (operations.SetJobState) may set; anything else is a bug.
 STATE_COLUMNS = frozenset(
     {"admitted_at", "reserved_at", "scheduled_at", "started_at", "finished_at", "attempt", "flavor",
      "nodes", "reason", "message", "exit_code"}
@@ -34,7 +34,6 @@ JOB_SPEC_COLUMNS = ("job_id", "team", "project", "queue", "kind", "priority_clas
                      "gpu_milli")
 JOB_INSERT_COLUMNS = (*JOB_SPEC_COLUMNS, "state", *(c for c, _ in JOB_COLUMNS))
 JOB_DEFAULTS = tuple(1 if c == "attempt" else None for c, _ in JOB_COLUMNS)  # the table's defaults
-JOB_LAST_SEQUENCE = JOB_SPEC_COLUMNS.index("last_sequence")
 
 SQL = {
     # A new job row, with the state its later changes in the same batch give it (the sink folds them).

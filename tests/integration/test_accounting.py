@@ -16,7 +16,7 @@ from schemas import (
     new_event,
 )
 from services.accounting import __main__ as accounting
-from services.accounting import projection, sink
+from services.accounting import operations, projection, sink
 
 T0 = datetime(2026, 11, 3, 9, 0, tzinfo=UTC)
 
@@ -103,7 +103,7 @@ async def test_sink_is_idempotent_and_all_or_nothing(pg_dsn):
         assert await sink.apply_batch(conn, batch[3:]) == 0
         # a batch that fails half way commits nothing, position included
         later = [(i + 7, projection.convert(e, i + 7)) for i, e in enumerate(lifecycle("b2", 1, 60))]
-        broken = later[:3] + [(10, [projection.Op("job_rejected", ("b2", None, None, None, None))])]
+        broken = later[:3] + [(10, [operations.RejectJob("b2", None, None, None, None)])]
         with pytest.raises(asyncpg.PostgresError):
             await sink.apply_batch(conn, broken)
         assert await sink.position(conn) == 6

@@ -25,7 +25,7 @@ from schemas import (
 )
 from schemas.node import NodeInfo
 from services.accounting import __main__ as accounting
-from services.accounting import metrics, queries, replay, sink
+from services.accounting import metrics, operations, queries, replay, sink
 from services.accounting.bulk import copy, indexes
 from services.accounting.bulk import writers as range_writers
 from tests.unit.builders import price_book, queue
@@ -479,7 +479,7 @@ async def test_a_failed_staged_batch_is_retried_on_the_same_connection(pg_dsn, m
     conn = await asyncpg.connect(pg_dsn)
     try:
         await sink.migrate(conn)
-        broken = entries + [(len(entries) + 1, "x", [projection.Op("job_rejected", ("f0", None, None, None, None))])]
+        broken = entries + [(len(entries) + 1, "x", [operations.RejectJob("f0", None, None, None, None)])]
         with pytest.raises(asyncpg.PostgresError):
             await sink.apply_batch(conn, broken)
         assert await sink.apply_batch(conn, entries) == len(entries)

@@ -70,9 +70,11 @@ def ran_and_ended(job_id: str, ending, after: str) -> list:
     ]
 
 
-async def test_a_preempted_job_shows_preempted_until_its_next_attempt_holds_quota(pg_dsn):
-    """Issue 21, finding 7: the retry scheduled right after a preemption overwrote the state, so
-    `gpusched jobs` never showed a job as preempted."""
+async def test_a_requeued_job_is_queued_with_its_next_attempt_and_a_failed_one_retrying(pg_dsn):
+    """The job state vocabulary (schemas/jobstate.py): a JobRetryScheduled after a preemption
+    queues the job again (``queued``, its new attempt number), so that ``state=queued`` finds
+    every job waiting for quota for a fresh attempt; after a failure it is ``retrying``. (Until
+    then a preempted job shows ``preempted``.)"""
     events = [*admitted("p", 0), *ran_and_ended("p", preempted("p", started_at=at(22), when=at(50)), "JobPreempted"),
               *admitted("f", 0), *ran_and_ended("f", failed("f", started_at=at(22), when=at(50)), "JobFailed")]
     conn = await apply(pg_dsn, "preempted_state", events)
@@ -84,6 +86,6 @@ async def test_a_preempted_job_shows_preempted_until_its_next_attempt_holds_quot
         after_reserve = await conn.fetchval("SELECT state FROM jobs WHERE job_id = 'p'")
     finally:
         await conn.close()
-    assert states == {"p": "preempted", "f": "retrying"}
+    assert states == {"p": "queued", "f": "retrying"}
     assert attempts == {"p": 2, "f": 2}
     assert after_reserve == "reserved"

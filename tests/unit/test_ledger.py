@@ -99,8 +99,8 @@ def test_earlier_facts_stand_and_the_flavor_is_the_last_set():
 def book_of(events) -> Book:
     book = Book()
     for seq, event in enumerate(events, start=1):
-        for statement, args in projection.convert(event, seq):
-            book.add(statement, args)
+        for op in projection.convert(event, seq):
+            book.add(op)
     return book
 
 
