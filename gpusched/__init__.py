@@ -1,5 +1,6 @@
-"""gpusched's applications: the CLI, the HTTP API and console (gpusched.api), the Python SDK
-(``gpusched.Client``, ``gpusched.AsyncClient``: gpusched.sdk.client), the dev stack.
+"""gpusched's applications: the CLI, the HTTP API and console (gpusched.api), the dev stack. The
+Python SDK is its own distribution (sdk/, ``gpusched_sdk``); ``gpusched.Client``,
+``gpusched.AsyncClient`` and its errors are re-exported from it.
 
 The SDK names are loaded on first use, so ``import gpusched`` stays cheap for the CLI."""
 
@@ -11,7 +12,7 @@ __all__ = ["Client", "AsyncClient", "ApiError", "Unauthorized", "Forbidden", "No
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from gpusched.sdk import client
+        import gpusched_sdk
 
-        return getattr(client, name)
+        return getattr(gpusched_sdk, name)
     raise AttributeError(f"module 'gpusched' has no attribute {name!r}")

@@ -58,16 +58,16 @@ Evolution: a change that an old reader cannot parse is a new ``schema_version`` 
 in :mod:`schemas.registry`; a retired type name is never reused.
 """
 
-from schemas.accounting import (
+from .accounting import (
     ChargebackStatementIssued,
     FlavorPrice,
     PriceBookUpdated,
     StatementLine,
 )
-from schemas.auth import ApiTokenIssued, ApiTokenRevoked, Role
-from schemas.commands import CancelJob, ReportCheckpoint, SubmitJob
-from schemas.envelope import Event, new_event
-from schemas.job import (
+from .auth import ApiTokenIssued, ApiTokenRevoked, Role
+from .commands import CancelJob, ReportCheckpoint, SubmitJob
+from .envelope import Event, new_event
+from .job import (
     DatasetRef,
     FailureReason,
     JobAdmitted,
@@ -97,11 +97,11 @@ from schemas.job import (
     SchedulingPendingReasonChanged,
     SchedulingWaitReason,
 )
-from schemas.node import ClusterLost, ClusterReported, GpuTelemetry, NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
-from schemas.notify import NotificationKind, NotifySpec, TeamConfigured, Webhook
-from schemas.priority import DEFAULT_PRIORITY_CLASSES, POLICY_ID, PolicyConfigured, PreemptionRateLimit, PriorityClass
-from schemas.queue import CohortConfigured, FlavorQuota, QueueConfigured, QueueDeleted
-from schemas.service import (
+from .node import ClusterLost, ClusterReported, GpuTelemetry, NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
+from .notify import NotificationKind, NotifySpec, TeamConfigured, Webhook
+from .priority import DEFAULT_PRIORITY_CLASSES, POLICY_ID, PolicyConfigured, PreemptionRateLimit, PriorityClass
+from .queue import CohortConfigured, FlavorQuota, QueueConfigured, QueueDeleted
+from .service import (
     ReplicaLost,
     ReplicaReady,
     ReplicaRequested,
@@ -115,7 +115,7 @@ from schemas.service import (
     ServiceSpec,
     ServiceUpdated,
 )
-from schemas.registry import (
+from .registry import (
     ALL_EVENT_TYPES,
     PRODUCERS,
     AnyEvent,

@@ -18,7 +18,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import NAME_PATTERN, Contract, Event, Timestamp
+from .envelope import NAME_PATTERN, Contract, Event, Timestamp
 
 IdleQuotaPolicy = Literal["showback", "charge-owner"]
 """Guaranteed quota a queue did not use: ``showback`` reports it (cost 0 in the totals);

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from schemas.envelope import NAME_PATTERN, Event, Timestamp
+from .envelope import NAME_PATTERN, Event, Timestamp
 
 TOKEN_ID_PATTERN = r"^[a-z0-9]{12}$"
 SHA256_HEX = r"^[0-9a-f]{64}$"

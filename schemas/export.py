@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic.json_schema import GenerateJsonSchema
 
-from schemas.commands import (
+from .commands import (
     CancelJob,
     DeleteService,
     DeployService,
@@ -21,9 +21,9 @@ from schemas.commands import (
     ScaleService,
     SubmitJob,
 )
-from schemas.envelope import RFC3339
-from schemas.registry import ALL_EVENT_TYPES
-from schemas.tenant import JobNotification, NotificationDelivery
+from .envelope import RFC3339
+from .registry import ALL_EVENT_TYPES
+from .tenant import JobNotification, NotificationDelivery
 
 NO_NUL = "^[^\\u0000]*$"
 """Every string of the contract refuses NUL (the parsers do; JSON cannot carry an unpaired

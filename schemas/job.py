@@ -7,8 +7,8 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
-from schemas.envelope import NAME_PATTERN, Contract, Event, Timestamp
-from schemas.notify import NotifySpec
+from .envelope import NAME_PATTERN, Contract, Event, Timestamp
+from .notify import NotifySpec
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]

@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import DNS_SUBDOMAIN_PATTERN, NAME_PATTERN, Contract, Event, Timestamp
+from .envelope import DNS_SUBDOMAIN_PATTERN, NAME_PATTERN, Contract, Event, Timestamp
 
 MAX_TELEMETRY_WINDOW_S = 86_400
 """Longest window one NodeTelemetryReported may cover."""

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from schemas.envelope import NAME_PATTERN, Contract, Event
+from .envelope import NAME_PATTERN, Contract, Event
 
 WEBHOOK_URL_PATTERN = r"^https?://[^\s/?#@\x00-\x1f\x7f]+(/[^\s#\x00-\x1f\x7f]*)?$"
 """An absolute http(s) URL without credentials or fragment; at most 2,048 characters."""

@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import NAME_PATTERN, Contract, Event
+from .envelope import NAME_PATTERN, Contract, Event
 
 POLICY_ID = "cluster"
 """The one policy aggregate: ``gpusched.policy.cluster.*``."""

@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from schemas.envelope import NAME_PATTERN, Contract, Event
+from .envelope import NAME_PATTERN, Contract, Event
 
 
 class FlavorQuota(Contract):

@@ -8,10 +8,10 @@ from typing import Annotated, Any, Callable, Union
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from schemas.accounting import ChargebackStatementIssued, PriceBookUpdated
-from schemas.auth import ApiTokenIssued, ApiTokenRevoked
-from schemas.envelope import Event
-from schemas.job import (
+from .accounting import ChargebackStatementIssued, PriceBookUpdated
+from .auth import ApiTokenIssued, ApiTokenRevoked
+from .envelope import Event
+from .job import (
     JobAdmitted,
     JobCancelled,
     JobCancelRequested,
@@ -32,11 +32,11 @@ from schemas.job import (
     ReclaimRequested,
     SchedulingPendingReasonChanged,
 )
-from schemas.node import ClusterLost, ClusterReported, NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
-from schemas.notify import TeamConfigured
-from schemas.priority import PolicyConfigured
-from schemas.queue import CohortConfigured, QueueConfigured, QueueDeleted
-from schemas.service import (
+from .node import ClusterLost, ClusterReported, NodeLost, NodeRegistered, NodeTelemetryReported, NodeUpdated
+from .notify import TeamConfigured
+from .priority import PolicyConfigured
+from .queue import CohortConfigured, QueueConfigured, QueueDeleted
+from .service import (
     ReplicaLost,
     ReplicaReady,
     ReplicaRequested,

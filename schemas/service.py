@@ -16,8 +16,8 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
-from schemas.envelope import NAME_PATTERN, Contract, Event
-from schemas.job import JobSpec, Name
+from .envelope import NAME_PATTERN, Contract, Event
+from .job import JobSpec, Name
 
 SERVICE_NAME_MAX = 40
 """A service's name is part of its replicas' job ids (``replica-<name>-<generation>-<index>``),

@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from schemas.envelope import NAME_PATTERN, Contract, Timestamp
-from schemas.notify import NotificationKind
+from .envelope import NAME_PATTERN, Contract, Timestamp
+from .notify import NotificationKind
 
 
 class JobNotification(Contract):

@@ -68,7 +68,7 @@ def test_the_cli_and_the_sdk_run_a_service_through_the_api(api_stack, tmp_path):
     import sys
     from pathlib import Path
 
-    from gpusched.sdk.client import Client, NotFound
+    from gpusched_sdk import Client, NotFound
 
     name = f"cli-{uuid.uuid4().hex[:6]}"
     spec_file = tmp_path / "service.json"

@@ -14,6 +14,29 @@ from nbclient import NotebookClient
 NOTEBOOK = Path(__file__).resolve().parents[2] / "examples" / "notebooks" / "quickstart.ipynb"
 
 
+def notebook_code() -> str:
+    """The notebook's code cells, in order, as one script (tests/api/test_sdk_install.py runs it
+    with an interpreter that has only the SDK)."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    return "\n\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
+
+
+def notebook_env(api_stack) -> dict[str, str]:
+    """The environment the notebook runs in: the stack's API and alice's token, no other GPUSCHED_."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSCHED_")}
+    env.update(GPUSCHED_API_URL=api_stack.url, GPUSCHED_API_TOKEN=api_stack.tokens["alice"],
+               QUICKSTART_KEY=f"notebook-{os.getpid()}")
+    return env
+
+
+def check_output(out: str) -> str:
+    """The notebook's first answer line (``admitted <job id> new|repeat``), once its output is right."""
+    assert "alice team-a q-team-a" in out
+    assert "final state: succeeded" in out and "JobSubmitted" in out and "JobSucceeded" in out and "last event:" in out
+    assert "ran for 0:" in out  # finished_at - started_at: datetimes
+    return next(line for line in out.splitlines() if line.startswith("admitted "))
+
+
 def run(tmp_path: Path, env: dict[str, str]) -> str:
     """The notebook's printed output, executed in a kernel with ``env`` as its environment."""
     notebook = nbformat.read(NOTEBOOK, as_version=4)
@@ -25,14 +48,10 @@ def run(tmp_path: Path, env: dict[str, str]) -> str:
 
 
 def test_the_quickstart_notebook_runs_and_runs_again_as_a_repeat(api_stack, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSCHED_")}
-    env.update(GPUSCHED_API_URL=api_stack.url, GPUSCHED_API_TOKEN=api_stack.tokens["alice"],
-               QUICKSTART_KEY=f"notebook-{os.getpid()}")
+    env = notebook_env(api_stack)
     out = run(tmp_path, env)
     assert f"kernel: {sys.executable}" in out
-    assert "alice team-a q-team-a" in out
-    assert "final state: succeeded" in out and "JobSubmitted" in out and "JobSucceeded" in out and "last event:" in out
-    first = next(line for line in out.splitlines() if line.startswith("admitted "))
+    first = check_output(out)
     assert first.endswith(" new")
     again = run(tmp_path, env)  # the same idempotency key: the same job, answered as a repeat
     assert next(line for line in again.splitlines() if line.startswith("admitted ")) == first.replace(" new", " repeat")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpusched import AsyncClient, Client, Forbidden, InvalidInput, NotFound, Rejected, Unauthorized, WaitTimeout
+from gpusched_sdk import Job, JobState, Why
 from gpusched.gateway.connection import Connection
 from gpusched.userinput import UserError
 from schemas import JobSpec, SubmitJob
@@ -37,7 +38,10 @@ def test_submit_from_a_dict_a_file_and_models_then_wait(api_stack, tmp_path):
                    gs.submit(JobSpec(**spec)), gs.submit(SubmitJob(job_id=new_id(), spec=JobSpec(**spec)))]
         assert {a.decision for a in answers} == {"admitted"}
         final = gs.wait(answers[0].job_id, timeout_s=90)
-        assert final["state"] == "succeeded" and final["submitter"] == "alice"
+        assert isinstance(final, Job) and final.state is JobState.SUCCEEDED and final.submitter == "alice"
+        assert final["state"] == "succeeded"  # a result also reads as a mapping
+        assert isinstance(final.finished_at, datetime) and final.finished_at.tzinfo is not None
+        assert final.started_at <= final.finished_at
         kinds = [e.type for e in gs.events(answers[0].job_id)]
         assert kinds[0] == "JobSubmitted" and "JobSucceeded" in kinds
 
@@ -70,7 +74,9 @@ def test_stream_checkpoint_and_cancel(api_stack):
     with client(api_stack) as gs:
         job_id = gs.submit(job_document(new_id(), "team-a", runtime_s=3000)).job_id
         running = gs.wait(job_id, states=("running",), timeout_s=60)
-        assert running["attempt"] == 1
+        assert running.attempt == 1 and isinstance(running.started_at, datetime)
+        why = gs.why(job_id)
+        assert isinstance(why, Why) and isinstance(why.since, datetime)
         # The read model may show "running" a moment before admission has read the JobStarted
         # (each follows the log on its own): a refusal for "no running attempt" is retried.
         deadline = time.monotonic() + 10
@@ -110,7 +116,7 @@ async def test_the_async_client(api_stack):
         assert (await gs.wait(job_id, timeout_s=90))["state"] == "succeeded"
         names = [e.name async for e in gs.stream(job_id)]
         assert "JobSucceeded" in names
-        found = [j["job_id"] async for j in gs.jobs(page_size=2)]
+        found = [j.job_id async for j in gs.jobs(page_size=2)]
         assert job_id in found and len(found) == len(set(found))
         with pytest.raises(NotFound):
             await gs.why("no-such-job")
@@ -148,10 +154,11 @@ def test_the_cli_submits_checkpoints_and_cancels_through_the_api(api_stack, tmp_
 
     done = cli("submit", "-f", str(job_file))
     assert done.returncode == 0, done.stderr
+    # the fields `gpusched submit` prints over NATS too; the trace is the API request's, not the CLI's
     assert json.loads(done.stdout) == {"job_id": job_id, "intake_sequence": json.loads(done.stdout)["intake_sequence"],
-                                       "decision": "JobAdmitted", "repeat": False}
+                                       "decision": "JobAdmitted", "repeat": False, "trace_id": None}
     with client(api_stack) as gs:
-        started = datetime.fromisoformat(gs.wait(job_id, states=("running",), timeout_s=60)["started_at"])
+        started = gs.wait(job_id, states=("running",), timeout_s=60).started_at
     at = (started.astimezone(UTC) + timedelta(seconds=1)).replace(tzinfo=None, microsecond=0).isoformat()  # UTC
     reported = cli("checkpoint", job_id, "--team", "team-a", "--attempt", "1", "--step", "7", "--at", at)
     assert reported.returncode == 0, reported.stderr
@@ -190,7 +197,7 @@ def test_the_connection_files_token_goes_only_to_its_api(tmp_path, monkeypatch):
 
 
 def test_server_sent_event_lines_parse_as_the_format_says():
-    from gpusched.sdk.client import _Events
+    from gpusched_sdk.client import _Events
 
     parser = _Events()
     lines = [": ping", "", "event: open", 'data: {"team":', 'data:  "team-a"}', "", "event: gone", "id: 7", "",
