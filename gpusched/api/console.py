@@ -9,7 +9,7 @@ itself. A member sees its team's jobs and queues only, exactly as the API shows 
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path as FilePath
 from typing import Annotated, Any
 
@@ -17,20 +17,21 @@ from fastapi import APIRouter, FastAPI, Form, Path, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from gpusched.gateway import history
-from gpusched.api import reads
+from gpusched.gateway import history, queue_usage
 from gpusched.api.auth import COOKIE, Identity, bearer
 from gpusched.api.problems import Problem
 from gpusched.api.routes import JOB_ID_PATTERN
 from schemas.auth import Role
 from schemas.envelope import NAME_PATTERN
+from schemas.jobstate import FINAL_STATES, WAITING_FOR_NODES, WAITING_FOR_QUOTA, JobState
 from services.accounting import queries
 
 HERE = FilePath(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
 router = APIRouter(prefix="/console", include_in_schema=False)
 root = APIRouter(include_in_schema=False)
-WAITING = ("queued", "retrying", "preempted", "reserved")
+WAITING = (*WAITING_FOR_QUOTA, *WAITING_FOR_NODES)
+"""States in which the console shows why a job waits (and no nodes: the last attempt's are gone)."""
 PAGE = 50
 JOB_ID = Path(pattern=JOB_ID_PATTERN, max_length=63)
 
@@ -114,9 +115,9 @@ def _team(me: Identity) -> str | None:
 async def overview(request: Request) -> HTMLResponse:
     me = await viewer(request)
     async with request.app.state.pool.acquire() as conn:
-        nodes = await reads.nodes(conn)
-        summary = await reads.summary(conn, _team(me))
-    return page(request, "overview.html", me, flavors=reads.gpus_by_flavor(nodes), nodes=nodes, summary=summary)
+        nodes = await queries.nodes(conn)
+        summary = await queries.summary(conn, _team(me))
+    return page(request, "overview.html", me, flavors=queries.gpus_by_flavor(nodes), nodes=nodes, summary=summary)
 
 
 @router.get("/services")
@@ -133,16 +134,16 @@ async def services(request: Request) -> HTMLResponse:
 async def queues(request: Request) -> HTMLResponse:
     me = await viewer(request)
     async with request.app.state.pool.acquire() as conn:
-        rows = await reads.queues(conn, _team(me))
-        cohorts = await reads.cohorts(conn)
+        rows = await queue_usage.queues_for(conn, _team(me))
+        cohorts = await queries.cohorts(conn)
     return page(request, "queues.html", me, queues=rows, cohorts=cohort_totals(rows, cohorts))
 
 
-def cohort_totals(queue_rows: list[dict[str, Any]], cohorts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def cohort_totals(queue_rows: list[dict[str, Any]], cohorts: list[queries.Cohort]) -> list[dict[str, Any]]:
     """One row per cohort and flavor: nominal, used, borrowed, lent and pending jobs summed over
     the given queues in that cohort or in the cohorts below it (a queue's pending jobs count once,
     not once per flavor). A cohort none of the given queues is in keeps one row of zeros."""
-    parents = {c["name"]: c["parent"] for c in cohorts}
+    parents = {c.name: c.parent for c in cohorts}
     totals: dict[tuple[str, str], dict[str, Any]] = {}
     pending_seen: set[tuple[str, str]] = set()
     for q in queue_rows:
@@ -160,8 +161,8 @@ def cohort_totals(queue_rows: list[dict[str, Any]], cohorts: list[dict[str, Any]
                 t["pending_jobs"] += q["pending_jobs"] or 0
             cohort = parents.get(cohort)
     for c in cohorts:
-        if not any(name == c["name"] for name, _ in totals):
-            totals[(c["name"], "")] = {"cohort": c["name"], "parent": c["parent"], "flavor": "–", "queues": 0,
+        if not any(name == c.name for name, _ in totals):
+            totals[(c.name, "")] = {"cohort": c.name, "parent": c.parent, "flavor": "–", "queues": 0,
                                        "nominal": 0, "used": 0, "borrowed": 0, "lent": 0, "pending_jobs": 0}
     return [totals[k] for k in sorted(totals)]
 
@@ -169,16 +170,13 @@ def cohort_totals(queue_rows: list[dict[str, Any]], cohorts: list[dict[str, Any]
 async def _jobs(request: Request, me: Identity, state: str | None, queue: str | None, kind: str | None,
                 cursor: str | None) -> dict[str, Any]:
     async with request.app.state.pool.acquire() as conn:
-        rows, next_cursor = await reads.list_jobs(conn, team=_team(me), state=state, queue=queue, kind=kind,
-                                                  limit=PAGE, cursor=cursor)
-        waiting = [r["job_id"] for r in rows if r["state"] in WAITING]
-        positions = await reads.job_positions(conn, waiting) if waiting else {}
-        allowed = await reads.queue_team(conn)
-    for r in rows:
-        r["position"] = positions.get(r["job_id"])
+        jobs_page = await queries.jobs_page(conn, team=_team(me), state=state, queue=queue, kind=kind, limit=PAGE,
+                                            cursor=cursor)
+        allowed = await queries.queue_teams(conn)
     my_queues = sorted(q for q, teams in allowed.items() if me.team is None or me.team in teams)
-    return {"jobs": rows, "next_cursor": next_cursor, "filters": {"state": state, "queue": queue, "kind": kind},
-            "states": reads.JOB_STATES, "queues": my_queues}
+    return {"jobs": jobs_page.items, "next_cursor": jobs_page.next_cursor,
+            "filters": {"state": state, "queue": queue, "kind": kind}, "states": [s.value for s in JobState],
+            "waiting": WAITING, "queues": my_queues}
 
 
 Filter = Annotated[str | None, Query(pattern=NAME_PATTERN, max_length=63)]
@@ -186,14 +184,14 @@ Filter = Annotated[str | None, Query(pattern=NAME_PATTERN, max_length=63)]
 
 @router.get("/jobs")
 async def jobs(request: Request, state: Filter = None, queue: Filter = None, kind: Filter = None,
-               cursor: Annotated[str | None, Query(pattern=reads.CURSOR_PATTERN)] = None) -> HTMLResponse:
+               cursor: Annotated[str | None, Query(pattern=queries.CURSOR_PATTERN)] = None) -> HTMLResponse:
     me = await viewer(request)
     return page(request, "jobs.html", me, **await _jobs(request, me, state, queue, kind, cursor))
 
 
 @router.get("/jobs-table")
 async def jobs_table(request: Request, state: Filter = None, queue: Filter = None, kind: Filter = None,
-                     cursor: Annotated[str | None, Query(pattern=reads.CURSOR_PATTERN)] = None) -> HTMLResponse:
+                     cursor: Annotated[str | None, Query(pattern=queries.CURSOR_PATTERN)] = None) -> HTMLResponse:
     """The jobs table alone, for the live refresh."""
     me = await viewer(request)
     return page(request, "jobs_table.html", me, **await _jobs(request, me, state, queue, kind, cursor))
@@ -201,13 +199,14 @@ async def jobs_table(request: Request, state: Filter = None, queue: Filter = Non
 
 async def _job(request: Request, me: Identity, job_id: str) -> dict[str, Any]:
     async with request.app.state.pool.acquire() as conn:
-        job = await reads.get_job(conn, job_id)
-        positions = await reads.job_positions(conn, [job_id]) if job and job["state"] in WAITING else {}
+        job = await queries.get_job(conn, job_id)
+        position = await queries.job_position(conn, job_id) if job else None
     if job is None or not me.sees_team(job["team"]):
         raise PageError(404, f"No job {job_id} (or not yet in the read models).")
     events = await history.job_events(request.app.state.js, job_id)
     why = history.explain(job_id, events) if events else None
-    return {"job": job, "timeline": timeline(events), "why": why, "position": positions.get(job_id)}
+    return {"job": job, "timeline": timeline(events), "why": why, "position": position, "waiting": WAITING,
+            "final": FINAL_STATES}
 
 
 @router.get("/jobs/{job_id}")
@@ -228,7 +227,7 @@ async def charts(request: Request, hours: Annotated[int, Query(ge=1, le=168)] = 
     me = await viewer(request)
     bucket = max(60, hours * 3600 // 48)
     async with request.app.state.pool.acquire() as conn:
-        points = await reads.series(conn, _team(me), hours, bucket)
+        points = await queries.series(conn, _team(me), hours, bucket)
     series = {
         "GPU utilization (mean)": [p["utilization"] for p in points],
         "Median wait, seconds (jobs started)": [p["wait_p50_s"] for p in points],
@@ -244,9 +243,17 @@ async def charts(request: Request, hours: Annotated[int, Query(ge=1, le=168)] = 
 @router.get("/usage")
 async def usage(request: Request) -> HTMLResponse:
     me = await viewer(request)
+    statement = None
     async with request.app.state.pool.acquire() as conn:
-        rows = await reads.usage(conn, _team(me), ["team", "flavor"], None)
-    return page(request, "usage.html", me, rows=rows)
+        rows = await queries.team_usage(conn, _team(me), ["team", "flavor"], None)
+        if me.role in CHARGEBACK_READERS:  # the roles /v1/chargeback answers
+            month = (await queries.log_now(conn, datetime.now(UTC))).strftime("%Y-%m")
+            statement = await queries.statement(conn, month, "team", log=request.app.state.js)
+    return page(request, "usage.html", me, rows=rows, statement=statement)
+
+
+CHARGEBACK_READERS = (Role.CHARGEBACK, Role.OPERATOR, Role.ADMIN)
+"""Who reads chargeback statements: every team's lines (as GET /v1/chargeback)."""
 
 
 @router.get("/deadletters")

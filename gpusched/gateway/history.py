@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import asyncpg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from gpusched.userinput import UserError
 from runtime import eventlog
-from schemas import Event, parse_event
+from schemas import Event, JobRetryScheduled, parse_event
 from schemas.registry import SUBJECT_PREFIX
+from services.accounting import queries
 
 
 MAX_EVENTS = 10_000
@@ -57,20 +59,32 @@ async def dead_letters(js: JetStreamContext, limit: int) -> list[dict[str, Any]]
     return rows[::-1]
 
 
-async def why(js: JetStreamContext, job_id: str) -> dict[str, Any]:
-    """Where a job stands and why it waits, from its history in the log."""
+async def why(js: JetStreamContext, job_id: str, conn: asyncpg.Connection | None = None) -> dict[str, Any]:
+    """Where a job stands and why it waits: :func:`explain` of its history in the log and its
+    ``position`` in its queue now, from the read models (``conn``;
+    :func:`services.accounting.queries.job_position`, the one position every door shows; None
+    without them or when the job does not wait for quota). Every door's "why" is this one."""
     history = await job_events(js, job_id)
     if not history:
         raise UserError(f"job {job_id!r} has no events in the log")
-    return explain(job_id, history)
+    position = None if conn is None else await queries.job_position(conn, job_id)
+    return {**explain(job_id, history), "position": position}
+
+
+def current_attempt(events: list[Event]) -> int:
+    """The job's current attempt: the highest attempt its events name, a JobRetryScheduled
+    naming the next one (it carries ``next_attempt``, not ``attempt``)."""
+    return max((e.next_attempt if isinstance(e, JobRetryScheduled) else (getattr(e, "attempt", None) or 1)
+                for e in events), default=1)
 
 
 def explain(job_id: str, history: list[tuple[int, Event]]) -> dict[str, Any]:
-    """:func:`why` of a job's (non-empty) history."""
+    """:func:`why` of a job's (non-empty) history: the reasons of its current attempt
+    (:func:`current_attempt`; after a retry or a requeue, the next attempt's)."""
     lifecycle = [e for _, e in history if e.type not in ("QuotaPendingReasonChanged", "SchedulingPendingReasonChanged")]
     last = lifecycle[-1] if lifecycle else history[-1][1]
     reasons = [e for _, e in history if e.type == "QuotaPendingReasonChanged"]
-    attempt = max((getattr(e, "attempt", 1) or 1 for e in lifecycle), default=1)
+    attempt = current_attempt(lifecycle)
     waiting = last.type in ("JobAdmitted", "JobRetryScheduled", "QuotaReleased") and not any(
         e.type in ("JobSucceeded", "JobCancelled", "JobRejected") for e in lifecycle)
     current = next((r for r in reversed(reasons) if r.attempt == attempt), None) if waiting else None
@@ -80,6 +94,7 @@ def explain(job_id: str, history: list[tuple[int, Event]]) -> dict[str, Any]:
     return {
         "job_id": job_id,
         "queue": admitted.queue if admitted is not None else None,
+        "attempt": attempt,
         "last_event": last.type,
         "since": last.occurred_at,
         "waiting_for_quota": waiting,

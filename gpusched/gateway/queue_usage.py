@@ -12,8 +12,8 @@ import asyncpg
 
 from schemas import QueueConfigured
 from services.accounting import queries
-from services.quota.capacity import MILLI, Limits, Pool, class_cap, weighted_use
-from services.quota.domain import QuotaCore
+from services.quota.capacity import (MILLI, Limits, Pool, budget_left, budget_spent, class_cap, period_start,
+                                     weighted_use)
 
 
 async def queue_usage(conn: asyncpg.Connection) -> list[dict[str, Any]]:
@@ -47,9 +47,11 @@ def gpus(milli: int) -> int | float:
 async def _add_dimensions(conn: asyncpg.Connection, rows: list[dict[str, Any]]) -> None:
     """Each row's flavor ``weight``; its queue's ``weighted_limit`` and ``weighted_used`` (GPUs
     held, borrowed ones too, × weight); ``class_limits`` on this flavor (each class's
-    ``max_share``, ``limit`` in GPUs and ``used``); and ``budget_gpu_hours``, ``budget_period``
-    and ``budget_used_gpu_hours``: weighted GPU-hours held this period up to now (the quota
-    service also counts a held job's declared runtime as committed, which the read models lack)."""
+    ``max_share``, ``limit`` in GPUs and ``used``); and ``budget_gpu_hours``, ``budget_period``,
+    ``budget_used_gpu_hours`` (weighted GPU-hours held this period up to now on the log's clock:
+    :func:`services.quota.capacity.budget_spent`) and ``budget_left_gpu_hours``
+    (:func:`services.quota.capacity.budget_left`). The quota service also counts a held job's
+    declared runtime as committed, which the read models lack."""
     configs = await queries.queue_configs(conn)
     by_class = await queries.class_holdings(conn)
     held: dict[str, dict[str, int]] = {}  # queue -> flavor -> thousandths
@@ -71,6 +73,7 @@ async def _add_dimensions(conn: asyncpg.Connection, rows: list[dict[str, Any]]) 
         r["budget_gpu_hours"] = queue.budget.gpu_hours if queue.budget else None
         r["budget_period"] = queue.budget.period if queue.budget else None
         r["budget_used_gpu_hours"] = budget_used.get(r["queue"])
+        r["budget_left_gpu_hours"] = budget_left(queue, budget_used.get(r["queue"], 0.0))
 
 
 async def _budget_used(conn: asyncpg.Connection, configs: dict[str, QueueConfigured]) -> dict[str, float]:
@@ -79,9 +82,10 @@ async def _budget_used(conn: asyncpg.Connection, configs: dict[str, QueueConfigu
     now = await queries.log_now(conn, datetime.now(UTC))
     out: dict[str, float] = {}
     for period in sorted({q.budget.period for q in configs.values() if q.budget is not None}):
-        hours = await queries.held_gpu_hours(conn, QuotaCore.period_start(period, now), now)
+        hours = await queries.held_gpu_hours(conn, period_start(period, now), now)
         for queue in (q for q in configs.values() if q.budget is not None and q.budget.period == period):
-            out[queue.name] = round(sum(hours.get((queue.name, fq.flavor), 0.0) * fq.weight for fq in queue.quotas), 3)
+            out[queue.name] = budget_spent(queue, {fq.flavor: hours.get((queue.name, fq.flavor), 0.0)
+                                                   for fq in queue.quotas})
     return out
 
 
@@ -110,3 +114,16 @@ async def queue_now(conn: asyncpg.Connection, queue: str) -> dict[str, Any]:
     """One queue's rows of :func:`queue_usage` and the log position the read models are at."""
     return {"position": await queries.position(conn),
             "flavors": [r for r in await queue_usage(conn) if r["queue"] == queue]}
+
+
+async def queues_for(conn: asyncpg.Connection, team: str | None) -> list[dict[str, Any]]:
+    """:func:`queue_usage` as a team may see it (``team`` None: every queue), each row with the
+    ``teams`` that may submit to its queue: what the API's and the console's queues show."""
+    rows = await queue_usage(conn)
+    allowed = await queries.queue_teams(conn)
+    out = []
+    for r in rows:
+        teams = allowed.get(r["queue"], ())
+        if team is None or team in teams:
+            out.append({**r, "teams": list(teams)})
+    return out

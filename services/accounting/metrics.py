@@ -24,10 +24,11 @@ import asyncpg
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from schemas.jobstate import PLACED_STATES
 from services.accounting import queries
 
 TOP_FAILURES = 10
-WAIT_WINDOW_S = 86_400.0  # wait percentiles over attempts that started in the last day (log time)
+WAIT_WINDOW_S = queries.WAIT_WINDOW_S  # wait percentiles over attempts that started in the last day (log time)
 TELEMETRY_WINDOW_S = 3600.0  # measured utilization over the telemetry windows of the last hour (clipped)
 IDLE_BELOW = 0.05  # an allocated GPU whose mean utilization is below this sat idle
 
@@ -123,22 +124,10 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
             "AND gpu_flavor IS NOT NULL GROUP BY 1"))
         allocated = dict(await conn.fetch(
             "SELECT flavor, sum(total_gpus * coalesce(gpu_milli, 1000) / 1000.0::float8) FROM jobs "
-            "WHERE state IN ('scheduled', 'running', 'preempting', "
-            "'cancelling') AND flavor IS NOT NULL AND finished_at IS NULL GROUP BY 1"))
-        waits = await conn.fetch(
-            """SELECT queue, percentile_cont(0.5) WITHIN GROUP (ORDER BY wait_seconds) AS p50,
-                      percentile_cont(0.95) WITHIN GROUP (ORDER BY wait_seconds) AS p95,
-                      count(*) AS n, sum(wait_seconds) AS total
-               FROM usage_ledger WHERE wait_seconds IS NOT NULL
-                 AND started_at > (SELECT max(started_at) FROM usage_ledger) - make_interval(secs => $1)
-               GROUP BY queue""", WAIT_WINDOW_S)
-        pending = await conn.fetch(
-            """SELECT queue, w.waiting_for, count(*) AS n, min(coalesce(a.queued_at, j.admitted_at)) AS oldest
-               FROM jobs j JOIN unnest($1::text[], $2::text[]) AS w(state, waiting_for) ON w.state = j.state
-               LEFT JOIN attempts a ON a.job_id = j.job_id AND a.attempt = j.attempt
-               GROUP BY queue, w.waiting_for""",
-            [state for states in queries.WAITING_FOR.values() for state in states],
-            [what for what, states in queries.WAITING_FOR.items() for _ in states])
+            "WHERE state = ANY($1::text[]) AND flavor IS NOT NULL AND finished_at IS NULL GROUP BY 1",
+            list(PLACED_STATES)))
+        waits = await queries.wait_percentiles(conn, by_queue=True, window_s=WAIT_WINDOW_S)
+        pending = await queries.pending_by_queue(conn)
         failures = await conn.fetch(
             "SELECT reason, count(*) AS n FROM jobs WHERE state = 'failed' GROUP BY reason "
             "ORDER BY n DESC, reason LIMIT $1", TOP_FAILURES)
@@ -176,11 +165,11 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
         add("gpusched_service_replica_ready_seconds_count", r["n"], service=r["service"])
         add("gpusched_service_replica_ready_seconds_sum", r["total"], service=r["service"])
     _utilization(telemetry, add)
-    for r in sorted(waits, key=lambda r: r["queue"]):
-        add("gpusched_queue_wait_seconds", r["p50"], queue=r["queue"], quantile="0.5")
-        add("gpusched_queue_wait_seconds", r["p95"], queue=r["queue"], quantile="0.95")
-        add("gpusched_queue_wait_seconds_count", r["n"], queue=r["queue"])
-        add("gpusched_queue_wait_seconds_sum", r["total"], queue=r["queue"])
+    for w in sorted(waits, key=lambda w: w.queue or ""):
+        add("gpusched_queue_wait_seconds", w.p50, queue=w.queue, quantile="0.5")
+        add("gpusched_queue_wait_seconds", w.p95, queue=w.queue, quantile="0.95")
+        add("gpusched_queue_wait_seconds_count", w.n, queue=w.queue)
+        add("gpusched_queue_wait_seconds_sum", w.total, queue=w.queue)
     for r in sorted(pending, key=lambda r: (r["queue"] or "", r["waiting_for"])):
         labels = {"queue": r["queue"] or "-", "waiting_for": r["waiting_for"]}
         add("gpusched_queue_pending_jobs", r["n"], **labels)

@@ -6,6 +6,7 @@ applications read through it and hold no SQL of their own."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,6 +15,7 @@ from nats.js import JetStreamContext
 
 from runtime import eventtime
 from schemas import QueueConfigured, ServiceSpec
+from schemas.jobstate import PLACED_STATES, WAITING_FOR_NODES, WAITING_FOR_QUOTA
 from services.accounting import chargeback, sink
 from services.accounting.chargeback import Attempt, PriceVersion, QuotaVersion
 
@@ -119,25 +121,39 @@ async def position(conn: asyncpg.Connection) -> int:
 async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, log: JetStreamContext,
                     as_of: datetime | None = None, last_sequence: int | None = None,
                     whole: bool = False) -> dict[str, Any] | None:
-    """A statement computed from the read models as they are now (position = last_sequence):
-    the ledger rows and the running attempts that overlap the period (up to ``as_of``). Its log
+    """The period's chargeback statement as of ``as_of`` (default: the log's now,
+    :func:`log_now`), computed from the read models as they are now (position = last_sequence):
+    the ledger rows and the running attempts that overlap the period up to ``as_of``. Its log
     range is :func:`period_first_sequence` .. last_sequence, found in ``log`` (the event log).
-    ``whole``: None unless the read models are at one position (every accounting partition at
-    the same one): a job's row holds its state at its partition's position, so a statement is
-    only what the log says up to one sequence when all of them are there."""
+    Besides the statement body (:func:`services.accounting.chargeback.statement`, checksummed)
+    it always carries ``statement_id`` (the id it has once issued: period, dimension, log range)
+    and ``provisional`` (the period had not ended at ``as_of``). The one definition every door
+    uses; a statement of a whole closed period (issuing or verifying one) passes its end as
+    ``as_of``. ``whole``: None unless the read models are at one position (every accounting
+    partition at the same one): a job's row holds its state at its partition's position, so a
+    statement is only what the log says up to one sequence when all of them are there."""
     start, end = chargeback.parse_period(period)
-    until = min(end, as_of) if as_of is not None else end
     async with conn.transaction(isolation="repeatable_read", readonly=True):
         if whole and len({seq for seq, _ in (await sink.partition_rows(conn)).values()}) > 1:
             return None
+        if as_of is None:
+            as_of = await log_now(conn, datetime.now(UTC))
+        until = min(end, as_of)
         seq = await position(conn) if last_sequence is None else last_sequence
         rows = await attempts(conn, overlapping=(start, until), max_sequence=seq)
         rows += await running_attempts(conn, until)
         prices = await price_versions(conn, max_sequence=seq)
         history = await quota_versions(conn, max_sequence=seq)
     first = await period_first_sequence(log, period, seq)
-    return chargeback.statement(rows, prices, history, period=period, group_by=group_by, first_sequence=first,
+    body = chargeback.statement(rows, prices, history, period=period, group_by=group_by, first_sequence=first,
                                 last_sequence=seq, as_of=as_of)
+    body["statement_id"] = chargeback.statement_id(period, group_by, seq)
+    body["provisional"] = end > as_of
+    return body
+
+
+STATEMENT_EXTRAS = ("statement_id", "provisional")
+"""What :func:`statement` adds to the checksummed body (not fields of ChargebackStatementIssued)."""
 
 
 async def period_first_sequence(log: JetStreamContext, period: str, last_sequence: int) -> int:
@@ -179,15 +195,82 @@ async def issued(conn: asyncpg.Connection, period: str | None = None) -> list[di
 # -- jobs, usage and queues, for the applications ----------------------------------------------
 
 
+LIST_COLUMNS = ("job_id", "team", "project", "queue", "kind", "priority_class", "submitter", "state", "attempt",
+                "total_gpus", "flavor", "nodes", "reason", "message", "submitted_at", "started_at", "finished_at")
+"""The columns of a job in a list (:func:`jobs_page`)."""
+CLI_COLUMNS = ("job_id", "team", "queue", "state", "attempt", "total_gpus", "flavor", "submitted_at", "finished_at")
+"""The columns :func:`list_jobs` keeps (the CLI's table)."""
+CURSOR_PATTERN = r"^(n|[0-9]{1,16})~[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+"""A page's cursor: the last row's submission time (microseconds since the epoch; ``n``: none)
+and job id. Readable, and any cursor of this form is a valid place in the order."""
+
+
+def encode_cursor(row: dict[str, Any]) -> str:
+    at = row["submitted_at"]
+    return f"{'n' if at is None else int(at.timestamp() * 1_000_000)}~{row['job_id']}"
+
+
+def decode_cursor(cursor: str) -> tuple[datetime | None, str]:
+    at, _, job_id = cursor.partition("~")
+    return (None if at == "n" else datetime.fromtimestamp(int(at) / 1_000_000, UTC)), job_id
+
+
+@dataclass(frozen=True)
+class JobsPage:
+    """A page of jobs, newest first: each row (:data:`LIST_COLUMNS`, and ``position``: its place
+    in its queue's line while it waits for quota, :func:`job_positions`; else None) and the
+    cursor of the next page (None: this is the last)."""
+
+    items: list[dict[str, Any]]
+    next_cursor: str | None
+
+
+async def jobs_page(conn: asyncpg.Connection, *, team: str | None = None, state: str | None = None,
+                    queue: str | None = None, kind: str | None = None, submitter: str | None = None,
+                    limit: int = 50, cursor: str | None = None) -> JobsPage:
+    """Jobs newest first (by submission, then job id), ``limit`` at a time from ``cursor``."""
+    after_at, after_id = decode_cursor(cursor) if cursor else (None, None)
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        rows = await conn.fetch(
+            f"""SELECT {', '.join(LIST_COLUMNS)} FROM jobs
+                WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
+                  AND ($3::text IS NULL OR queue = $3) AND ($4::text IS NULL OR kind = $4)
+                  AND ($5::text IS NULL OR submitter = $5)
+                  AND ($6::text IS NULL OR (coalesce(submitted_at, 'epoch'::timestamptz), job_id)
+                                           < (coalesce($7::timestamptz, 'epoch'::timestamptz), $6))
+                ORDER BY coalesce(submitted_at, 'epoch'::timestamptz) DESC, job_id DESC LIMIT $8""",
+            team, state, queue, kind, submitter, after_id, after_at, limit + 1)
+        page = [dict(r) for r in rows[:limit]]
+        positions = await job_positions(conn, [r["job_id"] for r in page if r["state"] in WAITING_FOR_QUOTA])
+    for r in page:
+        r["position"] = positions.get(r["job_id"])
+    return JobsPage(page, encode_cursor(page[-1]) if len(rows) > limit else None)
+
+
 async def list_jobs(conn: asyncpg.Connection, team: str | None = None, state: str | None = None,
                     limit: int = 50) -> list[dict[str, Any]]:
+    """The first page of :func:`jobs_page`, each row's :data:`CLI_COLUMNS` (``gpusched jobs``)."""
+    page = await jobs_page(conn, team=team, state=state, limit=limit)
+    return [{k: r[k] for k in CLI_COLUMNS} for r in page.items]
+
+
+async def job_positions(conn: asyncpg.Connection, job_ids: list[str]) -> dict[str, int]:
+    """Each given job that waits for quota (:data:`schemas.jobstate.WAITING_FOR_QUOTA`): its
+    position among its queue's waiting jobs (1: next), by submission then job id. The one
+    definition of a job's queue position (the job list, ``why``, the console)."""
+    if not job_ids:
+        return {}
     rows = await conn.fetch(
-        """SELECT job_id, team, queue, state, attempt, total_gpus, flavor, submitted_at, finished_at
-           FROM jobs WHERE ($1::text IS NULL OR team = $1) AND ($2::text IS NULL OR state = $2)
-           ORDER BY submitted_at DESC NULLS LAST, job_id LIMIT $3""",
-        team, state, limit,
-    )
-    return [dict(r) for r in rows]
+        """SELECT job_id, position FROM (
+               SELECT job_id, row_number() OVER (PARTITION BY queue ORDER BY submitted_at, job_id) AS position
+               FROM jobs WHERE state = ANY($2::text[]) AND queue IN (SELECT queue FROM jobs WHERE job_id = ANY($1)))
+           w WHERE job_id = ANY($1)""", job_ids, list(WAITING_FOR_QUOTA))
+    return {r["job_id"]: r["position"] for r in rows}
+
+
+async def job_position(conn: asyncpg.Connection, job_id: str) -> int | None:
+    """:func:`job_positions` of one job (None: it does not wait for quota)."""
+    return (await job_positions(conn, [job_id])).get(job_id)
 
 
 async def get_job(conn: asyncpg.Connection, job_id: str) -> dict[str, Any] | None:
@@ -210,13 +293,6 @@ async def usage_by_team(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     return [dict(r) for r in rows]
 
 
-WAITING_FOR: dict[str, list[str]] = {
-    "quota": ["queued", "retrying", "preempted"],  # admitted, no quota held for the current attempt
-    "node": ["reserved"],  # holds quota, not placed on nodes yet
-}
-"""Job states (the ``jobs.state`` column) of a job that waits, by what it waits for."""
-
-
 async def state_counts(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     rows = await conn.fetch("SELECT coalesce(team, '-') AS team, state, count(*) AS n FROM jobs GROUP BY 1, 2")
     return [dict(r) for r in rows]
@@ -236,7 +312,7 @@ async def queue_quotas(conn: asyncpg.Connection) -> list[dict[str, Any]]:
            WHERE NOT q.deleted ORDER BY q.name, fq->>'flavor'""")]
     parents = dict(await conn.fetch("SELECT name, parent FROM cohorts"))
     pending = dict(await conn.fetch(
-        "SELECT queue, count(*) FROM jobs WHERE state = ANY($1::text[]) GROUP BY queue", WAITING_FOR["quota"]))
+        "SELECT queue, count(*) FROM jobs WHERE state = ANY($1::text[]) GROUP BY queue", list(WAITING_FOR_QUOTA)))
     for r in rows:
         r["cohort_root"] = _cohort_root(r["cohort"], parents)
         r["pending_jobs"] = pending.get(r["queue"], 0)
@@ -309,3 +385,171 @@ async def service_spec(conn: asyncpg.Connection, service: str) -> tuple[str, Ser
     if row is None:
         return None
     return row["team"], ServiceSpec.model_validate_json(row["spec"]), row["generation"]
+
+
+# -- queues, cluster, usage and summaries, for the applications -------------------------------------
+
+
+async def queue_teams(conn: asyncpg.Connection) -> dict[str, tuple[str, ...]]:
+    """Each live queue -> the teams that may submit to it."""
+    rows = await conn.fetch("SELECT name, config->'allowed_teams' AS teams FROM queues WHERE NOT deleted")
+    return {r["name"]: tuple(json.loads(r["teams"] or "[]")) for r in rows}
+
+
+@dataclass(frozen=True)
+class Cohort:
+    name: str
+    parent: str | None
+
+
+async def cohorts(conn: asyncpg.Connection) -> list[Cohort]:
+    return [Cohort(r["name"], r["parent"]) for r in await conn.fetch("SELECT name, parent FROM cohorts ORDER BY name")]
+
+
+async def nodes(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    """Each node with its GPUs: capacity, used (held by placed attempts,
+    :data:`schemas.jobstate.PLACED_STATES`), free (none on a lost or unschedulable node)."""
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        held = await conn.fetch(
+            """SELECT node, sum(gpus_per_node)::int AS used FROM jobs, unnest(nodes) AS node
+               WHERE state = ANY($1::text[]) GROUP BY node""", list(PLACED_STATES))
+        rows = await conn.fetch("SELECT name, gpu_flavor, gpu_product, gpu_count, gpu_memory_mib, unschedulable, lost "
+                                "FROM nodes ORDER BY name")
+    used = {r["node"]: r["used"] for r in held}
+    out = []
+    for r in rows:
+        n = dict(r)
+        n["used"] = min(used.get(n["name"], 0), n["gpu_count"])
+        n["free"] = 0 if (n["lost"] or n["unschedulable"]) else n["gpu_count"] - n["used"]
+        out.append(n)
+    return out
+
+
+def gpus_by_flavor(node_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per flavor, from :func:`nodes`: capacity, used, free, and fragmented: the free GPUs on
+    nodes that are partly used (they cannot take a job that wants a whole node), with the
+    largest free block. Lost nodes count nowhere."""
+    flavors: dict[str, dict[str, Any]] = {}
+    for n in node_rows:
+        if n["lost"]:
+            continue
+        f = flavors.setdefault(n["gpu_flavor"] or "-", {"flavor": n["gpu_flavor"] or "-", "nodes": 0, "capacity": 0,
+                                                        "used": 0, "free": 0, "fragmented": 0, "largest_free_block": 0})
+        f["nodes"] += 1
+        f["capacity"] += n["gpu_count"]
+        f["used"] += n["used"]
+        f["free"] += n["free"]
+        if 0 < n["free"] < n["gpu_count"]:
+            f["fragmented"] += n["free"]
+        f["largest_free_block"] = max(f["largest_free_block"], n["free"])
+    return [flavors[k] for k in sorted(flavors)]
+
+
+async def team_usage(conn: asyncpg.Connection, team: str | None, by: list[str],
+                     period: str | None) -> list[dict[str, Any]]:
+    """:func:`rollup` as a team may see it: ``team`` None: every group; else only that team's
+    rows (grouped by team too, so they are told apart)."""
+    groups = sorted({*by, "team"}) if team is not None else by
+    rows = await rollup(conn, groups, period=period)
+    return rows if team is None else [r for r in rows if r.get("team") == team]
+
+
+WAIT_WINDOW_S = 86_400.0
+"""Wait percentiles are over the attempts that started in the last day (log time: up to the
+ledger's newest start)."""
+
+
+@dataclass(frozen=True)
+class WaitPercentiles:
+    """Wait from queued to started (the usage ledger's ``wait_seconds``) of the attempts that
+    started in the window: how many, p50, p95 and the sum (seconds). ``queue`` None: all queues."""
+
+    queue: str | None
+    n: int
+    p50: float | None
+    p95: float | None
+    total: float | None
+
+
+async def wait_percentiles(conn: asyncpg.Connection, *, by_queue: bool = False, team: str | None = None,
+                           window_s: float = WAIT_WINDOW_S) -> list[WaitPercentiles]:
+    """The one definition of wait p50/p95: the ledger's ``wait_seconds`` of the attempts that
+    started within ``window_s`` of the ledger's newest start, per queue (``by_queue``) or over
+    all of them (one row, n 0 when none), a team's only when ``team`` is given."""
+    rows = await conn.fetch(
+        """SELECT CASE WHEN $3 THEN queue END AS queue, count(*)::int AS n,
+                  percentile_cont(0.5) WITHIN GROUP (ORDER BY wait_seconds) AS p50,
+                  percentile_cont(0.95) WITHIN GROUP (ORDER BY wait_seconds) AS p95,
+                  sum(wait_seconds)::float8 AS total
+           FROM usage_ledger WHERE wait_seconds IS NOT NULL
+             AND started_at > (SELECT max(started_at) FROM usage_ledger) - make_interval(secs => $1)
+             AND ($2::text IS NULL OR team = $2)
+           GROUP BY 1 ORDER BY 1""", window_s, team, by_queue)
+    out = [WaitPercentiles(r["queue"], r["n"], r["p50"], r["p95"], r["total"]) for r in rows]
+    return out if out or by_queue else [WaitPercentiles(None, 0, None, None, None)]
+
+
+async def summary(conn: asyncpg.Connection, team: str | None) -> dict[str, Any]:
+    """Jobs by state, wait p50/p95 (:func:`wait_percentiles`) and failures over the last day, GPU
+    utilization from telemetry over the last hour; the day and the hour end at the log's now
+    (:func:`log_now`). ``team``: that team's jobs only."""
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        now = await log_now(conn, datetime.now(UTC))
+        states = await conn.fetch("SELECT state, count(*)::int AS n FROM jobs WHERE ($1::text IS NULL OR team = $1) "
+                                  "GROUP BY state ORDER BY state", team)
+        (waits,) = await wait_percentiles(conn, team=team)
+        failures = await conn.fetch(
+            """SELECT coalesce(reason, '-') AS reason, count(*)::int AS n FROM jobs
+               WHERE state = 'failed' AND finished_at > $2::timestamptz - interval '1 day'
+                 AND ($1::text IS NULL OR team = $1)
+               GROUP BY 1 ORDER BY 2 DESC""", team, now)
+        util = await conn.fetchrow(
+            """SELECT avg(utilization) AS mean, avg(allocated_utilization) AS allocated, count(*)::int AS windows
+               FROM gpu_telemetry WHERE window_end > $1::timestamptz - interval '1 hour'""", now)
+    return {
+        "jobs_by_state": {r["state"]: r["n"] for r in states},
+        "wait_s": {"started_last_day": waits.n, "p50": waits.p50, "p95": waits.p95},
+        "failures_last_day": {r["reason"]: r["n"] for r in failures},
+        "gpu_utilization_last_hour": {"mean": util["mean"], "allocated_mean": util["allocated"],
+                                      "windows": util["windows"]},
+    }
+
+
+async def series(conn: asyncpg.Connection, team: str | None, hours: int = 24,
+                 bucket_s: int = 3600) -> list[dict[str, Any]]:
+    """Over time, per bucket: jobs submitted, started, waiting at the bucket's end (congestion),
+    median wait (the ledger's ``wait_seconds``, as :func:`wait_percentiles`) of the attempts
+    started in it, and mean GPU utilization. Time is the platform's (:func:`log_now`)."""
+    now = await log_now(conn, datetime.now(UTC))
+    rows = await conn.fetch(
+        """WITH b AS (SELECT generate_series(date_bin(make_interval(secs => $2), $4::timestamptz - make_interval(hours => $1),
+                                                      'epoch'::timestamptz),
+                                             $4::timestamptz, make_interval(secs => $2)) AS t0)
+           SELECT b.t0,
+                  (SELECT count(*) FROM jobs j WHERE j.submitted_at >= b.t0 AND j.submitted_at < b.t0 + make_interval(secs => $2)
+                     AND ($3::text IS NULL OR j.team = $3))::int AS submitted,
+                  (SELECT count(*) FROM jobs j WHERE j.started_at >= b.t0 AND j.started_at < b.t0 + make_interval(secs => $2)
+                     AND ($3::text IS NULL OR j.team = $3))::int AS started,
+                  (SELECT count(*) FROM jobs j WHERE j.admitted_at < b.t0 + make_interval(secs => $2)
+                     AND coalesce(j.started_at, j.finished_at, 'infinity') >= b.t0 + make_interval(secs => $2)
+                     AND ($3::text IS NULL OR j.team = $3))::int AS waiting,
+                  (SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY u.wait_seconds)
+                     FROM usage_ledger u WHERE u.wait_seconds IS NOT NULL
+                     AND u.started_at >= b.t0 AND u.started_at < b.t0 + make_interval(secs => $2)
+                     AND ($3::text IS NULL OR u.team = $3)) AS wait_p50_s,
+                  (SELECT avg(g.utilization) FROM gpu_telemetry g WHERE g.window_end >= b.t0
+                     AND g.window_end < b.t0 + make_interval(secs => $2)) AS utilization
+           FROM b ORDER BY b.t0""", hours, bucket_s, team, now)
+    return [dict(r) for r in rows]
+
+
+async def pending_by_queue(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    """Per queue and what its jobs wait for (``quota``: :data:`schemas.jobstate.WAITING_FOR_QUOTA`;
+    ``node``: :data:`schemas.jobstate.WAITING_FOR_NODES`): how many, and when the longest-waiting
+    of them was queued (``oldest``)."""
+    waiting = [(state, "quota") for state in WAITING_FOR_QUOTA] + [(state, "node") for state in WAITING_FOR_NODES]
+    return [dict(r) for r in await conn.fetch(
+        """SELECT queue, w.waiting_for, count(*) AS n, min(coalesce(a.queued_at, j.admitted_at)) AS oldest
+           FROM jobs j JOIN unnest($1::text[], $2::text[]) AS w(state, waiting_for) ON w.state = j.state
+           LEFT JOIN attempts a ON a.job_id = j.job_id AND a.attempt = j.attempt
+           GROUP BY queue, w.waiting_for""", [s for s, _ in waiting], [w for _, w in waiting])]

@@ -108,7 +108,7 @@ class Issuer:
                 last = await self._last_issued(conn, period, dim)
                 if last is not None and (affected is None or end <= affected):
                     continue  # nothing logged since touches this period
-                body = await queries.statement(conn, period, dim, log=js, whole=True)
+                body = await queries.statement(conn, period, dim, log=js, as_of=end, whole=True)
                 if body is None:  # the partitions are not at one position: again after a later batch
                     return issued
                 if not body["lines"] or (last is not None and _same_content(body, last)):
@@ -118,7 +118,7 @@ class Issuer:
                     aggregate_id=chargeback.statement_id(period, dim, body["last_sequence"]),
                     producer="accounting", occurred_at=self.watermark, key=body["checksum"],
                     supersedes=last["statement_id"] if last is not None else None,
-                    **{k: v for k, v in body.items()})
+                    **{k: v for k, v in body.items() if k not in queries.STATEMENT_EXTRAS})
                 await eventlog.EventLog(js).append(event)
                 self._latest[(period, dim)] = {"statement_id": event.aggregate_id, "checksum": event.checksum,
                                                "first_sequence": event.first_sequence,

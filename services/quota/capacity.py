@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
 from schemas import QueueConfigured, QuotaWaitReason
 
@@ -210,3 +211,57 @@ def check_limits(queue: QueueConfigured, flavor: str, request: int, priority_cla
                 f"{gpus_text(cap)} "
                 f"({limit.max_share:g} × nominal {fq.nominal})"))
     return Verdict(True)
+
+
+# -- GPU-hour budgets -------------------------------------------------------------------------------
+#
+# A queue's budget (``QueueConfigured.budget``) is spent in weighted GPU-hours (GPU-hours of each
+# flavor × the flavor's weight) per calendar period (UTC). The quota core decides with these
+# functions and every report (CLI, API, console) states budget spent and left with them, on the
+# log's clock, so they agree.
+
+
+def period_start(period: str, at: datetime) -> datetime:
+    """The start of the budget period (``day``, ``week`` from Monday, ``month``) that holds ``at``."""
+    day = at.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "day":
+        return day
+    if period == "week":
+        return day - timedelta(days=day.weekday())
+    return day.replace(day=1)
+
+
+def next_period(period: str, start: datetime) -> datetime:
+    """The start of the budget period after the one starting at ``start`` (when the budget renews)."""
+    if period == "day":
+        return start + timedelta(days=1)
+    if period == "week":
+        return start + timedelta(days=7)
+    return (start.replace(day=28) + timedelta(days=4)).replace(day=1)
+
+
+def flavor_weight(queue: QueueConfigured | None, flavor: str) -> float:
+    """The weight of one GPU of ``flavor`` in the queue (1 for a flavor or a queue it does not know)."""
+    if queue is None:
+        return 1.0
+    return next((fq.weight for fq in queue.quotas if fq.flavor == flavor), 1.0)
+
+
+def weighted_gpu_hours(queue: QueueConfigured, gpu_hours: Mapping[str, float]) -> float:
+    """GPU-hours of each flavor (flavor -> GPU-hours) in the queue's weighted units: what a
+    budget is spent in."""
+    return sum(hours * flavor_weight(queue, flavor) for flavor, hours in gpu_hours.items())
+
+
+def budget_spent(queue: QueueConfigured, gpu_hours: Mapping[str, float]) -> float:
+    """Weighted GPU-hours the queue has spent this period, given the GPU-hours of each flavor its
+    reservations held in the period (:func:`period_start` up to now), rounded to the thousandth."""
+    return round(weighted_gpu_hours(queue, gpu_hours), 3)
+
+
+def budget_left(queue: QueueConfigured, spent: float) -> float | None:
+    """Weighted GPU-hours left of the queue's budget this period (negative: overspent); None
+    for a queue without a budget."""
+    if queue.budget is None:
+        return None
+    return round(queue.budget.gpu_hours - spent, 3)

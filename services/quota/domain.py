@@ -66,7 +66,8 @@ from schemas import (
     new_event,
 )
 from schemas.priority import DEFAULT_PRIORITY_CLASSES, PolicyConfigured, PriorityClass
-from services.quota.capacity import MILLI, Limits, Pool, check_limits, gpus_text
+from services.quota.capacity import (MILLI, Limits, Pool, check_limits, flavor_weight, gpus_text, next_period,
+                                     period_start)
 
 PRODUCER = "quota"
 NEVER_REFUSED = 1 << 62  # "no request of this size was refused yet"
@@ -439,26 +440,8 @@ class QuotaCore:
         return pools.get((self.pool_key(queue), flavor))
 
     # -- GPU-hour budgets ----------------------------------------------------------------------
-    @staticmethod
-    def period_start(period: str, at: datetime) -> datetime:
-        day = at.replace(hour=0, minute=0, second=0, microsecond=0)
-        if period == "day":
-            return day
-        if period == "week":
-            return day - timedelta(days=day.weekday())
-        return day.replace(day=1)
-
-    @staticmethod
-    def next_period(period: str, start: datetime) -> datetime:
-        if period == "day":
-            return start + timedelta(days=1)
-        if period == "week":
-            return start + timedelta(days=7)
-        return (start.replace(day=28) + timedelta(days=4)).replace(day=1)
-
     def _weight(self, queue: str, flavor: str) -> float:
-        q = self.state.queues.get(queue)
-        return next((fq.weight for fq in q.quotas if fq.flavor == flavor), 1.0) if q is not None else 1.0
+        return flavor_weight(self.state.queues.get(queue), flavor)
 
     def _charge_budget(self, r: QuotaReserved, released_at: datetime) -> None:
         """Fold a released reservation's weighted GPU-seconds, within the current period, into
@@ -466,7 +449,7 @@ class QuotaCore:
         queue = self.state.queues.get(r.queue)
         if queue is None or queue.budget is None:
             return
-        start = self.period_start(queue.budget.period, released_at)
+        start = period_start(queue.budget.period, released_at)
         prev_start, spent = self.state.spent.get(r.queue, (start, 0.0))
         if prev_start != start:
             spent = 0.0
@@ -477,7 +460,7 @@ class QuotaCore:
     def budget_spent(self, queue: QueueConfigured, now: datetime) -> float:
         """Weighted GPU-hours the queue has used or committed this period: released reservations,
         plus for each one still held the longer of its time so far and its declared runtime."""
-        start = self.period_start(queue.budget.period, now)
+        start = period_start(queue.budget.period, now)
         prev_start, spent = self.state.spent.get(queue.name, (start, 0.0))
         seconds = spent if prev_start == start else 0.0
         for j in (self.state.jobs[i] for i in self.state.holders.get(queue.name, ())):
@@ -487,14 +470,14 @@ class QuotaCore:
                 seconds += max(0.0, held) * r.milli_held / MILLI * self._weight(r.queue, r.flavor)
         return seconds / 3600
 
-    def _over_budget(self, queue: QueueConfigured, job: QuotaJob, flavor_weight: float, spent: float,
+    def _over_budget(self, queue: QueueConfigured, job: QuotaJob, weight: float, spent: float,
                      now: datetime) -> str | None:
         b = queue.budget
-        planned = job.spec.total_milli / MILLI * flavor_weight * (job.spec.expected_runtime_seconds or 0) / 3600
+        planned = job.spec.total_milli / MILLI * weight * (job.spec.expected_runtime_seconds or 0) / 3600
         if spent + planned <= b.gpu_hours and spent < b.gpu_hours:
             return None
-        start = self.period_start(b.period, now)
-        until = self.next_period(b.period, start)
+        start = period_start(b.period, now)
+        until = next_period(b.period, start)
         self._wake(until)
         return (f"queue {queue.name} has used or committed {spent:.1f} of its {b.gpu_hours:g} GPU-hours this {b.period} "
                 f"(since {start.date().isoformat()}); this job plans {planned:.1f} more; the budget renews "

@@ -173,7 +173,9 @@ def test_a_teams_services_page_shows_its_replicas_and_only_its_own(browser, api_
 
 
 def test_cohort_totals_sum_queues_up_the_tree():
-    cohorts = [{"name": "org", "parent": None}, {"name": "ml", "parent": "org"}, {"name": "idle", "parent": None}]
+    from services.accounting.queries import Cohort
+
+    cohorts = [Cohort("org", None), Cohort("ml", "org"), Cohort("idle", None)]
     keys = ("queue", "cohort", "flavor", "nominal", "used", "borrowed", "lent", "pending_jobs")
     rows = [dict(zip(keys, r, strict=True)) for r in (
         ("a", "ml", "a100", 8, 10, 2, 0, 3), ("a", "ml", "h100", 4, 0, 0, 0, 3),

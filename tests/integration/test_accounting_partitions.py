@@ -16,7 +16,7 @@ from runtime import eventlog
 from runtime.teams import TeamIndex, partition_of
 from schemas import JobAdmitted, new_event
 from services.accounting import __main__ as accounting
-from services.accounting import pipeline, queries, replay, sink
+from services.accounting import chargeback, pipeline, queries, replay, sink
 from services.accounting.partition import Partitioning, Share, projection_name
 from tests.integration.test_accounting_ledger import _statements, admin_nc, cli_env, december_event, job, s, scenario  # noqa: F401
 from tests.unit.builders import price_book, queue
@@ -303,6 +303,7 @@ async def test_a_statement_is_issued_at_one_position_of_every_partition(nats_ser
     async with connected(pg_dsn) as conn:
         await conn.execute('SET search_path TO "verify"')
         body = await queries.statement(conn, issued.period, issued.group_by, log=admin_js,
+                                       as_of=chargeback.parse_period(issued.period)[1],
                                        last_sequence=issued.last_sequence)
     assert body["checksum"] == issued.checksum
     assert {line["key"] for line in body["lines"]} == {"team-a", "team-c"}

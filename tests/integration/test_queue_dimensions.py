@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 from conftest import eventually
 from runtime import eventlog
-from services.quota.domain import QuotaCore
+from services.quota import capacity
 from tests.integration.test_apply import apply
 from tests.integration.test_telemetry import accounting_metrics, cli
 from tests.unit.builders import admitted, released, reserved, spec, submitted
@@ -61,7 +61,7 @@ async def test_queues_shows_weighted_class_and_budget_dimensions(nats_server, ad
     }
     # Weighted GPU-hours this month: the released reservation's 20 minutes (within the month) and
     # the held ones' time so far.
-    start = QuotaCore.period_start("month", before)
+    start = capacity.period_start("month", before)
     closed_hours = 2 * 10 * max(0.0, (closed[1] - max(closed[0], start)).total_seconds()) / 3600
 
     def held_hours(at: datetime) -> float:
