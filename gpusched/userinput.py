@@ -22,6 +22,8 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.text import Text
 
+from gpusched.errors import UserError  # noqa: F401 - re-exported: every importer of it here keeps working
+
 MAX_FILE_BYTES = 1024 * 1024
 """Largest input file read (1 MiB)."""
 MAX_DEPTH = 32
@@ -38,10 +40,6 @@ CHECKED_AT = datetime(2000, 1, 1, tzinfo=UTC)
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when the wheel has it (far faster)
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
-
-
-class UserError(Exception):
-    """Shown to the user as is: what was wrong, which value, what is accepted."""
 
 
 def shorten(value: object, limit: int = MAX_SHOWN) -> str:

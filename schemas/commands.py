@@ -10,9 +10,9 @@ from typing import Any, TypeVar
 
 from pydantic import Field, ValidationError, field_validator
 
-from schemas.envelope import NAME_PATTERN, Contract, Timestamp
-from schemas.job import JobSpec
-from schemas.service import REPLICA_PREFIX, MAX_REPLICAS, ServiceName, ServiceSpec
+from .envelope import NAME_PATTERN, Contract, Timestamp
+from .job import JobSpec
+from .service import REPLICA_PREFIX, MAX_REPLICAS, ServiceName, ServiceSpec
 
 MAX_COMMAND_BYTES = 64 * 1024
 """Admission rejects larger commands (PAYLOAD_TOO_LARGE); the intake stream refuses > 1 MiB."""
@@ -201,6 +201,33 @@ def identity_problem(command: Contract, principal: Principal) -> tuple[str, str]
 def job_id_for_key(team: str, idempotency_key: str) -> str:
     """The job id of a keyed submission that names none: the same team and key, the same job."""
     return "j-" + uuid.uuid5(uuid.NAMESPACE_URL, f"gpusched:{team}:{idempotency_key}").hex[:20]
+
+
+def job_id_of(command: SubmitJob, intake_seq: int | None = None) -> str:
+    """The id of the job a SubmitJob creates: the one rule every door follows (the CLI and the
+    API before they publish, admission when it records the job).
+
+    - the command's own ``job_id``, when it names one;
+    - with ``spec.idempotency_key``: :func:`job_id_for_key` (the same team and key, the same job);
+    - else, at admission, which knows the command's intake sequence: ``j-<intake_seq>`` (a
+      publisher that names no id and no key learns its job's id from the publish acknowledgement);
+    - else (a client naming the id before it publishes, so that it can follow the job's subjects
+      first): a fresh ``j-<16 hex>``.
+
+    With an ``intake_seq`` the answer depends on the command and the sequence only, so admission's
+    replay of the log assigns the ids its live run did.
+
+    A job id that exists already is not reused: resent without an idempotency key (by any door)
+    it is rejected ``duplicate-job-id`` under ``rejected-<intake seq>``; resent with the key and
+    the same spec it is a repeat that records nothing (docs/publishing.md, "Resending")."""
+    if command.job_id is not None:
+        return command.job_id
+    spec = command.spec
+    if spec.idempotency_key:
+        return job_id_for_key(spec.team, spec.idempotency_key)
+    if intake_seq is not None:
+        return f"j-{intake_seq}"
+    return "j-" + uuid.uuid4().hex[:16]
 
 
 class MalformedCommand(ValueError):

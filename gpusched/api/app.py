@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 from fastapi import FastAPI
@@ -14,8 +16,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from gpusched.api import bus, console, problems, routes, serving, telemetry
-from gpusched.gateway.commands import Answer
 from gpusched.api.auth import Authenticator
+from gpusched.gateway import answers, commands
+from gpusched.gateway.port import Answer
 from runtime import eventlog, health, observability
 from runtime.settings import ConfigError, Settings, env_address, env_number
 from schemas import SubmitJob, parse_event
@@ -26,6 +29,8 @@ from schemas.job import rejection_id
 from schemas.registry import SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
+DUPLICATE_WAIT_S = 2.0
+"""How long a duplicate of a command with no decision in the log waits for one."""
 
 
 @dataclass(frozen=True)
@@ -48,13 +53,17 @@ class ApiSettings:
                    stream_max_s=env_number("GPUSCHED_API_STREAM_MAX_S", 300.0, minimum=0.1, maximum=86_400))
 
 
-class Gateway:
-    """Sends commands as the caller (a :class:`Principal`) through the FastStream publishers,
-    and finds the earlier decision of a job submitted before."""
+class Commands:
+    """The API's transport for the gateway's commands (built by gpusched.gateway.commands, as the
+    CLI builds them): sends one as the caller (a :class:`Principal`) through the FastStream
+    publishers, waits for its answer on the answer subscription (gpusched.gateway.answers.Subscribed)
+    and answers with the port's :class:`Answer` (gpusched.gateway.answers.answer_of), which the
+    routes translate into HTTP."""
 
-    def __init__(self, publishers: dict[str, object], js: JetStreamContext) -> None:
+    def __init__(self, publishers: dict[str, object], js: JetStreamContext, subscribed: answers.Subscribed) -> None:
         self.publishers = publishers
         self.js = js
+        self.subscribed = subscribed
 
     async def send(self, who: Principal, command: Contract,
                    headers: dict[str, str] | None = None) -> tuple[int, bool]:
@@ -68,21 +77,55 @@ class Gateway:
                                           stream=eventlog.INTAKE_STREAM, timeout=10)
         return ack.seq, bool(ack.duplicate)
 
-    async def earlier_decision(self, team: str, job_id: str, intake_seq: int | None = None) -> tuple[int, Answer] | None:
-        """The intake sequence and admission decision of ``team``'s job already in the log (a
-        repeat), or the rejection of the command at ``intake_seq`` (a repeat of a rejected one).
-        Another team's job of that id is not a repeat (and its decision is not the caller's to
-        see): admission rejects the command as a duplicate job id."""
+    async def _wait(self, verb: str, awaited: answers.Awaited, wait_s: float) -> answers.Decided | None:
+        if wait_s <= 0:
+            return None
+        with telemetry.DECISION_WAIT.labels(verb).time():
+            return await self.subscribed.wait(awaited, wait_s)
+
+    async def run(self, who: Principal, command: Contract, awaited: Callable[[int], answers.Awaited],
+                  wait_s: float, **fields: Any) -> Answer:
+        """Send ``command`` and wait up to ``wait_s`` for what ``awaited(intake_seq)`` names."""
+        seq, _ = await self.send(who, command)
+        return answers.answer_of(await self._wait(who.verb, awaited(seq), wait_s), seq, **fields)
+
+    async def submit(self, who: Principal, command: SubmitJob, wait_s: float) -> Answer:
+        """Submit ``command`` (its job id set: gpusched.gateway.commands.submission) and wait for
+        admission's answer. A keyed resend of the same spec is answered by the decision in the
+        log (a repeat) without sending; another spec is sent, for admission to reject
+        (duplicate-idempotency-key), as over NATS (docs/publishing.md, "Resending")."""
+        job_id, spec = command.job_id, command.spec
+        keyed = bool(spec.idempotency_key)
+        if keyed and (earlier := await self.earlier_decision(command)) is not None:
+            return earlier
+        seq, duplicate = await self.send(who, command, {"Nats-Msg-Id": commands.submit_message_id(command)})
+        if duplicate:  # JetStream kept the first of these: its answer may be older than the subscription keeps
+            if (earlier := await self.earlier_decision(command, seq)) is not None:
+                return earlier
+            wait_s = min(wait_s, DUPLICATE_WAIT_S)  # the first is still undecided, or admission refused it
+        decided = await self._wait("submit", answers.for_submit(job_id, seq, keyed=keyed, spec=spec), wait_s)
+        return answers.answer_of(decided, seq, job_id=job_id, repeat=duplicate)
+
+    async def earlier_decision(self, command: SubmitJob, intake_seq: int | None = None) -> Answer | None:
+        """The admission decision of the caller's team's job of this id and spec already in the
+        log (a repeat), or the rejection of the command at ``intake_seq`` (a repeat of a rejected
+        one). Another team's job of that id is not a repeat (and its decision is not the
+        caller's to see), nor is a job of another spec (admission compares the spec's digest):
+        admission rejects those commands."""
+        job_id, spec = command.job_id, command.spec
         if intake_seq is not None:
             rejected = await self._last(f"{SUBJECT_PREFIX}.job.{rejection_id(intake_seq)}.rejected")
             if rejected is not None:
-                return intake_seq, Answer(rejected, repeat=True)
+                return answers.answer_of(answers.Decided(rejected, repeat=True), intake_seq, job_id=job_id)
         submitted = await self._last(f"{SUBJECT_PREFIX}.job.{job_id}.submitted")
-        if submitted is None or submitted.spec.team != team:
+        if (submitted is None or submitted.spec.team != spec.team
+                or submitted.spec.model_dump_json() != spec.model_dump_json()):
             return None
         decision = (await self._last(f"{SUBJECT_PREFIX}.job.{job_id}.admitted")
                     or await self._last(f"{SUBJECT_PREFIX}.job.{job_id}.rejected"))
-        return None if decision is None else (submitted.intake_sequence, Answer(decision, repeat=True))
+        if decision is None:
+            return None
+        return answers.answer_of(answers.Decided(decision, repeat=True), submitted.intake_sequence, job_id=job_id)
 
     async def _last(self, subject: str):
         try:
@@ -120,14 +163,14 @@ def create_app(settings: ApiSettings) -> FastAPI:
         nc = await eventlog.connect(runtime, "api")
         pool = await asyncpg.create_pool(runtime.pg_dsn, min_size=1, max_size=10)
         broker = bus.new_broker(runtime)
-        decisions, hub = bus.Decisions(), bus.Hub(nc)
+        subscribed, hub = answers.Subscribed(), bus.Hub(nc)
         publishers = bus.declare_publishers(broker)
         await broker.start()
-        await bus.listen_for_answers(nc, decisions)
+        await bus.listen_for_answers(nc, subscribed)
         js = nc.jetstream()
         app.state.settings, app.state.pool, app.state.js = settings, pool, js
-        app.state.decisions, app.state.hub = decisions, hub
-        app.state.gateway = Gateway(publishers, js)
+        app.state.hub = hub
+        app.state.commands = Commands(publishers, js, subscribed)
         app.state.auth = Authenticator(pool)
         app.state.broker = broker
         # /readyz on the metrics port: not ready while Postgres (tokens, every read) does not answer

@@ -4,7 +4,8 @@ listens to are plain nats-py core subscriptions (no consumer, nothing stored):
 
 - the admission decisions (``gpusched.job.*.<token>`` of the answers, and the intake's dead
   letters), so that a request waits for the answer to its own command without a consumer per
-  request (:class:`Decisions`);
+  request (:func:`listen_for_answers` feeds gpusched.gateway.answers.Subscribed, whose rules and
+  waiter the CLI's log reader shares);
 - a team's copies of its jobs' events (``gpusched.tenant.<team>.job.>``, written by the
   notifier), subscribed while a server-sent-event stream of that team is open (:class:`Hub`).
 
@@ -21,9 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from collections import defaultdict
+from dataclasses import dataclass
 
 from faststream.nats import NatsBroker
 from faststream.nats.security import NatsSecurity, NatsUserPassword
@@ -33,22 +33,18 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from gpusched import permissions
-from gpusched.gateway import commands
+from gpusched.gateway import answers
 from runtime import eventlog
 from runtime.settings import Settings
-from schemas import Event, parse_event
 from schemas.commands import COMMAND_MODELS
 from schemas.registry import SUBJECT_PREFIX
 
 log = logging.getLogger(__name__)
 P = SUBJECT_PREFIX
 ANSWER_SUBJECTS = permissions.api_answer_subjects()
-"""The events that answer a command (gpusched.gateway.commands: SubmitAnswers, CancelAnswers, CheckpointAnswers,
+"""The events that answer a command (gpusched.gateway.answers: SubmitAnswers, CancelAnswers, CheckpointAnswers,
 ServiceAnswers)."""
-INTAKE_DEAD_LETTERS = commands.INTAKE_DEAD_LETTERS
 TENANT_EVENTS = P + ".tenant.{team}.job.>"
-KEEP_S = 60.0
-"""How long recent answers are kept for a request whose publish acknowledgement came after them."""
 
 API_USER = permissions.API_USER
 
@@ -88,7 +84,7 @@ def declare_publishers(broker: NatsBroker) -> dict[str, object]:
             subject = template.replace("{verb}", verb)
             out[f"{verb}/{form}"] = broker.publisher(
                 # no stream= here: FastStream would try to create it at start (the admin's); the
-                # publish names it, for JetStream's acknowledgement (gpusched.api.app.Gateway)
+                # publish names it, for JetStream's acknowledgement (gpusched.api.app.Commands)
                 subject, schema=model, title=f"{subject}:publish",
                 description=f"{model.__name__} sent by the API for an authenticated {form} "
                             f"({'the token names the user' if form == 'user' else 'on_behalf_of names the user'})")
@@ -98,114 +94,19 @@ def declare_publishers(broker: NatsBroker) -> dict[str, object]:
 # -- admission's answers -------------------------------------------------------------------------
 
 
-@dataclass
-class _Waiter:
-    job_ids: frozenset[str]
-    intake_seq: int
-    answers: object  # commands.SubmitAnswers, CancelAnswers or CheckpointAnswers: take(event, now)
-    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-class Decisions:
-    """The messages that answer commands, as they are published, kept (unparsed) for
-    :data:`KEEP_S`: a waiter registered after its publish was acknowledged first sees what
-    already came. A message is parsed only when a waiter is waiting for its job."""
-
-    def __init__(self) -> None:
-        self.recent: dict[str, list[bytes]] = defaultdict(list)
-        self.order: deque[tuple[float, str]] = deque()
-        self.dead: dict[int, tuple[float, str]] = {}
-        self.waiters: dict[str, list[_Waiter]] = defaultdict(list)
-        self.dead_waiters: dict[int, _Waiter] = {}
-
-    def take(self, job: str, data: bytes) -> None:
-        """An answer event of ``job`` (the id in its subject), as published."""
-        now = time.monotonic()
-        self.recent[job].append(data)
-        self.order.append((now, job))
-        waiters = self.waiters.get(job)
-        if waiters and (event := _parsed(data)) is not None:
-            for waiter in list(waiters):
-                self._feed(waiter, event)
-        self._prune(now)
-
-    def take_dead_letter(self, intake_seq: int, reason: str) -> None:
-        self.dead[intake_seq] = (time.monotonic(), reason)
-        waiter = self.dead_waiters.get(intake_seq)
-        if waiter is not None and not waiter.future.done():
-            waiter.future.set_result(commands.Answer(dead_letter=reason))
-
-    def _feed(self, waiter: _Waiter, event: Event) -> None:
-        if waiter.future.done():
-            return
-        answer = waiter.answers.take(event, time.monotonic())
-        if answer is not None:
-            waiter.future.set_result(answer)
-
-    def _prune(self, now: float) -> None:
-        while self.order and now - self.order[0][0] > KEEP_S:
-            _, job = self.order.popleft()
-            events = self.recent.get(job)
-            if events:
-                events.pop(0)
-                if not events:
-                    del self.recent[job]
-        if len(self.dead) > 1000:
-            self.dead = {s: v for s, v in self.dead.items() if now - v[0] <= KEEP_S}
-
-    async def wait(self, job_ids: list[str], intake_seq: int, answers, timeout_s: float) -> commands.Answer | None:
-        """The answer to the command at ``intake_seq`` (None after ``timeout_s``)."""
-        waiter = _Waiter(frozenset(job_ids), intake_seq, answers)
-        if intake_seq in self.dead:
-            return commands.Answer(dead_letter=self.dead[intake_seq][1])
-        for job in job_ids:
-            for data in list(self.recent.get(job, ())):
-                if (event := _parsed(data)) is not None:
-                    self._feed(waiter, event)
-        if waiter.future.done():
-            return waiter.future.result()
-        for job in job_ids:
-            self.waiters[job].append(waiter)
-        self.dead_waiters[intake_seq] = waiter
-        try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
-        except TimeoutError:
-            return None
-        finally:
-            for job in job_ids:
-                self.waiters[job].remove(waiter)
-                if not self.waiters[job]:
-                    del self.waiters[job]
-            self.dead_waiters.pop(intake_seq, None)
-
-
-def _parsed(data: bytes) -> Event | None:
-    """The event, or None for a message that is not one (logged; admission's own subjects carry
-    only valid events, so this is a bug elsewhere, not a reason to fail a request)."""
-    try:
-        return parse_event(data)
-    except ValueError as err:  # pydantic's ValidationError is one
-        log.warning("an answer subject carried something that is not an event: %s", err)
-        return None
-
-
-async def listen_for_answers(nc: NATS, decisions: Decisions) -> list[Subscription]:
-    """Core subscriptions to the answers and to the intake's dead letters, feeding ``decisions``."""
+async def listen_for_answers(nc: NATS, subscribed: answers.Subscribed) -> list[Subscription]:
+    """Core subscriptions to the answers and to the intake's dead letters, feeding ``subscribed``
+    (gpusched.gateway.answers: the rules and the waiting, the CLI's too)."""
 
     async def on_answer(msg: Msg) -> None:
-        decisions.take(msg.subject.split(".", 3)[2], msg.data)  # gpusched.job.<job id>.<token>
+        subscribed.take(msg.subject.split(".", 3)[2], msg.data)  # gpusched.<job|service>.<id>.<token>
 
     async def on_dead_letter(msg: Msg) -> None:
-        headers = msg.headers or {}
-        if headers.get("Gpusched-Original-Stream") == eventlog.INTAKE_STREAM:
-            try:
-                seq = int(headers.get("Gpusched-Original-Sequence", ""))
-            except ValueError:
-                return
-            decisions.take_dead_letter(seq, headers.get("Gpusched-Reason") or "(no reason recorded)")
+        if (found := answers.dead_letter_of(msg.headers)) is not None:
+            subscribed.take_dead_letter(*found)
 
     subs = [await nc.subscribe(subject, cb=on_answer) for subject in ANSWER_SUBJECTS]
-    subs.append(await nc.subscribe(INTAKE_DEAD_LETTERS, cb=on_dead_letter))
+    subs.append(await nc.subscribe(answers.INTAKE_DEAD_LETTERS, cb=on_dead_letter))
     await nc.flush()
     return subs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import dataclasses
 import io
 import json
 from typing import Annotated, Any, Literal
@@ -14,26 +15,25 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from gpusched.gateway import commands
-from gpusched.gateway import history
-from gpusched.api import reads, telemetry
+from gpusched.gateway import answers, commands, history, queue_usage
+from gpusched.gateway.port import Answer
+from gpusched.api import telemetry
 from gpusched.api.auth import Identity, forbidden, identity, require, team_filter
 from gpusched.api.bus import TenantEvent
 from gpusched.api.problems import FieldError, Problem, ProblemDetails, from_malformed, from_validation, invalid
-from schemas import CancelJob, JobAdmitted, JobRejected, ReportCheckpoint, SubmitJob
+from gpusched.errors import UserError
+from schemas import SubmitJob
 from schemas.auth import Role
-from schemas.commands import (RESERVED_JOB_ID_PREFIX, MalformedCommand, identity_problem, job_id_for_key,
-                              parse_command)
+from schemas.commands import RESERVED_JOB_ID_PREFIX, MalformedCommand, identity_problem, parse_command
 from schemas.envelope import NAME_PATTERN, Timestamp
-from schemas.job import rejection_id
+from schemas.jobstate import JobState
+from services.accounting import queries
 
 JOB_ID_PATTERN = f"^({NAME_PATTERN[1:-1]}|{RESERVED_JOB_ID_PREFIX}[0-9]+)$"
 READERS = (Role.MEMBER, Role.OPERATOR, Role.ADMIN)
 """Who reads jobs and queues (a chargeback reader sees usage only)."""
 USAGE_READERS = (Role.MEMBER, Role.OPERATOR, Role.ADMIN, Role.CHARGEBACK)
 TERMINAL = ("JobSucceeded", "JobCancelled", "JobRejected")
-DUPLICATE_WAIT_S = 2.0
-"""How long a duplicate of a command with no decision in the log waits for one."""
 PROBLEM = {"model": ProblemDetails}
 """An error response: its content is application/problem+json (gpusched.api.app._openapi says so)."""
 ERRORS = {400: PROBLEM, 401: PROBLEM, 403: PROBLEM, 422: PROBLEM}
@@ -87,7 +87,7 @@ def _state(request: Request):
 async def _job_visible(request: Request, me: Identity, job_id: str) -> dict[str, Any]:
     """The job's read-model row, if ``me`` may see it; else 404 (also for another team's job)."""
     async with _state(request).pool.acquire() as conn:
-        job = await reads.get_job(conn, job_id)
+        job = await queries.get_job(conn, job_id)
     if job is None or not me.sees_team(job["team"]):
         raise Problem(404, "not-found", "Not found", f"no job {job_id!r} (or not yet in the read models)",
                       job_id=job_id)
@@ -124,81 +124,59 @@ async def submit(request: Request, response: Response, me: Me, wait: WaitS = 10.
         raise from_malformed(err) from None
     except ValidationError as err:
         raise from_validation(err) from None
-    team = command.spec.team
-    principal = me.principal(team, "submit")
+    principal = me.principal(command.spec.team, "submit")
     if idempotency_key is not None:
         if command.spec.idempotency_key not in (None, idempotency_key):
             raise invalid([FieldError(field="header.Idempotency-Key",
                                       message="differs from spec.idempotency_key; give one or make them equal")])
         command = command.model_copy(update={"spec": command.spec.model_copy(update={"idempotency_key": idempotency_key})})
-    if principal.operator:
-        command = command.model_copy(update={"on_behalf_of": command.on_behalf_of or me.name})
+    command = commands.acting_for(command, principal, me.name)
     if (problem := identity_problem(command, principal)) is not None:  # it names someone else as the sender
         raise forbidden(f"body.{problem[0]}: {problem[1]}")
-    key = command.spec.idempotency_key
-    chosen = command.job_id is not None
-    job_id = command.job_id or (job_id_for_key(team, key) if key else commands.new_job_id(command))
-    command = command.model_copy(update={"job_id": job_id})
-    state = _state(request)
-    if chosen or key:  # a job id of the caller's choosing may exist already
-        earlier = await state.gateway.earlier_decision(team, job_id)
-        if earlier is not None:
-            return _decision(response, job_id, *earlier)
-    headers = {"Nats-Msg-Id": f"submit/{team}/{key}" if key else f"submit-id/{team}/{job_id}"}
-    seq, duplicate = await state.gateway.send(principal, command, headers)
-    if duplicate:  # JetStream kept the first of these: its answer may be older than Decisions keeps
-        earlier = await state.gateway.earlier_decision(team, job_id, seq)
-        if earlier is not None:
-            return _decision(response, job_id, *earlier)
-        wait = min(wait, DUPLICATE_WAIT_S)  # the first is still undecided, or admission refused it
-    answer = None
-    if wait > 0:
-        with telemetry.DECISION_WAIT.labels("submit").time():
-            answer = await state.decisions.wait([job_id, rejection_id(seq)], seq, commands.SubmitAnswers(seq), wait)
-    if answer is not None and duplicate:
-        answer = commands.Answer(answer.event, answer.dead_letter, repeat=True)
-    return _decision(response, job_id, seq, answer)
+    # the contract's job id rule and message id, as the CLI sends them (gpusched.gateway.commands)
+    answer = await _state(request).commands.submit(principal, commands.submission(command), wait)
+    return _decision(response, answer)
 
 
-def _decision(response: Response, job_id: str, seq: int, answer: commands.Answer | None) -> Decision:
-    if answer is None:
+def _refused(answer: Answer, **names: str) -> None:
+    """409 for a command admission dead-lettered (it could not read or apply it)."""
+    if answer.dead_letter is not None:
+        raise Problem(409, "refused", "Refused by admission", answer.dead_letter, reason="dead-letter", **names)
+
+
+def _decision(response: Response, answer: Answer) -> Decision:
+    """The HTTP form of admission's answer to a submission (gpusched.gateway.answers.answer_of)."""
+    job_id, seq = answer.job_id, answer.intake_sequence
+    if answer.pending:
         response.status_code = 202
         return Decision(job_id=job_id, intake_sequence=seq, decision="pending")
-    if answer.dead_letter is not None:
-        raise Problem(409, "refused", "Refused by admission", answer.dead_letter, job_id=job_id, reason="dead-letter")
-    event = answer.event
-    if isinstance(event, JobRejected):
-        raise Problem(409, "rejected", "Rejected", event.message, job_id=event.aggregate_id,
-                      reason=event.reason.value,
-                      errors=[FieldError(field=f"body.{event.field}", message=event.message)] if getattr(
-                          event, "field", None) else [])
+    _refused(answer, job_id=job_id)
+    if answer.rejected:
+        raise Problem(409, "rejected", "Rejected", answer.message, job_id=answer.filed_under or job_id,
+                      reason=answer.reason,
+                      errors=[FieldError(field=f"body.{answer.field}", message=answer.message)] if answer.field else [])
     if answer.repeat:
         response.status_code = 200
-    queue = event.queue if isinstance(event, JobAdmitted) else None
-    return Decision(job_id=job_id, intake_sequence=seq, decision="admitted", repeat=answer.repeat, queue=queue)
+    return Decision(job_id=job_id, intake_sequence=seq, decision="admitted", repeat=answer.repeat, queue=answer.queue)
 
 
 @router.get("/jobs", tags=["jobs"])
 async def list_jobs(request: Request, me: Me,
                     team: Annotated[str | None, Query(pattern=NAME_PATTERN, max_length=63)] = None,
-                    state: Annotated[Literal[reads.JOB_STATES] | None, Query()] = None,  # type: ignore[valid-type]
+                    state: Annotated[Literal[tuple(s.value for s in JobState)] | None, Query()] = None,  # type: ignore[valid-type]
                     queue: Annotated[str | None, Query(pattern=NAME_PATTERN, max_length=63)] = None,
                     kind: Annotated[Literal["training", "inference", "evaluation", "batch"] | None, Query()] = None,
                     submitter: Annotated[str | None, Query(min_length=1, max_length=253)] = None,
                     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-                    cursor: Annotated[str | None, Query(pattern=reads.CURSOR_PATTERN, description=(
+                    cursor: Annotated[str | None, Query(pattern=queries.CURSOR_PATTERN, description=(
                         "The next_cursor of the previous page"))] = None) -> dict[str, Any]:
     """Jobs, newest first, a page at a time (``next_cursor``: the next page; null: the last).
     Each waiting job carries its position in its queue."""
     require(me, *READERS)
     async with _state(request).pool.acquire() as conn:
-        rows, next_cursor = await reads.list_jobs(conn, team=team_filter(me, team), state=state, queue=queue,
-                                                  kind=kind, submitter=submitter, limit=limit, cursor=cursor)
-        waiting = [r["job_id"] for r in rows if r["state"] in ("queued", "retrying", "preempted")]
-        positions = await reads.job_positions(conn, waiting) if waiting else {}
-    for r in rows:
-        r["position"] = positions.get(r["job_id"])
-    return {"items": rows, "next_cursor": next_cursor}
+        page = await queries.jobs_page(conn, team=team_filter(me, team), state=state, queue=queue, kind=kind,
+                                       submitter=submitter, limit=limit, cursor=cursor)
+    return {"items": page.items, "next_cursor": page.next_cursor}
 
 
 @router.get("/jobs/{job_id}", tags=["jobs"], responses={404: PROBLEM})
@@ -219,13 +197,15 @@ async def job_events(request: Request, me: Me, job_id: JobId) -> list[dict[str, 
 
 @router.get("/jobs/{job_id}/why", tags=["jobs"], responses={404: PROBLEM})
 async def why(request: Request, me: Me, job_id: JobId) -> dict[str, Any]:
-    """Why the job waits: the current reason, its position and the reason history."""
+    """Why the job waits: the current attempt's reason, the job's position in its queue now (as
+    in GET /v1/jobs) and the reason history."""
     require(me, *READERS)
     await _job_visible(request, me, job_id)
-    log = await history.job_events(_state(request).js, job_id)
-    if not log:
-        raise Problem(404, "not-found", "Not found", f"job {job_id!r} has no events in the log", job_id=job_id)
-    return history.explain(job_id, log)
+    async with _state(request).pool.acquire() as conn:
+        try:
+            return await history.why(_state(request).js, job_id, conn)
+        except UserError as err:  # no events in the log
+            raise Problem(404, "not-found", "Not found", str(err), job_id=job_id) from None
 
 
 @router.post("/jobs/{job_id}/cancel", tags=["jobs"], response_model=Answered, responses={404: PROBLEM, 409: PROBLEM})
@@ -234,11 +214,10 @@ async def cancel(request: Request, me: Me, job_id: JobId, body: CancelRequest, w
     require(me, Role.MEMBER, Role.OPERATOR, Role.ADMIN)
     job = await _job_visible(request, me, job_id)
     principal = me.principal(job["team"], "cancel")
-    command = CancelJob(job_id=job_id, reason=body.reason, on_behalf_of=me.name if principal.operator else None)
-    state = _state(request)
-    seq, _ = await state.gateway.send(principal, command)
-    answer = await state.decisions.wait([job_id], seq, commands.CancelAnswers(), wait) if wait > 0 else None
-    return _answered(job_id, seq, answer)
+    command = commands.acting_for(commands.cancel_command(job_id, body.reason), principal, me.name)
+    answer = await _state(request).commands.run(principal, command, lambda seq: answers.for_cancel(job_id, seq), wait,
+                                                job_id=job_id)
+    return _answered(answer)
 
 
 @router.post("/jobs/{job_id}/checkpoints", tags=["jobs"], response_model=Answered, responses={404: PROBLEM, 409: PROBLEM})
@@ -248,20 +227,18 @@ async def checkpoint(request: Request, me: Me, job_id: JobId, body: CheckpointRe
     require(me, Role.MEMBER, Role.OPERATOR, Role.ADMIN)
     job = await _job_visible(request, me, job_id)
     principal = me.principal(job["team"], "checkpoint")
-    command = ReportCheckpoint(job_id=job_id, attempt=body.attempt, checkpointed_at=body.checkpointed_at,
-                               step=body.step, location=body.location,
-                               on_behalf_of=me.name if principal.operator else None)
-    state = _state(request)
-    seq, _ = await state.gateway.send(principal, command)
-    answer = await state.decisions.wait([job_id], seq, commands.CheckpointAnswers(seq), wait) if wait > 0 else None
-    return _answered(job_id, seq, answer)
+    command = commands.acting_for(commands.checkpoint_command(
+        job_id, body.attempt, checkpointed_at=body.checkpointed_at, step=body.step, location=body.location),
+        principal, me.name)
+    answer = await _state(request).commands.run(principal, command, lambda seq: answers.for_checkpoint(job_id, seq),
+                                                wait, job_id=job_id)
+    return _answered(answer)
 
 
-def _answered(job_id: str, seq: int, answer: commands.Answer | None) -> Answered:
-    if answer is not None and answer.dead_letter is not None:
-        raise Problem(409, "refused", "Refused by admission", answer.dead_letter, job_id=job_id, reason="dead-letter")
-    return Answered(job_id=job_id, intake_sequence=seq, outcome=answer.event.type if answer else "pending",
-                    repeat=bool(answer and answer.repeat))
+def _answered(answer: Answer) -> Answered:
+    _refused(answer, job_id=answer.job_id)
+    return Answered(job_id=answer.job_id, intake_sequence=answer.intake_sequence,
+                    outcome=answer.decision or "pending", repeat=answer.repeat)
 
 
 # -- live events --------------------------------------------------------------------------------
@@ -352,14 +329,14 @@ async def queues(request: Request, me: Me) -> list[dict[str, Any]]:
     A member sees the queues its team may submit to."""
     require(me, *READERS)
     async with _state(request).pool.acquire() as conn:
-        return await reads.queues(conn, team_filter(me, None))
+        return await queue_usage.queues_for(conn, team_filter(me, None))
 
 
 @router.get("/cohorts", tags=["queues"])
 async def cohorts(request: Request, me: Me) -> list[dict[str, Any]]:
     require(me, *READERS)
     async with _state(request).pool.acquire() as conn:
-        return await reads.cohorts(conn)
+        return [dataclasses.asdict(c) for c in await queries.cohorts(conn)]
 
 
 @router.get("/nodes", tags=["cluster"])
@@ -367,7 +344,7 @@ async def nodes(request: Request, me: Me) -> list[dict[str, Any]]:
     """Each node's GPUs: capacity, used, free (no job is named)."""
     require(me, *READERS)
     async with _state(request).pool.acquire() as conn:
-        return await reads.nodes(conn)
+        return await queries.nodes(conn)
 
 
 @router.get("/gpus", tags=["cluster"])
@@ -375,7 +352,7 @@ async def gpus(request: Request, me: Me) -> list[dict[str, Any]]:
     """Per GPU flavor: capacity, used, free, fragmented (free on partly used nodes), largest free block."""
     require(me, *READERS)
     async with _state(request).pool.acquire() as conn:
-        return reads.gpus_by_flavor(await reads.nodes(conn))
+        return queries.gpus_by_flavor(await queries.nodes(conn))
 
 
 Dimension = Literal["team", "project", "queue", "flavor", "day"]
@@ -401,7 +378,7 @@ async def usage(request: Request, me: Me, by: Annotated[list[Dimension], Query()
     require(me, *USAGE_READERS)
     try:
         async with _state(request).pool.acquire() as conn:
-            rows = await reads.usage(conn, team_filter(me, None), list(dict.fromkeys(by)), period)
+            rows = await queries.team_usage(conn, team_filter(me, None), list(dict.fromkeys(by)), period)
     except ValueError as err:
         raise invalid([FieldError(field="query.period", message=str(err))]) from None
     return _csv(rows, "usage") if format == "csv" else JSONResponse(json.loads(json.dumps(rows, default=str)))
@@ -411,12 +388,13 @@ async def usage(request: Request, me: Me, by: Annotated[list[Dimension], Query()
 async def chargeback(request: Request, me: Me,
                      period: Annotated[str, Query(pattern=MONTH, description="A calendar month (UTC)")],
                      group_by: Literal["team", "project", "queue", "flavor"] = "team", format: Format = "json"):
-    """The period's chargeback statement as the read models give it now (every team's lines:
-    chargeback readers, operators and admins)."""
+    """The period's chargeback statement as of the log's now, as ``gpusched chargeback`` gives it
+    (services.accounting.queries.statement): its ``statement_id`` and whether it is ``provisional``
+    (the period is still open). Every team's lines: chargeback readers, operators and admins."""
     require(me, Role.CHARGEBACK, Role.OPERATOR, Role.ADMIN)
     try:
         async with _state(request).pool.acquire() as conn:
-            body = await reads.chargeback_statement(conn, _state(request).js, period, group_by)
+            body = await queries.statement(conn, period, group_by, log=_state(request).js)
     except ValueError as err:
         raise invalid([FieldError(field="query.period", message=str(err))]) from None
     if format == "csv":
@@ -430,7 +408,7 @@ async def metrics_summary(request: Request, me: Me) -> dict[str, Any]:
     last hour (a member: its team's jobs)."""
     require(me, *USAGE_READERS)
     async with _state(request).pool.acquire() as conn:
-        return await reads.summary(conn, team_filter(me, None) if me.role == Role.MEMBER else None)
+        return await queries.summary(conn, team_filter(me, None) if me.role == Role.MEMBER else None)
 
 
 @router.get("/metrics/series", tags=["usage"])
@@ -442,7 +420,7 @@ async def metrics_series(request: Request, me: Me, hours: Annotated[int, Query(g
         raise invalid([FieldError(field="query.bucket_s", message="more than 2,000 buckets",
                                   accepted="hours * 3600 / bucket_s <= 2000")])
     async with _state(request).pool.acquire() as conn:
-        return await reads.series(conn, team_filter(me, None) if me.role == Role.MEMBER else None, hours, bucket_s)
+        return await queries.series(conn, team_filter(me, None) if me.role == Role.MEMBER else None, hours, bucket_s)
 
 
 @router.get("/deadletters", tags=["operations"])

@@ -4,17 +4,19 @@ acts on behalf of its token's name for any team."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request, Response
 from pydantic import Field, ValidationError
 
-from gpusched.gateway import commands
+from gpusched.gateway import answers, commands
+from gpusched.gateway.port import Answer
 from gpusched.api.auth import Identity, require, team_filter
 from gpusched.api.problems import Problem, from_malformed, from_validation
 from gpusched.api.routes import ERRORS, PROBLEM, READERS, Me, Strict, WaitS, json_body
 from schemas.auth import Role
-from schemas.commands import DeleteService, DeployService, MalformedCommand, ReportServiceLoad, ScaleService, parse_command
+from schemas.commands import DeployService, MalformedCommand, parse_command
 from schemas.service import MAX_REPLICAS, SERVICE_NAME_MAX
 from schemas.envelope import NAME_PATTERN
 from services.accounting import queries
@@ -54,21 +56,24 @@ async def _visible(request: Request, me: Identity, name: str) -> dict[str, Any]:
 
 
 async def _send(request: Request, me: Identity, team: str, verb: str, command, service: str,
-                wait: float) -> ServiceAnswer:
+                wait: float) -> Answer:
+    """Send a service command as the gateway builds it and wait for admission's answer
+    (gpusched.gateway.answers); 409 when admission dead-lettered it."""
     principal = me.principal(team, verb)
-    if principal.operator:
-        command = command.model_copy(update={"on_behalf_of": command.on_behalf_of or me.name})
-    state = request.app.state
-    seq, _ = await state.gateway.send(principal, command)
+    command = commands.acting_for(command, principal, me.name)
     unchanged = command.spec if isinstance(command, DeployService) else None
-    answer = (await state.decisions.wait([service], seq, commands.ServiceAnswers(seq, unchanged), wait)
-              if wait > 0 else None)
-    if answer is not None and answer.dead_letter is not None:
+    answer = await request.app.state.commands.run(principal, command,
+                                                  lambda seq: answers.for_service(service, seq, unchanged), wait,
+                                                  service=service)
+    if answer.dead_letter is not None:
         raise Problem(409, "refused", "Refused by admission", answer.dead_letter, service=service,
                       reason="dead-letter")
-    return ServiceAnswer(service=service, intake_sequence=seq, outcome=answer.event.type if answer else "pending",
-                         repeat=bool(answer and answer.repeat),
-                         generation=getattr(answer.event, "generation", None) if answer else None)
+    return answer
+
+
+def _service_answer(answer: Answer) -> ServiceAnswer:
+    return ServiceAnswer(service=answer.service, intake_sequence=answer.intake_sequence,
+                         outcome=answer.decision or "pending", repeat=answer.repeat, generation=answer.generation)
 
 
 @router.get("/services", tags=["services"])
@@ -113,11 +118,10 @@ async def deploy(request: Request, response: Response, me: Me, wait: WaitS = 10.
     # admission). Admission records nothing for the spec the service has, so when the read model
     # shows ours, a short wait with no answer is that repeat.
     answer = await _send(request, me, spec.team, "deploy", command, spec.name, min(wait, REPEAT_WAIT_S) if same else wait)
-    if answer.outcome == "pending" and same:
-        response.status_code = 200
-        return answer.model_copy(update={"outcome": "ServiceDeployed", "repeat": True, "generation": current[2]})
-    response.status_code = 202 if answer.outcome == "pending" else 201
-    return answer
+    if answer.pending and same:
+        answer = dataclasses.replace(answer, decision="ServiceDeployed", repeat=True, generation=current[2])
+    response.status_code = 202 if answer.pending else 200 if answer.repeat else 201
+    return _service_answer(answer)
 
 
 @router.post("/services/{name}/scale", response_model=ServiceAnswer, tags=["services"],
@@ -126,8 +130,8 @@ async def scale(request: Request, me: Me, name: ServiceName, body: ScaleBody, wa
     """Ask for ``replicas``; the controller keeps them within the spec's min and max."""
     require(me, *ACTORS)
     row = await _visible(request, me, name)
-    return await _send(request, me, row["team"], "scale", ScaleService(service=name, replicas=body.replicas), name,
-                       wait)
+    return _service_answer(await _send(request, me, row["team"], "scale", commands.scale_command(name, body.replicas),
+                                       name, wait))
 
 
 @router.post("/services/{name}/load", response_model=ServiceAnswer, tags=["services"],
@@ -136,8 +140,8 @@ async def load(request: Request, me: Me, name: ServiceName, body: LoadBody, wait
     """Report the service's load (an ingress's job): what a requests_per_replica rule reads."""
     require(me, *ACTORS)
     row = await _visible(request, me, name)
-    return await _send(request, me, row["team"], "load",
-                       ReportServiceLoad(service=name, requests_per_second=body.requests_per_second), name, wait)
+    return _service_answer(await _send(request, me, row["team"], "load",
+                                       commands.load_command_for(name, body.requests_per_second), name, wait))
 
 
 @router.delete("/services/{name}", response_model=ServiceAnswer, tags=["services"],
@@ -146,4 +150,4 @@ async def delete(request: Request, me: Me, name: ServiceName, wait: WaitS = 10.0
     """Delete the service: its replicas are retired."""
     require(me, *ACTORS)
     row = await _visible(request, me, name)
-    return await _send(request, me, row["team"], "delete", DeleteService(service=name), name, wait)
+    return _service_answer(await _send(request, me, row["team"], "delete", commands.delete_command(name), name, wait))

@@ -7,27 +7,34 @@ A team is not in the subject: ``--team`` reads the job ids of the team's jobs fi
 JobSubmitted events, and the JobRejected of commands that came on its intake subjects), then keeps
 those jobs' events and the team's own (TeamConfigured). No other aggregate belongs to one team."""
 
+from __future__ import annotations
+
 import contextlib
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-from nats.js import JetStreamContext
-from rich.text import Text
 
 from gpusched.cli.points import check_range, parse_point
-from gpusched.userinput import UserError
-from runtime import eventlog
-from schemas.envelope import NAME_PATTERN, Event
-from schemas.registry import EVENT_TYPES_BY_NAME, SUBJECT_PREFIX, parse_event, subject_suffix, subject_token
-from runtime import eventtime
+from gpusched.errors import UserError
 
-AGGREGATES: tuple[str, ...] = tuple(sorted({cls.aggregate for cls in EVENT_TYPES_BY_NAME.values()}))
-"""The aggregate families of the log (the second subject token)."""
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
+    from schemas.envelope import Event
+
+# Light on purpose (docs/performance.md, "CLI start"): nats, the event log and the contract's
+# registry are imported by the functions that use them.
+
+AGGREGATES: tuple[str, ...] = ("cluster", "cohort", "job", "node", "policy", "pricebook", "queue", "service",
+                               "statement", "team", "token")
+"""The aggregate families of the log (the second subject token): those of schemas.registry's
+event types, written out here so that `--help` need not import the contract
+(tests/unit/test_cli_start.py checks they agree)."""
 
 TEAM_AGGREGATES = ("job", "team")
 """The aggregates whose events belong to one team: a team's jobs, and the team itself."""
@@ -52,6 +59,9 @@ def build_query(types: list[str], aggregate: str | None, aggregate_id: str | Non
                 start: tuple[int | None, datetime | None], end: tuple[int | None, datetime | None]) -> Query:
     """Check the filters (UserError naming the option, the value and what is accepted) and turn
     them into subject filters."""
+    from schemas.envelope import NAME_PATTERN
+    from schemas.registry import EVENT_TYPES_BY_NAME, SUBJECT_PREFIX, subject_suffix, subject_token
+
     unknown = [t for t in types if t not in EVENT_TYPES_BY_NAME]
     if unknown:
         raise UserError(f"--type {unknown[0]!r} is not an event type; accepted: {', '.join(sorted(EVENT_TYPES_BY_NAME))}")
@@ -93,6 +103,9 @@ def build_query(types: list[str], aggregate: str | None, aggregate_id: str | Non
 async def read(js: JetStreamContext, query: Query, limit: int) -> tuple[list[tuple[int, Event | None, str]], int | None]:
     """Up to ``limit`` entries (sequence, event or None for a message that is not one, subject)
     in log order, and the sequence to read on from when more match (None: none)."""
+    from runtime import eventlog
+    from schemas.registry import parse_event
+
     first, last = await resolve_range(js, query)
     if first is None or first > last:
         return [], None
@@ -117,6 +130,8 @@ async def read(js: JetStreamContext, query: Query, limit: int) -> tuple[list[tup
 
 async def resolve_range(js: JetStreamContext, query: Query) -> tuple[int | None, int]:
     """(first, last) stream sequence of the range, times found by event time; first None: empty."""
+    from runtime import eventlog, eventtime
+
     last = await eventlog.last_sequence(js)
     if query.to_seq is not None:
         last = min(last, query.to_seq)
@@ -132,6 +147,9 @@ async def resolve_range(js: JetStreamContext, query: Query) -> tuple[int | None,
 async def team_filter(js: JetStreamContext, team: str, last: int) -> Callable[[str, Event | None], bool]:
     """Whether a message belongs to ``team``: an event of one of its jobs (up to ``last``, from
     the start of the log: a job submitted before the range has events in it) or of the team."""
+    from runtime import eventlog
+    from schemas.registry import SUBJECT_PREFIX, parse_event, subject_suffix, subject_token
+
     jobs: set[str] = set()
     needle = team.encode()
     subjects = [f"{SUBJECT_PREFIX}.job.*.{subject_suffix(t)}" for t in ("JobSubmitted", "JobRejected")]
@@ -176,36 +194,40 @@ def json_line(seq: int, event: Event | None, subject: str) -> str:
     return json.dumps({"sequence": seq, **event.model_dump(mode="json")})
 
 
-def register(app: typer.Typer, *, emit: Callable, run: Callable, with_js: Callable, guarded: Callable,
-             output_option, output_enum, console, err_console) -> None:
-    Output = output_enum
+# The commands register on the one app (gpusched.cli.common) when this module is imported.
+from gpusched.cli.common import app, emit, run, with_js, guarded, console, err_console  # noqa: E402
+from gpusched.cli.common import Output, OutputOpt  # noqa: E402
+output_option, output_enum = OutputOpt, Output
 
-    @app.command("log")
-    @guarded
-    def log_cmd(
-        type_: list[str] = typer.Option([], "--type", help="Only this event type (repeat for several), e.g. JobStarted"),
-        aggregate: Optional[str] = typer.Option(None, "--aggregate", help=f"Only this aggregate: {', '.join(AGGREGATES)}"),
-        aggregate_id: Optional[str] = typer.Option(None, "--id", metavar="AGGREGATE_ID",
-                                                   help="Only this aggregate id (a job id, a queue, node or team name)"),
-        team: Optional[str] = typer.Option(None, "--team", help="Only the events of this team's jobs and of the team"),
-        from_: Optional[str] = typer.Option(None, "--from", metavar="SEQ|TIME",
-                                            help="From a stream sequence, or from the first event that happened at "
-                                                 "or after an event time (platform clock; ISO 8601 with a zone)"),
-        to: Optional[str] = typer.Option(None, "--to", metavar="SEQ|TIME",
-                                         help="Up to a stream sequence, or to the last event that happened at or "
-                                              "before an event time"),
-        limit: int = typer.Option(100, "--limit", min=1, max=1_000_000, help="At most this many events"),
-        output: Output = output_option,
-    ) -> None:
-        """Browse the event log in order, filtered by type, aggregate, id, team and range, as a table or
-        JSON lines (one event per line, with its stream sequence). A time is event time, and picks
-        the sequences of a range: events a little out of time order around its ends come with it."""
-        query = build_query(type_, aggregate, aggregate_id, team, parse_point(from_, "--from"), parse_point(to, "--to"))
-        entries, more = run(with_js(lambda js: read(js, query, limit)))
-        if output == Output.json:
-            for entry in entries:
-                print(json_line(*entry))
-        else:
-            emit(rows(entries), Output.table)
-        if more is not None:
-            err_console.print(Text(f"more events match: the next ones from --from {more}"))
+
+@app.command("log")
+@guarded
+def log_cmd(
+    type_: list[str] = typer.Option([], "--type", help="Only this event type (repeat for several), e.g. JobStarted"),
+    aggregate: Optional[str] = typer.Option(None, "--aggregate", help=f"Only this aggregate: {', '.join(AGGREGATES)}"),
+    aggregate_id: Optional[str] = typer.Option(None, "--id", metavar="AGGREGATE_ID",
+                                               help="Only this aggregate id (a job id, a queue, node or team name)"),
+    team: Optional[str] = typer.Option(None, "--team", help="Only the events of this team's jobs and of the team"),
+    from_: Optional[str] = typer.Option(None, "--from", metavar="SEQ|TIME",
+                                        help="From a stream sequence, or from the first event that happened at "
+                                             "or after an event time (platform clock; ISO 8601 with a zone)"),
+    to: Optional[str] = typer.Option(None, "--to", metavar="SEQ|TIME",
+                                     help="Up to a stream sequence, or to the last event that happened at or "
+                                          "before an event time"),
+    limit: int = typer.Option(100, "--limit", min=1, max=1_000_000, help="At most this many events"),
+    output: Output = output_option,
+) -> None:
+    """Browse the event log in order, filtered by type, aggregate, id, team and range, as a table or
+    JSON lines (one event per line, with its stream sequence). A time is event time, and picks
+    the sequences of a range: events a little out of time order around its ends come with it."""
+    from rich.text import Text
+
+    query = build_query(type_, aggregate, aggregate_id, team, parse_point(from_, "--from"), parse_point(to, "--to"))
+    entries, more = run(with_js(lambda js: read(js, query, limit)))
+    if output == Output.json:
+        for entry in entries:
+            print(json_line(*entry))
+    else:
+        emit(rows(entries), Output.table)
+    if more is not None:
+        err_console.print(Text(f"more events match: the next ones from --from {more}"))

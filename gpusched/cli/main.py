@@ -4,132 +4,27 @@ changes are only ever published as commands or configuration events. Every comma
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import json
-import re
 import sys
-from datetime import UTC, date, datetime
-from enum import Enum
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.text import Text
-from rich.table import Table
 
-from gpusched import permissions, userinput
-from gpusched.cli import accounting as accounting_cli
-from gpusched.gateway import commands
-from gpusched.gateway import history
-from gpusched.cli import log as log_cli
-from gpusched.config import pricebook
-from gpusched.config import queues as queueconfig
-from gpusched.gateway import queue_usage as quota_usage
-from gpusched.cli import services as service_cli
-from gpusched.cli import tokens as token_cli
-from gpusched.cli import whatif as whatif_cli
-from gpusched.gateway.connection import Connection
-from gpusched.userinput import UserError
-from runtime import eventlog, observability
-from runtime.settings import Settings
-from schemas import JobRejected
-from schemas.envelope import NAME_PATTERN
-from services.accounting import queries
+from gpusched.cli.common import (OnBehalfOpt, Output, OutputOpt, app, connection, console, dev_app, emit, err_console,
+                                 guarded, print_error, run, through_gateway, with_js)
 
-app = typer.Typer(help="gpusched: GPU job scheduling on an event log.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
-dev_app = typer.Typer(help="Local platform for development and demos.", no_args_is_help=True)
-app.add_typer(dev_app, name="dev")
-console = Console(width=None if Console().is_terminal else 200)
-err_console = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 200)
+__all__ = ["app", "dev_app", "main", "accounting_cli"]
 
 
-class Output(str, Enum):
-    table = "table"
-    json = "json"
+def _rejected_exit(result: dict[str, Any]) -> None:
+    """A rejected submission: its reason on stderr, exit status 1."""
+    if result["decision"] == "JobRejected":
+        from rich.text import Text
 
-
-OutputOpt = typer.Option(Output.table, "--output", "-o", help="table or json")
-OnBehalfOpt = typer.Option(
-    None, "--on-behalf-of",
-    help="With the operator's credential: the user it acts for, recorded in the event (default: $USER)")
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (datetime, date)):
-        return value.isoformat()
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json")
-    return str(value)
-
-
-def emit(data: Any, output: Output, columns: list[str] | None = None, title: str | None = None) -> None:
-    if output == Output.json:
-        print(json.dumps(data, default=_json_default, indent=2))
-        return
-    rows = data if isinstance(data, list) else [data]
-    if not rows:
-        console.print("(nothing)")
-        return
-    columns = columns or list(rows[0].keys())
-    table = Table(title=title)
-    for c in columns:
-        table.add_column(c)
-    for r in rows:
-        # Text, not markup: values such as "[3, 4]" or a pattern are shown as they are.
-        table.add_row(*(Text("" if r.get(c) is None else str(r.get(c))) for c in columns))
-    console.print(table)
-
-
-async def with_pg(query) -> Any:
-    """Run ``query(conn)`` on a fresh read-model connection."""
-    conn = await Connection.resolve().pg()
-    try:
-        return await query(conn)
-    finally:
-        await conn.close()
-
-
-async def with_js(action) -> Any:
-    """Run ``action(js)`` on a fresh NATS connection."""
-    nc = await Connection.resolve().nats()
-    try:
-        return await action(nc.jetstream())
-    finally:
-        await nc.close()
-
-
-def run(coro) -> Any:
-    try:
-        return asyncio.run(coro)
-    except UserError as err:
-        userinput.print_error(err_console, str(err))
-        raise typer.Exit(2) from None
-
-
-def guarded(fn):
-    """A UserError raised before connecting (a bad file or argument) ends the command like one
-    raised later: one line on stderr, exit status 2."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except UserError as err:
-            userinput.print_error(err_console, str(err))
-            raise typer.Exit(2) from None
-    return wrapper
-
-
-def answered(answer: commands.Answer) -> dict[str, Any]:
-    """The answer's fields for the output: the deciding event's type (and a rejection's reason)."""
-    event = answer.event
-    out: dict[str, Any] = {"decision": event.type, "repeat": answer.repeat}
-    if isinstance(event, JobRejected):
-        out.update(reason=event.reason.value, field=event.field, message=event.message)
-    return out
+        err_console.print(Text.assemble(("rejected: ", "red"), f"{result['reason']}: {result['message']}"),
+                          soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -137,6 +32,15 @@ def answered(answer: commands.Answer) -> dict[str, Any]:
 def init(team: list[str] = typer.Option([], "--team", help="Also provision this team's tenant stream (repeat)")) -> None:
     """Create or update the JetStream streams, and each named team's tenant stream (needs the
     admin user). Streams deny message delete and purge; that cannot be undone."""
+    import re
+
+    from gpusched import permissions
+    from gpusched.cli.common import connection
+    from gpusched.userinput import UserError
+    from runtime import eventlog
+    from runtime.settings import Settings
+    from schemas.envelope import NAME_PATTERN
+
     bad = [t for t in team if not re.fullmatch(NAME_PATTERN, t) or t in permissions.RESERVED
            or permissions.cluster_executor(t)]
     if bad:
@@ -144,7 +48,7 @@ def init(team: list[str] = typer.Option([], "--team", help="Also provision this 
                         f"{', '.join(sorted(permissions.RESERVED))} and executor-<cluster>")
 
     async def go():
-        nc = await Connection.resolve().nats()
+        nc = await connection().nats()
         try:
             await eventlog.provision(nc.jetstream(), eventlog.StreamLimits.from_settings(Settings.from_env()),
                                      teams=tuple(team))
@@ -165,41 +69,16 @@ def submit(
     """Submit a job as the connection's credential (a team's, or the operator's on behalf of a
     user). Exits 1 when admission rejects it, 2 when the file is refused, admission dead-letters
     the command or no decision comes in time."""
-    command = commands.submit_command_from_file(file)
-    connection = Connection.resolve()
-    if connection.api_url:
-        result = through_api(connection, "submission", lambda gs: _submitted(gs, command, wait, on_behalf_of))
-        emit(result, output)
-        if result["decision"] == "JobRejected":
-            err_console.print(Text.assemble(("rejected: ", "red"), f"{result['reason']}: {result['message']}"),
-                              soft_wrap=True)
-            raise typer.Exit(1)
-        return
+    from gpusched.gateway import commands
 
-    async def go():
-        nc = await connection.nats()
-        observability.client_tracing()
-        try:
-            js = nc.jetstream()
-            with observability.tracer().start_as_current_span("gpusched submit", attributes={"job": command.job_id}):
-                seq = await commands.publish_command(js, command.spec.team, "submit", command,
-                                                     on_behalf_of=on_behalf_of)
-                trace_id = observability.current_trace_id()
-            result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": seq, "decision": None,
-                                      "trace_id": trace_id}
-            if wait:
-                answer = await commands.wait_for_decision(js, command.job_id, seq)
-                commands.refused("submission", answer, command.job_id, seq)
-                result.update(answered(answer))
-            return result
-        finally:
-            await nc.close()
-    result = run(go())
+    command = commands.submit_command_from_file(file)
+    answer = through_gateway(lambda gw: gw.submit(command, wait=wait, on_behalf_of=on_behalf_of))
+    result: dict[str, Any] = {"job_id": answer.job_id, "intake_sequence": answer.intake_sequence,
+                              "decision": answer.decision, "trace_id": answer.trace_id, "repeat": answer.repeat}
+    if answer.rejected:
+        result.update(reason=answer.reason, field=answer.field, message=answer.message)
     emit(result, output)
-    if result["decision"] == "JobRejected":
-        err_console.print(Text.assemble(("rejected: ", "red"), f"{result['reason']}: {result['message']}"),
-                          soft_wrap=True)
-        raise typer.Exit(1)
+    _rejected_exit(result)
 
 
 @app.command("cancel")
@@ -211,22 +90,9 @@ def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the 
                output: Output = OutputOpt) -> None:
     """Ask to cancel a job. Exits 2 with admission's reason when it refuses the request (no such
     job, another team's job); a job that had already ended is reported as such."""
-    connection = Connection.resolve()
-    if connection.api_url:
-        _no_on_behalf_through_api(on_behalf_of, "cancel")
-        emit(through_api(connection, "cancel request", lambda gs: _answered_by_api(
-            "cancel request", gs.cancel(job_id, reason, wait_s=commands.WAIT_S if wait else 0), wait)), output)
-        return
-
-    async def go(js):
-        seq = await commands.cancel(js, job_id, team, reason=reason, on_behalf_of=on_behalf_of)
-        result: dict[str, Any] = {"job_id": job_id, "intake_sequence": seq, "decision": None}
-        if wait:
-            answer = await commands.wait_for_cancel(js, job_id, seq)
-            commands.refused("cancel request", answer, job_id, seq)
-            result.update(answered(answer))
-        return result
-    emit(run(with_js(go)), output)
+    answer = through_gateway(lambda gw: gw.cancel(job_id, team, reason, wait=wait, on_behalf_of=on_behalf_of))
+    emit({"job_id": job_id, "intake_sequence": answer.intake_sequence, "decision": answer.decision,
+          "repeat": answer.repeat}, output)
 
 
 @app.command("checkpoint")
@@ -246,89 +112,10 @@ def checkpoint_cmd(
     """Report that a running job wrote a checkpoint (preemption then loses only the work since).
     Exits 2 with admission's reason when the platform refuses the report."""
     when = at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
-    connection = Connection.resolve()
-    if connection.api_url:
-        _no_on_behalf_through_api(on_behalf_of, "checkpoint")
-        emit(through_api(connection, "checkpoint report", lambda gs: _checkpointed_by_api(
-            gs, job_id, attempt, step, location, when, wait)), output)
-        return
-
-    async def go(js):
-        seq = await commands.report_checkpoint(js, job_id, team, attempt, checkpointed_at=when, step=step,
-                                               location=location, on_behalf_of=on_behalf_of)
-        recorded = await commands.wait_for_checkpoint(js, job_id, seq) if wait else None
-        return {"job_id": job_id, "attempt": attempt, "intake_sequence": seq,
-                "checkpointed_at": None if recorded is None else recorded.checkpointed_at}
-    emit(run(with_js(go)), output)
-
-
-def through_api(connection: Connection, what: str, call) -> dict[str, Any]:
-    """``call(client)`` with the SDK client of the API the connection names; the API's refusal
-    (but a rejection, which the caller reports) as a UserError naming the problem."""
-    import httpx
-
-    from gpusched.sdk.client import ApiError
-
-    try:
-        with connection.client() as gs:
-            return call(gs)
-    except ApiError as err:
-        fields = "; ".join(f"{e.get('field')}: {e.get('message')}" for e in err.errors)
-        raise UserError(f"the API refused the {what}: {err.detail}{f' ({fields})' if fields else ''}") from None
-    except httpx.HTTPError as err:
-        raise UserError(f"cannot reach the API at {connection.api_url}: {err!r} (is `make run` running?)") from None
-
-
-def _submitted(gs, command, wait: bool, on_behalf_of: str | None) -> dict[str, Any]:
-    from gpusched.sdk.client import Rejected
-
-    result: dict[str, Any] = {"job_id": command.job_id, "intake_sequence": None, "decision": None}
-    # the same fields as over NATS but trace_id (the API's request carries the trace)
-    try:
-        done = gs.submit(command, wait_s=commands.WAIT_S if wait else 0, on_behalf_of=on_behalf_of)
-    except Rejected as err:
-        if err.reason == "dead-letter":
-            raise
-        field = err.errors[0]["field"].removeprefix("body.") if err.errors else None
-        return {**result, "decision": "JobRejected", "reason": err.reason, "field": field, "message": err.detail,
-                "repeat": False}
-    result.update(job_id=done.job_id, intake_sequence=done.intake_sequence, repeat=done.repeat,
-                  decision={"admitted": "JobAdmitted", "pending": None}[done.decision])
-    if wait and done.decision == "pending":
-        raise UserError(f"no answer to the submission (intake sequence {done.intake_sequence}) within "
-                        f"{commands.WAIT_S:.0f} s; see `gpusched events {command.job_id}`")
-    return result
-
-
-def _no_on_behalf_through_api(on_behalf_of: str | None, what: str) -> None:
-    """The API records an operator's own name as on-behalf-of for a cancel or a checkpoint."""
-    if on_behalf_of is not None:
-        raise UserError(f"--on-behalf-of: the API does not take it for a {what} (it records the token's holder); "
-                        "leave it out, or unset GPUSCHED_API_URL to send the command over NATS")
-
-
-def _answered_by_api(what: str, answer, wait: bool) -> dict[str, Any]:
-    """The fields `gpusched cancel` prints over NATS, from the API's answer."""
-    result: dict[str, Any] = {"job_id": answer.job_id, "intake_sequence": answer.intake_sequence, "decision": None}
-    if answer.outcome != "pending":
-        result.update(decision=answer.outcome, repeat=answer.repeat)
-    elif wait:
-        raise UserError(f"no answer to the {what} (intake sequence {answer.intake_sequence}) within "
-                        f"{commands.WAIT_S:.0f} s; see `gpusched events {answer.job_id}` and `gpusched dlq`")
-    return result
-
-
-def _checkpointed_by_api(gs, job_id: str, attempt: int, step: int | None, location: str, when, wait: bool):
-    """The fields `gpusched checkpoint` prints over NATS: checkpointed_at from the recorded
-    JobCheckpointed (None when not waited for or not recorded in time)."""
-    answer = gs.checkpoint(job_id, attempt, step=step, location=location, checkpointed_at=when,
-                           wait_s=commands.WAIT_S if wait else 0)
-    recorded = None
-    if answer.outcome == "JobCheckpointed":
-        recorded = next((e.checkpointed_at for e in reversed(gs.events(job_id)) if e.type == "JobCheckpointed"
-                         and e.intake_sequence == answer.intake_sequence), None)
-    return {"job_id": job_id, "attempt": attempt, "intake_sequence": answer.intake_sequence,
-            "checkpointed_at": recorded}
+    answer = through_gateway(lambda gw: gw.checkpoint(job_id, team, attempt, step=step, location=location,
+                                                      checkpointed_at=when, wait=wait, on_behalf_of=on_behalf_of))
+    emit({"job_id": job_id, "attempt": attempt, "intake_sequence": answer.intake_sequence,
+          "checkpointed_at": answer.checkpointed_at}, output)
 
 
 @app.command()
@@ -342,9 +129,15 @@ def apply(
     """Make the queue configuration (or, for a file with `price_books:`, the price book) equal to a
     file (publishes QueueConfigured / QueueDeleted / PriceBookUpdated). The file is checked whole
     before anything is published."""
+    from gpusched import userinput
+    from gpusched.config import pricebook
+    from gpusched.config import queues as queueconfig
+
     document = userinput.read_document(file)
     if pricebook.is_price_file(document):
         books = pricebook.parse(document, file)
+        from gpusched.cli import accounting as accounting_cli
+
         changes = run(with_js(lambda js: accounting_cli.apply_price_file(js, books, dry_run)))
     else:
         queues = queueconfig.parse_queues(document, file)
@@ -353,7 +146,9 @@ def apply(
             config = await queueconfig.current_queues(js)
             events = queueconfig.plan(queues, config, datetime.now(UTC), prune=prune)
             if not dry_run:
-                await accounting_cli.publish(js, events)
+                from gpusched.cli.accounting import publish
+
+                await publish(js, events)
             return [{"event": e.type, "name": e.aggregate_id, "change": queueconfig.describe_change(e, config)}
                     for e in events]
         changes = run(with_js(go))
@@ -363,22 +158,13 @@ def apply(
 @app.command()
 def jobs(team: Optional[str] = None, state: Optional[str] = None, limit: int = 50, output: Output = OutputOpt) -> None:
     """List jobs from the read model."""
-    emit(run(with_pg(lambda conn: queries.list_jobs(conn, team, state, limit))), output)
+    emit(through_gateway(lambda gw: gw.jobs(team, state, limit)), output)
 
 
 @app.command()
 def job(job_id: str, output: Output = OutputOpt) -> None:
     """One job: state, timestamps, placement, usage."""
-    async def go():
-        conn = await Connection.resolve().pg()
-        try:
-            found = await queries.get_job(conn, job_id)
-        finally:
-            await conn.close()
-        if found is None:
-            raise UserError(f"job {job_id!r} is not in the read model (yet); try `gpusched events {job_id}`")
-        return found
-    data = run(go())
+    data = through_gateway(lambda gw: gw.job(job_id))
     if output == Output.json:
         emit(data, output)
     else:
@@ -390,48 +176,53 @@ def job(job_id: str, output: Output = OutputOpt) -> None:
 @app.command()
 def events(job_id: str, output: Output = OutputOpt) -> None:
     """A job's history from the event log."""
-    log = run(with_js(lambda js: history.job_events(js, job_id)))
+    import json
+
+    log = through_gateway(lambda gw: gw.events(job_id))
     if output == Output.json:
-        emit([{"sequence": s, **e.model_dump(mode="json")} for s, e in log], output)
+        emit(log, output)
         return
     rows = []
-    for seq, e in log:
-        detail = {k: v for k, v in e.model_dump(mode="json").items()
-                  if k not in ("event_id", "type", "schema_version", "aggregate_id", "occurred_at",
+    for e in log:
+        detail = {k: v for k, v in e.items()
+                  if k not in ("sequence", "event_id", "type", "schema_version", "aggregate_id", "occurred_at",
                                "producer", "causation_id", "correlation_id", "spec")}
-        rows.append({"seq": seq, "time": e.occurred_at.isoformat(timespec="seconds"), "type": e.type,
-                     "producer": e.producer, "detail": json.dumps(detail)[:100]})
+        rows.append({"seq": e["sequence"], "time": _seconds(e["occurred_at"]), "type": e["type"],
+                     "producer": e["producer"], "detail": json.dumps(detail)[:100]})
     emit(rows, output)
 
 
-accounting_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, output_option=OutputOpt,
-                        output_enum=Output, console=console, err_console=err_console)
-token_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, guarded=guarded,
-                   output_option=OutputOpt, output_enum=Output)
-service_cli.register(app, emit=emit, run=run, with_pg=with_pg, with_js=with_js, guarded=guarded,
-                     through_api=through_api, output_option=OutputOpt, output_enum=Output,
-                     on_behalf_option=OnBehalfOpt)
-log_cli.register(app, emit=emit, run=run, with_js=with_js, guarded=guarded, output_option=OutputOpt, output_enum=Output,
-                 console=console, err_console=err_console)
-whatif_cli.register(app, run=run, with_js=with_js, guarded=guarded, output_option=OutputOpt, output_enum=Output,
-                    console=console, err_console=err_console)
+def _seconds(when: datetime | str | None) -> str | None:
+    """A time to the second (the log's adapter gives datetimes, a JSON answer ISO 8601 text)."""
+    if isinstance(when, str):
+        when = datetime.fromisoformat(when)
+    return None if when is None else when.isoformat(timespec="seconds")
+
+
+# The sub-CLIs register their commands on the same app (gpusched.cli.common) when imported.
+from gpusched.cli import accounting as accounting_cli
+from gpusched.cli import log as log_cli  # noqa: F401 - registers `gpusched log`
+from gpusched.cli import services as service_cli  # noqa: F401 - registers the service commands
+from gpusched.cli import tokens as token_cli  # noqa: F401 - registers `gpusched token`
+from gpusched.cli import whatif as whatif_cli  # noqa: F401 - registers `gpusched whatif`
 
 
 @app.command("why")
 def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
-    """Why a job waits: its current quota reason, position in its queue, the queue's usage now, and
-    the reason history."""
-    data = run(with_js(lambda js: history.why(js, job_id)))
-    if data["reason"] and data["queue"]:
-        data["queue_now"] = _queue_now(data["queue"])
+    """Why a job waits: its current quota reason, position in its queue, the queue's usage now
+    (where the connection reads the read models itself), and the reason history."""
+    from rich.markup import escape
+
+    data = through_gateway(lambda gw: gw.why(job_id))
     if output == Output.json:
         emit(data, output)
         return
     r = data["reason"]
-    console.print(f"{job_id}: {data['last_event']} since {data['since'].isoformat(timespec='seconds')}")
+    console.print(f"{job_id}: {data['last_event']} since {_seconds(data['since'])}")
     if r:
-        console.print(f"waiting for quota: [bold]{r['code']}[/bold], position {r['position']} in its queue "
-                      f"(recorded {r['since'].isoformat(timespec='seconds')})\n  {escape(r['message'])}")
+        position = f", position {data['position']} in its queue" if data.get("position") is not None else ""
+        console.print(f"waiting for quota: [bold]{r['code']}[/bold]{position} "
+                      f"(recorded {_seconds(r['since'])})\n  {escape(r['message'])}")
         if (now := data.get("queue_now")):
             usage = "; ".join(f"{f['flavor']} nominal {f['nominal']}, used {f['used']}, borrowed {f['borrowed']}, "
                               f"lent {f['lent']}, pending {f['pending_jobs']}" for f in now["flavors"])
@@ -439,24 +230,19 @@ def why_cmd(job_id: str, output: Output = OutputOpt) -> None:
     elif not data["waiting_for_quota"]:
         console.print("not waiting for quota")
     if (sr := data.get("scheduling_reason")):
-        eta = f"; ETA {sr['eta'].isoformat(timespec='seconds')}" if sr["eta"] else ""
+        eta = f"; ETA {_seconds(sr['eta'])}" if sr.get("eta") else ""
         console.print(f"holds quota, waiting for placement: [bold]{sr['code']}[/bold]{eta}\n  {escape(sr['message'])}")
     if data["history"]:
         emit(data["history"], output, title="reason history")
-
-
-def _queue_now(queue: str) -> dict[str, Any] | None:
-    """The queue's usage from the read models (what `gpusched queues` shows); None without Postgres."""
-    try:
-        return asyncio.run(with_pg(lambda conn: quota_usage.queue_now(conn, queue)))
-    except UserError:  # no Postgres configured or reachable: the log's reasons still stand
-        return None
 
 
 @app.command()
 def logs(job_id: str, attempt: Optional[int] = typer.Option(None, help="Only this attempt"),
          tail: Optional[int] = typer.Option(None, help="Only the last N lines of each run")) -> None:
     """A job's output, from the executor backend's log files (local) or Pod logs (kubernetes)."""
+    from rich.markup import escape
+
+    from runtime.settings import Settings
     from services.executor.logs import LogsError, read_logs
 
     try:
@@ -474,10 +260,12 @@ def logs(job_id: str, attempt: Optional[int] = typer.Option(None, help="Only thi
 def queues(output: Output = OutputOpt) -> None:
     """Quota per queue and flavor: nominal, limits, used, borrowed, lent, pending; the queue's
     weighted use and limit, its classes' use and limits, its budget."""
-    rows = run(with_pg(quota_usage.queue_usage))
+    rows = through_gateway(lambda gw: gw.queues())
     if output == Output.json:
         emit(rows, output)
         return
+    from gpusched.gateway import queue_usage as quota_usage
+
     emit([{**r, **quota_usage.table_cells(r)} for r in rows], output, columns=[
         "queue", "cohort", "flavor", "nominal", "borrowing_limit", "lending_limit", "used", "borrowed", "lent",
         "pending_jobs", "weight", "weighted", "classes", "budget"])
@@ -486,8 +274,10 @@ def queues(output: Output = OutputOpt) -> None:
 @app.command()
 def dlq(limit: int = 20, output: Output = OutputOpt) -> None:
     """Dead-lettered messages with their reasons."""
+    from gpusched.gateway import history
+
     async def go():
-        nc = await Connection.resolve().nats()
+        nc = await connection().nats()
         try:
             return await history.dead_letters(nc.jetstream(), limit)
         finally:
@@ -518,7 +308,7 @@ def sim_cmd(
         policies = [parse_policy(p) for p in policy]
         data = rp.load_trace(trace, nodes=nodes, pods=pods)
     except ValueError as err:
-        userinput.print_error(err_console, str(err))
+        print_error(str(err))
         raise typer.Exit(2) from None
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -537,7 +327,7 @@ def sim_cmd(
                     task = bar.add_task(f"{pol.value} replay", total=min(ran, limit or ran))
                     results.append(rp.replay(data, pol, limit=limit, progress=lambda n, t=task: bar.advance(t, n)))
             except ValueError as err:  # the ratio, the protocol, a pod list replay cannot use
-                userinput.print_error(err_console, str(err))
+                print_error(str(err))
                 raise typer.Exit(2) from None
     if output == Output.json:
         emit(results, output)
@@ -546,6 +336,8 @@ def sim_cmd(
 
 
 def _sim_table(results: list[dict]) -> None:
+    from rich.table import Table
+
     def fmt(v: Any) -> str:
         if v is None:
             return "-"
@@ -622,7 +414,11 @@ def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here in
     """Print the reference nats-server configuration (deploy/nats-server.conf), or with --k8s the
     one of the NATS StatefulSet in k8s/; with --tls-cert and --tls-key, clients must use TLS
     (docs/operations.md, "TLS")."""
+    import re
+
+    from gpusched import permissions
     from gpusched.dev.stack import k8s_nats_config, reference_nats_config, tls_block
+    from schemas.envelope import NAME_PATTERN
 
     if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
         raise typer.BadParameter("--tls-cert and --tls-key go together (--tls-ca needs both); accepted: both, "

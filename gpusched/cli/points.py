@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from datetime import UTC, date, datetime
 
-from gpusched.userinput import UserError
+from gpusched.errors import UserError
 
 TIME_FORMS = ("ISO 8601 with a zone such as 2026-11-30T12:00:00Z or 2026-11-30T12:00:00+01:00, "
               "or a date 2026-11-30 (UTC midnight)")

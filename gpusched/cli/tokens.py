@@ -3,18 +3,29 @@ ApiTokenIssued / ApiTokenRevoked, which only the admin NATS credential may (conn
 GPUSCHED_NATS_USER=admin); the token is printed once and only its hash is ever stored."""
 
 
+from __future__ import annotations
+
 import re
 from datetime import UTC, datetime, timedelta
-from typing import Any, Callable, Optional
+from enum import StrEnum
+from typing import Optional
 
-import nats
 import typer
 
-from gpusched.api import tokens
-from gpusched.userinput import UserError
-from runtime import eventlog
-from schemas.auth import Role
-from schemas.envelope import NAME_PATTERN
+from gpusched.errors import UserError
+
+# Light on purpose (docs/performance.md, "CLI start"): nats, the event log, the API's tokens and
+# the contract are imported by the functions that use them.
+
+
+class Role(StrEnum):
+    """The roles of schemas.auth.Role, for `--role` (the contract is imported when a command
+    runs; tests/unit/test_cli_start.py checks the two agree)."""
+    MEMBER = "member"
+    OPERATOR = "operator"
+    CHARGEBACK = "chargeback"
+    ADMIN = "admin"
+
 
 _DURATION = re.compile(r"^([1-9][0-9]{0,5})([hd])$")
 
@@ -31,6 +42,8 @@ def expiry(text: str | None, now: datetime) -> datetime | None:
 
 
 def check_issue(name: str, role: Role, team: str | None) -> None:
+    from schemas.envelope import NAME_PATTERN
+
     if not re.match(NAME_PATTERN, name):
         raise UserError(f"--name: {name!r} is not a name; accepted: a DNS label (lowercase letters, digits, '-')")
     if role == Role.MEMBER and team is None:
@@ -42,6 +55,10 @@ def check_issue(name: str, role: Role, team: str | None) -> None:
 
 
 async def append(js, event) -> None:
+    import nats.errors
+
+    from runtime import eventlog
+
     try:
         await eventlog.EventLog(js).append(event)
     except nats.errors.Error as err:
@@ -49,51 +66,61 @@ async def append(js, event) -> None:
                         "(GPUSCHED_NATS_USER=admin and its password)") from None
 
 
-def register(app: typer.Typer, *, emit: Callable, run: Callable, with_pg: Callable, with_js: Callable,
-             guarded: Callable, output_option: Any, output_enum: Any) -> None:
-    token_app = typer.Typer(help="HTTP API tokens: issue, revoke, list (docs/api.md)", no_args_is_help=True)
-    app.add_typer(token_app, name="token")
+# The commands register on the one app (gpusched.cli.common) when this module is imported.
+from gpusched.cli.common import app, emit, run, with_pg, with_js, guarded  # noqa: E402
+from gpusched.cli.common import Output, OutputOpt  # noqa: E402
+output_option, output_enum = OutputOpt, Output
 
-    @token_app.command("issue")
-    @guarded
-    def issue(name: str = typer.Option(..., help="Who holds it; a member token acts as this user of its team"),
-              role: Role = typer.Option(..., help="member, operator, chargeback or admin"),
-              team: Optional[str] = typer.Option(None, help="The team of a member token"),
-              expires_in: Optional[str] = typer.Option(None, help="e.g. 12h, 90d; default: never"),
-              output: output_enum = output_option) -> None:
-        """Issue a token and print it (once: it is not stored, only its hash)."""
-        now = datetime.now(UTC)
-        check_issue(name, role, team)
-        expires = expiry(expires_in, now)
-        minted = tokens.mint()
+token_app = typer.Typer(help="HTTP API tokens: issue, revoke, list (docs/api.md)", no_args_is_help=True)
+app.add_typer(token_app, name="token")
 
-        async def go(js):
-            event = tokens.issued(minted, name=name, role=role, team=team, issued_by=eventlog.credential_of(js) or "?",
-                                  now=now, expires_at=expires)
-            await append(js, event)
-            return {"token_id": minted.token_id, "name": name, "role": role.value, "team": team,
-                    "expires_at": expires, "token": minted.token}
-        emit(run(with_js(go)), output)
+@token_app.command("issue")
+@guarded
+def issue(name: str = typer.Option(..., help="Who holds it; a member token acts as this user of its team"),
+          role: Role = typer.Option(..., help="member, operator, chargeback or admin"),
+          team: Optional[str] = typer.Option(None, help="The team of a member token"),
+          expires_in: Optional[str] = typer.Option(None, help="e.g. 12h, 90d; default: never"),
+          output: output_enum = output_option) -> None:
+    """Issue a token and print it (once: it is not stored, only its hash)."""
+    from gpusched.api import tokens
+    from runtime import eventlog
+    from schemas import auth
 
-    @token_app.command("revoke")
-    @guarded
-    def revoke(token_id: str, reason: str = typer.Option("", help="Recorded with the revocation"),
-               output: output_enum = output_option) -> None:
-        """Revoke a token: the API refuses it within seconds of accounting recording it."""
-        if tokens.split(f"{tokens.PREFIX}{token_id}_{'x' * 43}") is None:
-            raise UserError(f"{token_id!r} is not a token id; accepted: the 12-character id `token list` shows")
+    now = datetime.now(UTC)
+    check_issue(name, role, team)
+    expires = expiry(expires_in, now)
+    minted = tokens.mint()
 
-        async def go(js):
-            await append(js, tokens.revoked(token_id, revoked_by=eventlog.credential_of(js) or "?", reason=reason,
-                                            now=datetime.now(UTC)))
-            return {"token_id": token_id, "revoked": True}
-        emit(run(with_js(go)), output)
+    async def go(js):
+        event = tokens.issued(minted, name=name, role=auth.Role(role.value), team=team,
+                              issued_by=eventlog.credential_of(js) or "?", now=now, expires_at=expires)
+        await append(js, event)
+        return {"token_id": minted.token_id, "name": name, "role": role.value, "team": team,
+                "expires_at": expires, "token": minted.token}
+    emit(run(with_js(go)), output)
 
-    @token_app.command("list")
-    def list_(output: output_enum = output_option) -> None:
-        """Every token (never its secret or hash), from the read model."""
-        async def go(conn):
-            rows = await conn.fetch("SELECT token_id, name, role, team, issued_by, issued_at, expires_at, revoked_at "
-                                    "FROM api_tokens ORDER BY issued_at")
-            return [dict(r) for r in rows]
-        emit(run(with_pg(go)), output)
+@token_app.command("revoke")
+@guarded
+def revoke(token_id: str, reason: str = typer.Option("", help="Recorded with the revocation"),
+           output: output_enum = output_option) -> None:
+    """Revoke a token: the API refuses it within seconds of accounting recording it."""
+    from gpusched.api import tokens
+    from runtime import eventlog
+
+    if tokens.split(f"{tokens.PREFIX}{token_id}_{'x' * 43}") is None:
+        raise UserError(f"{token_id!r} is not a token id; accepted: the 12-character id `token list` shows")
+
+    async def go(js):
+        await append(js, tokens.revoked(token_id, revoked_by=eventlog.credential_of(js) or "?", reason=reason,
+                                        now=datetime.now(UTC)))
+        return {"token_id": token_id, "revoked": True}
+    emit(run(with_js(go)), output)
+
+@token_app.command("list")
+def list_(output: output_enum = output_option) -> None:
+    """Every token (never its secret or hash), from the read model."""
+    async def go(conn):
+        rows = await conn.fetch("SELECT token_id, name, role, team, issued_by, issued_at, expires_at, revoked_at "
+                                "FROM api_tokens ORDER BY issued_at")
+        return [dict(r) for r in rows]
+    emit(run(with_pg(go)), output)

@@ -2,24 +2,26 @@
 configuration, beside what actually happened (gpusched/sim/whatif.py; docs/whatif.md)."""
 
 
+from __future__ import annotations
+
 import json
 import re
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from gpusched import userinput
-from gpusched.config import queues as queueconfig
-from gpusched.sim import whatif
-from gpusched.cli.accounting import parse_time
-from gpusched.userinput import UserError
-from runtime import eventlog
-from runtime.settings import ConfigError, env_choice, env_value
-from schemas import CohortConfigured, PolicyConfigured, QueueConfigured, QueueDeleted, parse_event
-from services.scheduler.placement import Policy
+from gpusched.cli.points import parse_time
+from gpusched.errors import UserError
+
+if TYPE_CHECKING:
+    from gpusched.config import queues as queueconfig
+    from gpusched.sim import whatif
+
+# Light on purpose (docs/performance.md, "CLI start"): the simulator, the event log, the contract
+# and the scheduler's placement are imported by the functions that use them.
 
 RECORDED_TYPES = frozenset({
     "JobSubmitted", "JobAdmitted", "JobRejected", "JobCancelRequested", "QuotaReserved", "JobScheduled",
@@ -70,6 +72,10 @@ def parse_range(text: str) -> tuple[int | datetime | None, int | datetime | None
 async def record(js, first: int | datetime | None, last: int | datetime | None) -> whatif.Recording:
     """The recorded log as a :class:`whatif.Recording`, its window from ``first`` to ``last``
     (a sequence bound is the event time of the event at that sequence)."""
+    from gpusched.sim import whatif
+    from runtime import eventlog
+    from schemas import parse_event
+
     rec = whatif.Recording(start=first if isinstance(first, datetime) else None,
                            end=last if isinstance(last, datetime) else None,
                            from_seq=first if isinstance(first, int) else None,
@@ -85,6 +91,9 @@ async def record(js, first: int | datetime | None, last: int | datetime | None) 
 
 def config_at(events: list) -> queueconfig.QuotaConfig:
     """The queue, cohort and policy configuration that ``events`` (in log order) leave."""
+    from gpusched.config import queues as queueconfig
+    from schemas import CohortConfigured, PolicyConfigured, QueueConfigured, QueueDeleted
+
     config = queueconfig.QuotaConfig({}, {})
     for e in events:
         if isinstance(e, QueueConfigured):
@@ -101,7 +110,10 @@ def config_at(events: list) -> queueconfig.QuotaConfig:
 def options_from_env(policy: str | None) -> whatif.Options:
     """The scheduler's placement policy and default preemption limits, from the variables the
     scheduler reads (docs/scheduling.md), so the replay places as the live scheduler does."""
+    from gpusched.sim import whatif
+    from runtime.settings import ConfigError, env_choice, env_value
     from services.scheduler.__main__ import flavor_policies, preemption_limits  # the variables' one parser
+    from services.scheduler.placement import Policy
 
     accepted = tuple(p.value for p in Policy)
     try:
@@ -118,6 +130,10 @@ def options_from_env(policy: str | None) -> whatif.Options:
 def changes_of(path: Path | None, recording: whatif.Recording) -> tuple[list, list[dict[str, str]]]:
     """The events a changes file makes against the configuration at the window's start, and
     their descriptions (as ``gpusched apply --dry-run`` gives them)."""
+    from gpusched import userinput
+    from gpusched.config import queues as queueconfig
+    from gpusched.sim import whatif
+
     if path is None:
         return [], []
     parsed = queueconfig.parse_queues(userinput.read_document(path), path)
@@ -132,6 +148,8 @@ def render(result: dict[str, Any], console) -> None:
     """The report as tables: per group, each figure actual → what-if."""
     from rich.markup import escape
     from rich.table import Table
+
+    from gpusched.sim import whatif
 
     w, d = result["window"], result["decisions"]
     console.print(f"window {w['from']} .. {w['to']} ({w['seconds'] / 3600:.1f} h), {w['capacity_gpus']:g} GPUs, "
@@ -157,43 +175,47 @@ def _cell(a, b) -> str:
     return f"{'–' if a is None else f'{a:g}'} → {'–' if b is None else f'{b:g}'}"
 
 
-def register(app: typer.Typer, *, run: Callable, with_js: Callable, guarded: Callable, output_option, output_enum,
-             console, err_console) -> None:
-    Output = output_enum
+# The commands register on the one app (gpusched.cli.common) when this module is imported.
+from gpusched.cli.common import app, run, with_js, guarded, console, err_console  # noqa: E402
+from gpusched.cli.common import Output, OutputOpt  # noqa: E402
+output_option, output_enum = OutputOpt, Output
 
-    @app.command("whatif")
-    @guarded
-    def whatif_cmd(
-        log_range: str = typer.Option("..", "--log", help="The recorded log's window: FROM..TO (stream sequences or "
-                                                          "event times; either end may be left out); default: all"),
-        apply: Optional[Path] = typer.Option(None, "--apply", help="Changes: a queues file (gpusched apply's format: "
-                                                                   "priority_classes, preemption_limits, cohorts, "
-                                                                   "queues); none: replay as configured"),
-        trace: Optional[Path] = typer.Option(None, "--trace", help="An Alibaba-format trace directory to replay "
-                                                                   "instead of the log"),
-        policy: Optional[str] = typer.Option(None, help="Placement policy (default: GPUSCHED_SCHEDULER_POLICY, "
-                                                        "as the scheduler)"),
-        limit: Optional[int] = typer.Option(None, min=1, help="With --trace: only the first N tasks"),
-        output: Output = output_option,
-    ) -> None:
-        """Replay recorded history through the real decision cores under changed priority classes,
-        preemption limits and quotas, and compare per team and per queue with what happened."""
-        options = options_from_env(policy)
-        began = time.monotonic()
-        if trace is not None:
-            from gpusched.sim import trace as tracesim
-            from gpusched.sim import whatif_trace
-            try:
-                recording = whatif_trace.recording(trace, limit)
-            except tracesim.TraceError as err:
-                raise UserError(str(err)) from None
-        else:
-            first, last = parse_range(log_range)
-            recording = run(with_js(lambda js: record(js, first, last)))
-        changes, described = changes_of(apply, recording)
-        result, _ = whatif.whatif(recording, changes, whatif.overridden_by(changes), options, described)
-        if output == Output.json:
-            print(json.dumps(result, indent=2, sort_keys=True))
-        else:
-            render(result, console)
-        err_console.print(f"[dim]replayed {recording.events} events in {time.monotonic() - began:.1f} s[/dim]")
+
+@app.command("whatif")
+@guarded
+def whatif_cmd(
+    log_range: str = typer.Option("..", "--log", help="The recorded log's window: FROM..TO (stream sequences or "
+                                                      "event times; either end may be left out); default: all"),
+    apply: Optional[Path] = typer.Option(None, "--apply", help="Changes: a queues file (gpusched apply's format: "
+                                                               "priority_classes, preemption_limits, cohorts, "
+                                                               "queues); none: replay as configured"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="An Alibaba-format trace directory to replay "
+                                                               "instead of the log"),
+    policy: Optional[str] = typer.Option(None, help="Placement policy (default: GPUSCHED_SCHEDULER_POLICY, "
+                                                    "as the scheduler)"),
+    limit: Optional[int] = typer.Option(None, min=1, help="With --trace: only the first N tasks"),
+    output: Output = output_option,
+) -> None:
+    """Replay recorded history through the real decision cores under changed priority classes,
+    preemption limits and quotas, and compare per team and per queue with what happened."""
+    from gpusched.sim import whatif
+
+    options = options_from_env(policy)
+    began = time.monotonic()
+    if trace is not None:
+        from gpusched.sim import trace as tracesim
+        from gpusched.sim import whatif_trace
+        try:
+            recording = whatif_trace.recording(trace, limit)
+        except tracesim.TraceError as err:
+            raise UserError(str(err)) from None
+    else:
+        first, last = parse_range(log_range)
+        recording = run(with_js(lambda js: record(js, first, last)))
+    changes, described = changes_of(apply, recording)
+    result, _ = whatif.whatif(recording, changes, whatif.overridden_by(changes), options, described)
+    if output == Output.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        render(result, console)
+    err_console.print(f"[dim]replayed {recording.events} events in {time.monotonic() - began:.1f} s[/dim]")

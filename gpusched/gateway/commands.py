@@ -1,26 +1,26 @@
-"""Changing the platform: commands published on a team's intake subjects, which admission
+"""Changing the platform: the commands every door builds the same way (the job id, the
+message id, whom an operator acts for), published on a team's intake subjects, which admission
 validates and turns into events. The subject says who sends (schemas.commands.Principal): the
-credential the CLI connects with decides it (:func:`sender`)."""
+credential the CLI connects with decides it (:func:`sender`), the token for the API. The answer
+is gpusched.gateway.answers'."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import hashlib
 import json
 import os
 import uuid
-from dataclasses import dataclass
 from datetime import date, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ValidationError
 
+from gpusched.gateway import answers, port
 from gpusched.userinput import UserError, checked, first_error, read_document
 from runtime import eventlog, observability
-from schemas import (CancelJob, Event, JobAdmitted, JobCancelled, JobCancelRequested, JobCheckpointed, JobRejected,
-                     JobSubmitted, JobSucceeded, ReportCheckpoint, SubmitJob, parse_event)
+from schemas import CancelJob, ReportCheckpoint, SubmitJob
 from schemas.commands import (
     OPERATOR,
     DeleteService,
@@ -29,15 +29,15 @@ from schemas.commands import (
     Principal,
     ReportServiceLoad,
     ScaleService,
-    job_id_for_key,
+    job_id_of,
     load_command,
     parse_command,
 )
-from schemas.service import ServiceDeployed, ServiceSpec, ServiceUpdated
-from schemas.job import rejection_id
+from schemas.job import JobSpec
 from schemas.registry import SUBJECT_PREFIX
 
-INTAKE_DEAD_LETTERS = f"{SUBJECT_PREFIX}.deadletter.admission.intake"
+INTAKE_DEAD_LETTERS = answers.INTAKE_DEAD_LETTERS
+C = TypeVar("C", bound=BaseModel)
 
 
 def submit_command_from_file(path: Path) -> SubmitJob:
@@ -49,10 +49,7 @@ def submit_command_from_file(path: Path) -> SubmitJob:
         raise UserError(f"{path}: (root): expected a mapping with the job spec, got {type(raw).__name__}")
     if "spec" not in raw:
         raw = {"spec": raw}
-    command = checked(lambda: parse_command(SubmitJob, _as_command(raw, path)), path)
-    if command.job_id is None:
-        command = command.model_copy(update={"job_id": new_job_id(command)})
-    return command
+    return submission(checked(lambda: parse_command(SubmitJob, _as_command(raw, path)), path))
 
 
 def _as_command(document: dict, path: Path) -> bytes:
@@ -75,9 +72,37 @@ def _json_value(value: Any) -> Any:
 
 
 def new_job_id(command: SubmitJob) -> str:
-    if command.spec.idempotency_key:
-        return job_id_for_key(command.spec.team, command.spec.idempotency_key)
-    return "j-" + uuid.uuid4().hex[:16]
+    """The id the job will have (schemas.commands.job_id_of: the one rule, admission's too)."""
+    return job_id_of(command)
+
+
+def submission(command: SubmitJob) -> SubmitJob:
+    """The command with the id its job will have (:func:`schemas.commands.job_id_of`), so that
+    the sender can follow the job's subjects before admission answers."""
+    return command if command.job_id is not None else command.model_copy(update={"job_id": job_id_of(command)})
+
+
+def submit_message_id(command: SubmitJob) -> str:
+    """The ``Nats-Msg-Id`` of a submission, whichever door sends it (docs/publishing.md,
+    "Resending"): ``submit/<team>/<key>/<digest>`` for a keyed one, the digest of its job id and
+    spec, so that JetStream drops a resend of the same command within its duplicate window (the
+    first copy's answer is the answer, a repeat) while another spec under the same key always
+    reaches admission, which rejects it ``duplicate-idempotency-key``; else one of its own, so
+    that a job id resent without a key always reaches admission, which rejects it
+    ``duplicate-job-id``."""
+    team, key = command.spec.team, command.spec.idempotency_key
+    if key:
+        digest = hashlib.sha256(f"{command.job_id}\n{command.spec.model_dump_json()}".encode()).hexdigest()[:16]
+        return f"submit/{team}/{key}/{digest}"
+    return f"submit-id/{team}/{command.job_id}/{uuid.uuid4().hex[:12]}"
+
+
+def acting_for(command: C, who: Principal, name: str) -> C:
+    """An operator's command names the user it acts for: its own ``on_behalf_of``, else ``name``
+    (the CLI: --on-behalf-of or the OS user; the API: the token's holder). A tenant's names none."""
+    if who.operator and getattr(command, "on_behalf_of", None) is None:
+        return command.model_copy(update={"on_behalf_of": name})
+    return command
 
 
 def sender(user: str | None, team: str, verb: str) -> Principal:
@@ -105,190 +130,74 @@ async def publish_command(js: JetStreamContext, team: str, verb: str, command: B
     """Publish ``command`` on the intake subject of the connection's credential (:func:`sender`).
     As the operator it names the user it acts for: ``on_behalf_of``, the command's own, or
     :func:`default_on_behalf_of`."""
+    seq, _ = await publish(js, team, verb, command, headers, on_behalf_of)
+    return seq
+
+
+async def publish(js: JetStreamContext, team: str, verb: str, command: BaseModel,
+                  headers: dict[str, str] | None = None, on_behalf_of: str | None = None) -> tuple[int, bool]:
+    """:func:`publish_command`, with whether JetStream dropped it as a duplicate (the same
+    ``Nats-Msg-Id`` within the window: the sequence is then the first copy's)."""
     who = sender(eventlog.credential_of(js), team, verb)
-    if who.operator and command.on_behalf_of is None:
-        command = command.model_copy(update={"on_behalf_of": on_behalf_of or default_on_behalf_of()})
+    command = acting_for(command, who, on_behalf_of or default_on_behalf_of())
     hdrs = dict(headers or {})
     observability.inject_trace(hdrs)
     ack = await js.publish(who.subject(SUBJECT_PREFIX), command.model_dump_json().encode(),
                            headers=hdrs or None, timeout=10)
-    return ack.seq
+    return ack.seq, bool(ack.duplicate)
 
 
-WAIT_S = 15.0
+WAIT_S = port.WAIT_S
 """How long a command waits for the platform's answer by default."""
-REPEAT_SETTLE_S = 1.0
-"""A submission of an existing job id is an idempotent repeat (no event of its own) when no
-rejection of it comes this long after the job's earlier decision was read."""
-
-
-@dataclass(frozen=True)
-class Answer:
-    """The platform's answer to one command: the event that decided it, or admission's reason
-    for dead-lettering it. ``repeat``: the job existed and the command changed nothing."""
-
-    event: Event | None = None
-    dead_letter: str | None = None
-    repeat: bool = False
-
-
-class SubmitAnswers:
-    """Which event answers the SubmitJob at ``intake_seq``, in whatever order the events come
-    (the CLI reads the job's subjects in stream order; the API's core subscriptions, one per
-    subject, may deliver a JobAdmitted before its JobSubmitted): a JobRejected naming that intake
-    sequence (filed under the job id or the rejection id), the job's decision once the job's
-    JobSubmitted of that sequence has been seen, or, for a job id submitted before, the earlier
-    decision once nothing else came (an idempotent repeat produces no event)."""
-
-    def __init__(self, intake_seq: int) -> None:
-        self.intake_seq = intake_seq
-        self.ours = False
-        self.decision: tuple[Event, float] | None = None
-
-    def take(self, event: Event, now: float) -> Answer | None:
-        if isinstance(event, JobRejected) and event.intake_sequence == self.intake_seq:
-            return Answer(event)
-        if isinstance(event, JobSubmitted) and event.intake_sequence == self.intake_seq:
-            self.ours = True
-        elif isinstance(event, (JobAdmitted, JobRejected)):
-            self.decision = (event, now)
-        return Answer(self.decision[0]) if self.ours and self.decision is not None else None
-
-    def quiet(self, now: float) -> Answer | None:
-        if not self.ours and self.decision is not None and now - self.decision[1] >= REPEAT_SETTLE_S:
-            return Answer(self.decision[0], repeat=True)
-        return None
-
-
-class CancelAnswers:
-    """What answers a CancelJob: the job's JobCancelRequested (this one's or an earlier one's) or
-    JobCancelled; or the end it had already reached (admission then records nothing)."""
-
-    ENDS = (JobCancelRequested, JobCancelled, JobSucceeded, JobRejected)
-
-    def take(self, event: Event, now: float) -> Answer | None:
-        if isinstance(event, self.ENDS):
-            return Answer(event, repeat=not isinstance(event, (JobCancelRequested, JobCancelled)))
-        return None
-
-    def quiet(self, now: float) -> Answer | None:
-        return None
-
-
-class CheckpointAnswers:
-    """The JobCheckpointed admission recorded for the report at ``intake_seq``."""
-
-    def __init__(self, intake_seq: int) -> None:
-        self.intake_seq = intake_seq
-
-    def take(self, event: Event, now: float) -> Answer | None:
-        if isinstance(event, JobCheckpointed) and event.intake_sequence == self.intake_seq:
-            return Answer(event)
-        return None
-
-    def quiet(self, now: float) -> Answer | None:
-        return None
+REPEAT_SETTLE_S = answers.REPEAT_SETTLE_S
 
 
 def job_subjects(*job_ids: str) -> list[str]:
     return [f"{SUBJECT_PREFIX}.job.{j}.>" for j in job_ids]
 
 
-async def wait_for_answer(js: JetStreamContext, subjects: list[str], intake_seq: int, answers,
-                          timeout_s: float = WAIT_S) -> Answer | None:
-    """The first answer to the command at ``intake_seq``: an event on ``subjects`` (a job's, a
-    service's) that ``answers`` accepts, or the intake's dead-letter record for that sequence;
-    None after ``timeout_s``. Two following readers (the subjects, the intake's dead letters),
-    each from the first message, so an answer written before they start is found too."""
-    readers = [asyncio.create_task(_follow_events(js, subjects, answers)),
-               asyncio.create_task(_follow_dead_letters(js, intake_seq))]
-    try:
-        done, _ = await asyncio.wait(readers, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        return done.pop().result() if done else None
-    finally:
-        for reader in readers:
-            reader.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
-
-
-async def _follow_events(js: JetStreamContext, subjects: list[str], answers) -> Answer:
-    clock = asyncio.get_running_loop().time
-    batches = eventlog.read_batches(js, subjects=subjects, follow=True, batch=64, idle_s=0.25)
-    async with contextlib.aclosing(batches):
-        async for msgs in batches:
-            for msg in msgs:
-                if (answer := answers.take(parse_event(msg.data), clock())) is not None:
-                    return answer
-            if not msgs and (answer := answers.quiet(clock())) is not None:
-                return answer
-    raise RuntimeError("a following read ended")  # pragma: no cover - follow=True never ends
-
-
-async def _follow_dead_letters(js: JetStreamContext, intake_seq: int) -> Answer:
-    batches = eventlog.read_batches(js, stream=eventlog.DLQ_STREAM, subjects=[INTAKE_DEAD_LETTERS], follow=True,
-                                    batch=64, idle_s=0.25)
-    async with contextlib.aclosing(batches):
-        async for msgs in batches:
-            for msg in msgs:
-                headers = msg.headers or {}
-                if (headers.get("Gpusched-Original-Stream"), headers.get("Gpusched-Original-Sequence")) == (
-                        eventlog.INTAKE_STREAM, str(intake_seq)):
-                    return Answer(dead_letter=headers.get("Gpusched-Reason") or "(no reason recorded)")
-    raise RuntimeError("a following read ended")  # pragma: no cover - follow=True never ends
-
-
 async def wait_for_decision(js: JetStreamContext, job_id: str, intake_seq: int,
-                            timeout_s: float = WAIT_S) -> Answer | None:
-    """The answer to the SubmitJob at ``intake_seq`` (see :class:`SubmitAnswers`), or its dead letter."""
-    return await wait_for_answer(js, job_subjects(job_id, rejection_id(intake_seq)), intake_seq, SubmitAnswers(intake_seq),
-                                 timeout_s)
+                            timeout_s: float = WAIT_S, keyed: bool = True,
+                            spec: JobSpec | None = None) -> answers.Decided | None:
+    """The answer to the SubmitJob at ``intake_seq`` read from the log (gpusched.gateway.answers)."""
+    return await answers.wait_in_log(js, answers.for_submit(job_id, intake_seq, keyed=keyed, spec=spec), timeout_s)
 
 
-async def wait_for_cancel(js: JetStreamContext, job_id: str, intake_seq: int,
-                          timeout_s: float = WAIT_S) -> Answer | None:
-    """The answer to the CancelJob at ``intake_seq`` (see :class:`CancelAnswers`), or its dead letter."""
-    return await wait_for_answer(js, job_subjects(job_id), intake_seq, CancelAnswers(), timeout_s)
-
-
-def refused(what: str, answer: Answer | None, job_id: str, intake_seq: int, timeout_s: float = WAIT_S) -> None:
-    """UserError when admission dead-lettered the command or did not answer in time."""
-    if answer is None:
-        raise UserError(f"no answer to the {what} (intake sequence {intake_seq}) within {timeout_s:.0f} s; "
-                        f"see `gpusched events {job_id}` and `gpusched dlq`")
+def refused(what: str, answer: port.Answer, hint: str = "", timeout_s: float = WAIT_S) -> port.Answer:
+    """``answer`` when it is a decision; UserError when admission dead-lettered the command or
+    did not answer in time (``hint``: where to look)."""
     if answer.dead_letter is not None:
         raise UserError(f"the platform refused the {what}: {answer.dead_letter}")
+    if answer.decision is None:
+        raise UserError(f"no answer to the {what} (intake sequence {answer.intake_sequence}) within "
+                        f"{timeout_s:.0f} s; {hint or 'see `gpusched dlq`'}")
+    return answer
 
 
-async def cancel(js: JetStreamContext, job_id: str, team: str, reason: str = "",
-                 on_behalf_of: str | None = None) -> int:
+def job_hint(job_id: str) -> str:
+    return f"see `gpusched events {job_id}` and `gpusched dlq`"
+
+
+def cancel_command(job_id: str, reason: str = "", on_behalf_of: str | None = None) -> CancelJob:
+    """The CancelJob of ``job_id``; UserError naming the field (a door that validated its input
+    first, the API, gets the same command)."""
+    return _built("cancel", lambda: CancelJob(job_id=job_id, reason=reason, on_behalf_of=on_behalf_of))
+
+
+def checkpoint_command(job_id: str, attempt: int, *, checkpointed_at: datetime | None = None, step: int | None = None,
+                       location: str = "", on_behalf_of: str | None = None) -> ReportCheckpoint:
+    """The ReportCheckpoint of a running attempt. Without ``checkpointed_at`` admission stamps
+    the report with the platform clock."""
+    return _built("checkpoint", lambda: ReportCheckpoint(job_id=job_id, attempt=attempt,
+                                                         checkpointed_at=checkpointed_at, step=step,
+                                                         location=location, on_behalf_of=on_behalf_of))
+
+
+def _built(what: str, make):
     try:
-        command = CancelJob(job_id=job_id, reason=reason)
+        return make()
     except ValidationError as err:
-        raise UserError(first_error(err, "cancel")) from None
-    return await publish_command(js, team, "cancel", command, on_behalf_of=on_behalf_of)
-
-
-async def report_checkpoint(js: JetStreamContext, job_id: str, team: str, attempt: int, *,
-                            checkpointed_at: datetime | None = None, step: int | None = None,
-                            location: str = "", on_behalf_of: str | None = None) -> int:
-    """Publish ReportCheckpoint on a ``checkpoint`` intake subject of ``team``; admission records
-    JobCheckpointed, or dead-letters the report with the reason (see ``gpusched dlq``). Without
-    ``checkpointed_at`` admission stamps the report with the platform clock."""
-    try:
-        command = ReportCheckpoint(job_id=job_id, attempt=attempt, checkpointed_at=checkpointed_at,
-                                   step=step, location=location)
-    except ValidationError as err:
-        raise UserError(first_error(err, "checkpoint")) from None
-    return await publish_command(js, team, "checkpoint", command, on_behalf_of=on_behalf_of)
-
-
-async def wait_for_checkpoint(js: JetStreamContext, job_id: str, intake_seq: int,
-                              timeout_s: float = WAIT_S) -> JobCheckpointed:
-    """The JobCheckpointed admission recorded for the report at ``intake_seq``; UserError with
-    admission's reason when it dead-lettered the report instead, or when neither came in time."""
-    answer = await wait_for_answer(js, job_subjects(job_id), intake_seq, CheckpointAnswers(intake_seq), timeout_s)
-    refused("checkpoint report", answer, job_id, intake_seq, timeout_s)
-    return answer.event
+        raise UserError(first_error(err, what)) from None
 
 
 # -- inference services (docs/serving.md) ----------------------------------------------------------
@@ -305,61 +214,13 @@ def deploy_command_from_file(path: Path) -> DeployService:
     return checked(lambda: parse_command(DeployService, _as_command(raw, path)), path)
 
 
-class ServiceAnswers:
-    """The event admission recorded for the service command at ``intake_seq``. A deploy of the
-    spec the service already has records nothing: ``unchanged`` is that spec, and the service's
-    latest deploy or update with it answers once nothing else came."""
-
-    def __init__(self, intake_seq: int, unchanged: ServiceSpec | None = None) -> None:
-        self.intake_seq, self.unchanged = intake_seq, unchanged
-        self.latest: tuple[Event, float] | None = None
-
-    def take(self, event: Event, now: float) -> Answer | None:
-        if getattr(event, "intake_sequence", None) == self.intake_seq:
-            return Answer(event)
-        if isinstance(event, (ServiceDeployed, ServiceUpdated)):
-            self.latest = (event, now)
-        return None
-
-    def quiet(self, now: float) -> Answer | None:
-        if (self.unchanged is not None and self.latest is not None and self.latest[0].spec == self.unchanged
-                and now - self.latest[1] >= REPEAT_SETTLE_S):
-            return Answer(self.latest[0], repeat=True)
-        return None
-
-
-async def service_command(js: JetStreamContext, team: str, verb: str, command: BaseModel, service: str,
-                          on_behalf_of: str | None = None, timeout_s: float = WAIT_S) -> Answer:
-    """Publish a service command and wait for admission's answer; UserError when it refuses
-    the command (with its reason) or does not answer in time."""
-    seq = await publish_command(js, team, verb, command, on_behalf_of=on_behalf_of)
-    unchanged = command.spec if isinstance(command, DeployService) else None
-    answer = await wait_for_answer(js, [f"{SUBJECT_PREFIX}.service.{service}.>"], seq,
-                                   ServiceAnswers(seq, unchanged), timeout_s)
-    if answer is None:
-        raise UserError(f"no answer to the {verb} of service {service} (intake sequence {seq}) within "
-                        f"{timeout_s:.0f} s; see `gpusched dlq`")
-    if answer.dead_letter is not None:
-        raise UserError(f"the platform refused the {verb} of service {service}: {answer.dead_letter}")
-    return answer
-
-
 def scale_command(service: str, replicas: int) -> ScaleService:
-    try:
-        return ScaleService(service=service, replicas=replicas)
-    except ValidationError as err:
-        raise UserError(first_error(err, "scale")) from None
+    return _built("scale", lambda: ScaleService(service=service, replicas=replicas))
 
 
 def load_command_for(service: str, requests_per_second: float) -> ReportServiceLoad:
-    try:
-        return ReportServiceLoad(service=service, requests_per_second=requests_per_second)
-    except ValidationError as err:
-        raise UserError(first_error(err, "report-load")) from None
+    return _built("report-load", lambda: ReportServiceLoad(service=service, requests_per_second=requests_per_second))
 
 
 def delete_command(service: str) -> DeleteService:
-    try:
-        return DeleteService(service=service)
-    except ValidationError as err:
-        raise UserError(first_error(err, "delete-service")) from None
+    return _built("delete-service", lambda: DeleteService(service=service))

@@ -7,14 +7,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import asyncpg
-import nats
+from typing import TYPE_CHECKING, Any
 
 from gpusched.userinput import UserError, read_document
-from runtime import eventlog
-from runtime.settings import ConfigError, NatsTls
+
+if TYPE_CHECKING:  # imported when a command connects: the CLI starts without them
+    import asyncpg
+    import nats
+
+    from gpusched.gateway.port import Gateway
 
 CONNECTION_FILE = Path(".data/run/connection.json")
 """Where `make run` writes the connection, relative to the directory it runs in."""
@@ -83,9 +84,20 @@ class Connection:
             **_api(saved),
         )
 
+    def gateway(self) -> "Gateway":
+        """The applications' gateway (gpusched.gateway.port) for this connection, chosen once: the
+        HTTP API when the connection names one (a tenant's token), else NATS and Postgres."""
+        if self.api_url:
+            from gpusched.gateway.http import HttpGateway
+
+            return HttpGateway(self)
+        from gpusched.gateway.log import LogGateway
+
+        return LogGateway(self)
+
     def client(self):
-        """The SDK client of the API this connection names (gpusched.sdk.client.Client)."""
-        from gpusched.sdk.client import Client
+        """The SDK client of the API this connection names (gpusched_sdk.Client)."""
+        from gpusched_sdk import Client
 
         if not self.api_token:
             raise UserError(f"the API at {self.api_url} needs a token: set GPUSCHED_API_TOKEN (`gpusched token issue`)")
@@ -94,7 +106,12 @@ class Connection:
         except ValueError as err:
             raise UserError(str(err)) from None
 
-    async def nats(self) -> nats.NATS:
+    async def nats(self) -> "nats.NATS":
+        import nats
+
+        from runtime import eventlog
+        from runtime.settings import ConfigError, NatsTls
+
         kwargs: dict[str, Any] = {}
         if self.nats_user:
             kwargs = {"user": self.nats_user, "password": self.nats_password or "",
@@ -111,7 +128,9 @@ class Connection:
         except Exception as err:  # nats-py raises several unrelated types here
             raise UserError(f"cannot connect to NATS at {self.nats_url}: {err!r} (is `make run` running?)") from None
 
-    async def pg(self) -> asyncpg.Connection:
+    async def pg(self) -> "asyncpg.Connection":
+        import asyncpg
+
         if not self.pg_dsn:
             raise UserError("no Postgres configured: set GPUSCHED_PG_DSN or start `make run`")
         try:

@@ -61,7 +61,7 @@ from schemas.commands import (
     MalformedCommand,
     Principal,
     identity_problem,
-    job_id_for_key,
+    job_id_of,
     load_command,
     parse_command,
     validate_command,
@@ -369,9 +369,7 @@ class AdmissionCore:
         """The id of the job the command creates; None when it creates nothing (a redelivery,
         or an idempotent resubmission of an existing job)."""
         s, spec = self.state, command.spec
-        job_id = command.job_id
-        if job_id is None:
-            job_id = job_id_for_key(spec.team, spec.idempotency_key) if spec.idempotency_key else f"j-{intake_seq}"
+        job_id = job_id_of(command, intake_seq)  # the contract's rule: given, keyed, else j-<intake_seq>
         if spec.idempotency_key and (owner := s.keys.get((spec.team, spec.idempotency_key))) is not None:
             original = s.jobs[owner]
             if original.intake_sequence == intake_seq:

@@ -1,6 +1,7 @@
-"""How the API finds admission's answer to its own command (gpusched.api.bus): in any order the
-answer subscriptions deliver, before or after the publish was acknowledged; and how the team
-event hub fans out and drops a stream that falls behind."""
+"""How a door finds admission's answer to its own command (gpusched.gateway.answers: the rules,
+and the API's subscription feed): in any order the answer subscriptions deliver, before or after
+the publish was acknowledged; the port's Answer made of it; and how the team event hub
+(gpusched.api.bus) fans out and drops a stream that falls behind."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import itertools
 
 import pytest
 
-from gpusched.gateway import commands
-from gpusched.api.bus import Decisions, Hub, TenantEvent, tenant_event
+from gpusched.api.bus import Hub, TenantEvent, tenant_event
+from gpusched.gateway import answers
+from gpusched.gateway.answers import Subscribed as Decisions
 from schemas import JobRejected, RejectReason, new_event
 from tests.unit.builders import T0, admitted, submitted
 
@@ -28,48 +30,48 @@ def take(decisions: Decisions, event) -> None:
 @pytest.mark.parametrize("order", list(itertools.permutations(["submitted", "admitted", "other"])))
 def test_the_submit_answer_does_not_depend_on_the_delivery_order(order):
     events = {"submitted": submitted("j1", seq=7), "admitted": admitted("j1"), "other": submitted("j2", seq=8)}
-    answer = commands.SubmitAnswers(7)
-    answers = [answer.take(events[name], 0.0) for name in order]
-    first = next(i for i, a in enumerate(answers) if a is not None)
-    assert answers[first].event.type == "JobAdmitted"
+    answer = answers.SubmitAnswers(7)
+    taken = [answer.take(events[name], 0.0) for name in order]
+    first = next(i for i, a in enumerate(taken) if a is not None)
+    assert taken[first].event.type == "JobAdmitted"
     assert first == max(order.index("submitted"), order.index("admitted"))  # not before both came
 
 
 def test_a_repeat_is_answered_by_the_earlier_decision_once_nothing_else_came():
-    answer = commands.SubmitAnswers(12)
+    answer = answers.SubmitAnswers(12)
     assert answer.take(submitted("j1", seq=3), 0.0) is None and answer.take(admitted("j1"), 0.0) is None
     assert answer.quiet(0.1) is None
-    repeat = answer.quiet(commands.REPEAT_SETTLE_S)
+    repeat = answer.quiet(answers.REPEAT_SETTLE_S)
     assert repeat is not None and repeat.repeat and repeat.event.type == "JobAdmitted"
 
 
 def test_a_rejection_of_that_intake_sequence_answers_at_once():
-    assert commands.SubmitAnswers(9).take(rejected(9), 0.0).event.type == "JobRejected"
-    assert commands.SubmitAnswers(9).take(rejected(10), 0.0) is None
+    assert answers.SubmitAnswers(9).take(rejected(9), 0.0).event.type == "JobRejected"
+    assert answers.SubmitAnswers(9).take(rejected(10), 0.0) is None
 
 
 async def test_an_answer_that_came_before_the_wait_began_is_found():
     decisions = Decisions()
     take(decisions, admitted("j1"))
     take(decisions, submitted("j1", seq=3))
-    answer = await decisions.wait(["j1", "rejected-3"], 3, commands.SubmitAnswers(3), timeout_s=0.1)
+    answer = await decisions.wait(answers.for_submit("j1", 3, keyed=False), timeout_s=0.1)
     assert answer is not None and answer.event.type == "JobAdmitted" and not decisions.waiters
 
 
 async def test_a_wait_is_answered_by_what_comes_later_or_times_out():
     decisions = Decisions()
-    waiting = asyncio.create_task(decisions.wait(["j2", "rejected-4"], 4, commands.SubmitAnswers(4), timeout_s=2))
+    waiting = asyncio.create_task(decisions.wait(answers.for_submit("j2", 4, keyed=False), timeout_s=2))
     await asyncio.sleep(0.01)
     decisions.take("j2", b"not an event")  # logged and skipped; the wait goes on
     take(decisions, rejected(4))
     assert (await waiting).event.type == "JobRejected"
-    assert await decisions.wait(["j3"], 5, commands.SubmitAnswers(5), timeout_s=0.05) is None
+    assert await decisions.wait(answers.for_submit("j3", 5, keyed=False), timeout_s=0.05) is None
     assert not decisions.waiters and not decisions.dead_waiters
 
 
 async def test_a_dead_letter_of_the_intake_sequence_answers():
     decisions = Decisions()
-    waiting = asyncio.create_task(decisions.wait(["j4"], 11, commands.CancelAnswers(), timeout_s=2))
+    waiting = asyncio.create_task(decisions.wait(answers.for_cancel("j4", 11), timeout_s=2))
     await asyncio.sleep(0.01)
     decisions.take_dead_letter(11, "not JSON")
     assert (await waiting).dead_letter == "not JSON"
