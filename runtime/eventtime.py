@@ -94,6 +94,18 @@ async def event_time(js: JetStreamContext, seq: int) -> datetime | None:
     return occurred_at(msg.data)
 
 
+async def log_time(js: JetStreamContext, seq: int) -> datetime | None:
+    """The log's time at ``seq``: the newest event time among the events up to it, the lookups'
+    notion below (a late event never moves it back). Read from the last ``LATE_RUN + 1``
+    messages up to ``seq``, the most late events in a row the lookups pass over; None when none
+    of them is an event with a time. A function of ``seq`` alone: every reader asking at one
+    position gets one time."""
+    if seq < 1:
+        return None
+    lo = max(1, seq - LATE_RUN)
+    return max((at for _, at in await _read(js, lo, seq, seq - lo + 1) if at is not None), default=None)
+
+
 async def first_at(js: JetStreamContext, when: datetime, *, hi: int | None = None, skew: timedelta = SKEW,
                    strictly: bool = False) -> int | None:
     """The first stream sequence, up to ``hi`` (default: the log's last), whose event happened at

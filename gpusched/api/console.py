@@ -116,7 +116,7 @@ async def overview(request: Request) -> HTMLResponse:
     me = await viewer(request)
     async with request.app.state.pool.acquire() as conn:
         nodes = await queries.nodes(conn)
-        summary = await queries.summary(conn, _team(me))
+        summary = await queries.summary(conn, _team(me), request.app.state.js)
     return page(request, "overview.html", me, flavors=queries.gpus_by_flavor(nodes), nodes=nodes, summary=summary)
 
 
@@ -134,7 +134,7 @@ async def services(request: Request) -> HTMLResponse:
 async def queues(request: Request) -> HTMLResponse:
     me = await viewer(request)
     async with request.app.state.pool.acquire() as conn:
-        rows = await queue_usage.queues_for(conn, _team(me))
+        rows = await queue_usage.queues_for(conn, _team(me), request.app.state.js)
         cohorts = await queries.cohorts(conn)
     return page(request, "queues.html", me, queues=rows, cohorts=cohort_totals(rows, cohorts))
 
@@ -227,7 +227,7 @@ async def charts(request: Request, hours: Annotated[int, Query(ge=1, le=168)] = 
     me = await viewer(request)
     bucket = max(60, hours * 3600 // 48)
     async with request.app.state.pool.acquire() as conn:
-        points = await queries.series(conn, _team(me), hours, bucket)
+        points = await queries.series(conn, _team(me), hours, bucket, request.app.state.js)
     series = {
         "GPU utilization (mean)": [p["utilization"] for p in points],
         "Median wait, seconds (jobs started)": [p["wait_p50_s"] for p in points],
@@ -245,9 +245,9 @@ async def usage(request: Request) -> HTMLResponse:
     me = await viewer(request)
     statement = None
     async with request.app.state.pool.acquire() as conn:
-        rows = await queries.team_usage(conn, _team(me), ["team", "flavor"], None)
+        rows = await queries.team_usage(conn, _team(me), ["team", "flavor"], None, request.app.state.js)
         if me.role in CHARGEBACK_READERS:  # the roles /v1/chargeback answers
-            month = (await queries.log_now(conn, datetime.now(UTC))).strftime("%Y-%m")
+            month = (await queries.log_now(conn, request.app.state.js)).strftime("%Y-%m")
             statement = await queries.statement(conn, month, "team", log=request.app.state.js)
     return page(request, "usage.html", me, rows=rows, statement=statement)
 

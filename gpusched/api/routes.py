@@ -329,7 +329,7 @@ async def queues(request: Request, me: Me) -> list[dict[str, Any]]:
     A member sees the queues its team may submit to."""
     require(me, *READERS)
     async with _state(request).pool.acquire() as conn:
-        return await queue_usage.queues_for(conn, team_filter(me, None))
+        return await queue_usage.queues_for(conn, team_filter(me, None), _state(request).js)
 
 
 @router.get("/cohorts", tags=["queues"])
@@ -378,7 +378,8 @@ async def usage(request: Request, me: Me, by: Annotated[list[Dimension], Query()
     require(me, *USAGE_READERS)
     try:
         async with _state(request).pool.acquire() as conn:
-            rows = await queries.team_usage(conn, team_filter(me, None), list(dict.fromkeys(by)), period)
+            rows = await queries.team_usage(conn, team_filter(me, None), list(dict.fromkeys(by)), period,
+                                           _state(request).js)
     except ValueError as err:
         raise invalid([FieldError(field="query.period", message=str(err))]) from None
     return _csv(rows, "usage") if format == "csv" else JSONResponse(json.loads(json.dumps(rows, default=str)))
@@ -408,7 +409,7 @@ async def metrics_summary(request: Request, me: Me) -> dict[str, Any]:
     last hour (a member: its team's jobs)."""
     require(me, *USAGE_READERS)
     async with _state(request).pool.acquire() as conn:
-        return await queries.summary(conn, team_filter(me, None) if me.role == Role.MEMBER else None)
+        return await queries.summary(conn, team_filter(me, None) if me.role == Role.MEMBER else None, _state(request).js)
 
 
 @router.get("/metrics/series", tags=["usage"])
@@ -420,7 +421,8 @@ async def metrics_series(request: Request, me: Me, hours: Annotated[int, Query(g
         raise invalid([FieldError(field="query.bucket_s", message="more than 2,000 buckets",
                                   accepted="hours * 3600 / bucket_s <= 2000")])
     async with _state(request).pool.acquire() as conn:
-        return await queries.series(conn, team_filter(me, None) if me.role == Role.MEMBER else None, hours, bucket_s)
+        return await queries.series(conn, team_filter(me, None) if me.role == Role.MEMBER else None, hours, bucket_s,
+                                    _state(request).js)
 
 
 @router.get("/deadletters", tags=["operations"])

@@ -118,7 +118,8 @@ async def apply_price_file(js, parsed: pricebook.PriceBooksFile, dry_run: bool) 
 
 
 # The commands register on the one app (gpusched.cli.common) when this module is imported.
-from gpusched.cli.common import app, emit, run, through_gateway, with_pg, with_js, console, err_console  # noqa: E402
+from gpusched.cli.common import (app, emit, run, through_gateway, with_pg, with_js, with_pg_and_log,  # noqa: E402
+                                 console, err_console)
 from gpusched.cli.common import Output, OutputOpt  # noqa: E402
 output_option, output_enum = OutputOpt, Output
 
@@ -150,7 +151,7 @@ def usage(
     if period is not None:
         _chargeback_call(chargeback.parse_period, period)
     _chargeback_call(chargeback.rollup, [], [], dims)  # validates the dimensions before connecting
-    rows = run(with_pg(lambda conn: queries.rollup(conn, dims, period=period, as_of=when)))
+    rows = run(with_pg_and_log(lambda conn, js: queries.rollup(conn, dims, period=period, as_of=when, log=js)))
     if output == Output.table:
         for r in rows:
             for k, v in r.items():
@@ -320,12 +321,12 @@ def metrics_cmd(
     from services.accounting import metrics, queries
 
     fmt = MetricsFormat.json if output == Output.json else format
-    async def at_log_now(conn, fn):
-        return await fn(conn, await queries.log_now(conn, datetime.now(UTC)))
+    async def at_log_now(conn, js, fn):
+        return await fn(conn, await queries.log_now(conn, js))
     if fmt == MetricsFormat.prometheus:
-        sys.stdout.write(run(with_pg(lambda conn: at_log_now(conn, metrics.exposition))).decode())
+        sys.stdout.write(run(with_pg_and_log(lambda conn, js: at_log_now(conn, js, metrics.exposition))).decode())
         return
-    samples = run(with_pg(lambda conn: at_log_now(conn, metrics.gather)))
+    samples = run(with_pg_and_log(lambda conn, js: at_log_now(conn, js, metrics.gather)))
     rows = [{"metric": s.name, "labels": ",".join(f"{k}={v}" for k, v in s.labels), "value": s.value}
             for s in samples]
     emit(rows, Output.json if fmt == MetricsFormat.json else Output.table)

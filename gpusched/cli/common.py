@@ -150,6 +150,12 @@ async def with_js(action) -> Any:
         await nc.close()
 
 
+async def with_pg_and_log(query) -> Any:
+    """Run ``query(conn, js)`` on fresh read-model and NATS connections: a read that needs the
+    log's now (services.accounting.queries.log_now) beside the read models."""
+    return await with_js(lambda js: with_pg(lambda conn: query(conn, js)))
+
+
 def through_gateway(call) -> Any:
     """``await call(gateway)`` on the connection's gateway (gpusched.gateway.port): the same
     for every transport."""

@@ -159,7 +159,7 @@ class LogGateway:
         try:
             found = await history.why(js, job_id, conn)
             if found["reason"] and found["queue"]:
-                found["queue_now"] = None if conn is None else await queue_usage.queue_now(conn, found["queue"])
+                found["queue_now"] = None if conn is None else await queue_usage.queue_now(conn, found["queue"], js)
             return found
         finally:
             if conn is not None:
@@ -173,7 +173,8 @@ class LogGateway:
     async def queues(self) -> list[dict[str, Any]]:
         from gpusched.gateway import queue_usage
 
-        return await self._pg(queue_usage.queue_usage)
+        js = await self.js()
+        return await self._pg(lambda conn: queue_usage.queue_usage(conn, js))
 
     async def chargeback(self, period: str, by: str = "team") -> dict[str, Any]:
         from services.accounting import queries
@@ -187,5 +188,6 @@ class LogGateway:
     async def summary(self) -> dict[str, Any]:
         from services.accounting import queries
 
-        return await self._pg(lambda conn: queries.summary(conn, None))
+        js = await self.js()
+        return await self._pg(lambda conn: queries.summary(conn, None, js))
 

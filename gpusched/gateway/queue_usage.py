@@ -5,10 +5,10 @@ service's own arithmetic (:mod:`services.quota.capacity`), so the report and the
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
+from nats.js import JetStreamContext
 
 from schemas import QueueConfigured
 from services.accounting import queries
@@ -16,7 +16,7 @@ from services.quota.capacity import (MILLI, Limits, Pool, budget_left, budget_sp
                                      weighted_use)
 
 
-async def queue_usage(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+async def queue_usage(conn: asyncpg.Connection, log: JetStreamContext | None = None) -> list[dict[str, Any]]:
     """Rows of :func:`queries.queue_quotas` with ``used``, ``borrowed``, ``lendable`` and ``lent``,
     in GPUs (fractions where fractional jobs hold quota: 2.25). ``lent`` attributes a cohort tree's
     borrowing to its lenders' unused quota in queue-name order (the platform constrains only the
@@ -35,7 +35,7 @@ async def queue_usage(conn: asyncpg.Connection) -> list[dict[str, Any]]:
         r["borrowed"] = gpus(pool.borrowed(r["queue"]))
         r["lendable"] = gpus(pool.lendable(r["queue"]))
         r["lent"] = gpus(lent[_pool_of(r)].get(r["queue"], 0))
-    await _add_dimensions(conn, rows)
+    await _add_dimensions(conn, rows, log)
     return rows
 
 
@@ -44,7 +44,7 @@ def gpus(milli: int) -> int | float:
     return milli // MILLI if milli % MILLI == 0 else milli / MILLI
 
 
-async def _add_dimensions(conn: asyncpg.Connection, rows: list[dict[str, Any]]) -> None:
+async def _add_dimensions(conn: asyncpg.Connection, rows: list[dict[str, Any]], log: JetStreamContext | None) -> None:
     """Each row's flavor ``weight``; its queue's ``weighted_limit`` and ``weighted_used`` (GPUs
     held, borrowed ones too, × weight); ``class_limits`` on this flavor (each class's
     ``max_share``, ``limit`` in GPUs and ``used``); and ``budget_gpu_hours``, ``budget_period``,
@@ -57,7 +57,7 @@ async def _add_dimensions(conn: asyncpg.Connection, rows: list[dict[str, Any]]) 
     held: dict[str, dict[str, int]] = {}  # queue -> flavor -> thousandths
     for r in rows:
         held.setdefault(r["queue"], {})[r["flavor"]] = round(r["used"] * MILLI)
-    budget_used = await _budget_used(conn, configs)
+    budget_used = await _budget_used(conn, configs, log)
     for r in rows:
         queue = configs.get(r["queue"])
         if queue is None:  # configured after the rows were read: its dimensions next time
@@ -76,10 +76,11 @@ async def _add_dimensions(conn: asyncpg.Connection, rows: list[dict[str, Any]]) 
         r["budget_left_gpu_hours"] = budget_left(queue, budget_used.get(r["queue"], 0.0))
 
 
-async def _budget_used(conn: asyncpg.Connection, configs: dict[str, QueueConfigured]) -> dict[str, float]:
+async def _budget_used(conn: asyncpg.Connection, configs: dict[str, QueueConfigured],
+                       log: JetStreamContext | None) -> dict[str, float]:
     """Queue -> weighted GPU-hours its reservations held this budget period, up to now on the
     log's clock (:func:`queries.log_now`); only queues with a budget."""
-    now = await queries.log_now(conn, datetime.now(UTC))
+    now = await queries.log_now(conn, log)
     out: dict[str, float] = {}
     for period in sorted({q.budget.period for q in configs.values() if q.budget is not None}):
         hours = await queries.held_gpu_hours(conn, period_start(period, now), now)
@@ -110,16 +111,17 @@ def table_cells(row: dict[str, Any]) -> dict[str, str]:
     return cells
 
 
-async def queue_now(conn: asyncpg.Connection, queue: str) -> dict[str, Any]:
+async def queue_now(conn: asyncpg.Connection, queue: str, log: JetStreamContext | None = None) -> dict[str, Any]:
     """One queue's rows of :func:`queue_usage` and the log position the read models are at."""
     return {"position": await queries.position(conn),
-            "flavors": [r for r in await queue_usage(conn) if r["queue"] == queue]}
+            "flavors": [r for r in await queue_usage(conn, log) if r["queue"] == queue]}
 
 
-async def queues_for(conn: asyncpg.Connection, team: str | None) -> list[dict[str, Any]]:
+async def queues_for(conn: asyncpg.Connection, team: str | None,
+                     log: JetStreamContext | None = None) -> list[dict[str, Any]]:
     """:func:`queue_usage` as a team may see it (``team`` None: every queue), each row with the
     ``teams`` that may submit to its queue: what the API's and the console's queues show."""
-    rows = await queue_usage(conn)
+    rows = await queue_usage(conn, log)
     allowed = await queries.queue_teams(conn)
     out = []
     for r in rows:

@@ -104,12 +104,28 @@ async def quota_versions(conn: asyncpg.Connection, max_sequence: int | None = No
     return [QuotaVersion(**{**dict(r), "quotas": json.loads(r["quotas"])}) for r in rows]
 
 
-async def log_now(conn: asyncpg.Connection, wall: datetime) -> datetime:
-    """'Now' for a client without the platform clock: the wall clock, or the newest time in the
-    read models when the platform runs ahead of it (the dev stack's time scale)."""
+async def log_now(conn: asyncpg.Connection, log: JetStreamContext | None = None) -> datetime:
+    """The platform's now as the read models know it: the log's time at the position they hold
+    (:func:`runtime.eventtime.log_time`, the newest event time up to it). A function of that
+    position, never of when a door asks, so every door asked at one position gives one answer
+    (a statement "as of now", a budget left, the last day's waits). It runs ahead of the wall
+    clock under the dev stack's time scale and stands still while the log is quiet. Without
+    ``log`` (the event log), the newest time the read models' rows hold (a job's timestamps, a
+    reservation, a cluster's heartbeat, a telemetry window): the same time wherever those rows
+    say it, earlier where the newest events left no time in them; the wall clock only before
+    the read models hold anything."""
+    seq = await position(conn)
+    if log is not None and seq > 0:
+        at = await eventtime.log_time(log, seq)
+        if at is not None:
+            return at
     newest = await conn.fetchval(
-        "SELECT max(greatest(submitted_at, admitted_at, reserved_at, scheduled_at, started_at, finished_at)) FROM jobs")
-    return max(wall, newest) if newest is not None else wall
+        """SELECT greatest((SELECT max(greatest(submitted_at, admitted_at, reserved_at, scheduled_at, started_at,
+                                                finished_at)) FROM jobs),
+                           (SELECT max(greatest(reserved_at, released_at)) FROM reservations),
+                           (SELECT max(last_report) FROM clusters),
+                           (SELECT max(window_end) FROM gpu_telemetry))""")
+    return newest if newest is not None else datetime.now(UTC)
 
 
 async def position(conn: asyncpg.Connection) -> int:
@@ -126,8 +142,8 @@ async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, log
     the ledger rows and the running attempts that overlap the period up to ``as_of``. Its log
     range is :func:`period_first_sequence` .. last_sequence, found in ``log`` (the event log).
     Besides the statement body (:func:`services.accounting.chargeback.statement`, checksummed)
-    it always carries ``statement_id`` (the id it has once issued: period, dimension, log range)
-    and ``provisional`` (the period had not ended at ``as_of``). The one definition every door
+    it always carries ``statement_id`` (the id it has once issued: period, dimension, log range),
+    ``provisional`` (the period had not ended at ``as_of``) and ``as_of`` (ISO 8601). The one definition every door
     uses; a statement of a whole closed period (issuing or verifying one) passes its end as
     ``as_of``. ``whole``: None unless the read models are at one position (every accounting
     partition at the same one): a job's row holds its state at its partition's position, so a
@@ -137,7 +153,7 @@ async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, log
         if whole and len({seq for seq, _ in (await sink.partition_rows(conn)).values()}) > 1:
             return None
         if as_of is None:
-            as_of = await log_now(conn, datetime.now(UTC))
+            as_of = await log_now(conn, log)
         until = min(end, as_of)
         seq = await position(conn) if last_sequence is None else last_sequence
         rows = await attempts(conn, overlapping=(start, until), max_sequence=seq)
@@ -149,10 +165,11 @@ async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, log
                                 last_sequence=seq, as_of=as_of)
     body["statement_id"] = chargeback.statement_id(period, group_by, seq)
     body["provisional"] = end > as_of
+    body["as_of"] = as_of.isoformat()
     return body
 
 
-STATEMENT_EXTRAS = ("statement_id", "provisional")
+STATEMENT_EXTRAS = ("statement_id", "provisional", "as_of")
 """What :func:`statement` adds to the checksummed body (not fields of ChargebackStatementIssued)."""
 
 
@@ -166,16 +183,17 @@ async def period_first_sequence(log: JetStreamContext, period: str, last_sequenc
 
 
 async def rollup(conn: asyncpg.Connection, by: list[str], *, period: str | None = None,
-                 as_of: datetime | None = None, now: datetime | None = None) -> list[dict[str, Any]]:
+                 as_of: datetime | None = None, now: datetime | None = None,
+                 log: JetStreamContext | None = None) -> list[dict[str, Any]]:
     """Usage and cost per group, prorated: the parts of attempts inside ``period`` and before
     ``as_of`` (time travel: usage up to that time, running attempts included), attempts still
-    running counted up to ``as_of`` or ``now`` (default: the log's newest time). Costs use the
+    running counted up to ``as_of`` or ``now`` (default: :func:`log_now`, with ``log``). Costs use the
     price book as it is now: a corrected price re-prices history."""
     start, end = chargeback.parse_period(period) if period else (None, None)
     if as_of is not None:
         end = as_of if end is None else min(end, as_of)
     async with conn.transaction(isolation="repeatable_read", readonly=True):
-        until = as_of or now or await log_now(conn, datetime.now(UTC))
+        until = as_of or now or await log_now(conn, log)
         if end is not None:
             until = min(until, end)
         rows = await attempts(conn, overlapping=(start or datetime.min.replace(tzinfo=UTC),
@@ -446,11 +464,11 @@ def gpus_by_flavor(node_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def team_usage(conn: asyncpg.Connection, team: str | None, by: list[str],
-                     period: str | None) -> list[dict[str, Any]]:
+                     period: str | None, log: JetStreamContext | None = None) -> list[dict[str, Any]]:
     """:func:`rollup` as a team may see it: ``team`` None: every group; else only that team's
     rows (grouped by team too, so they are told apart)."""
     groups = sorted({*by, "team"}) if team is not None else by
-    rows = await rollup(conn, groups, period=period)
+    rows = await rollup(conn, groups, period=period, log=log)
     return rows if team is None else [r for r in rows if r.get("team") == team]
 
 
@@ -489,12 +507,12 @@ async def wait_percentiles(conn: asyncpg.Connection, *, by_queue: bool = False, 
     return out if out or by_queue else [WaitPercentiles(None, 0, None, None, None)]
 
 
-async def summary(conn: asyncpg.Connection, team: str | None) -> dict[str, Any]:
+async def summary(conn: asyncpg.Connection, team: str | None, log: JetStreamContext | None = None) -> dict[str, Any]:
     """Jobs by state, wait p50/p95 (:func:`wait_percentiles`) and failures over the last day, GPU
     utilization from telemetry over the last hour; the day and the hour end at the log's now
     (:func:`log_now`). ``team``: that team's jobs only."""
     async with conn.transaction(isolation="repeatable_read", readonly=True):
-        now = await log_now(conn, datetime.now(UTC))
+        now = await log_now(conn, log)
         states = await conn.fetch("SELECT state, count(*)::int AS n FROM jobs WHERE ($1::text IS NULL OR team = $1) "
                                   "GROUP BY state ORDER BY state", team)
         (waits,) = await wait_percentiles(conn, team=team)
@@ -516,11 +534,11 @@ async def summary(conn: asyncpg.Connection, team: str | None) -> dict[str, Any]:
 
 
 async def series(conn: asyncpg.Connection, team: str | None, hours: int = 24,
-                 bucket_s: int = 3600) -> list[dict[str, Any]]:
+                 bucket_s: int = 3600, log: JetStreamContext | None = None) -> list[dict[str, Any]]:
     """Over time, per bucket: jobs submitted, started, waiting at the bucket's end (congestion),
     median wait (the ledger's ``wait_seconds``, as :func:`wait_percentiles`) of the attempts
     started in it, and mean GPU utilization. Time is the platform's (:func:`log_now`)."""
-    now = await log_now(conn, datetime.now(UTC))
+    now = await log_now(conn, log)
     rows = await conn.fetch(
         """WITH b AS (SELECT generate_series(date_bin(make_interval(secs => $2), $4::timestamptz - make_interval(hours => $1),
                                                       'epoch'::timestamptz),

@@ -45,6 +45,10 @@ class ApiStack:
     url: str = ""
     tokens: dict[str, str] = field(default_factory=dict)  # holder name -> token
     metrics_ports: dict[str, int] = field(default_factory=dict)  # process -> its Prometheus port
+    # A recorded history appended in place of the default queues, and the processes to start
+    # (default: all); with only accounting and the API nothing but that history is in the log.
+    history: list | None = None
+    processes: tuple[str, ...] = ()
 
     def start(self) -> "ApiStack":
         try:
@@ -65,7 +69,8 @@ class ApiStack:
                                    epoch=time.time(), api_port=port, metrics_ports=self.metrics_ports,
                                    extra={"GPUSCHED_TICK_S": "0.05", "GPUSCHED_API_STREAM_MAX_S": "2"})
         self.procs = devstack.ServiceProcesses(self.root / "logs", env)
-        self.procs.start_all()
+        for name in self.processes or tuple(env):
+            self.procs.start(name)
         self.url = f"http://127.0.0.1:{port}"
         devstack.wait_for_port(port, timeout_s=60, proc=self.procs.procs["api"])
         self.tokens = asyncio.run(self._issue_tokens())
@@ -108,8 +113,9 @@ class ApiStack:
         js = nc.jetstream()
         await eventlog.provision(js, teams=TEAMS)
         log = eventlog.EventLog(js)
-        for team in TEAMS:
-            await log.append(queue(f"q-{team}", (team,), {"a100": 8}))
+        for event in self.history if self.history is not None else [queue(f"q-{team}", (team,), {"a100": 8})
+                                                                       for team in TEAMS]:
+            await log.append(event)
         await nc.close()
 
     async def _issue_tokens(self) -> dict[str, str]:

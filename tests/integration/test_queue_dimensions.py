@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from conftest import eventually
-from runtime import eventlog
+from runtime import eventlog, eventtime
 from services.quota import capacity
 from tests.integration.test_apply import apply
 from tests.integration.test_telemetry import accounting_metrics, cli
@@ -47,9 +49,7 @@ async def test_queues_shows_weighted_class_and_budget_dimensions(nats_server, ad
             await log.append(released(job, "research", flavor, gpus, when=until))
 
     async with accounting_metrics(nats_server, admin_js, pg_dsn):
-        before = datetime.now(UTC)
         rows = await eventually(lambda: _queues(nats_server, pg_dsn), timeout_s=30)
-        after = datetime.now(UTC)
         table = cli(nats_server, pg_dsn, "queues")
 
     by_flavor = {r["flavor"]: r for r in rows}
@@ -60,8 +60,11 @@ async def test_queues_shows_weighted_class_and_budget_dimensions(nats_server, ad
         "l4": (2, 2.5, 55.0, 120.0, [{"priority_class": "experiment", "max_share": 0.25, "limit": 1, "used": 0}]),
     }
     # Weighted GPU-hours this month: the released reservation's 20 minutes (within the month) and
-    # the held ones' time so far.
-    start = capacity.period_start("month", before)
+    # the held ones' time up to the log's now, the newest event time in the log (the queue's
+    # configuration, stamped when `gpusched apply` ran): not the wall clock when a door asks, so
+    # every door asked at this position agrees.
+    log_now = await eventtime.log_time(admin_js, (await admin_js.stream_info(eventlog.EVENTS_STREAM)).state.last_seq)
+    start = capacity.period_start("month", log_now)
     closed_hours = 2 * 10 * max(0.0, (closed[1] - max(closed[0], start)).total_seconds()) / 3600
 
     def held_hours(at: datetime) -> float:
@@ -70,7 +73,7 @@ async def test_queues_shows_weighted_class_and_budget_dimensions(nats_server, ad
     r = by_flavor["a100"]
     assert (r["budget_gpu_hours"], r["budget_period"]) == (1000, "month")
     used = r["budget_used_gpu_hours"]
-    assert closed_hours + held_hours(before) - 0.01 <= used <= closed_hours + held_hours(after) + 0.01
+    assert used == pytest.approx(closed_hours + held_hours(log_now), abs=0.001)
     assert by_flavor["l4"]["budget_used_gpu_hours"] == r["budget_used_gpu_hours"]
     for cell in ("55/120", "experiment 2/2", "experiment 0/1", "/1000 GPU-h per month"):
         assert cell in table
