@@ -18,6 +18,7 @@ from gpusched.api import tokens
 from gpusched.api.problems import Problem
 from schemas.auth import Role
 from schemas.commands import OPERATOR, Principal
+from services.accounting import queries
 
 CACHE_S = 5.0
 COOKIE = "gpusched_token"
@@ -70,8 +71,7 @@ class Authenticator:
         cached = self._rows.get(token_id)
         if cached is not None and now - cached[0] < CACHE_S:
             return cached[1]
-        row = await self.pool.fetchrow(
-            "SELECT name, role, team, token_hash, expires_at, revoked_at FROM api_tokens WHERE token_id = $1", token_id)
+        row = await queries.api_token(self.pool, token_id)
         if len(self._rows) > 10_000:
             self._rows.clear()
         self._rows[token_id] = (now, row)

@@ -441,8 +441,5 @@ async def whoami(me: Me) -> dict[str, Any]:
 async def list_tokens(request: Request, me: Me) -> list[dict[str, Any]]:
     """Every token's id, holder, role, team and state (never its hash): admins."""
     require(me, Role.ADMIN)
-    rows = await _state(request).pool.fetch(
-        "SELECT token_id, name, role, team, issued_by, issued_at, expires_at, revoked_at, revoked_by "
-        "FROM api_tokens ORDER BY issued_at")
-    return [dict(r) for r in rows]
+    return await queries.api_tokens(_state(request).pool)
 

@@ -119,8 +119,6 @@ def revoke(token_id: str, reason: str = typer.Option("", help="Recorded with the
 @token_app.command("list")
 def list_(output: output_enum = output_option) -> None:
     """Every token (never its secret or hash), from the read model."""
-    async def go(conn):
-        rows = await conn.fetch("SELECT token_id, name, role, team, issued_by, issued_at, expires_at, revoked_at "
-                                "FROM api_tokens ORDER BY issued_at")
-        return [dict(r) for r in rows]
-    emit(run(with_pg(go)), output)
+    from services.accounting import queries
+
+    emit(run(with_pg(queries.api_tokens)), output)

@@ -39,6 +39,7 @@ from runtime.settings import NatsTls, Settings
 from schemas import JobSpec, SubmitJob
 from schemas.auth import Role
 from schemas.job import JobKind
+from schemas.jobstate import JobState
 from services.accounting import queries
 from services.executor.cluster import load_cluster  # the dev stack runs the sim cluster it loads
 
@@ -172,8 +173,7 @@ def piece_name(piece) -> str:
 def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dict[str, int],
              last_seq: int | None, usage: list[dict], capacity: int, running_gpus: int,
              deps: Dependencies | None = None) -> Table:
-    states = ["submitted", "queued", "reserved", "scheduled", "running", "preempted", "retrying", "succeeded", "failed",
-              "rejected", "cancelled"]
+    states = [s.value for s in JobState if s not in (JobState.PREEMPTING, JobState.CANCELLING)]  # brief states left out
     events = "? events (NATS down)" if last_seq is None else f"{last_seq} events"
     table = Table(title=f"gpusched — {events} in the log — GPUs busy {running_gpus}/{capacity}")
     table.add_column("team")
@@ -377,7 +377,7 @@ async def _read_models(deps: Dependencies) -> tuple[list[dict], list[dict], int]
     try:
         counts = await queries.state_counts(conn)
         usage = await queries.usage_by_team(conn)
-        running = await conn.fetchval("SELECT coalesce(sum(total_gpus), 0) FROM jobs WHERE state = 'running'")
+        running = await queries.running_gpus(conn)
         return counts, usage, running
     except asyncpg.UndefinedTableError:  # accounting has not applied its migrations yet
         return [], [], 0

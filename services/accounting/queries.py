@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 
 from runtime import eventtime
 from schemas import QueueConfigured, ServiceSpec
-from schemas.jobstate import PLACED_STATES, WAITING_FOR_NODES, WAITING_FOR_QUOTA
+from schemas.jobstate import PLACED_STATES, WAITING_FOR_NODES, WAITING_FOR_QUOTA, JobState
 from services.accounting import chargeback, sink
 from services.accounting.chargeback import Attempt, PriceVersion, QuotaVersion
 
@@ -571,3 +571,23 @@ async def pending_by_queue(conn: asyncpg.Connection) -> list[dict[str, Any]]:
            FROM jobs j JOIN unnest($1::text[], $2::text[]) AS w(state, waiting_for) ON w.state = j.state
            LEFT JOIN attempts a ON a.job_id = j.job_id AND a.attempt = j.attempt
            GROUP BY queue, w.waiting_for""", [s for s, _ in waiting], [w for _, w in waiting])]
+
+
+TOKEN_COLUMNS = "token_id, name, role, team, issued_by, issued_at, expires_at, revoked_at, revoked_by"
+"""What a token's row shows (never its hash)."""
+
+
+async def api_tokens(conn: asyncpg.Connection | asyncpg.Pool) -> list[dict[str, Any]]:
+    """Every API token, oldest first, without its hash: `gpusched token list` and GET /v1/tokens."""
+    return [dict(r) for r in await conn.fetch(f"SELECT {TOKEN_COLUMNS} FROM api_tokens ORDER BY issued_at")]
+
+
+async def api_token(conn: asyncpg.Connection | asyncpg.Pool, token_id: str) -> asyncpg.Record | None:
+    """One token's row with its hash, for the API's authentication (None: no such token)."""
+    return await conn.fetchrow(f"SELECT {TOKEN_COLUMNS}, token_hash FROM api_tokens WHERE token_id = $1", token_id)
+
+
+async def running_gpus(conn: asyncpg.Connection) -> int:
+    """GPUs held by the jobs that run now."""
+    return await conn.fetchval("SELECT coalesce(sum(total_gpus), 0) FROM jobs WHERE state = $1",
+                               JobState.RUNNING.value)

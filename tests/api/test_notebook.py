@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from pathlib import Path
 
 import nbformat
@@ -22,10 +23,11 @@ def notebook_code() -> str:
 
 
 def notebook_env(api_stack) -> dict[str, str]:
-    """The environment the notebook runs in: the stack's API and alice's token, no other GPUSCHED_."""
+    """The environment the notebook runs in: the stack's API and alice's token, no other GPUSCHED_,
+    and an idempotency key of its own (each call a new one: a run with the same env repeats)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSCHED_")}
     env.update(GPUSCHED_API_URL=api_stack.url, GPUSCHED_API_TOKEN=api_stack.tokens["alice"],
-               QUICKSTART_KEY=f"notebook-{os.getpid()}")
+               QUICKSTART_KEY=f"notebook-{uuid.uuid4().hex[:12]}")
     return env
 
 
