@@ -419,7 +419,7 @@ async def _verify(statement_id: str, err_console) -> dict[str, Any]:
     from runtime import eventlog
     from schemas import ChargebackStatementIssued, parse_event
     from schemas.registry import SUBJECT_PREFIX, subject_token
-    from services.accounting import chargeback, queries, replay as replay_mod
+    from services.accounting import chargeback, queries, replay as replay_mod, target
 
     dsn = _pg_dsn()
     nc = await Connection.resolve().nats()
@@ -442,9 +442,7 @@ async def _verify(statement_id: str, err_console) -> dict[str, Any]:
             finally:
                 await conn.close()
         finally:
-            admin = await replay_mod.connect(dsn)
-            await admin.execute(f"DROP SCHEMA IF EXISTS {replay_mod.q(scratch)} CASCADE")
-            await admin.close()
+            await target.drop(dsn, scratch)
         return {"statement_id": statement_id, "period": found.period, "group_by": found.group_by,
                 "first_sequence": found.first_sequence, "last_sequence": found.last_sequence,
                 "issued_checksum": found.checksum, "replayed_checksum": body["checksum"],

@@ -55,3 +55,13 @@ async def reset(dsn: str, schema: str) -> None:
         await sink.migrate(conn)
     finally:
         await conn.close()
+
+
+async def drop(dsn: str, schema: str) -> None:
+    """Drop a shadow schema and everything in it (a scratch rebuild's, once it is read)."""
+    check_schema(schema)
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        await conn.execute(f"DROP SCHEMA IF EXISTS {q(schema)} CASCADE")
+    finally:
+        await conn.close()
