@@ -44,14 +44,10 @@ async def connect(dsn: str, schema: str = "public") -> asyncpg.Connection:
 
 async def reset(dsn: str, schema: str) -> None:
     """Drop and re-create a shadow schema with the migrations applied."""
-    check_schema(schema)
-    conn = await asyncpg.connect(dsn, timeout=10)
-    try:
-        await conn.execute(f"DROP SCHEMA IF EXISTS {q(schema)} CASCADE; CREATE SCHEMA {q(schema)}")
-    finally:
-        await conn.close()
+    await drop(dsn, schema)
     conn = await connect(dsn, schema)
     try:
+        await conn.execute(f"CREATE SCHEMA {q(schema)}")
         await sink.migrate(conn)
     finally:
         await conn.close()
