@@ -417,7 +417,7 @@ def dev_nats_config(out: Optional[Path] = typer.Option(None, help="Write here in
     import re
 
     from gpusched import permissions
-    from gpusched.dev.stack import k8s_nats_config, reference_nats_config, tls_block
+    from gpusched.dev.natsconf import k8s_nats_config, reference_nats_config, tls_block
     from schemas.envelope import NAME_PATTERN
 
     if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):

@@ -13,6 +13,7 @@ import pytest
 import trustme
 
 from conftest import eventually, service_settings
+from gpusched.dev import natsconf
 from gpusched.dev import stack as devstack
 from gpusched.gateway.connection import Connection
 from gpusched.userinput import UserError
@@ -44,7 +45,7 @@ def pki(tmp_path_factory):
 
 @contextlib.contextmanager
 def tls_server(tmp_path, pki, *, verify_clients: bool = False):
-    block = devstack.tls_block(pki["cert"], pki["key"], pki["ca"] if verify_clients else None)
+    block = natsconf.tls_block(pki["cert"], pki["key"], pki["ca"] if verify_clients else None)
     server = devstack.NatsServer(tmp_path / "nats", clusters=("east",), tls=block).start()
     try:
         yield server

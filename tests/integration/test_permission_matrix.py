@@ -22,6 +22,7 @@ import pytest
 
 from conftest import connect_as, eventually, running, service_settings
 from gpusched import permissions
+from gpusched.dev import natsconf
 from gpusched.dev import stack as devstack
 from runtime import eventlog
 from schemas import JobRejected, JobSubmitted, parse_event
@@ -317,7 +318,7 @@ def deployed_nats(tmp_path):
     conf.write_text(text)
     users = re.findall(r'"user": "([^"]+)"', text)
     passwords = {user: f"pw-{user}" for user in users}
-    env = {**os.environ, **{devstack.password_variable(u): p for u, p in passwords.items()}}
+    env = {**os.environ, **{natsconf.password_variable(u): p for u, p in passwords.items()}}
     proc = subprocess.Popen([devstack._bin("nats-server"), "-c", str(conf)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     devstack.wait_for_port(port, proc=proc)

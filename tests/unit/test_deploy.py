@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 from gpusched import permissions
+from gpusched.dev import natsconf
 from gpusched.dev import stack as devstack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ def test_procfile_lists_every_service_as_a_module_and_the_api():
 
 def test_committed_nats_config_matches_the_generator():
     committed = (ROOT / "deploy" / "nats-server.conf").read_text()
-    assert committed == devstack.reference_nats_config(), "run `gpusched dev nats-config --out deploy/nats-server.conf`"
+    assert committed == natsconf.reference_nats_config(), "run `gpusched dev nats-config --out deploy/nats-server.conf`"
 
 
 def test_nats_server_accepts_the_config_and_names_a_missing_password(tmp_path):
@@ -31,7 +32,7 @@ def test_nats_server_accepts_the_config_and_names_a_missing_password(tmp_path):
     env = _passwords()
     ok = subprocess.run([binary, "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr + ok.stdout
-    del env[devstack.password_variable("quota")]
+    del env[natsconf.password_variable("quota")]
     bad = subprocess.run([binary, "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
     assert bad.returncode != 0
     assert "GPUSCHED_NATS_PASSWORD_QUOTA" in bad.stderr + bad.stdout
@@ -41,7 +42,7 @@ def _passwords() -> dict[str, str]:
     """The environment nats-server reads the reference configurations' passwords from."""
     users = ["admin", "operator", *permissions.SERVICES, permissions.API_USER, "team-research", "team-product",
              "team-platform"]
-    return {**os.environ, **{devstack.password_variable(u): f"pw-{u}" for u in users}}
+    return {**os.environ, **{natsconf.password_variable(u): f"pw-{u}" for u in users}}
 
 
 K8S_NATS_CONFIGS = {3: ROOT / "k8s" / "components" / "nats" / "nats-server.conf",
@@ -49,14 +50,14 @@ K8S_NATS_CONFIGS = {3: ROOT / "k8s" / "components" / "nats" / "nats-server.conf"
 
 
 K8S_NATS_TLS_CONFIG = ROOT / "k8s" / "components" / "nats-tls" / "nats-server.conf"
-K8S_TLS = devstack.tls_block(Path("/etc/nats-tls/tls.crt"), Path("/etc/nats-tls/tls.key"))
+K8S_TLS = natsconf.tls_block(Path("/etc/nats-tls/tls.crt"), Path("/etc/nats-tls/tls.key"))
 
 
 def test_committed_k8s_nats_configs_match_the_generator():
     for replicas, path in K8S_NATS_CONFIGS.items():
-        assert path.read_text() == devstack.k8s_nats_config(replicas), (
+        assert path.read_text() == natsconf.k8s_nats_config(replicas), (
             f"run `gpusched dev nats-config --k8s {replicas} --out {path.relative_to(ROOT)}`")
-    assert K8S_NATS_TLS_CONFIG.read_text() == devstack.k8s_nats_config(3, tls=K8S_TLS), (
+    assert K8S_NATS_TLS_CONFIG.read_text() == natsconf.k8s_nats_config(3, tls=K8S_TLS), (
         "run `gpusched dev nats-config --k8s 3 --tls-cert /etc/nats-tls/tls.crt --tls-key /etc/nats-tls/tls.key "
         "--out k8s/components/nats-tls/nats-server.conf`")
 

@@ -1,0 +1,124 @@
+"""The nats-server configuration of every deployment: the dev stack's and the tests' (one server
+on loopback), deploy/nats-server.conf and the Kubernetes ones (k8s/). Built from the
+permissions of gpusched.permissions; `gpusched dev nats-config` writes the committed files."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpusched import permissions
+
+PROCESSES = (*permissions.SERVICES, permissions.API_USER)
+"""Every process of deploy/Procfile: the services and the HTTP API (tests/unit/test_deploy.py checks they agree)."""
+
+@dataclass
+class Credentials:
+    users: dict[str, str]  # user -> password
+
+    @classmethod
+    def load_or_create(cls, path: Path, teams: tuple[str, ...] = ()) -> "Credentials":
+        existing = json.loads(path.read_text()) if path.exists() else {}
+        wanted = ["admin", "operator", *PROCESSES, *teams]  # a tenant user is named after its team
+        for user in wanted:
+            existing.setdefault(user, secrets.token_urlsafe(18))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(existing, indent=2))
+        path.chmod(0o600)
+        return cls(existing)
+
+
+def password_variable(user: str) -> str:
+    return "GPUSCHED_NATS_PASSWORD_" + re.sub(r"[^A-Z0-9]", "_", user.upper())
+
+
+def nats_config(port: int, store_dir: Path, creds: Credentials, *, sync_always: bool = False,
+                listen_host: str = "127.0.0.1", password_refs: bool = False, extra: dict | None = None) -> str:
+    """The nats-server configuration: JetStream and one user per service, tenant, operator and
+    admin with the permissions above. ``password_refs`` writes ``$GPUSCHED_NATS_PASSWORD_<USER>``
+    environment references instead of the passwords (deploy/nats-server.conf)."""
+    users = []
+    for user, password in sorted(creds.users.items()):
+        perms = permissions.permissions(user)
+        secret = f"${password_variable(user)}" if password_refs else password
+        users.append({"user": user, "password": secret, "permissions": perms})
+    config = {
+        "listen": f"{listen_host}:{port}",
+        "server_name": "gpusched",
+        "max_payload": 2 * 1024 * 1024,
+        "jetstream": {
+            "store_dir": str(store_dir),
+            "max_file_store": 20 * 1024**3,
+            "max_memory_store": 1024**3,
+            # 'always' fsyncs each write: no acknowledged event is lost on power failure.
+            **({"sync_interval": "always"} if sync_always else {}),
+        },
+        "authorization": {"users": users},
+        **(extra or {}),
+    }
+    # The NATS config format accepts JSON; an environment reference is an unquoted $NAME.
+    text = json.dumps(config, indent=2)
+    return re.sub(r'"\$((GPUSCHED_NATS_PASSWORD_|POD_)[A-Z0-9_]+)"', r"$\1", text) if password_refs else text
+
+
+def tls_block(cert: Path, key: Path, ca: Path | None = None) -> dict:
+    """The server's TLS (nats-server's ``tls`` block): every client connection is TLS with this
+    certificate; with ``ca``, each client must also present a certificate that CA signed."""
+    block: dict = {"cert_file": str(cert), "key_file": str(key), "timeout": 5,
+                   # TLS from the first byte: no client sends anything, credentials included,
+                   # before the handshake (the clients connect with tls_handshake_first)
+                   "handshake_first": True}
+    if ca is not None:
+        block.update(ca_file=str(ca), verify=True)
+    return {"tls": block}
+
+
+K8S_NATS = "nats"
+"""The NATS StatefulSet of k8s/components/nats (headless Service nats-headless, client Service
+nats, in the gpusched namespace)."""
+
+
+def k8s_nats_config(replicas: int, teams: tuple[str, ...] = ("team-research", "team-product", "team-platform"),
+                    clusters: tuple[str, ...] = (), tls: dict | None = None) -> str:
+    """k8s/components/nats/nats-server.conf (``replicas`` 3: a JetStream cluster, routes between
+    the StatefulSet's pods) or k8s/overlays/dev/nats-single/nats-server.conf (1: one server): the reference
+    configuration (fsync always, passwords from the environment) with the pod's name as the
+    server's, monitoring on 8222 for the probes."""
+    executors = [f"{permissions.CLUSTER_EXECUTOR_PREFIX}{c}" for c in clusters]
+    users = {u: "" for u in ["admin", "operator", *PROCESSES, *executors, *teams]}
+    extra: dict = {"server_name": "$POD_NAME", "http_port": 8222, "pid_file": "/var/run/nats/nats.pid",
+                   "lame_duck_duration": "30s", "lame_duck_grace_period": "10s", **(tls or {})}
+    if replicas > 1:
+        extra["cluster"] = {
+            "name": "gpusched", "listen": "0.0.0.0:6222",
+            "routes": [f"nats://{K8S_NATS}-{i}.{K8S_NATS}-headless.gpusched.svc:6222" for i in range(replicas)]}
+    flags = f"--k8s {replicas}"
+    if tls:
+        flags += f" --tls-cert {tls['tls']['cert_file']} --tls-key {tls['tls']['key_file']}"
+        flags += f" --tls-ca {tls['tls']['ca_file']}" if "ca_file" in tls["tls"] else ""
+    header = (
+        f"# gpusched nats-server configuration for Kubernetes ({replicas} server{'s' if replicas > 1 else ''}), "
+        f"generated by\n# `gpusched dev nats-config {flags}`\n# (do not edit: a test fails when this file and the "
+        "generator disagree). Passwords come from the\n# environment (Secret gpusched-nats-server); the server's name "
+        "is its pod's.\n")
+    return header + nats_config(4222, Path("/data/jetstream"), Credentials(users), sync_always=True,
+                                listen_host="0.0.0.0", password_refs=True, extra=extra) + "\n"
+
+
+def reference_nats_config(teams: tuple[str, ...] = ("team-research", "team-product", "team-platform"),
+                          clusters: tuple[str, ...] = (), tls: dict | None = None) -> str:
+    """deploy/nats-server.conf: production settings (fsync always), passwords from the environment;
+    with ``clusters``, a credential ``executor-<cluster>`` for each cluster's executor; ``tls``:
+    :func:`tls_block`."""
+    executors = [f"{permissions.CLUSTER_EXECUTOR_PREFIX}{c}" for c in clusters]
+    users = {u: "" for u in ["admin", "operator", *PROCESSES, *executors, *teams]}
+    header = (
+        "# gpusched nats-server configuration, generated by `gpusched dev nats-config` (do not edit:\n"
+        "# a test fails when this file and the generator disagree). Each password is read from the\n"
+        "# environment variable named in it; add a tenant user per team.\n"
+    )
+    return header + nats_config(4222, Path("/data/jetstream"), Credentials(users), sync_always=True,
+                                listen_host="0.0.0.0", password_refs=True, extra=tls) + "\n"
