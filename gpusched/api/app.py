@@ -1,4 +1,5 @@
-"""The API application: settings, its NATS and Postgres connections, the routes, the console."""
+"""The API application: settings, its NATS and Postgres connections, the routes, the console,
+/docs, and the security headers of every response."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpusched.api import bus, console, problems, routes, serving, telemetry
 from gpusched.api.auth import Authenticator
@@ -156,6 +161,57 @@ def _openapi(app: FastAPI) -> dict:
     return doc
 
 
+CONTENT_SECURITY_POLICY = "; ".join((
+    "default-src 'self'", "script-src 'self'", "style-src 'self'", "img-src 'self' data:", "object-src 'none'",
+    "frame-ancestors 'none'", "base-uri 'none'", "form-action 'self'"))
+"""The pages' policy: the origin's own files only. Nothing on a page is inline (no script, no style
+attribute, no event handler attribute) and nothing comes from elsewhere, so markup that got into a
+page could not run a script; no other site may frame a page."""
+HTML_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Frame-Options": "DENY",  # frame-ancestors 'none', for browsers that predate it
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class SecurityHeaders:
+    """ASGI middleware: ``X-Content-Type-Options: nosniff`` on every response, and on every HTML
+    one (the console, /docs) the :data:`HTML_HEADERS` as well. One place for all routes, so a new
+    page cannot forget them; a route's own header of the same name wins."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                added = {"X-Content-Type-Options": "nosniff"}
+                if headers.get("content-type", "").startswith("text/html"):
+                    added |= HTML_HEADERS
+                for name, value in added.items():
+                    headers.setdefault(name, value)
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
+def install_docs(app: FastAPI) -> None:
+    """/docs: Swagger UI from the files the fastapi-offline package ships (under /docs/static), so
+    it works without internet, started by static/swagger-init.js rather than FastAPI's inline
+    snippet (the CSP allows no inline script). ReDoc is not served."""
+    app.mount("/docs/static", StaticFiles(packages=[("fastapi_offline", "static")]), name="docs-static")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        return console.templates.TemplateResponse(request, "docs.html", {"title": app.title,
+                                                                          "openapi_url": app.openapi_url})
+
+
 def create_app(settings: ApiSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -183,10 +239,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
             await pool.close()
             await nc.close()
 
-    app = FastAPI(title="gpusched API", version="1", lifespan=lifespan,
+    app = FastAPI(title="gpusched API", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Submit and follow GPU jobs; queues, cluster, usage. docs/api.md.")
     problems.install(app)
     app.add_middleware(telemetry.Telemetry)
+    app.add_middleware(SecurityHeaders)
+    install_docs(app)
     app.include_router(routes.router)
     app.include_router(serving.router)
     console.install(app)

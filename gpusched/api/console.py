@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, FastAPI, Form, Path, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from markupsafe import Markup
 
 from gpusched.gateway import history, queue_usage
 from gpusched.api.auth import COOKIE, Identity, bearer
@@ -278,9 +279,10 @@ def timeline(events: list) -> list[dict[str, Any]]:
     return rows
 
 
-def svg_chart(values: list[float | int | None], width: int = 560, height: int = 120) -> str:
-    """A polyline of ``values`` (None: a gap) scaled to the box, with its maximum marked: plain
-    SVG, numbers only, so nothing in it needs escaping."""
+def svg_chart(values: list[float | int | None], width: int = 560, height: int = 120) -> Markup:
+    """A polyline of ``values`` (None: a gap) scaled to the box, with its maximum marked. Markup
+    (the template inserts it as is) built only by ``Markup.format``, which escapes every value it
+    puts in: nothing but numbers goes in today, and a label added later is escaped all the same."""
     known = [float(v) for v in values if v is not None]
     top = max(known, default=0.0) or 1.0
     step = width / max(1, len(values) - 1)
@@ -291,15 +293,18 @@ def svg_chart(values: list[float | int | None], width: int = 560, height: int = 
                 lines.append(current)
             current = []
             continue
-        current.append(f"{i * step:.1f},{height - 4 - (float(v) / top) * (height - 8):.1f}")
+        current.append((f"{i * step:.1f}", f"{height - 4 - (float(v) / top) * (height - 8):.1f}"))
     if current:
         lines.append(current)
-    paths = "".join(f'<polyline fill="none" stroke="currentColor" stroke-width="2" points="{" ".join(pts)}"/>'
-                    if len(pts) > 1 else '<circle r="3" fill="currentColor" cx="{}" cy="{}"/>'.format(*pts[0].split(","))
-                    for pts in lines)
-    return (f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img">'
-            f'<line x1="0" y1="{height - 4}" x2="{width}" y2="{height - 4}" stroke="#ccc"/>{paths}'
-            f'<text x="4" y="12" font-size="11">max {_fmt(top)}</text></svg>')
+    paths = Markup("").join(
+        Markup('<polyline fill="none" stroke="currentColor" stroke-width="2" points="{}"/>').format(
+            " ".join(f"{x},{y}" for x, y in pts))
+        if len(pts) > 1 else Markup('<circle r="3" fill="currentColor" cx="{}" cy="{}"/>').format(*pts[0])
+        for pts in lines)
+    return Markup('<svg viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img">'
+                  '<line x1="0" y1="{base}" x2="{w}" y2="{base}" stroke="#ccc"/>{paths}'
+                  '<text x="4" y="12" font-size="11">max {top}</text></svg>').format(
+        w=width, h=height, base=height - 4, paths=paths, top=_fmt(top))
 
 
 def _fmt(x: float) -> str:

@@ -119,7 +119,8 @@ def test_a_waiting_job_says_why_and_another_teams_job_is_not_there(browser, api_
     page.goto(f"{api_stack.url}/console/jobs/{blockers[0]}")
     page.once("dialog", lambda d: d.accept())
     page.click("#cancel")
-    page.wait_for_function("document.getElementById('job-state').textContent.trim() === 'cancelled'", timeout=60_000)
+    page.wait_for_function("() => document.getElementById('job-state').textContent.trim() === 'cancelled'",
+                           timeout=60_000)  # a function: the page's CSP refuses to eval a string
     page.close()
     with api_stack.client("alice") as alice:  # leave team-a's queue free for the tests that follow
         assert alice.post(f"/v1/jobs/{blockers[1]}/cancel", json={}).status_code == 200
