@@ -12,16 +12,19 @@ the address from the standard ``OTEL_EXPORTER_OTLP_ENDPOINT``, default http://lo
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import NoReturn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -74,7 +77,10 @@ def setup(service: str, *, level: str = "INFO", fmt: str = "json", metrics_port:
     logging.getLogger("nats").setLevel("WARNING")
 
     if metrics_port:
-        serve_metrics(metrics_port, metrics_addr)
+        try:
+            serve_metrics(metrics_port, metrics_addr)
+        except CannotListen as err:  # a restart would meet the same holder: say so and stop
+            exit_cannot_listen(service, err)
 
     provider = TracerProvider(resource=Resource.create({"service.name": f"gpusched-{service}"}))
     exporter = span_exporter(otel_exporter, service, trace_dir)
@@ -85,8 +91,75 @@ def setup(service: str, *, level: str = "INFO", fmt: str = "json", metrics_port:
     _recording = exporter is not None
 
 
+EXIT_CANNOT_LISTEN = 4
+"""A process's exit status when it cannot listen on its port (2: bad configuration, 3: lease lost).
+Starting it again on the same port cannot help, so a supervisor stops instead of restarting it
+(the dev stack's, gpusched/dev/stack.py)."""
+
+METRICS_FD = "GPUSCHED_METRICS_FD"
+"""Set by the process that started this one (the dev stack): the number of an inherited socket,
+already bound and listening, to serve /metrics on instead of binding GPUSCHED_METRICS_PORT."""
+
+
+class CannotListen(Exception):
+    """A listener could not bind its address; the message says which address, why, and what would help."""
+
+
+_WHY = {
+    errno.EADDRINUSE: "address in use (another process holds it)",
+    errno.EACCES: "permission denied (ports below 1024 need privileges)",
+    errno.EADDRNOTAVAIL: "no such address on this machine",
+}
+
+
+def listen(addr: str, port: int, setting: str | None = None) -> socket.socket:
+    """A TCP socket bound to ``addr:port`` (0: any free port) and listening; CannotListen when it
+    cannot be had (``setting``: the variable that chose the port, named in the message)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections of an earlier run in TIME_WAIT
+    try:
+        sock.bind((addr, port))
+        sock.listen(1024)
+    except OSError as err:
+        sock.close()
+        advice = f"; set {setting} to a free port, or stop the process that holds it" if setting else ""
+        raise CannotListen(f"cannot listen on {addr}:{port}: {_WHY.get(err.errno, err.strerror)}{advice}") from None
+    return sock
+
+
+def inherited_listener(variable: str) -> socket.socket | None:
+    """The listening socket whose file descriptor ``variable`` names, inherited from the process
+    that started this one (which bound it and keeps it, so that its port stays this process's
+    across restarts); None when the variable is not set. The variable is removed, so that a
+    process this one starts does not take an unrelated descriptor of its own for it."""
+    fd = os.environ.pop(variable, None)
+    if not fd:
+        return None
+    sock = socket.socket(fileno=int(fd))
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        raise CannotListen(f"{variable}={fd}: the inherited socket is not listening")
+    return sock
+
+
+def exit_cannot_listen(service: str, err: CannotListen) -> NoReturn:
+    """End the process with :data:`EXIT_CANNOT_LISTEN` and the reason on stderr (plain text: the
+    dev stack's supervisor shows that line)."""
+    print(f"gpusched {service}: {err}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_CANNOT_LISTEN)
+
+
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+
+    def server_bind(self) -> None:
+        """The socket is bound and listening already (:func:`listen`, or inherited); the rest as
+        WSGIServer does."""
+        self.server_address = self.socket.getsockname()
+        self.server_name, self.server_port = self.server_address[:2]
+        self.setup_environ()
+
+    def server_activate(self) -> None:
+        pass
 
 
 class _Quiet(WSGIRequestHandler):
@@ -96,7 +169,8 @@ class _Quiet(WSGIRequestHandler):
 
 def serve_metrics(port: int, addr: str = "127.0.0.1") -> WSGIServer:
     """``/metrics`` (Prometheus), ``/livez`` and ``/readyz`` (runtime/health.py) on one port, in
-    a thread."""
+    a thread: on the socket :data:`METRICS_FD` names when this process inherited one, else on
+    ``addr:port`` bound here (CannotListen when another process holds it)."""
     metrics = make_wsgi_app()
 
     def app(environ, start_response):
@@ -106,7 +180,12 @@ def serve_metrics(port: int, addr: str = "127.0.0.1") -> WSGIServer:
             start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json")])
             return [json.dumps(body).encode()]
         return metrics(environ, start_response)
-    httpd = make_server(addr, port, app, _Server, handler_class=_Quiet)
+    sock = inherited_listener(METRICS_FD) or listen(addr, port, setting="GPUSCHED_METRICS_PORT")
+    httpd = _Server(sock.getsockname()[:2], _Quiet, bind_and_activate=False)
+    httpd.socket.close()
+    httpd.socket = sock
+    httpd.server_bind()
+    httpd.set_app(app)
     threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
     return httpd
 

@@ -5,11 +5,18 @@ point at external ones. Data stays in ``.data/`` so a second run continues where
 stopped. Services that die are restarted (they rebuild from the log). The supervisor outlives its
 dependencies: while NATS or Postgres is away the summary says so and it reconnects; a nats-server
 or Postgres it started itself that died is started again, on the same port and data.
+
+Ports: the API's and the services' metrics sockets are bound here, first, and inherited by the
+processes (gpusched.dev.stack.Listeners); the connection file is written only once everything it
+names is held, and removed when the run ends. A port another process holds (the API's
+GPUSCHED_API_PORT, or NATS's or Postgres's when one of them is started again) ends the run with
+the reason and exit status 4 (runtime.observability.EXIT_CANNOT_LISTEN) instead of a restart loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -34,7 +41,9 @@ from gpusched.gateway import history
 from gpusched.config import pricebook
 from gpusched.config import queues as queueconfig
 from gpusched.api import tokens
-from runtime import eventlog
+from gpusched.api.__main__ import API_FD
+from gpusched.permissions import API_USER
+from runtime import eventlog, observability
 from runtime.settings import NatsTls, Settings
 from schemas import JobSpec, SubmitJob
 from schemas.auth import Role
@@ -143,7 +152,9 @@ class Dependencies:
             try:
                 await asyncio.to_thread(piece.start)
                 self.note(f"{name} restarted")
-            except Exception as err:  # still shutting down, port taken, ...: try again next tick
+            except observability.CannotListen:  # another process has its port: our clients must not reach it
+                raise
+            except Exception as err:  # still shutting down, ...: try again next tick
                 self.note(f"{name} restart failed ({err}); retrying")
 
     async def postgres(self) -> asyncpg.Connection | None:
@@ -198,14 +209,26 @@ def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dic
 
 async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float) -> int:
     started: list = []  # NATS and Postgres, if we started them: stopped whatever happens
+    listeners = devstack.Listeners()  # held from the start to the end
+    run_dir = data_dir.resolve() / "run"
+    _forget_connection(run_dir)  # a crashed run's: it names ports nothing of ours holds
     try:
-        return await _run(data_dir.resolve(), time_scale, demo, demo_jobs, duration, started)
+        # Before anything starts: an API port asked for (GPUSCHED_API_PORT) and taken ends the run here.
+        listeners.hold_metrics(devstack.PROCESSES)
+        listeners.hold(API_USER, API_FD, _api_listener())
+        return await _run(data_dir.resolve(), time_scale, demo, demo_jobs, duration, started, listeners)
+    except observability.CannotListen as err:
+        console.print(f"gpusched dev up: {err}", style="red", markup=False, soft_wrap=True)
+        return observability.EXIT_CANNOT_LISTEN
     finally:
         for piece in reversed(started):
             piece.stop()
+        listeners.close()
+        _forget_connection(run_dir)
 
 
-async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float, started: list) -> int:
+async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float, started: list,
+               listeners: devstack.Listeners) -> int:
     run_dir = data_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = example("cluster.yaml")
@@ -219,6 +242,7 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
         nats_server = devstack.NatsServer(data_dir / "nats", teams=TEAMS).start()
         started.append(nats_server)
         admin = connection.Connection(nats_server.url(), "admin", nats_server.creds.users["admin"], None)
+    pg = None
     if os.environ.get("GPUSCHED_PG_DSN"):
         dsn = os.environ["GPUSCHED_PG_DSN"]
     else:
@@ -235,7 +259,6 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
 
     operator = connection.Connection(admin.nats_url, "operator" if nats_server else admin.nats_user,
                                  nats_server.creds.users["operator"] if nats_server else admin.nats_password, dsn)
-    connection.save(operator, run_dir / "connection.json")
 
     nc = await eventlog.connect(Settings(nats_url=admin.nats_url, nats_user=admin.nats_user,
                                          nats_password=admin.nats_password,
@@ -248,25 +271,28 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     for event in pricebook.plan(pricebook.read(example("pricebook.yaml")), await pricebook.current(js), datetime.now(UTC)):
         await eventlog.EventLog(js).append(event)  # so that usage, chargeback and what-if have prices
 
-    metrics_ports = dict(zip(devstack.PROCESSES, devstack.free_ports(len(devstack.PROCESSES))))
-    api_port = _api_port()
+    metrics_ports = listeners.ports(observability.METRICS_FD)
+    api_port = listeners.ports(API_FD)[API_USER]
     # Local NATS: each service its own user. External NATS: the credentials in the environment.
     nats_env = nats_server.env if nats_server else (lambda name: external_nats_env)
     webhook_secrets = devstack.webhook_secrets(run_dir / "webhook-secrets.json", TEAMS)
     env = devstack.service_env(nats_env, dsn, cluster=cluster, time_scale=clock["time_scale"], epoch=clock["epoch"],
                                metrics_ports=metrics_ports, webhook_secrets=webhook_secrets, api_port=api_port)
-    procs = devstack.ServiceProcesses(data_dir / "logs", env)
+    procs = devstack.ServiceProcesses(data_dir / "logs", env, listeners=listeners)
     procs.start_all()
     api_tokens = await _demo_tokens(js, run_dir / "api-tokens.json")
     api_url = f"http://127.0.0.1:{api_port}"
-    _save_api(run_dir / "connection.json", api_url, api_tokens["operator"])
+    # Every address in it is held by now: NATS and Postgres checked to be ours, the API's socket ours.
+    connection.save(dataclasses.replace(operator, api_url=api_url, api_token=api_tokens["operator"]),
+                    run_dir / "connection.json")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     demo_task = None
     try:
-        console.print(f"NATS {admin.nats_url}   Postgres {dsn}   logs {data_dir / 'logs'}")
+        shown_pg = f"{pg.dsn_without_password} (password in {pg.password_file})" if pg else "GPUSCHED_PG_DSN"
+        console.print(f"NATS {admin.nats_url}   Postgres {shown_pg}   logs {data_dir / 'logs'}")
         console.print("metrics: " + "  ".join(f"{n} :{p}" for n, p in metrics_ports.items()))
         console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage | services [chat]   "
                       "(reads .data/run/connection.json; from elsewhere ~/.local/state/gpusched/)")
@@ -298,16 +324,15 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     return 0
 
 
-def _api_port() -> int:
-    """GPUSCHED_API_PORT, else 8080 when it is free, else any free port."""
+def _api_listener(default_port: int = 8080) -> socket.socket:
+    """The API's socket, bound and listening: on GPUSCHED_API_PORT (CannotListen when another
+    process holds it: that port was asked for), else on 8080 when it is free, else on any free port."""
     if os.environ.get("GPUSCHED_API_PORT"):
-        return int(os.environ["GPUSCHED_API_PORT"])
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", 8080))
-            return 8080
-        except OSError:
-            return devstack.free_port()
+        return observability.listen("127.0.0.1", int(os.environ["GPUSCHED_API_PORT"]), setting="GPUSCHED_API_PORT")
+    try:
+        return observability.listen("127.0.0.1", default_port)
+    except observability.CannotListen:
+        return observability.listen("127.0.0.1", 0)
 
 
 async def _demo_tokens(js, path: Path) -> dict[str, str]:
@@ -325,13 +350,17 @@ async def _demo_tokens(js, path: Path) -> dict[str, str]:
     return held
 
 
-def _save_api(path: Path, url: str, token: str) -> None:
-    """Add the API's address and the operator's token to the connection files `make run` wrote,
-    so that the CLI and the SDK reach the API (gpusched.gateway.connection)."""
-    for target in (path, connection.user_connection_file()):
-        saved = json.loads(target.read_text())
-        saved.update(api_url=url, api_token=token)
-        target.write_text(json.dumps(saved))
+def _forget_connection(run_dir: Path) -> None:
+    """Remove the connection file of this data directory, and this user's copy where it is the same
+    (another stack's is left): once a run ends, nothing holds the ports it names, and the next
+    process on one of them would get the CLI's credentials."""
+    ours = run_dir / "connection.json"
+    if not ours.exists():
+        return
+    copy = connection.user_connection_file()
+    if copy.exists() and copy.read_bytes() == ours.read_bytes():
+        copy.unlink()
+    ours.unlink()
 
 
 async def _supervise(procs: devstack.ServiceProcesses, js, deps: Dependencies, capacity: int,

