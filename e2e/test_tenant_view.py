@@ -67,7 +67,8 @@ async def stack(nats_server, postgres, admin_js, pg_dsn, tmp_path, receiver):
     secrets.write_text(json.dumps({"team-a": SECRET}))
     epoch = time.time()
     env = devstack.service_env(nats_server.env, pg_dsn, cluster=cluster, time_scale=TIME_SCALE, epoch=epoch,
-                               extra={"GPUSCHED_TICK_S": "0.1", "GPUSCHED_WEBHOOK_SECRETS_FILE": str(secrets)})
+                               extra={"GPUSCHED_TICK_S": "0.1", "GPUSCHED_WEBHOOK_SECRETS_FILE": str(secrets),
+                                      "GPUSCHED_WEBHOOK_ALLOW": "127.0.0.0/8"})  # the receiver is on loopback
     log = eventlog.EventLog(admin_js)
     for team in ("team-a", "team-b"):
         await log.append(queue(f"q-{team}", (team,), {"a100": 8}, preemption={"within_queue": "lower-priority"}))

@@ -56,6 +56,22 @@ def env_address(name: str, default: str) -> str:
     return value
 
 
+def env_networks(name: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """Comma-separated CIDRs (``10.20.0.0/16,2001:db8::/32``); unset: none. Every entry must be a
+    network written exactly (no host bits set), so that a typo never allows more than was meant."""
+    raw = env_value(name)
+    if raw is None:
+        return ()
+    networks = []
+    for entry in raw.split(","):
+        try:
+            networks.append(ipaddress.ip_network(entry.strip()))
+        except ValueError as err:
+            raise ConfigError(f"{name}={raw!r}: {entry.strip()!r} is not a network ({err}); accepted: comma-separated "
+                              "CIDRs, e.g. 10.20.0.0/16,2001:db8::/32") from None
+    return tuple(networks)
+
+
 def _pem(name: str, raw: str | None) -> Path | None:
     if raw is not None and not (os.path.isfile(raw) and os.access(raw, os.R_OK)):
         raise ConfigError(f"{name}={raw!r} is not a readable file; accepted: the path of a PEM file")

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 
 from runtime import eventlog, observability
 from runtime.loop import DecisionService, run_service
-from runtime.settings import ConfigError
+from runtime.settings import ConfigError, env_networks
 from runtime.teams import MAX_READING_PARTITIONS, Partition, partition_durables, partition_from_env
 from schemas import Event, JobSubmitted
 from schemas.commands import intake_principal
@@ -217,9 +217,11 @@ class AdmissionService(DecisionService):
 def main() -> None:
     try:
         partition = partition_from_environment()
+        webhook_allow = env_networks("GPUSCHED_WEBHOOK_ALLOW")  # beside public addresses (docs/notifications.md)
     except ConfigError as err:
         sys.exit(str(err))
-    run_service("admission", lambda settings, clock: AdmissionCore(partition=partition), AdmissionService)
+    run_service("admission", lambda settings, clock: AdmissionCore(partition=partition, webhook_allow=webhook_allow),
+                AdmissionService)
 
 
 if __name__ == "__main__":

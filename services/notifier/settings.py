@@ -6,8 +6,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.settings import ConfigError, env_number, env_value
+from runtime.settings import ConfigError, env_networks, env_number, env_value
 from runtime.teams import partition_from_env
+from schemas.egress import Network
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class NotifierSettings:
     secrets: dict[str, str] = field(default_factory=dict)  # team -> webhook signing secret
     partitions: int = 1  # notifiers sharing the teams (GPUSCHED_NOTIFIER_PARTITIONS)
     partition: int = 0  # this one's share (GPUSCHED_NOTIFIER_PARTITION): the teams partition_of maps here
+    # networks webhooks may reach beside public addresses (GPUSCHED_WEBHOOK_ALLOW; services.notifier.egress)
+    webhook_allow: tuple[Network, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.partition < self.partitions:
@@ -35,6 +38,7 @@ class NotifierSettings:
             backoff_cap_s=env_number("GPUSCHED_WEBHOOK_BACKOFF_CAP_S", 30.0, minimum=0.1, maximum=3600),
             secrets=_read_secrets(env_value("GPUSCHED_WEBHOOK_SECRETS_FILE")),
             partitions=partitions, partition=partition,
+            webhook_allow=env_networks("GPUSCHED_WEBHOOK_ALLOW"),
         )
 
 

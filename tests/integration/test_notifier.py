@@ -16,6 +16,7 @@ import threading
 import time
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from ipaddress import ip_network
 
 import nats
 import pytest
@@ -68,9 +69,14 @@ def receivers():
         r.server.shutdown()
 
 
+# The receivers listen on loopback, which webhooks may reach only where the operator allows it.
+LOOPBACK_ALLOWED = (ip_network("127.0.0.0/8"),)
+
+
 def notifier(nats_server, **options) -> Notifier:
     return Notifier(service_settings(nats_server, "notifier"),
-                    NotifierSettings(secrets={"team-a": SECRET}, backoff_cap_s=0.2, **options))
+                    NotifierSettings(secrets={"team-a": SECRET}, backoff_cap_s=0.2, webhook_allow=LOOPBACK_ALLOWED,
+                                     **options))
 
 
 async def read_tenant(nats_server, team: str, subjects: str) -> list:
@@ -277,7 +283,8 @@ async def test_sigterm_stops_the_process_within_5_s_even_while_it_retries(nats_s
     await log.append(new_event(TeamConfigured, aggregate_id="team-a", producer="config", occurred_at=datetime.now(UTC),
                                key="1", name="team-a", notify=NotifySpec(webhooks=(Webhook(url=dead.url),))))
     await log.append(submitted("s1", spec(team="team-a")))
-    env = {**os.environ, **nats_server.env("notifier"), "GPUSCHED_WEBHOOK_SECRETS_FILE": str(secrets)}
+    env = {**os.environ, **nats_server.env("notifier"), "GPUSCHED_WEBHOOK_SECRETS_FILE": str(secrets),
+           "GPUSCHED_WEBHOOK_ALLOW": "127.0.0.0/8"}
     with open(tmp_path / "notifier.log", "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.notifier"], cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)

@@ -278,7 +278,7 @@ def test_executor_rbac_is_minimal(docs: list[dict]) -> None:
 
 # -- every setting a service reads is set by its manifest -------------------------------------
 
-_READ = re.compile(r'(?:env_value|env_number|env_choice|environ\.get|getenv)\(\s*"(GPUSCHED_[A-Z0-9_]+)"|environ\["(GPUSCHED_[A-Z0-9_]+)"\]')
+_READ = re.compile(r'(?:env_value|env_number|env_choice|env_networks|environ\.get|getenv)\(\s*"(GPUSCHED_[A-Z0-9_]+)"|environ\["(GPUSCHED_[A-Z0-9_]+)"\]')
 
 # Read by a service, deliberately not set by the base (an overlay may), and why.
 UNSET_ON_PURPOSE = {
