@@ -45,11 +45,12 @@ async def connect_as(server: devstack.NatsServer, user: str, **options) -> nats.
 async def reset_log(js, *, immutable: bool = True) -> None:
     """Empty streams, provisioned as `gpusched init` does (``immutable`` False: messages may be
     deleted, for a test that needs a gap in the log)."""
-    streams = (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM,
-               *(eventlog.tenant_stream(team) for team in TEST_TEAMS))
-    for stream in streams:
+    for stream in (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM):
         with contextlib.suppress(Exception):
             await js.delete_stream(stream)
+    for team in TEST_TEAMS:  # in the team's own account
+        with contextlib.suppress(Exception):
+            await eventlog.tenant_js(js, team).delete_stream(eventlog.tenant_stream(team))
     await eventlog.provision(js, eventlog.StreamLimits(immutable=immutable), teams=TEST_TEAMS)
 
 

@@ -193,9 +193,10 @@ async def main(args) -> dict:
             # Each run on new streams (their consumers and duplicate windows go with them). Never
             # purge a live log: the services' deterministic ids would be de-duplicated against
             # events that are no longer there.
-            for stream in (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM,
-                           *map(eventlog.tenant_stream, TEAMS)):
+            for stream in (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM):
                 await js.delete_stream(stream)
+            for team in TEAMS:  # in the team's own account
+                await eventlog.tenant_js(js, team).delete_stream(eventlog.tenant_stream(team))
             await eventlog.provision(js, teams=TEAMS)  # the notifier copies the team's events: its real work
             runs.append(await e2e(server, pg, js, args.jobs, work / f"run{r}"))
         consume = [await raw_consume(js, 0) for _ in range(args.repeats)]

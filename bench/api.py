@@ -298,7 +298,8 @@ async def fanout(p: Platform, template: dict, events: int, rate: float | None, s
 async def tenant_template(p: Platform) -> dict:
     """A real copy the notifier wrote to team-a's subjects (a JobAdmitted), to publish again
     under new event ids."""
-    msg = await p.js.get_msg(eventlog.tenant_stream(TEAM), subject=f"gpusched.tenant.{TEAM}.job.warm-0.admitted",
+    team_js = eventlog.tenant_js(p.js, TEAM)  # the team's stream is in its own account
+    msg = await team_js.get_msg(eventlog.tenant_stream(TEAM), subject=f"gpusched.tenant.{TEAM}.job.warm-0.admitted",
                              direct=True)
     doc = json.loads(msg.data)
     doc["_token"] = msg.subject.split(".")[-1]
@@ -308,7 +309,8 @@ async def tenant_template(p: Platform) -> dict:
 async def quiet(p: Platform, still_s: float = 1.0) -> None:
     """Until the notifier has copied the earlier phases' events (the team's stream stands still)."""
     last = -1
-    while (now := (await p.js.stream_info(eventlog.tenant_stream(TEAM))).state.last_seq) != last:
+    team_js = eventlog.tenant_js(p.js, TEAM)
+    while (now := (await team_js.stream_info(eventlog.tenant_stream(TEAM))).state.last_seq) != last:
         last = now
         await asyncio.sleep(still_s)
 

@@ -17,6 +17,17 @@ Roles (docs/events.md, "Credentials and permissions"):
 - **tenant** (one credential per team, named after it; or ``<team>.<user>`` for a user of a team):
   its own intake subjects, and its team's tenant stream, where it may create consumers.
 
+Accounts: the platform's credentials share one NATS account, ``GPUSCHED``, which holds the event
+log, the intake, the dead letters and the services' buckets. Each team has an account of its own,
+``TEAM_<team>``, with its credentials and its tenant stream; the two are joined by three imports
+and nothing else (:func:`accounts`): the team's intake subjects into the platform, its tenant
+subjects and its JetStream API out to the platform. Whatever a team's credential makes the server
+publish for it (a push consumer's deliveries, the reply to any request, a reply subject it
+chose) is published in the team's account, where the only way out is its own intake, as itself.
+Within one account, subject permissions could not have held this wall: they check the subject a
+client publishes on, not a consumer's ``deliver_subject`` nor the reply subject of a request,
+which the server answers on with its own rights (docs/events.md, "The tenant wall").
+
 Every credential receives replies only under its own inbox prefix (``_INBOX.<user>``), so none can
 read another's JetStream replies or deliveries. Stream create, update, delete and purge, and message
 delete, are the admin's alone (and the streams refuse purge and message delete even to it); the one
@@ -37,6 +48,7 @@ from runtime.eventlog import (
     tenant_stream,
     tenant_subjects,
 )
+from runtime.eventlog import tenant_api as tenant_api_of
 from schemas.commands import INTAKE_VERBS, OPERATOR
 from schemas.node import valid_cluster
 from schemas.registry import SUBJECT_PREFIX, producer_subjects, subject_suffix
@@ -58,9 +70,11 @@ DURABLES: dict[str, dict[str, list[str]]] = {
     "scheduler": {EVENTS_STREAM: ["scheduler"]},
     "executor": {EVENTS_STREAM: ["executor"]},
     "accounting": {},
-    # one pair per partition (services/notifier/core.py durable_names; partition 0: the first pair)
-    "notifier": {EVENTS_STREAM: [name for k in range(16) for name in
-                                 ((f"notifier-p{k}", f"notifier-services-p{k}") if k else ("notifier", "notifier-services"))]},
+    # per partition (services/notifier/core.py durable_names; partition 0: no suffix): jobs and
+    # services on the log, refused commands on the dead letters
+    "notifier": {EVENTS_STREAM: [f"{name}{f'-p{k}' if k else ''}" for k in range(16)
+                                 for name in ("notifier", "notifier-services")],
+                 DLQ_STREAM: [f"notifier-refused{f'-p{k}' if k else ''}" for k in range(16)]},
     "serving": {EVENTS_STREAM: ["serving"]},
 }
 """Service -> stream -> the durable consumers it owns there."""
@@ -94,13 +108,14 @@ NOTIFIER_TENANT_DURABLE = "notifier"
 """The notifier's durable on each tenant stream (webhook delivery), the one consumer there that is not the team's."""
 
 
-def consumer_api(stream: str, name: str, *, pull: bool = True) -> list[str]:
+def consumer_api(stream: str, name: str, *, pull: bool = True, api: str = API) -> list[str]:
     """Create (with or without a filter in the subject), info, delete, ack and (``pull``) fetch
-    on one named consumer of one stream; ``*`` as the stream: that name on any stream."""
+    on one named consumer of one stream; ``*`` as the stream: that name on any stream. ``api``:
+    the JetStream API prefix (a team's account's, for the notifier's durable there)."""
     return [
-        f"{API}.CONSUMER.*.{stream}.{name}",  # CREATE, INFO, DELETE, PAUSE, UNPIN
-        f"{API}.CONSUMER.CREATE.{stream}.{name}.>",
-        *([f"{API}.CONSUMER.MSG.NEXT.{stream}.{name}"] if pull else []),
+        f"{api}.CONSUMER.*.{stream}.{name}",  # CREATE, INFO, DELETE, PAUSE, UNPIN
+        f"{api}.CONSUMER.CREATE.{stream}.{name}.>",
+        *([f"{api}.CONSUMER.MSG.NEXT.{stream}.{name}"] if pull else []),
         f"$JS.ACK.{stream}.{name}.>",
     ]
 
@@ -163,8 +178,10 @@ def service_permissions(service: str) -> dict:
         if kind in LEASED:
             publish += lease_api(instance)
     if service == "notifier":  # writes every team's tenant stream; delivers webhooks from each
-        publish += [f"{P}.tenant.>", f"{API}.STREAM.NAMES", f"{API}.STREAM.INFO.*",
-                    *consumer_api("*", NOTIFIER_TENANT_DURABLE)]
+        tenant_api = tenant_api_of("*")
+        # (a team's account holds its tenant stream and nothing else of the platform's)
+        publish += [f"{P}.tenant.>", f"{tenant_api}.INFO", f"{tenant_api}.STREAM.INFO.*",
+                    *consumer_api("*", NOTIFIER_TENANT_DURABLE, api=tenant_api)]
     return _perms(service, sorted(set(publish)))
 
 
@@ -252,3 +269,64 @@ def permissions(user: str) -> dict:
         return api_permissions()
     team, _, member = user.partition(".")
     return tenant_permissions(team, member or None)
+
+
+# -- accounts ---------------------------------------------------------------------------------
+
+PLATFORM_ACCOUNT = "GPUSCHED"
+"""The account of every platform credential (admin, operator, api, the services)."""
+
+
+def team_account(team: str) -> str:
+    """The NATS account of one team's credentials and its tenant stream."""
+    return f"TEAM_{team}"
+
+
+def team_of(user: str) -> str | None:
+    """The team a credential belongs to (``<team>`` or ``<team>.<user>``), None for the platform's."""
+    if user in RESERVED or cluster_executor(user):
+        return None
+    return user.partition(".")[0]
+
+
+def account_of(user: str) -> str:
+    team = team_of(user)
+    return PLATFORM_ACCOUNT if team is None else team_account(team)
+
+
+def accounts(users: list[str]) -> dict[str, dict]:
+    """Account name -> its users, exports and imports (nats-server's ``accounts`` block, less the
+    users' passwords and permissions). The only paths between the platform and a team:
+
+    - the team's intake ``gpusched.intake.<team>.>``: a service the platform exports to that team
+      alone; a publish there in the team's account is stored in GPUSCHED_INTAKE and JetStream's
+      ack comes back as the service's response;
+    - the team's tenant subjects ``gpusched.tenant.<team>.>``: a service the team exports to the
+      platform, so the notifier's copies are stored in the team's own stream (and the platform's
+      core subscribers, the API's answers, still see them);
+    - the team's JetStream API (``$JS.API.>``, and the acks of its tenant stream's consumers):
+      exported to the platform, imported as :func:`runtime.eventlog.tenant_api`, so that the
+      admin provisions the team's stream and the notifier reads it for webhooks.
+
+    Nothing flows from a team's account into the platform's but the first, and that only on the
+    team's own intake subjects."""
+    teams = sorted({t for u in users if (t := team_of(u)) is not None})
+    out: dict[str, dict] = {PLATFORM_ACCOUNT: {"users": [], "exports": [], "imports": []}}
+    for team in teams:
+        account, stream = team_account(team), tenant_stream(team)
+        out[PLATFORM_ACCOUNT]["exports"].append({"service": f"{P}.intake.{team}.>", "accounts": [account]})
+        out[PLATFORM_ACCOUNT]["imports"] += [
+            {"service": {"account": account, "subject": tenant_subjects(team)}},
+            {"service": {"account": account, "subject": f"{API}.>"}, "to": f"{tenant_api_of(team)}.>"},
+            {"service": {"account": account, "subject": f"$JS.ACK.{stream}.>"}},
+        ]
+        out[account] = {"users": [], "imports": [{"service": {"account": PLATFORM_ACCOUNT, "subject": f"{P}.intake.{team}.>"}}],
+                        "exports": [
+                            {"service": tenant_subjects(team), "accounts": [PLATFORM_ACCOUNT]},
+                            # a fetch answers with many messages
+                            {"service": f"{API}.>", "accounts": [PLATFORM_ACCOUNT], "response_type": "stream"},
+                            {"service": f"$JS.ACK.{stream}.>", "accounts": [PLATFORM_ACCOUNT]},
+                        ]}
+    for user in users:
+        out[account_of(user)]["users"].append(user)
+    return out

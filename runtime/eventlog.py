@@ -66,6 +66,19 @@ def tenant_subjects(team: str) -> str:
     return f"{SUBJECT_PREFIX}.tenant.{team}.>"
 
 
+def tenant_api(team: str) -> str:
+    """The JetStream API of a team's own NATS account as the platform's account sees it: each
+    team's tenant stream lives in the team's account (gpusched.permissions, "Accounts"), which
+    exports its ``$JS.API.>`` to the platform under this prefix."""
+    return f"$JS.tenant.{team}.API"
+
+
+def tenant_js(js: JetStreamContext, team: str) -> JetStreamContext:
+    """A JetStream context on ``team``'s account through ``js``'s connection (a platform
+    credential's: the admin provisions the team's stream, the notifier reads and writes it)."""
+    return client_of(js).jetstream(prefix=tenant_api(team))
+
+
 def user_token(user: str) -> str:
     """A credential's name as one subject token or consumer name: ``.`` (``<team>.<user>``) as
     ``_``, which no team or user name holds."""
@@ -224,8 +237,9 @@ async def _reconnected() -> None:
 
 
 async def provision(js: JetStreamContext, limits: StreamLimits = StreamLimits(), teams: tuple[str, ...] = ()) -> None:
-    """Create or update the three streams and each team's tenant stream. Idempotent; run by the
-    admin (`gpusched init`) or the dev stack."""
+    """Create or update the three streams and each team's tenant stream (in the team's own
+    account, :func:`tenant_js`). Idempotent; run by the admin (`gpusched init`) or the dev stack.
+    A team the broker has no account for is refused with :class:`UnknownTeam`."""
     common = dict(
         storage=StorageType.FILE,
         num_replicas=limits.replicas,
@@ -241,14 +255,40 @@ async def provision(js: JetStreamContext, limits: StreamLimits = StreamLimits(),
         StreamConfig(name=EVENTS_STREAM, subjects=EVENT_SUBJECTS, **common),
         StreamConfig(name=INTAKE_STREAM, subjects=INTAKE_SUBJECTS, **common),
         StreamConfig(name=DLQ_STREAM, subjects=DLQ_SUBJECTS, **common),
-        *(StreamConfig(name=tenant_stream(team), subjects=[tenant_subjects(team)], **common) for team in teams),
     ]
     for config in configs:
-        try:
-            await js.stream_info(config.name)
-            await js.update_stream(config)
-        except NotFoundError:
-            await js.add_stream(config)
+        await _create_or_update(js, config)
+    for team in teams:
+        if not await team_account_exists(client_of(js), team):
+            raise UnknownTeam(team)
+        await _create_or_update(tenant_js(js, team),
+                                StreamConfig(name=tenant_stream(team), subjects=[tenant_subjects(team)], **common))
+
+
+async def team_account_exists(nc: NATS, team: str) -> bool:
+    """Whether the broker has an account for ``team`` (its JetStream API answers through the
+    platform's import; without the account nothing answers there). Other errors are raised."""
+    try:
+        await nc.request(f"{tenant_api(team)}.INFO", b"", timeout=5)
+    except nats.errors.NoRespondersError:
+        return False
+    return True
+
+
+class UnknownTeam(RuntimeError):
+    def __init__(self, team: str) -> None:
+        super().__init__(f"the broker has no account for team {team!r} (its JetStream at {tenant_api(team)} does not "
+                         f"answer); add the team to the nats-server configuration (`gpusched dev nats-config --team "
+                         f"{team}`, or the dev stack's teams) and reload the server")
+        self.team = team
+
+
+async def _create_or_update(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        await js.stream_info(config.name)
+        await js.update_stream(config)
+    except NotFoundError:
+        await js.add_stream(config)
 
 
 async def wait_for_streams(js: JetStreamContext, timeout_s: float = 60.0) -> None:

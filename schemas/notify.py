@@ -44,6 +44,8 @@ class NotificationKind(StrEnum):
     SERVICE_SCALED = "service-scaled"
     REPLICA_LOST = "replica-lost"
     SERVICE_DELETED = "service-deleted"
+    # a command of the team that admission could not read or take (dead-lettered; docs/publishing.md)
+    COMMAND_REFUSED = "command-refused"
 
 
 class Webhook(Contract):

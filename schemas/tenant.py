@@ -1,7 +1,9 @@
 """What a team reads from its tenant stream ``GPUSCHED_TENANT_<team>`` beside the copies of its
 jobs' and services' events: notifications (``gpusched.tenant.<team>.notify.<job_id>.<kind>``, or
 ``….notify.<service>.<kind>`` for a service's own) and the webhook delivery log
-(``gpusched.tenant.<team>.delivery.<job_id or service>``). The notifier writes both."""
+(``gpusched.tenant.<team>.delivery.<job_id or service>``); and the commands of the team that
+admission refused unread (``gpusched.tenant.<team>.refused.<intake sequence>``: the dead letter's
+bytes, its reason in the ``Gpusched-Reason`` header). The notifier writes them all."""
 
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ class JobNotification(Contract):
     not_before: Timestamp | None = Field(default=None, description="retry-scheduled")
     replicas: int | None = Field(default=None, ge=0, description="service-deployed, -updated, -scaled: desired replicas")
     replaced: bool | None = Field(default=None, description="replica-lost: another replica is asked for in its place")
+    intake_sequence: int | None = Field(
+        default=None, ge=1, description="command-refused: the intake sequence the command's JetStream ack gave; its "
+                                        "dead letter is copied to gpusched.tenant.<team>.refused.<intake_sequence>")
 
 
 class NotificationDelivery(Contract):

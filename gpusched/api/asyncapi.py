@@ -47,6 +47,7 @@ PARAMETERS = {
     "token_id": "An API token id (12 characters)",
     "policy_id": "`cluster`: the one policy (priority classes and preemption rate limit)",
     "kind": "A notification kind (schemas.notify.NotificationKind)",
+    "intake_sequence": "The sequence JetStream's ack gave the command on stream GPUSCHED_INTAKE",
     "verb": "submit, cancel or checkpoint",
     "service": "The service that dead-lettered the message",
 }
@@ -206,6 +207,15 @@ def document() -> dict[str, Any]:
     _channel(doc, "deadletter", f"{P}.deadletter.{{service}}", "Poison messages on stream GPUSCHED_DLQ",
              {"DeadLetter": mid})
     _operation(doc, "services-send-deadletters", "send", "deadletter", "A service dead-letters a message", "platform")
+    mid = "tenant.refused"
+    messages[mid] = _message(mid, "Refused command", {"description": "The refused command's bytes, unchanged"},
+                             DEAD_LETTER_HEADERS, "A command of the team that admission could not read or take, "
+                                                  "with the reason: a copy of its dead letter")
+    _channel(doc, "tenant-refused", f"{P}.tenant.{{team}}.refused.{{intake_sequence}}",
+             "The team's commands admission refused unread, under the intake sequence their JetStream ack gave; "
+             "stream GPUSCHED_TENANT_<team>", {"RefusedCommand": mid})
+    _operation(doc, "notifier-sends-tenant-refused", "send", "tenant-refused",
+               "The notifier copies each dead-lettered command of a team to the team", "platform")
     return doc
 
 

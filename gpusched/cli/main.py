@@ -52,6 +52,8 @@ def init(team: list[str] = typer.Option([], "--team", help="Also provision this 
         try:
             await eventlog.provision(nc.jetstream(), eventlog.StreamLimits.from_settings(Settings.from_env()),
                                      teams=tuple(team))
+        except eventlog.UnknownTeam as err:  # each team's stream is in its own account
+            raise UserError(str(err)) from None
         finally:
             await nc.close()
     run(go())

@@ -37,14 +37,16 @@ def password_variable(user: str) -> str:
 
 def nats_config(port: int, store_dir: Path, creds: Credentials, *, sync_always: bool = False,
                 listen_host: str = "127.0.0.1", password_refs: bool = False, extra: dict | None = None) -> str:
-    """The nats-server configuration: JetStream and one user per service, tenant, operator and
-    admin with the permissions above. ``password_refs`` writes ``$GPUSCHED_NATS_PASSWORD_<USER>``
-    environment references instead of the passwords (deploy/nats-server.conf)."""
-    users = []
-    for user, password in sorted(creds.users.items()):
-        perms = permissions.permissions(user)
-        secret = f"${password_variable(user)}" if password_refs else password
-        users.append({"user": user, "password": secret, "permissions": perms})
+    """The nats-server configuration: JetStream, the platform's account and one account per team
+    (gpusched.permissions.accounts), and one user per service, tenant, operator and admin with
+    its permissions. ``password_refs`` writes ``$GPUSCHED_NATS_PASSWORD_<USER>`` environment
+    references instead of the passwords (deploy/nats-server.conf)."""
+    accounts = permissions.accounts(sorted(creds.users))
+    for account in accounts.values():
+        account["jetstream"] = "enabled"
+        account["users"] = [{"user": user, "password": f"${password_variable(user)}" if password_refs
+                             else creds.users[user], "permissions": permissions.permissions(user)}
+                            for user in account["users"]]
     config = {
         "listen": f"{listen_host}:{port}",
         "server_name": "gpusched",
@@ -56,7 +58,7 @@ def nats_config(port: int, store_dir: Path, creds: Credentials, *, sync_always: 
             # 'always' fsyncs each write: no acknowledged event is lost on power failure.
             **({"sync_interval": "always"} if sync_always else {}),
         },
-        "authorization": {"users": users},
+        "accounts": accounts,
         **(extra or {}),
     }
     # The NATS config format accepts JSON; an environment reference is an unquoted $NAME.

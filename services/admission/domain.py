@@ -67,6 +67,7 @@ from schemas.commands import (
     validate_command,
 )
 from schemas.commands import DeleteService, DeployService, ReportServiceLoad, ScaleService
+from schemas.egress import Network, url_refusal
 from schemas.job import JobCancelled, JobFailed, JobSucceeded, rejection_id
 from schemas.node import NodeInfo
 from schemas.registry import subject_token
@@ -192,8 +193,12 @@ def _validation_message(err: ValidationError) -> tuple[str, str]:
 
 
 class AdmissionCore:
-    def __init__(self, priority_classes=DEFAULT_PRIORITY_CLASSES, partition: Partition = Partition()) -> None:
+    def __init__(self, priority_classes=DEFAULT_PRIORITY_CLASSES, partition: Partition = Partition(),
+                 webhook_allow: tuple[Network, ...] = ()) -> None:
         self.state = AdmissionState(policy=PolicyBook.starting_with(priority_classes), partition=partition)
+        # networks a job's webhooks may reach beside public addresses (GPUSCHED_WEBHOOK_ALLOW): configuration,
+        # not state, so a snapshot does not carry it
+        self.webhook_allow = webhook_allow
         self._shapes: dict[_Shape, int] | None = None  # the nodes by shape, worked out again after they change
 
     def foreign(self, kind: str, token: str) -> bool:
@@ -582,25 +587,33 @@ class AdmissionCore:
     def _refusal(self, spec: JobSpec, user: str, user_field: str
                  ) -> tuple[RejectReason, str, str, tuple[str, ...] | list[str]] | None:
         """Why this job may not be admitted for ``user`` (reason, message, field, accepted), or
-        None: its queue, team, user, priority class, flavors and whether it could ever run."""
+        None: its webhooks, queue, team, user, priority class, flavors and whether it could ever run."""
 
         def reject(reason: RejectReason, message: str, field_: str, accepted=()):
             return reason, message, field_, tuple(accepted)
 
+        for i, hook in enumerate(spec.notify.webhooks):
+            # only what the URL spells is judged here; the notifier judges what a name resolves to
+            if (refused := url_refusal(hook.url, self.webhook_allow)) is not None:
+                field_ = f"spec.notify.webhooks[{i}].url"
+                return reject(RejectReason.FORBIDDEN, refused.message(hook.url, field_), field_)
         queue = self.state.queues.get(spec.queue)
+        # A rejection is the team's to read (its tenant stream): it names the team's own queues
+        # only, never another team's queue or team.
+        own = sorted(name for name, q in self.state.queues.items() if spec.team in q.allowed_teams)
         if queue is None:
-            known = self.state.queues.keys()
             return reject(
                 RejectReason.UNKNOWN_QUEUE,
-                f"spec.queue {spec.queue!r} does not exist; accepted: {', '.join(sorted(known)) or '(no queues configured)'}",
-                "spec.queue", known,
+                f"spec.queue {spec.queue!r} does not exist; accepted: the queues of team {spec.team!r}: "
+                f"{', '.join(own) or '(none configured)'}",
+                "spec.queue", own,
             )
         if spec.team not in queue.allowed_teams:
             return reject(
                 RejectReason.FORBIDDEN,
-                f"team {spec.team!r} may not submit to queue {queue.name!r}; accepted teams: "
-                f"{', '.join(queue.allowed_teams) or '(none)'}",
-                "spec.team", queue.allowed_teams,
+                f"team {spec.team!r} may not submit to queue {queue.name!r}; accepted: the queues of team "
+                f"{spec.team!r}: {', '.join(own) or '(none configured)'}",
+                "spec.queue", own,
             )
         if queue.allowed_users and user not in queue.allowed_users:
             return reject(

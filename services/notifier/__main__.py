@@ -10,8 +10,9 @@ Two loops:
   (a service's team from its ServiceDeployed), whose deploys, updates, scalings, lost replicas and
   deletion make notifications too. Two durables, not one
   with two filters: a consumer with several filter subjects delivered about 14 times slower here.
-- **Webhooks** (nats-py; one durable ``notifier`` per tenant stream, filtered to its
-  notifications, found every 30 s): each notification is POSTed, signed, to the webhooks of the
+- **Webhooks** (nats-py; one durable ``notifier`` per tenant stream, in the team's own account
+  (:func:`runtime.eventlog.tenant_js`), filtered to its notifications, for every team that has a
+  signing secret or whose events it has copied, checked every 30 s): each notification is POSTed, signed, to the webhooks of the
   team (its latest TeamConfigured) and of the job (its spec's ``notify``; a service's: its replica
   template's), one at a time per
   team, so a job's notifications arrive in order and one team's dead receiver never delays
@@ -38,25 +39,26 @@ nats.errors.TimeoutError).
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 import httpx
 import nats
 from nats.aio.msg import Msg
-from nats.js.errors import NoStreamResponseError, NotFoundError
+from nats.js.errors import NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from prometheus_client import Counter, Histogram
 
 from runtime import eventlog, health, observability, teams
 from runtime.settings import Settings
-from schemas import Event, JobSubmitted, NotifySpec, ServiceDeployed, TeamConfigured, parse_event
+from schemas import Event, JobSubmitted, NotificationKind, NotifySpec, ServiceDeployed, TeamConfigured, parse_event
 from schemas.service import ServiceUpdated
 from schemas.registry import SUBJECT_PREFIX
 from schemas.tenant import JobNotification, NotificationDelivery
-from services.notifier import core
+from services.notifier import core, egress
 from services.notifier.settings import NotifierSettings
 
 NAME = "notifier"
@@ -78,6 +80,8 @@ class Notifier:
         self._stop = asyncio.Event()
         self._warned: set[str] = set()
         self._workers: dict[str, asyncio.Task] = {}
+        self._copied: set[str] = set()  # the teams whose events this process has copied
+        self._new_team = asyncio.Event()  # wakes the webhook supervisor
 
     def stop(self) -> None:
         self._stop.set()
@@ -88,11 +92,14 @@ class Notifier:
         self.teams = teams.TeamIndex(self.js)
         await eventlog.wait_for_streams(self.js)
         supervisor = asyncio.create_task(self._supervise_webhooks())
-        loops = [asyncio.create_task(self._fan_out_loop(0, f"{SUBJECT_PREFIX}.job.>")),
-                 asyncio.create_task(self._fan_out_loop(1, f"{SUBJECT_PREFIX}.service.>"))]
+        loops = [asyncio.create_task(self._fan_out_loop(0, eventlog.EVENTS_STREAM, f"{SUBJECT_PREFIX}.job.>",
+                                                        self.fan_out)),
+                 asyncio.create_task(self._fan_out_loop(1, eventlog.EVENTS_STREAM, f"{SUBJECT_PREFIX}.service.>",
+                                                        self.fan_out)),
+                 asyncio.create_task(self._fan_out_loop(2, eventlog.DLQ_STREAM, core.REFUSED_COMMANDS, self.refuse))]
         try:
-            # both end when stopped; one that fails for anything but the broker takes the process
-            # down (its supervisor restarts it) rather than dying unnoticed beside the other
+            # all end when stopped; one that fails for anything but the broker takes the process
+            # down (its supervisor restarts it) rather than dying unnoticed beside the others
             done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()
@@ -109,8 +116,10 @@ class Notifier:
         """Whether this notifier's partition copies and delivers ``team``'s."""
         return teams.Partition(self.options.partitions, self.options.partition).owns(team)
 
-    async def _fan_out_loop(self, family: int, subject: str) -> None:
-        """The fan-out of one family of durables (``family``: 0 jobs, 1 services; core.durable_names)."""
+    async def _fan_out_loop(self, family: int, stream: str, subject: str,
+                            handle: Callable[[Msg], Awaitable[None]]) -> None:
+        """The fan-out of one family of durables (``family``: 0 jobs, 1 services, 2 refused
+        commands; core.durable_names): ``handle`` each message on ``subject`` of ``stream``."""
         failures = 0
         durable = core.durable_names(self.options.partition)[family]
         # One message in flight (max_ack_pending=1): a team's copies stay in log order even when a
@@ -121,13 +130,13 @@ class Notifier:
         while not self._stop.is_set():
             try:
                 # a partition's durable starts where partition 0's stopped (runtime.teams.partition_durables)
-                await teams.partition_durables(self.js, stream=eventlog.EVENTS_STREAM, partitions=self.options.partitions,
+                await teams.partition_durables(self.js, stream=stream, partitions=self.options.partitions,
                                                partition=self.options.partition,
                                                name=lambda k: core.durable_names(k)[family], **config)
-                sub = await eventlog.durable_consumer(self.js, stream=eventlog.EVENTS_STREAM, durable=durable, **config)
+                sub = await eventlog.durable_consumer(self.js, stream=stream, durable=durable, **config)
                 while not self._stop.is_set():
                     for msg in await eventlog.fetch(sub, 1, 1.0):
-                        await self._handle(msg)
+                        await self._handle(msg, handle)
                     failures = 0
                     health.HEALTH.jetstream = True  # /readyz: its consumer answers
             except eventlog.BROKER_ERRORS as err:
@@ -136,9 +145,9 @@ class Notifier:
                 log.warning("fan-out lost the broker; resuming", extra={"error": repr(err), "durable": durable})
                 await asyncio.sleep(eventlog.retry_delay(failures))
 
-    async def _handle(self, msg: Msg) -> None:
+    async def _handle(self, msg: Msg, handle: Callable[[Msg], Awaitable[None]]) -> None:
         try:
-            await self.fan_out(msg)
+            await handle(msg)
         except eventlog.BROKER_ERRORS:
             raise  # the broker is away: the consumer redelivers after it is back
         except Exception as err:  # a bug on this event: again later, and never dropped
@@ -172,28 +181,53 @@ class Notifier:
             # was for the events stream, and the copy's de-duplication id is the event id.
             headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
             headers["Nats-Msg-Id"] = event.event_id
-            try:
-                await self.js.publish(core.copy_subject(team, event), msg.data, headers=headers, timeout=10)
-                COPIES.labels(team=team).inc()
-                note = core.notification(event, team)
-                if note is not None:
-                    await self.js.publish(core.notify_subject(note), note.model_dump_json().encode(), timeout=10,
-                                          headers={**observability.trace_headers(msg.headers),
-                                                   "Nats-Msg-Id": note.notification_id})
-                    NOTIFICATIONS.labels(team=team, kind=note.kind.value).inc()
-            except (nats.errors.NoRespondersError, NoStreamResponseError):
-                # (nats-py turns the server's "no responders" into NoStreamResponseError.) No
-                # stream took the publish: the team has none (counted and skipped), or JetStream
-                # does not answer now (raised: the message comes again).
-                if await self._has_stream(team):
-                    raise
-                self._unprovisioned(team)
+            await self._store(team, core.copy_subject(team, event), msg.data, headers, core.notification(event, team),
+                              trace=msg.headers)
         await msg.ack()
 
-    async def _has_stream(self, team: str) -> bool:
+    async def refuse(self, msg: Msg) -> None:
+        """Tell a team about a command of its that admission dead-lettered: the dead letter (its
+        bytes, with the reason in its headers) on the team's ``refused.<intake sequence>``
+        subject, and a ``command-refused`` notification (for its webhooks); ack when both are stored."""
+        refused = core.refused_command(msg.headers, msg.metadata.timestamp)
+        if refused is not None and self.mine(refused.team):
+            headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
+            headers["Nats-Msg-Id"] = f"refused:{refused.intake_sequence}"
+            await self._store(refused.team, core.refused_subject(refused), msg.data, headers,
+                              core.refused_notification(refused, msg.data), trace=msg.headers)
+        await msg.ack()
+
+    async def _store(self, team: str, subject: str, data: bytes, headers: dict[str, str],
+                     note: JobNotification | None, trace: dict[str, str] | None) -> None:
+        """Store a copy and its notification (if any) in the team's stream."""
         try:
-            await self.js.stream_info(eventlog.tenant_stream(team))
+            await self.js.publish(subject, data, headers=headers, timeout=10)
+            COPIES.labels(team=team).inc()
+            if team not in self._copied:
+                self._copied.add(team)
+                self._new_team.set()
+            if note is not None:
+                await self.js.publish(core.notify_subject(note), note.model_dump_json().encode(), timeout=10,
+                                      headers={**observability.trace_headers(trace), "Nats-Msg-Id": note.notification_id})
+                NOTIFICATIONS.labels(team=team, kind=note.kind.value).inc()
+        except (nats.errors.NoRespondersError, NoStreamResponseError):
+            # (nats-py turns the server's "no responders" into NoStreamResponseError.) No stream
+            # took the publish: the team has none (counted and skipped), or JetStream does not
+            # answer now (raised: the message comes again).
+            if await self._has_stream(team):
+                raise
+            self._unprovisioned(team)
+
+    async def _has_stream(self, team: str) -> bool:
+        """Whether the team's account holds its tenant stream (no account: the broker has no
+        responder on the team's JetStream API)."""
+        try:
+            await eventlog.tenant_js(self.js, team).stream_info(eventlog.tenant_stream(team))
         except NotFoundError:
+            return False
+        except ServiceUnavailableError:  # nats-py's "no responders": no account, or JetStream away
+            if await eventlog.team_account_exists(self.nc, team):
+                raise
             return False
         return True
 
@@ -214,34 +248,34 @@ class Notifier:
 
     # -- webhooks -----------------------------------------------------------------------------
     async def _supervise_webhooks(self) -> None:
-        """A delivery worker per tenant stream, found now and every 30 s."""
+        """A delivery worker per team of this partition that has a tenant stream, checked now and
+        every 30 s (and at once when the fan-out copies a new team's first event). The teams: those
+        with a signing secret (the only ones whose webhooks are ever POSTed) and those whose events
+        it has copied. Tenant streams live in the teams' accounts, which the platform's cannot list."""
         while True:
-            try:
-                for stream in await self._tenant_streams():
-                    team = stream.removeprefix(eventlog.TENANT_STREAM_PREFIX)
-                    if not self.mine(team):
-                        continue
-                    if team not in self._workers or self._workers[team].done():
+            for team in sorted((set(self.options.secrets) | self._copied) - set(self._running_workers())):
+                try:
+                    if self.mine(team) and await self._has_stream(team):
                         self._workers[team] = asyncio.create_task(self._deliver_team(team))
-            except eventlog.BROKER_ERRORS as err:
-                log.warning("cannot list tenant streams; trying again", extra={"error": repr(err)})
-            await asyncio.sleep(30)
+                except eventlog.BROKER_ERRORS as err:
+                    log.warning("cannot look up a tenant stream; trying again", extra={"team": team, "error": repr(err)})
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._new_team.wait(), 30)
+            self._new_team.clear()
 
-    async def _tenant_streams(self) -> list[str]:
-        reply = await self.nc.request("$JS.API.STREAM.NAMES", json.dumps(
-            {"subject": f"{SUBJECT_PREFIX}.tenant.>"}).encode(), timeout=5)
-        names = json.loads(reply.data).get("streams") or []
-        return [n for n in names if n.startswith(eventlog.TENANT_STREAM_PREFIX)]
+    def _running_workers(self) -> list[str]:
+        return [team for team, task in self._workers.items() if not task.done()]
 
     async def _deliver_team(self, team: str) -> None:
         stream = eventlog.tenant_stream(team)
         failures = 0
         while True:
             try:
-                sub = await eventlog.durable_consumer(self.js, stream=stream, durable=DURABLE,
+                sub = await eventlog.durable_consumer(eventlog.tenant_js(self.js, team), stream=stream, durable=DURABLE,
                                                       filter_subjects=[f"{SUBJECT_PREFIX}.tenant.{team}.notify.>"],
                                                       ack_wait_s=600, max_ack_pending=1, backoff=False)
-                async with httpx.AsyncClient(timeout=self.options.timeout_s) as http:
+                # no proxy from the environment: a request goes to the address egress checked
+                async with httpx.AsyncClient(timeout=self.options.timeout_s, trust_env=False) as http:
                     while True:
                         for msg in await eventlog.fetch(sub, 1, 5.0):
                             await self._deliver(team, msg, http)
@@ -277,7 +311,10 @@ class Notifier:
 
     async def _own_notify(self, note: JobNotification) -> NotifySpec | None:
         """The webhooks of the job (its spec's ``notify``), or for a service's notification of
-        the service (its replica template's, as last deployed or updated)."""
+        the service (its replica template's, as last deployed or updated); none for a refused
+        command (its document was refused: nothing in it is taken, its webhooks included)."""
+        if note.kind is NotificationKind.COMMAND_REFUSED:
+            return None
         if note.service is None:
             submitted = await self._last(f"{SUBJECT_PREFIX}.job.{note.job_id}.submitted")
             return submitted.spec.notify if isinstance(submitted, JobSubmitted) else None
@@ -297,21 +334,24 @@ class Notifier:
                                http: httpx.AsyncClient, msg: Msg) -> None:
         for attempt in range(1, self.options.max_attempts + 1):
             start = time.monotonic()
-            status, error = None, ""
+            status, error, refused = None, "", False
             try:
-                response = await http.post(url, content=body, headers={
+                # only to addresses outside the platform, checked after resolution and on each redirect
+                response = await egress.post(http, url, content=body, allow=self.options.webhook_allow, headers={
                     "Content-Type": "application/json", "Gpusched-Notification-Id": note.notification_id,
                     "Gpusched-Kind": note.kind.value, "Gpusched-Signature": core.sign(secret, int(time.time()), body)})
                 status = response.status_code
                 if not 200 <= status < 300:
                     error = f"HTTP {status}"
+            except egress.EgressRefused as err:  # no try would fare better: dead-lettered now
+                error, refused = str(err)[:1024], True
             except httpx.HTTPError as err:
                 error = f"{type(err).__name__}: {err}"[:1024]
             took = time.monotonic() - start
             DELIVERY_SECONDS.observe(took)
-            last = attempt == self.options.max_attempts
+            last = attempt == self.options.max_attempts or refused
             outcome = "delivered" if not error else ("dead-lettered" if last else "failed-attempt")
-            DELIVERIES.labels(outcome=outcome).inc()
+            DELIVERIES.labels(outcome="refused" if refused else outcome).inc()
             await self._log_delivery(team, NotificationDelivery(
                 notification_id=note.notification_id, job_id=note.job_id, service=note.service, kind=note.kind, url=url, outcome=outcome,
                 attempt=attempt, status_code=status, error=error, duration_ms=took * 1000, at=datetime.now(UTC)))
@@ -319,7 +359,7 @@ class Notifier:
                 return
             if last:
                 await eventlog.dead_letter(self.js, f"{NAME}.webhook", msg,
-                                           f"{url}: {error} after {attempt} tries")
+                                           error if refused else f"{url}: {error} after {attempt} tries")
                 return
             await msg.in_progress()  # many slow tries may outlast the ack wait; the message stays ours
             await asyncio.sleep(core.backoff_s(attempt, cap_s=self.options.backoff_cap_s))

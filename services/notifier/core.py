@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from datetime import timedelta
+import json
+import re
+from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from schemas import (
     Event,
@@ -28,12 +31,14 @@ from schemas import (
     ReclaimRequested,
     SchedulingPendingReasonChanged,
 )
-from schemas.envelope import derive_event_id
+from schemas.commands import intake_principal
+from schemas.envelope import NAME_PATTERN, derive_event_id
 from schemas.service import ReplicaLost, ScaledTo, ServiceDeleted, ServiceDeployed, ServiceUpdated
 from schemas.registry import SUBJECT_PREFIX, subject_suffix
 from schemas.tenant import JobNotification
 
 K = NotificationKind
+_NAME = re.compile(NAME_PATTERN)
 KINDS: dict[type[Event], NotificationKind] = {
     JobSubmitted: K.SUBMITTED, JobAdmitted: K.ADMITTED, JobRejected: K.REJECTED,
     QuotaPendingReasonChanged: K.WAITING, SchedulingPendingReasonChanged: K.WAITING,
@@ -52,11 +57,64 @@ SERVICE_KINDS: dict[type[Event], NotificationKind] = {
 replicas, load reports) are only copied."""
 
 
-def durable_names(partition: int) -> tuple[str, str]:
-    """The fan-out durables of one partition (jobs, services): partition 0 keeps the names of the
-    unpartitioned notifier, so going from one notifier to several continues where it was."""
+def durable_names(partition: int) -> tuple[str, str, str]:
+    """The fan-out durables of one partition (jobs and services on the event log, refused
+    commands on the dead letters): partition 0 keeps the names of the unpartitioned notifier, so
+    going from one notifier to several continues where it was."""
     suffix = f"-p{partition}" if partition else ""
-    return f"notifier{suffix}", f"notifier-services{suffix}"
+    return f"notifier{suffix}", f"notifier-services{suffix}", f"notifier-refused{suffix}"
+
+
+REFUSED_COMMANDS = f"{SUBJECT_PREFIX}.deadletter.admission.intake"
+"""Where admission dead-letters a command it cannot read or take (runtime.eventlog.dead_letter)."""
+
+
+class RefusedCommand(NamedTuple):
+    """A command admission dead-lettered, as its dead letter's headers tell it."""
+
+    team: str
+    subject: str  # the intake subject it was published on
+    intake_sequence: int  # what the publisher's JetStream ack said
+    reason: str
+    refused_at: datetime
+
+
+def refused_command(headers: dict[str, str] | None, refused_at: datetime) -> RefusedCommand | None:
+    """The refused command a dead letter of admission's intake records, or None when its subject
+    names no team (nobody to tell: only the operator's dead-letter list shows it)."""
+    headers = headers or {}
+    subject = headers.get("Gpusched-Original-Subject", "")
+    try:
+        team = intake_principal(subject).team
+        sequence = int(headers.get("Gpusched-Original-Sequence", ""))
+    except ValueError:
+        return None
+    return RefusedCommand(team, subject, sequence, headers.get("Gpusched-Reason", "no reason recorded"), refused_at)
+
+
+def refused_subject(r: RefusedCommand) -> str:
+    """``gpusched.tenant.<team>.refused.<intake sequence>``: the copy of the dead letter."""
+    return f"{SUBJECT_PREFIX}.tenant.{r.team}.refused.{r.intake_sequence}"
+
+
+def refused_notification(r: RefusedCommand, document: bytes) -> JobNotification:
+    """The ``command-refused`` notification of a dead-lettered command: what was refused and why.
+    It names the job when the document does (a readable one with a ``job_id``)."""
+    verb = r.subject.rsplit(".", 1)[-1]
+    record = f"dlq:admission.intake:{r.intake_sequence}"
+    return JobNotification(
+        notification_id=derive_event_id("JobNotification", record, K.COMMAND_REFUSED.value), kind=K.COMMAND_REFUSED,
+        team=r.team, job_id=_job_id_in(document), intake_sequence=r.intake_sequence, occurred_at=r.refused_at,
+        event_id=record, event_type="CommandRefused", reason="command-refused",
+        summary=f"{verb} command refused (intake sequence {r.intake_sequence}, subject {r.subject}): {r.reason}"[:4096])
+
+
+def _job_id_in(document: bytes) -> str | None:
+    try:
+        job_id = json.loads(document).get("job_id")
+    except (ValueError, AttributeError):
+        return None
+    return job_id if isinstance(job_id, str) and _NAME.fullmatch(job_id) else None
 
 
 def copy_subject(team: str, event: Event) -> str:
@@ -65,8 +123,10 @@ def copy_subject(team: str, event: Event) -> str:
 
 
 def notify_subject(n: JobNotification) -> str:
-    """``….notify.<job>.<kind>``, or ``….notify.<service>.<kind>`` for a service's own."""
-    return f"{SUBJECT_PREFIX}.tenant.{n.team}.notify.{n.job_id or n.service}.{n.kind.value}"
+    """``….notify.<job>.<kind>``, ``….notify.<service>.<kind>`` for a service's own, or
+    ``….notify.command-<intake sequence>.command-refused`` for a refused command."""
+    about = f"command-{n.intake_sequence}" if n.kind is K.COMMAND_REFUSED else n.job_id or n.service
+    return f"{SUBJECT_PREFIX}.tenant.{n.team}.notify.{about}.{n.kind.value}"
 
 
 def delivery_subject(team: str, job_or_service: str) -> str:

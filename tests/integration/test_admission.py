@@ -87,7 +87,7 @@ async def test_malformed_submissions_are_rejected_by_intake_sequence(admission, 
 @pytest.mark.parametrize(
     "spec, reason, field, in_message",
     [
-        ({"queue": "nope"}, "unknown-queue", "spec.queue", "accepted: research"),
+        ({"queue": "nope"}, "unknown-queue", "spec.queue", "accepted: the queues of team 'team-a': research"),
         ({"gpu_flavors": ["h100"]}, "unknown-flavor", "spec.gpu_flavors", "accepted: a100"),
         ({"gpus": 16}, "unsatisfiable", "spec.gpus", "a100: 8 GPUs"),
         ({"priority_class": "vip"}, "schema-invalid", "spec.priority_class", "accepted: batch-low"),

@@ -1,6 +1,7 @@
 """The plain `nats` CLI (tests/natscli.py) against the project's nats-server: the commands a team
-uses (docs/events.md) work with the generated configuration. Only the admin credential here; the
-per-role permissions have their own tests (test_permission_matrix.py)."""
+uses (docs/events.md) work with the generated configuration: the admin's on the platform's
+streams, the team's own on its tenant stream (in the team's account); the per-role permissions
+have their own tests (test_permission_matrix.py, test_tenant_wall.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ from tests.natscli import VERSION, nats_cli, run_nats  # noqa: F401  (nats_cli i
 TEAM = "team-a"
 
 
-def admin(nats_cli, nats_server, *args: str, **kw) -> subprocess.CompletedProcess[str]:
-    out = run_nats(nats_cli, nats_server.url(), "admin", nats_server.creds.users["admin"], *args,
-                   inbox_prefix=eventlog.inbox_prefix("admin"), **kw)
+def admin(nats_cli, nats_server, *args: str, user: str = "admin", **kw) -> subprocess.CompletedProcess[str]:
+    out = run_nats(nats_cli, nats_server.url(), user, nats_server.creds.users[user], *args,
+                   inbox_prefix=eventlog.inbox_prefix(user), **kw)
     assert out.returncode == 0, f"nats {' '.join(args)} exited {out.returncode}: {out.stderr}"
     return out
+
+
+def team(nats_cli, nats_server, *args: str, **kw) -> subprocess.CompletedProcess[str]:
+    return admin(nats_cli, nats_server, *args, user=TEAM, **kw)
 
 
 def test_the_binary_is_the_pinned_version(nats_cli):
@@ -27,9 +32,10 @@ def test_the_binary_is_the_pinned_version(nats_cli):
 
 
 async def test_stream_ls_names_the_provisioned_streams(nats_cli, nats_server, admin_js):
-    expected = {eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM, eventlog.tenant_stream(TEAM)}
+    expected = {eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM}
     names = set(admin(nats_cli, nats_server, "stream", "ls", "--names").stdout.split())
     assert expected <= names
+    assert not any(n.startswith(eventlog.TENANT_STREAM_PREFIX) for n in names)  # each in its team's account
     # the JSON listing leaves out Object Store and KV streams (the services' snapshot buckets)
     plain = {n for n in names if not n.startswith(("OBJ_", "KV_"))}
     assert set(json.loads(admin(nats_cli, nats_server, "stream", "ls", "--json").stdout)) == plain
@@ -55,13 +61,13 @@ async def test_pull_consumer_and_stream_subscription_read_one_jobs_events(nats_c
         await admin_js.publish(f"{prefix}job.{job}.{event}", json.dumps({"job": job, "event": event}).encode())
     wanted = [{"job": "j1", "event": e} for e in ("admitted", "started", "succeeded")]
 
-    admin(nats_cli, nats_server, "consumer", "add", stream, "cli-probe", "--pull", "--filter", f"{prefix}job.j1.>",
-          "--deliver", "all", "--ack", "explicit", "--defaults")
-    out = admin(nats_cli, nats_server, "consumer", "next", stream, "cli-probe", "--count", "3", "--raw")
+    team(nats_cli, nats_server, "consumer", "add", stream, "cli-probe", "--pull", "--filter", f"{prefix}job.j1.>",
+         "--deliver", "all", "--ack", "explicit", "--defaults")
+    out = team(nats_cli, nats_server, "consumer", "next", stream, "cli-probe", "--count", "3", "--raw")
     assert [json.loads(line) for line in out.stdout.splitlines() if line.strip()] == wanted
-    info = await admin_js.consumer_info(stream, "cli-probe")
+    info = await eventlog.tenant_js(admin_js, TEAM).consumer_info(stream, "cli-probe")
     assert (info.num_pending, info.num_ack_pending) == (0, 0)  # each one acknowledged
 
-    out = admin(nats_cli, nats_server, "sub", "--stream", stream, "--all", "--terminate-at-end", "--raw",
-                f"{prefix}job.j1.>")
+    out = team(nats_cli, nats_server, "sub", "--stream", stream, "--all", "--terminate-at-end", "--raw",
+               f"{prefix}job.j1.>")
     assert [json.loads(line) for line in out.stdout.splitlines() if line.strip()] == wanted

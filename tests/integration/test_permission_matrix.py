@@ -244,9 +244,10 @@ async def test_no_one_deletes_or_purges_history_not_even_the_admin(admin_js):
     await admin_js.publish("gpusched.intake.team-a.submit", b"{}")
     with pytest.raises(nats.js.errors.ServerError, match="message delete not permitted"):
         await admin_js.delete_msg(INTAKE, 1)
-    for stream in (EV, INTAKE, DLQ, eventlog.tenant_stream("team-a")):
+    for js, stream in ((admin_js, EV), (admin_js, INTAKE), (admin_js, DLQ),
+                       (eventlog.tenant_js(admin_js, "team-a"), eventlog.tenant_stream("team-a"))):
         with pytest.raises(nats.js.errors.ServerError, match="stream purge not permitted"):
-            await admin_js.purge_stream(stream)
+            await js.purge_stream(stream)
     assert (await admin_js.stream_info(INTAKE)).state.messages == 1
 
 

@@ -239,10 +239,11 @@ QUEUES = (
 @pytest.mark.parametrize(
     "spec_overrides, reason, field, accepted, fragment",
     [
-        ({"queue": "nope"}, RejectReason.UNKNOWN_QUEUE, "spec.queue", ("product", "research", "vip"),
-         "spec.queue 'nope' does not exist; accepted: product, research, vip"),
-        ({"queue": "product"}, RejectReason.FORBIDDEN, "spec.team", ("team-p",),
-         "team 'team-a' may not submit to queue 'product'; accepted teams: team-p"),
+        # a team is told of its own queues only: never of another team's queue, nor of other teams
+        ({"queue": "nope"}, RejectReason.UNKNOWN_QUEUE, "spec.queue", ("research", "vip"),
+         "spec.queue 'nope' does not exist; accepted: the queues of team 'team-a': research, vip"),
+        ({"queue": "product"}, RejectReason.FORBIDDEN, "spec.queue", ("research", "vip"),
+         "team 'team-a' may not submit to queue 'product'; accepted: the queues of team 'team-a': research, vip"),
         ({"queue": "vip"}, RejectReason.FORBIDDEN, "submitter", ("carol",),
          "user 'alice' may not submit to queue 'vip'; accepted users: carol"),
         ({"priority_class": "nonexistent"}, RejectReason.SCHEMA_INVALID, "spec.priority_class",
@@ -268,7 +269,7 @@ def test_unknown_queue_with_no_queues_configured():
     (event,) = core.decide(T0)
     assert event.reason == RejectReason.UNKNOWN_QUEUE
     assert event.accepted == ()
-    assert "accepted: (no queues configured)" in event.message
+    assert "accepted: the queues of team 'team-a': (none configured)" in event.message
 
 
 def test_priority_class_not_allowed_on_queue_is_forbidden():
@@ -438,7 +439,7 @@ def test_queue_deleted_after_submission_rejects():
                           name="research"))
     (event,) = core.decide(T0)
     assert event.reason == RejectReason.UNKNOWN_QUEUE
-    assert event.accepted == ("product", "vip")
+    assert event.accepted == ("vip",)  # team-a's; product is team-p's
 
 
 # -- cancel ------------------------------------------------------------------------------------

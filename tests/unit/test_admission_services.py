@@ -47,7 +47,7 @@ def test_a_deploy_becomes_service_deployed_for_the_sender():
     (service_spec(team="team-b", queue_="other"),
      "DeployService: spec.team 'team-b' does not match the intake subject's team 'team-a'; accepted: 'team-a'"),
     (service_spec(queue_="nope"), "DeployService: its replicas would not be admitted: spec.replica.queue: "
-                                  "spec.queue 'nope' does not exist; accepted: other, research"),
+                                  "spec.queue 'nope' does not exist; accepted: the queues of team 'team-a': research"),
     (service_spec(priority_class="gold"), "DeployService: its replicas would not be admitted: "
                                           "spec.replica.priority_class: spec.priority_class 'gold' is not accepted"),
 ])

@@ -140,9 +140,11 @@ def test_teams_are_partitioned_stably_and_partition_0_keeps_the_unpartitioned_du
     assert [partition_of(t, 4) for t in teams] == [partition_of(t, 4) for t in teams]  # no salted hash()
     assert set(partition_of(t, 4) for t in teams) == {0, 1, 2, 3}
     assert all(partition_of(t, 1) == 0 for t in teams)
-    assert durable_names(0) == ("notifier", "notifier-services") and durable_names(3) == ("notifier-p3", "notifier-services-p3")
-    owned = permissions.DURABLES["notifier"][eventlog.EVENTS_STREAM]
-    assert owned == [n for k in range(MAX_PARTITIONS) for n in durable_names(k)]
+    assert durable_names(0) == ("notifier", "notifier-services", "notifier-refused")
+    assert durable_names(3) == ("notifier-p3", "notifier-services-p3", "notifier-refused-p3")
+    owned = permissions.DURABLES["notifier"]
+    assert owned[eventlog.EVENTS_STREAM] == [n for k in range(MAX_PARTITIONS) for n in durable_names(k)[:2]]
+    assert owned[eventlog.DLQ_STREAM] == [durable_names(k)[2] for k in range(MAX_PARTITIONS)]
 
 
 def test_a_partition_outside_the_partitions_is_refused():
@@ -151,3 +153,26 @@ def test_a_partition_outside_the_partitions_is_refused():
 
     with pytest.raises(ConfigError, match="GPUSCHED_NOTIFIER_PARTITION=2 is out of range; accepted: 0..1"):
         NotifierSettings(partitions=2, partition=2)
+
+
+def test_a_refused_command_is_told_to_the_team_its_subject_names():
+    from datetime import UTC, datetime
+
+    from services.notifier.core import notify_subject, refused_command, refused_notification, refused_subject
+
+    at = datetime(2026, 12, 7, tzinfo=UTC)
+    headers = {"Gpusched-Original-Subject": "gpusched.intake.team-a.user.alice.cancel",
+               "Gpusched-Original-Sequence": "42", "Gpusched-Reason": "cancel: field 'why' is not accepted"}
+    refused = refused_command(headers, at)
+    assert (refused.team, refused.intake_sequence) == ("team-a", 42)
+    assert refused_subject(refused) == "gpusched.tenant.team-a.refused.42"
+    note = refused_notification(refused, b'{"job_id": "j-1", "why": 1}')
+    assert (note.kind.value, note.job_id, note.intake_sequence, note.team) == ("command-refused", "j-1", 42, "team-a")
+    assert note.summary == ("cancel command refused (intake sequence 42, subject "
+                            "gpusched.intake.team-a.user.alice.cancel): cancel: field 'why' is not accepted")
+    assert notify_subject(note) == "gpusched.tenant.team-a.notify.command-42.command-refused"
+    assert refused_notification(refused, b"not json").job_id is None
+    assert refused_notification(refused, b'{"job_id": "Not A Name!"}').job_id is None
+    # a subject that names no team: nobody to tell
+    assert refused_command({**headers, "Gpusched-Original-Subject": "gpusched.intake.x"}, at) is None
+    assert refused_command({}, at) is None
