@@ -294,13 +294,20 @@ def account_of(user: str) -> str:
     return PLATFORM_ACCOUNT if team is None else team_account(team)
 
 
+def team_intake_subjects(team: str) -> list[str]:
+    """The intake subjects a team's account reaches: the team's and its users'
+    (``gpusched.intake.<team>.<verb>``, ``….user.<user>.<verb>``), never the operator's
+    (``….operator.<verb>``, which only the platform's credentials publish)."""
+    return [f"{P}.intake.{team}.*", f"{P}.intake.{team}.user.*.*"]
+
+
 def accounts(users: list[str]) -> dict[str, dict]:
     """Account name -> its users, exports and imports (nats-server's ``accounts`` block, less the
     users' passwords and permissions). The only paths between the platform and a team:
 
-    - the team's intake ``gpusched.intake.<team>.>``: a service the platform exports to that team
-      alone; a publish there in the team's account is stored in GPUSCHED_INTAKE and JetStream's
-      ack comes back as the service's response;
+    - the team's intake (:func:`team_intake_subjects`, the operator's subjects excluded): a
+      service the platform exports to that team alone; a publish there in the team's account is
+      stored in GPUSCHED_INTAKE and JetStream's ack comes back as the service's response;
     - the team's tenant subjects ``gpusched.tenant.<team>.>``: a service the team exports to the
       platform, so the notifier's copies are stored in the team's own stream (and the platform's
       core subscribers, the API's answers, still see them);
@@ -314,13 +321,15 @@ def accounts(users: list[str]) -> dict[str, dict]:
     out: dict[str, dict] = {PLATFORM_ACCOUNT: {"users": [], "exports": [], "imports": []}}
     for team in teams:
         account, stream = team_account(team), tenant_stream(team)
-        out[PLATFORM_ACCOUNT]["exports"].append({"service": f"{P}.intake.{team}.>", "accounts": [account]})
+        intake = team_intake_subjects(team)
+        out[PLATFORM_ACCOUNT]["exports"] += [{"service": subject, "accounts": [account]} for subject in intake]
         out[PLATFORM_ACCOUNT]["imports"] += [
             {"service": {"account": account, "subject": tenant_subjects(team)}},
             {"service": {"account": account, "subject": f"{API}.>"}, "to": f"{tenant_api_of(team)}.>"},
             {"service": {"account": account, "subject": f"$JS.ACK.{stream}.>"}},
         ]
-        out[account] = {"users": [], "imports": [{"service": {"account": PLATFORM_ACCOUNT, "subject": f"{P}.intake.{team}.>"}}],
+        out[account] = {"users": [], "imports": [{"service": {"account": PLATFORM_ACCOUNT, "subject": subject}}
+                                                 for subject in intake],
                         "exports": [
                             {"service": tenant_subjects(team), "accounts": [PLATFORM_ACCOUNT]},
                             # a fetch answers with many messages

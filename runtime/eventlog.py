@@ -277,9 +277,10 @@ async def team_account_exists(nc: NATS, team: str) -> bool:
 
 class UnknownTeam(RuntimeError):
     def __init__(self, team: str) -> None:
-        super().__init__(f"the broker has no account for team {team!r} (its JetStream at {tenant_api(team)} does not "
-                         f"answer); add the team to the nats-server configuration (`gpusched dev nats-config --team "
-                         f"{team}`, or the dev stack's teams) and reload the server")
+        super().__init__(f"the broker has no account for team {team!r} (nothing answers at {tenant_api(team)}); "
+                         "each team is a NATS account of its own: generate the nats-server configuration again "
+                         "with --team for every team, this one included (`gpusched dev nats-config --team A --team "
+                         "B ...`), and reload the server (a configuration from before team accounts has none)")
         self.team = team
 
 

@@ -23,7 +23,7 @@ from .commands import (
 )
 from .envelope import RFC3339
 from .registry import ALL_EVENT_TYPES
-from .tenant import JobNotification, NotificationDelivery
+from .tenant import CommandRefused, JobNotification, NotificationDelivery
 
 NO_NUL = "^[^\\u0000]*$"
 """Every string of the contract refuses NUL (the parsers do; JSON cannot carry an unpaired
@@ -49,7 +49,7 @@ OUT = Path(__file__).parent / "json"
 
 def rendered() -> dict[str, str]:
     models = [SubmitJob, CancelJob, ReportCheckpoint, DeployService, ScaleService, DeleteService, ReportServiceLoad,
-              *ALL_EVENT_TYPES, JobNotification, NotificationDelivery]
+              *ALL_EVENT_TYPES, JobNotification, NotificationDelivery, CommandRefused]
     out = {}
     for model in models:
         schema = model.model_json_schema(schema_generator=ContractSchema)

@@ -2,8 +2,8 @@
 jobs' and services' events: notifications (``gpusched.tenant.<team>.notify.<job_id>.<kind>``, or
 ``….notify.<service>.<kind>`` for a service's own) and the webhook delivery log
 (``gpusched.tenant.<team>.delivery.<job_id or service>``); and the commands of the team that
-admission refused unread (``gpusched.tenant.<team>.refused.<intake sequence>``: the dead letter's
-bytes, its reason in the ``Gpusched-Reason`` header). The notifier writes them all."""
+admission refused unread (``gpusched.tenant.<team>.refused.<intake sequence>``: a
+:class:`CommandRefused`). The notifier writes them all."""
 
 from __future__ import annotations
 
@@ -65,3 +65,16 @@ class NotificationDelivery(Contract):
     error: str = Field(default="", max_length=1024)
     duration_ms: float = Field(ge=0)
     at: Timestamp = Field(description="When the try ended (wall clock, UTC)")
+
+
+class CommandRefused(Contract):
+    """A command of the team that admission could not read or take (its dead letter), as the team
+    reads it. The command's bytes are kept base64-encoded, never as they were: a team can make the
+    server publish what its stream holds onto its own intake subjects (a push consumer's
+    deliveries, a direct get's answer), so its stream holds no document a command parser would take."""
+
+    intake_sequence: int = Field(ge=1, description="The sequence the command's JetStream ack gave (stream GPUSCHED_INTAKE)")
+    subject: str = Field(max_length=512, description="The intake subject it was published on")
+    reason: str = Field(max_length=2000, description="Why it was refused: what was wrong and what is accepted")
+    refused_at: Timestamp = Field(description="When it was dead-lettered")
+    document_base64: str = Field(description="The command's bytes, base64 (RFC 4648), unchanged")

@@ -31,7 +31,7 @@ from runtime.settings import Settings
 from schemas.commands import COMMAND_MODELS, INTAKE_VERBS
 from schemas.export import ContractSchema, write_or_check
 from schemas.registry import ALL_EVENT_TYPES, PRODUCERS, SUBJECT_PREFIX, subject_suffix
-from schemas.tenant import JobNotification, NotificationDelivery
+from schemas.tenant import CommandRefused, JobNotification, NotificationDelivery
 
 OUT = Path(__file__).resolve().parents[2] / "schemas" / "asyncapi.json"
 P = SUBJECT_PREFIX
@@ -92,7 +92,7 @@ DEAD_LETTER_HEADERS = {"type": "object", "required": ["Gpusched-Reason", "Gpusch
 def _schemas() -> dict[str, Any]:
     """components.schemas: every command, event and tenant message, with their shared definitions."""
     out: dict[str, Any] = {}
-    for model in (*COMMANDS.values(), *ALL_EVENT_TYPES, JobNotification, NotificationDelivery):
+    for model in (*COMMANDS.values(), *ALL_EVENT_TYPES, JobNotification, NotificationDelivery, CommandRefused):
         schema = model.model_json_schema(schema_generator=ContractSchema, ref_template="#/components/schemas/{model}")
         out.update(schema.pop("$defs", {}))
         out[model.__name__] = schema
@@ -207,13 +207,12 @@ def document() -> dict[str, Any]:
     _channel(doc, "deadletter", f"{P}.deadletter.{{service}}", "Poison messages on stream GPUSCHED_DLQ",
              {"DeadLetter": mid})
     _operation(doc, "services-send-deadletters", "send", "deadletter", "A service dead-letters a message", "platform")
-    mid = "tenant.refused"
-    messages[mid] = _message(mid, "Refused command", {"description": "The refused command's bytes, unchanged"},
-                             DEAD_LETTER_HEADERS, "A command of the team that admission could not read or take, "
-                                                  "with the reason: a copy of its dead letter")
+    mid = "tenant.CommandRefused"
+    messages[mid] = _message(mid, "CommandRefused", _ref("CommandRefused"), {"type": "object", "properties": TRACE},
+                             "A command of the team that admission could not read or take, with the reason")
     _channel(doc, "tenant-refused", f"{P}.tenant.{{team}}.refused.{{intake_sequence}}",
              "The team's commands admission refused unread, under the intake sequence their JetStream ack gave; "
-             "stream GPUSCHED_TENANT_<team>", {"RefusedCommand": mid})
+             "stream GPUSCHED_TENANT_<team>", {"CommandRefused": mid})
     _operation(doc, "notifier-sends-tenant-refused", "send", "tenant-refused",
                "The notifier copies each dead-lettered command of a team to the team", "platform")
     return doc

@@ -29,6 +29,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from gpusched import permissions
+from runtime import eventlog
 from gpusched.dev.natsconf import PROCESSES, Credentials, nats_config
 from runtime.observability import EXIT_CANNOT_LISTEN, METRICS_FD, CannotListen, listen
 
@@ -154,6 +155,35 @@ def webhook_secrets(path: Path, teams: tuple[str, ...]) -> Path:
 
 # -- NATS ------------------------------------------------------------------------------------
 
+GLOBAL_ACCOUNT = "$G"
+"""nats-server's account for users configured without one: every user's, before team accounts."""
+
+
+def move_streams_into_accounts(store: Path) -> list[str]:
+    """A JetStream store from before team accounts keeps every stream in the global account,
+    which no user is in any more: move each stream (with its consumers) to the account that owns
+    it now, a tenant stream to its team's, the rest to the platform's. The server must be
+    stopped. Returns the streams moved. (A cluster is moved with `nats stream backup` and
+    `restore` instead: docs/operations.md, "Upgrade".)"""
+    old = store / GLOBAL_ACCOUNT / "streams"
+    moved: list[str] = []
+    if not old.is_dir():
+        return moved
+    for stream in sorted(p for p in old.iterdir() if p.is_dir()):
+        team = stream.name.removeprefix(eventlog.TENANT_STREAM_PREFIX)
+        account = permissions.team_account(team) if team != stream.name else permissions.PLATFORM_ACCOUNT
+        target = store / account / "streams" / stream.name
+        if target.exists():
+            raise RuntimeError(f"{stream} and {target} both exist: the store holds stream {stream.name} twice; "
+                               "move one away by hand")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        stream.rename(target)
+        moved.append(stream.name)
+    warnings.warn(f"moved streams {', '.join(moved)} from the global account into the platform's and the teams' "
+                  f"accounts ({store})", stacklevel=2)
+    return moved
+
+
 @dataclass
 class NatsServer:
     data_dir: Path
@@ -177,6 +207,7 @@ class NatsServer:
         self.port = self.port or free_port()
         executors = tuple(f"{permissions.CLUSTER_EXECUTOR_PREFIX}{c}" for c in self.clusters)
         self.creds = Credentials.load_or_create(self.creds_path, (*self.teams, *executors))
+        move_streams_into_accounts(self.data_dir / "jetstream" / "jetstream")
         conf = self.data_dir / "nats.conf"
         conf.write_text(nats_config(self.port, self.data_dir / "jetstream", self.creds, sync_always=self.sync_always,
                                     extra=self.tls))

@@ -405,18 +405,13 @@ class AdmissionCore:
             )
         return job_id
 
-    def _team_job(self, command: str, job_id: str, subject_team: str, hint: str = "") -> JobRecord:
-        """The job a command of ``subject_team`` names; PoisonCommand when there is none or it
-        belongs to another team (``hint``, with ``{team}`` for the job's team, ends that message)."""
+    def _team_job(self, command: str, job_id: str, subject_team: str) -> JobRecord:
+        """The job a command of ``subject_team`` names; PoisonCommand when the team has no such job.
+        Another team's job is refused in the same words as one that does not exist: the refusal
+        is the team's to read (its tenant stream), and tells it nothing of another team's jobs."""
         job = self.state.jobs.get(job_id)
-        if (team := self.state.foreign_jobs.get(subject_token(job_id))) is not None:
-            raise PoisonCommand(f"{command}: job {job_id} belongs to team {team!r}, not {subject_team!r}"
-                                + hint.format(team=team))
-        if job is None:
-            raise PoisonCommand(f"{command}: job_id {job_id!r} does not exist")
-        if job.team != subject_team:
-            raise PoisonCommand(f"{command}: job {job_id} belongs to team {job.team!r}, not {subject_team!r}"
-                                + hint.format(team=job.team))
+        if self.state.foreign_jobs.get(subject_token(job_id)) is not None or job is None or job.team != subject_team:
+            raise PoisonCommand(f"{command}: job_id {job_id!r} does not exist (among the jobs of team {subject_team!r})")
         return job
 
     def handle_cancel(self, raw: bytes, sender: Principal, now: datetime) -> list[Event]:
@@ -437,8 +432,7 @@ class AdmissionCore:
         for the job's running attempt. A report that names no running attempt of a job of this
         team is refused with a PoisonCommand (the dead-letter subject, with this message)."""
         command = _parse_command(ReportCheckpoint, raw, sender)
-        job = self._team_job("ReportCheckpoint", command.job_id, sender.team,
-                             "; publish on gpusched.intake.{team}.checkpoint")
+        job = self._team_job("ReportCheckpoint", command.job_id, sender.team)
         running = job.running
         if running is None:
             raise PoisonCommand(
@@ -522,13 +516,12 @@ class AdmissionCore:
                           deleted_by=command.on_behalf_of or sender.user, intake_sequence=seq)]
 
     def _team_service(self, command: str, name: str, team: str) -> ServiceRecord:
-        if (owner := self.state.foreign_services.get(subject_token(name))) is not None:
-            raise PoisonCommand(f"{command}: service {name} belongs to team {owner!r}, not {team!r}")
+        """The live service of ``team`` a command names; PoisonCommand otherwise (another team's
+        in the same words as none, as :meth:`_team_job`)."""
         svc = self.state.services.get(name)
-        if svc is None or svc.deleted:
-            raise PoisonCommand(f"{command}: service {name!r} does not exist")
-        if svc.team != team:
-            raise PoisonCommand(f"{command}: service {name} belongs to team {svc.team!r}, not {team!r}")
+        if (self.state.foreign_services.get(subject_token(name)) is not None or svc is None or svc.deleted
+                or svc.team != team):
+            raise PoisonCommand(f"{command}: service {name!r} does not exist (among the services of team {team!r})")
         return svc
 
     # -- decide ------------------------------------------------------------------------------

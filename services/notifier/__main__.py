@@ -54,9 +54,10 @@ from prometheus_client import Counter, Histogram
 
 from runtime import eventlog, health, observability, teams
 from runtime.settings import Settings
-from schemas import Event, JobSubmitted, NotificationKind, NotifySpec, ServiceDeployed, TeamConfigured, parse_event
+from schemas import (Event, JobRejected, JobSubmitted, NotificationKind, NotifySpec, ServiceDeployed, TeamConfigured,
+                     parse_event)
 from schemas.service import ServiceUpdated
-from schemas.registry import SUBJECT_PREFIX
+from schemas.registry import SUBJECT_PREFIX, subject_token
 from schemas.tenant import JobNotification, NotificationDelivery
 from services.notifier import core, egress
 from services.notifier.settings import NotifierSettings
@@ -129,6 +130,8 @@ class Notifier:
         config = {"filter_subjects": [subject], "max_ack_pending": 1}
         while not self._stop.is_set():
             try:
+                if stream == eventlog.DLQ_STREAM:
+                    await self._refused_from_now(core.durable_names(0)[family], config)
                 # a partition's durable starts where partition 0's stopped (runtime.teams.partition_durables)
                 await teams.partition_durables(self.js, stream=stream, partitions=self.options.partitions,
                                                partition=self.options.partition,
@@ -144,6 +147,18 @@ class Notifier:
                 health.HEALTH.jetstream = False
                 log.warning("fan-out lost the broker; resuming", extra={"error": repr(err), "durable": durable})
                 await asyncio.sleep(eventlog.retry_delay(failures))
+
+    async def _refused_from_now(self, durable: str, config: dict) -> None:
+        """Partition 0's refused-commands durable, when it does not exist yet, starts after the
+        dead letters already there: telling teams of commands refused before this notifier
+        copied refusals would flood their webhooks with old news (the operator's dead-letter
+        list has them). The other partitions' start where it is (runtime.teams.partition_durables)."""
+        try:
+            await self.js.consumer_info(eventlog.DLQ_STREAM, durable)
+        except NotFoundError:
+            after = await eventlog.last_sequence(self.js, eventlog.DLQ_STREAM)
+            await eventlog.ensure_durable(self.js, stream=eventlog.DLQ_STREAM, durable=durable, start_seq=after + 1,
+                                          **config)
 
     async def _handle(self, msg: Msg, handle: Callable[[Msg], Awaitable[None]]) -> None:
         try:
@@ -186,14 +201,14 @@ class Notifier:
         await msg.ack()
 
     async def refuse(self, msg: Msg) -> None:
-        """Tell a team about a command of its that admission dead-lettered: the dead letter (its
-        bytes, with the reason in its headers) on the team's ``refused.<intake sequence>``
-        subject, and a ``command-refused`` notification (for its webhooks); ack when both are stored."""
+        """Tell a team about a command of its that admission dead-lettered: a CommandRefused (the
+        reason, and the command's bytes base64-encoded, never as they were) on the team's
+        ``refused.<intake sequence>`` subject, and a ``command-refused`` notification (for its
+        webhooks); ack when both are stored."""
         refused = core.refused_command(msg.headers, msg.metadata.timestamp)
         if refused is not None and self.mine(refused.team):
-            headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
-            headers["Nats-Msg-Id"] = f"refused:{refused.intake_sequence}"
-            await self._store(refused.team, core.refused_subject(refused), msg.data, headers,
+            await self._store(refused.team, core.refused_subject(refused), core.refused_copy(refused, msg.data),
+                              {"Nats-Msg-Id": f"refused:{refused.intake_sequence}", "Gpusched-Reason": refused.reason},
                               core.refused_notification(refused, msg.data), trace=msg.headers)
         await msg.ack()
 
@@ -294,6 +309,10 @@ class Notifier:
         except Exception as err:
             await eventlog.dead_letter(self.js, f"{NAME}.webhook", msg, f"unreadable notification: {err}"[:2000])
             return
+        if not await self._the_teams(note, team):
+            await eventlog.dead_letter(self.js, f"{NAME}.webhook", msg, f"a notification on team {team}'s stream about "
+                                                                         "something not the team's: delivered to no one")
+            return
         team_config = await self._last(f"{SUBJECT_PREFIX}.team.{team}.configured")
         urls = core.webhooks_for(note.kind, team_config.notify if isinstance(team_config, TeamConfigured) else None,
                                  await self._own_notify(note))
@@ -308,6 +327,23 @@ class Notifier:
         body = msg.data
         for url in urls:
             await self._post_until_done(team, note, url, body, secret, http, msg)
+
+    async def _the_teams(self, note: JobNotification, team: str) -> bool:
+        """Whether a notification on ``team``'s stream is about the team's own job, service or
+        command, as the log says. Only the notifier writes notifications, but a team can make the
+        server copy what its stream holds onto its own subjects (docs/events.md, "The tenant
+        wall"): whatever lands there, no other team's webhooks are ever asked for."""
+        if note.team != team:
+            return False
+        if note.kind is NotificationKind.COMMAND_REFUSED:
+            return True  # the team's webhooks only (:meth:`_own_notify`)
+        if note.service is not None:
+            return await self.teams.lookup("service", subject_token(note.service)) == team
+        owner = await self.teams.lookup("job", subject_token(note.job_id))
+        if owner is None:  # a rejection of a command that never made a job: the JobRejected names the team
+            rejected = await self._last(f"{SUBJECT_PREFIX}.job.{note.job_id}.rejected")
+            owner = rejected.team if isinstance(rejected, JobRejected) else None
+        return owner == team
 
     async def _own_notify(self, note: JobNotification) -> NotifySpec | None:
         """The webhooks of the job (its spec's ``notify``), or for a service's notification of

@@ -3,6 +3,7 @@ and how long a failed delivery waits. No I/O."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -35,7 +36,7 @@ from schemas.commands import intake_principal
 from schemas.envelope import NAME_PATTERN, derive_event_id
 from schemas.service import ReplicaLost, ScaledTo, ServiceDeleted, ServiceDeployed, ServiceUpdated
 from schemas.registry import SUBJECT_PREFIX, subject_suffix
-from schemas.tenant import JobNotification
+from schemas.tenant import CommandRefused, JobNotification
 
 K = NotificationKind
 _NAME = re.compile(NAME_PATTERN)
@@ -95,6 +96,14 @@ def refused_command(headers: dict[str, str] | None, refused_at: datetime) -> Ref
 def refused_subject(r: RefusedCommand) -> str:
     """``gpusched.tenant.<team>.refused.<intake sequence>``: the copy of the dead letter."""
     return f"{SUBJECT_PREFIX}.tenant.{r.team}.refused.{r.intake_sequence}"
+
+
+def refused_copy(r: RefusedCommand, document: bytes) -> bytes:
+    """What the team's stream holds of a refused command: a CommandRefused, the command's bytes
+    base64-encoded (schemas.tenant.CommandRefused says why never as they were)."""
+    return CommandRefused(intake_sequence=r.intake_sequence, subject=r.subject, reason=r.reason[:2000],
+                          refused_at=r.refused_at,
+                          document_base64=base64.b64encode(document).decode()).model_dump_json().encode()
 
 
 def refused_notification(r: RefusedCommand, document: bytes) -> JobNotification:

@@ -113,7 +113,7 @@ async def test_two_partitions_decide_every_job_once(nats_server, configured):
             owner = partition_of(e.spec.team, 2)
             assert [p.dead_letters(f"gpusched.job.{e.aggregate_id}.admitted") for p in (p0, p1)] == [owner == 0, owner == 1]
         reasons = sorted(m.headers["Gpusched-Reason"] for m in intake)
-        assert any("belongs to team" in r for r in reasons) and any("unknown intake subject" in r for r in reasons)
+        assert any("does not exist (among the jobs of team" in r for r in reasons) and any("unknown intake subject" in r for r in reasons)
 
     names = {c.name async for c in _consumers(js, eventlog.INTAKE_STREAM)}
     assert {"admission-intake", "admission-intake-p1"} <= names

@@ -61,7 +61,7 @@ async def test_cancel_waits_and_exits_2_when_dead_lettered(admission, nats_serve
     await submit(tenant, good("to-cancel"))
     await outcome(admin_js, "to-cancel")
     other_team = await cli(nats_server, "cancel", "to-cancel", "--team", "team-b")
-    assert other_team.returncode == 2 and "belongs to team 'team-a', not 'team-b'" in other_team.stderr
+    assert other_team.returncode == 2 and "job_id 'to-cancel' does not exist (among the jobs of team 'team-b')" in other_team.stderr
     cancelled = await cli(nats_server, "cancel", "to-cancel", "--team", "team-a", "--reason", "done")
     assert cancelled.returncode == 0, cancelled.stderr
     assert json.loads(cancelled.stdout)["decision"] == "JobCancelRequested"

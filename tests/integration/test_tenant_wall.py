@@ -30,6 +30,7 @@ TARGETS = {
     "event log": "gpusched.job.wall-1.submitted",
     "intake, another team's submit": f"gpusched.intake.{OTHER}.submit",
     "intake, another team's user": f"gpusched.intake.{OTHER}.user.bob.cancel",
+    "intake, the operator's on the team's behalf": f"gpusched.intake.{TEAM}.operator.cancel",
     "dead letters": "gpusched.deadletter.admission.intake",
     "another team's tenant stream": f"gpusched.tenant.{OTHER}.job.wall-1.admitted",
 }

@@ -39,7 +39,7 @@ def test_checkpoint_of_the_running_attempt():
     (b"{", "team-a", "invalid ReportCheckpoint"),
     (report(attempt=0), "team-a", "attempt"),
     (report(job_id="nope"), "team-a", "job_id 'nope' does not exist"),
-    (report(), "team-b", "belongs to team 'team-a', not 'team-b'"),
+    (report(), "team-b", "job_id 'j1' does not exist (among the jobs of team 'team-b')"),
     (report(attempt=2), "team-a", "attempt 2 of job j1 is not running; accepted: 1"),
     (report(checkpointed_at=at(5).isoformat()), "team-a", "outside attempt 1's run"),
     (report(checkpointed_at=at(500).isoformat()), "team-a", "outside attempt 1's run"),

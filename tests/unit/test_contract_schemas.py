@@ -26,11 +26,11 @@ from schemas.commands import (
 )
 from schemas.export import rendered
 from schemas.registry import ALL_EVENT_TYPES, check_no_nul
-from schemas.tenant import JobNotification, NotificationDelivery
+from schemas.tenant import CommandRefused, JobNotification, NotificationDelivery
 
 MODELS = {m.__name__: m for m in (SubmitJob, CancelJob, ReportCheckpoint, DeployService, ScaleService,
                                    DeleteService, ReportServiceLoad, *ALL_EVENT_TYPES, JobNotification,
-                                   NotificationDelivery)}
+                                   NotificationDelivery, CommandRefused)}
 SCHEMAS = {name.removesuffix(".json"): json.loads(text) for name, text in rendered().items()}
 
 MODEL_ONLY_RULES = (

@@ -326,8 +326,8 @@ def test_committed_json_schemas_match_the_models():
     for name, text in files.items():
         assert committed[name] == text, f"schemas/json/{name} is stale; run `make schemas`"
     # + SubmitJob, CancelJob, ReportCheckpoint, DeployService, ScaleService, DeleteService, ReportServiceLoad;
-    # JobNotification, NotificationDelivery
-    assert len(files) == len(ALL_EVENT_TYPES) + 9
+    # JobNotification, NotificationDelivery, CommandRefused
+    assert len(files) == len(ALL_EVENT_TYPES) + 10
 
 
 def test_export_check_exits_zero():
