@@ -133,12 +133,9 @@ def connection():
 
 
 async def with_pg(query) -> Any:
-    """Run ``query(conn)`` on a fresh read-model connection."""
-    conn = await connection().pg()
-    try:
-        return await query(conn)
-    finally:
-        await conn.close()
+    """Run ``query(conn)`` on a fresh read-model connection ("not ready yet", exit status 2,
+    before accounting has created the read models: gpusched.gateway.connection.Connection.read)."""
+    return await connection().read(query)
 
 
 async def with_js(action) -> Any:

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Optional
 
 import typer
@@ -196,8 +197,15 @@ def json_line(seq: int, event: Event | None, subject: str) -> str:
 
 # The commands register on the one app (gpusched.cli.common) when this module is imported.
 from gpusched.cli.common import app, emit, run, with_js, guarded, console, err_console  # noqa: E402
-from gpusched.cli.common import Output, OutputOpt  # noqa: E402
-output_option, output_enum = OutputOpt, Output
+from gpusched.cli.common import Output  # noqa: E402
+
+
+class LogOutput(str, Enum):
+    """`gpusched log`'s outputs: every command's table and json (one JSON document: an array),
+    and ndjson, the one stream of the CLI (one JSON object per line, as the events are read)."""
+    table = "table"
+    json = "json"
+    ndjson = "ndjson"
 
 
 @app.command("log")
@@ -215,18 +223,21 @@ def log_cmd(
                                      help="Up to a stream sequence, or to the last event that happened at or "
                                           "before an event time"),
     limit: int = typer.Option(100, "--limit", min=1, max=1_000_000, help="At most this many events"),
-    output: Output = output_option,
+    output: LogOutput = typer.Option(LogOutput.table, "--output", "-o",
+                                     help="table, json (one array) or ndjson (one event per line)"),
 ) -> None:
-    """Browse the event log in order, filtered by type, aggregate, id, team and range, as a table or
-    JSON lines (one event per line, with its stream sequence). A time is event time, and picks
+    """Browse the event log in order, filtered by type, aggregate, id, team and range, as a table,
+    a JSON array (-o json) or JSON lines (-o ndjson): each event with its stream sequence. A time is event time, and picks
     the sequences of a range: events a little out of time order around its ends come with it."""
     from rich.text import Text
 
     query = build_query(type_, aggregate, aggregate_id, team, parse_point(from_, "--from"), parse_point(to, "--to"))
     entries, more = run(with_js(lambda js: read(js, query, limit)))
-    if output == Output.json:
+    if output == LogOutput.ndjson:
         for entry in entries:
             print(json_line(*entry))
+    elif output == LogOutput.json:
+        emit([json.loads(json_line(*entry)) for entry in entries], Output.json)
     else:
         emit(rows(entries), Output.table)
     if more is not None:

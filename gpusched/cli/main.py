@@ -85,14 +85,20 @@ def submit(
 
 @app.command("cancel")
 @guarded
-def cancel_cmd(job_id: str, team: str = typer.Option(..., help="Team owning the job"),
+def cancel_cmd(job_id: str,
+               team: Optional[str] = typer.Option(None, help="Team owning the job (default: found from the job's id)"),
                reason: str = typer.Option("", help="Why"),
                wait: bool = typer.Option(True, help="Wait for the platform to record or refuse the request"),
                on_behalf_of: Optional[str] = OnBehalfOpt,
                output: Output = OutputOpt) -> None:
     """Ask to cancel a job. Exits 2 with admission's reason when it refuses the request (no such
-    job, another team's job); a job that had already ended is reported as such."""
-    answer = through_gateway(lambda gw: gw.cancel(job_id, team, reason, wait=wait, on_behalf_of=on_behalf_of))
+    job, another team's job, an id no team has); a job that had already ended is reported as such."""
+    from gpusched.gateway import commands
+
+    async def call(gw):
+        owner = team or await commands.team_of(gw, job_id)
+        return await gw.cancel(job_id, owner, reason, wait=wait, on_behalf_of=on_behalf_of)
+    answer = through_gateway(call)
     emit({"job_id": job_id, "intake_sequence": answer.intake_sequence, "decision": answer.decision,
           "repeat": answer.repeat}, output)
 
@@ -260,15 +266,18 @@ def logs(job_id: str, attempt: Optional[int] = typer.Option(None, help="Only thi
 
 @app.command()
 def queues(output: Output = OutputOpt) -> None:
-    """Quota per queue and flavor: nominal, limits, used, borrowed, lent, pending; the queue's
-    weighted use and limit, its classes' use and limits, its budget."""
+    """Quota per queue and flavor. A line per queue with what is the queue's (pending jobs, its
+    weighted use and limit, its budget), then a line per flavor with that flavor's nominal, limits,
+    used, borrowed, lent, weight, weighted use and its classes' use and limits. With -o json, one
+    row per queue and flavor (gpusched.gateway.queue_usage: pending_jobs, weighted_* and budget_*
+    are the queue's, the same on each of its rows)."""
     rows = through_gateway(lambda gw: gw.queues())
     if output == Output.json:
         emit(rows, output)
         return
     from gpusched.gateway import queue_usage as quota_usage
 
-    emit([{**r, **quota_usage.table_cells(r)} for r in rows], output, columns=[
+    emit(quota_usage.table_rows(rows), output, columns=[
         "queue", "cohort", "flavor", "nominal", "borrowing_limit", "lending_limit", "used", "borrowed", "lent",
         "pending_jobs", "weight", "weighted", "classes", "budget"])
 

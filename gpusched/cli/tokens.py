@@ -118,7 +118,28 @@ def revoke(token_id: str, reason: str = typer.Option("", help="Recorded with the
 
 @token_app.command("list")
 def list_(output: output_enum = output_option) -> None:
-    """Every token (never its secret or hash), from the read model."""
+    """Every token (never its secret or hash), from the read model. Its times are wall-clock times,
+    labelled so in the table: the tool that issued or revoked it stamped its event with the wall
+    clock (the API checks ``expires_at`` against the wall clock), not the platform clock the
+    scheduling events carry (which runs faster in the demo)."""
     from services.accounting import queries
 
-    emit(run(with_pg(queries.api_tokens)), output)
+    rows = run(with_pg(queries.api_tokens))
+    if output == output_enum.table:
+        rows = [wall_labelled(r) for r in rows]
+    emit(rows, output)
+
+
+WALL_TIMES = {"issued_at": "issued (wall)", "expires_at": "expires (wall)", "revoked_at": "revoked (wall)"}
+"""A token row's times, all wall-clock, and their columns in `token list`'s table."""
+
+
+def wall_labelled(row: dict) -> dict:
+    """A token row for the table: each wall-clock time to the second under a column that says so."""
+    out = {}
+    for k, v in row.items():
+        if k in WALL_TIMES:
+            out[WALL_TIMES[k]] = None if v is None else v.astimezone(UTC).isoformat(timespec="seconds")
+        else:
+            out[k] = v
+    return out

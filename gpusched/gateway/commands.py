@@ -178,6 +178,23 @@ def job_hint(job_id: str) -> str:
     return f"see `gpusched events {job_id}` and `gpusched dlq`"
 
 
+async def team_of(gateway: "port.Gateway", job_id: str) -> str:
+    """The team that owns ``job_id`` (job ids are unique across teams), so that a command on a job
+    needs no ``--team``: the read models' job, else (not projected yet, or the read models not
+    ready) the job's JobSubmitted in the log. UserError when neither knows the job."""
+    try:
+        team = (await gateway.job(job_id)).get("team")
+    except UserError:
+        team = None
+    if team:
+        return team
+    for event in await gateway.events(job_id):
+        if event.get("type") == "JobSubmitted":
+            return event["spec"]["team"]
+    raise UserError(f"job {job_id!r} is unknown: neither the read models nor the event log have it; "
+                    "check the id (`gpusched jobs`), or give its team with --team")
+
+
 def cancel_command(job_id: str, reason: str = "", on_behalf_of: str | None = None) -> CancelJob:
     """The CancelJob of ``job_id``; UserError naming the field (a door that validated its input
     first, the API, gets the same command)."""

@@ -3,9 +3,11 @@ credentials, from the environment or from what a local `make run` wrote."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,24 @@ if TYPE_CHECKING:  # imported when a command connects: the CLI starts without th
     import nats
 
     from gpusched.gateway.port import Gateway
+
+NOT_READY = ("the read models are not ready yet: accounting has not created them ({detail}); try again in a few "
+             "seconds (is the accounting service running? `make run` starts it)")
+
+
+@contextlib.contextmanager
+def read_models_ready() -> Iterator[None]:
+    """Around a read of the read models: a table accounting has not created yet (a platform just
+    started, or accounting not running) is a UserError saying so (one line, exit status 2), not a
+    traceback. Every read of the CLI and the log's gateway goes through :meth:`Connection.read`,
+    which uses this."""
+    import asyncpg
+
+    try:
+        yield
+    except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError) as err:
+        raise UserError(NOT_READY.format(detail=str(err))) from None
+
 
 CONNECTION_FILE = Path(".data/run/connection.json")
 """Where `make run` writes the connection, relative to the directory it runs in."""
@@ -140,6 +160,16 @@ class Connection:
                                       allow_reconnect=False, name="gpusched-cli", **kwargs)
         except Exception as err:  # nats-py raises several unrelated types here
             raise UserError(f"cannot connect to NATS at {self.nats_url}: {err!r} (is `make run` running?)") from None
+
+    async def read(self, query) -> Any:
+        """``await query(conn)`` on a fresh read-model connection, closed after; "not ready yet"
+        (:func:`read_models_ready`) before accounting has created the read models."""
+        conn = await self.pg()
+        try:
+            with read_models_ready():
+                return await query(conn)
+        finally:
+            await conn.close()
 
     async def pg(self) -> "asyncpg.Connection":
         import asyncpg

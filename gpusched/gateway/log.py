@@ -35,11 +35,7 @@ class LogGateway:
         return self._nc.jetstream()
 
     async def _pg(self, query) -> Any:
-        conn = await self.connection.pg()
-        try:
-            return await query(conn)
-        finally:
-            await conn.close()
+        return await self.connection.read(query)
 
     # -- commands ------------------------------------------------------------------------------
     async def _command(self, what: str, team: str, verb: str, command, awaited, *, wait: bool, hint: str,
@@ -150,6 +146,7 @@ class LogGateway:
         waits for quota, its queue's usage now (``queue_now``): both from the read models, None
         without Postgres configured or reachable (the log's reasons still stand)."""
         from gpusched.gateway import history, queue_usage
+        from gpusched.gateway.connection import read_models_ready
 
         js = await self.js()
         try:
@@ -157,9 +154,11 @@ class LogGateway:
         except UserError:
             conn = None
         try:
-            found = await history.why(js, job_id, conn)
-            if found["reason"] and found["queue"]:
-                found["queue_now"] = None if conn is None else await queue_usage.queue_now(conn, found["queue"], js)
+            with read_models_ready():
+                found = await history.why(js, job_id, conn)
+                if found["reason"] and found["queue"]:
+                    found["queue_now"] = (None if conn is None
+                                          else await queue_usage.queue_now(conn, found["queue"], js))
             return found
         finally:
             if conn is not None:

@@ -111,6 +111,34 @@ def table_cells(row: dict[str, Any]) -> dict[str, str]:
     return cells
 
 
+QUEUE_LINE = "(queue)"
+"""The flavor cell of a queue's own line in :func:`table_rows`."""
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`queue_usage`'s rows as `gpusched queues` shows them: per queue, one line with the
+    figures that are the queue's, not a flavor's (``flavor`` :data:`QUEUE_LINE`: its waiting jobs,
+    its weighted use against its weighted limit, its budget), then one line per flavor with that
+    flavor's figures only (``weighted``: the flavor's share of the weighted use, GPUs held × weight).
+    A queue's waiting jobs hold no flavor yet, so they are counted on the queue's line once."""
+    out: list[dict[str, Any]] = []
+    current = None
+    for r in rows:
+        cells = table_cells(r)
+        if r["queue"] != current:
+            current = r["queue"]
+            out.append({"queue": r["queue"], "cohort": r["cohort"], "flavor": QUEUE_LINE,
+                        "pending_jobs": r.get("pending_jobs"), "weighted": cells["weighted"],
+                        "budget": cells["budget"]})
+        weight, used = r.get("weight"), r.get("used")
+        out.append({**{k: r.get(k) for k in ("queue", "cohort", "flavor", "nominal", "borrowing_limit",
+                                             "lending_limit", "used", "borrowed", "lent", "weight")},
+                    "queue": "", "cohort": "", "weight": cells["weight"],
+                    "weighted": "" if weight is None or used is None else f"{round(used * weight, 3):g}",
+                    "classes": cells["classes"]})
+    return out
+
+
 async def queue_now(conn: asyncpg.Connection, queue: str, log: JetStreamContext | None = None) -> dict[str, Any]:
     """One queue's rows of :func:`queue_usage` and the log position the read models are at."""
     return {"position": await queries.position(conn),

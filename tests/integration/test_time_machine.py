@@ -222,7 +222,7 @@ async def test_log_browses_and_filters_the_whole_log(admin_js, gs):
     everything = first + early + late + [poison]
 
     def lines(*args: str) -> list[dict]:
-        proc = gs("log", *args, "-o", "json")
+        proc = gs("log", *args, "-o", "ndjson")
         assert proc.returncode == 0, proc.stderr
         return [json.loads(line) for line in proc.stdout.splitlines()]
 
@@ -250,7 +250,7 @@ async def test_log_browses_and_filters_the_whole_log(admin_js, gs):
     assert [e["aggregate_id"] for e in lines("--team", "team-a", "--from", cut.isoformat(), "--type",
                                              "JobSucceeded")] == ["j3"]
 
-    paged = gs("log", "--limit", "2", "-o", "json")
+    paged = gs("log", "--limit", "2", "-o", "ndjson")
     assert [json.loads(line)["sequence"] for line in paged.stdout.splitlines()] == everything[:2]
     assert f"--from {everything[2]}" in paged.stderr
     table = gs("log", "--aggregate", "node")
