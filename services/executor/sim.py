@@ -5,8 +5,14 @@ core driving it in-line, which is what the sim executor (and the trace simulator
 An attempt runs from its creation (one the log says started: from its JobStarted) for its planned
 duration, so every outcome is a function of the log and the clock: a restarted executor
 re-derives exactly the outcomes it missed while down, with the same event ids, and stamps each
-with the time it happened (start + duration), not the time it was noticed. A stop ends an attempt
-at once: nothing runs that could use a checkpoint window.
+with the time it happened (start + duration), not the time it was noticed.
+
+A preemption or reclaim (a ``preempt`` stop) gives the attempt its checkpoint window: it runs on
+until its deadline, the request's time in the log plus its ``grace_seconds`` on the platform
+clock, and is stopped then (the end is stamped at the deadline, however late the pass that sees
+it); one whose planned end comes first ends then, with its planned outcome. The deadline is
+derived from the request in the log, so a restarted executor stops the attempt at the same time.
+Any other stop (cancel, node lost, the rest of a failed gang) ends the attempt at once.
 
 Annotations a job can carry to rehearse failures:
 
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from schemas import Event, FailureReason, JobSpec
@@ -75,18 +81,32 @@ def _int_annotation(ann: dict[str, str], key: str, default: int) -> int:
 @dataclass(frozen=True)
 class _Run:
     started: datetime
-    ends: datetime
+    ends: datetime  # its planned end
     reason: FailureReason | None
     exit_code: int
+    deadline: datetime | None = None  # asked to stop (preempt): stopped then unless its planned end comes first
+
+    @property
+    def until(self) -> datetime:
+        """When it ends: its planned end, or its stop deadline if that comes first."""
+        return self.ends if self.deadline is None or self.ends <= self.deadline else self.deadline
+
+
+Notice = Callable[[str, int], datetime | None]
+"""(job id, attempt) -> the time of the stop request (ReclaimRequested / PreemptionRequested)
+the log holds for it; None: none."""
 
 
 class SimBackend:
     """A :class:`~services.executor.lifecycle.Backend` with nothing behind it. It remembers what
     it was told, so it takes partial plans, and reports only what changed since the last call."""
 
-    def __init__(self, nodes: list[NodeInfo], outcome: Outcome | None = None) -> None:
+    def __init__(self, nodes: list[NodeInfo], outcome: Outcome | None = None, notice: Notice | None = None) -> None:
+        """``notice``: where a preempt stop's deadline counts from (the request's time in the
+        log); without one, from the pass that first sees the stop."""
         self.nodes = nodes
         self._outcome = outcome or (lambda job_id, spec, attempt: planned_outcome(spec, attempt))
+        self._notice = notice or (lambda job_id, attempt: None)
         self._runs: dict[tuple[str, int], _Run] = {}  # attempts running now
         self._ends: list[tuple[datetime, str, int]] = []  # planned ends, a heap; stopped runs' entries are stale
         self._seen: list[Observation] = []  # what happened since the last observe()
@@ -122,20 +142,35 @@ class SimBackend:
             if key in self._runs:
                 continue
             started = w.started_at or now
-            runtime, reason, exit_code = self._outcome(w.job_id, w.spec, w.attempt)
-            run = _Run(started, started + timedelta(seconds=runtime), reason, exit_code)
-            self._runs[key] = run
-            heapq.heappush(self._ends, (run.ends, w.job_id, w.attempt))
+            run = self._add(w.job_id, w.spec, w.attempt, started)
             # nothing to probe: ready from the start (a replica counts as ready after its service's delay)
             self._seen.append(Observation(w.job_id, w.attempt, Phase.RUNNING, started, started_at=started,
                                           ready_at=started))
             created += 1
         return created
 
+    def _add(self, job_id: str, spec: JobSpec, attempt: int, started: datetime) -> _Run:
+        runtime, reason, exit_code = self._outcome(job_id, spec, attempt)
+        run = self._runs[(job_id, attempt)] = _Run(started, started + timedelta(seconds=runtime), reason, exit_code)
+        heapq.heappush(self._ends, (run.ends, job_id, attempt))
+        return run
+
     def stop(self, plan: Plan, now: datetime) -> int:
         for s in plan.stop:
             w = s.workload
-            run = self._runs.pop((w.job_id, w.attempt), None)
+            key = (w.job_id, w.attempt)
+            if s.why == "preempt" and s.grace_seconds > 0:
+                run = self._runs.get(key)
+                if run is None and w.started_at is not None:
+                    # a restarted executor: the log says it started; it runs on until its deadline
+                    run = self._add(w.job_id, w.spec, w.attempt, w.started_at)
+                if run is not None:
+                    deadline = (self._notice(w.job_id, w.attempt) or now) + timedelta(seconds=s.grace_seconds)
+                    if run.deadline is None or deadline < run.deadline:
+                        run = self._runs[key] = replace(run, deadline=deadline)
+                        heapq.heappush(self._ends, (run.until, w.job_id, w.attempt))
+                    continue  # observe() reports its end
+            run = self._runs.pop(key, None)
             started = run.started if run is not None else w.started_at
             self._seen.append(Observation(w.job_id, w.attempt, Phase.GONE, now, started_at=started,
                                           message=f"stopped ({s.why})"))
@@ -149,8 +184,8 @@ class SimBackend:
         while ends and ends[0][0] <= now:
             at, job_id, attempt = heapq.heappop(ends)
             run = self._runs.get((job_id, attempt))
-            if run is None or run.ends != at:
-                continue  # stopped before its end
+            if run is None or run.until != at:
+                continue  # stopped before its end, or its end moved (a stop deadline)
             del self._runs[(job_id, attempt)]
             self._seen.append(_outcome(job_id, attempt, run))
         seen, self._seen = self._seen, []
@@ -167,13 +202,16 @@ class SimBackend:
         while ends:
             at, job_id, attempt = ends[0]
             run = self._runs.get((job_id, attempt))
-            if run is not None and run.ends == at:
+            if run is not None and run.until == at:
                 return at
             heapq.heappop(ends)
         return None
 
 
 def _outcome(job_id: str, attempt: int, run: _Run) -> Observation:
+    if run.until != run.ends:
+        return Observation(job_id, attempt, Phase.GONE, run.until, started_at=run.started,
+                           message="stopped (preempt) at its deadline")
     if run.reason is None:
         return Observation(job_id, attempt, Phase.SUCCEEDED, run.ends, started_at=run.started, exit_code=0)
     message = f"exited with code {run.exit_code}" if run.reason == FailureReason.EXIT_CODE else run.reason.value
@@ -188,8 +226,8 @@ class SimExecutorCore:
 
     def __init__(self, nodes: list[NodeInfo], outcome: Outcome | None = None, **clusters) -> None:
         """``clusters``: BackendCore's ``cluster``, ``heartbeat_s`` and ``cluster_flavors``."""
-        self.backend = SimBackend(nodes, outcome)
         self.core = BackendCore(node_lost_reason=NOT_IN_SPEC, **clusters)
+        self.backend = SimBackend(nodes, outcome, notice=self._notice)
         # The core's own methods: the trace simulator calls these for every event.
         self.evolve = self.core.evolve
         self.decisions_refused = self.core.decisions_refused
@@ -202,8 +240,18 @@ class SimExecutorCore:
             self.core.contact()  # the sim is always there: its heartbeat goes on
         return self.core.decide(now)
 
+    def _notice(self, job_id: str, attempt: int) -> datetime | None:
+        """The time of the stop request the log holds for the attempt (a preempt stop's deadline
+        counts from it, so a restarted executor keeps the same deadline)."""
+        job = self.core.state.jobs.get(job_id)
+        a = job.attempt if job is not None else None
+        if a is None or a.scheduled.attempt != attempt or a.stop is None:
+            return None
+        return a.stop.occurred_at
+
     def next_end(self) -> datetime | None:
-        """When the next running attempt ends (None: none runs): the trace simulator's next step."""
+        """When the next running attempt ends or is stopped at its deadline (None: none runs):
+        the trace simulator's next step."""
         return self.backend.next_end()
 
     def next_wake(self) -> datetime | None:

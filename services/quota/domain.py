@@ -857,6 +857,7 @@ class QuotaCore:
             ReclaimRequested, aggregate_id=victim.submitted.aggregate_id, producer=PRODUCER, occurred_at=now,
             key=f"{victim.attempt}/{job_id}", cause=waiting.waiting or waiting.submitted, attempt=victim.attempt,
             kind=kind, for_job=job_id, for_queue=queue_name, flavor=flavor, message=why,
+            grace_seconds=self.victim_policy.grace_seconds(victim),  # its class's checkpoint window
         )
 
     def _explain(self, job: QuotaJob, queue_name: str, flavors: tuple[str, ...], position: int,

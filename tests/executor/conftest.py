@@ -65,7 +65,7 @@ def _sim_backend() -> Backend:
             c.backend.nodes = [n for n in c.backend.nodes if n.name != node]
 
     return Backend(name="sim", make_core=make_core, make_backend=lambda: None, node="sim-0", gpus=1,
-                   honours_grace=False, count_runs=lambda driver, job: len(driver.events(job, JobStarted)),
+                   honours_grace=True, count_runs=lambda driver, job: len(driver.events(job, JobStarted)),
                    lose_node=lose, spare_node="sim-1")
 
 

@@ -218,13 +218,15 @@ def test_fractional_jobs_share_a_gpu_in_the_sim_and_one_is_preempted_and_runs_ag
 
     p.submit("urgent", 500, "inference-sla", 60, at(100))  # the GPU is full: a half must make room
     (victim,) = [e.aggregate_id for e in p.log.events if isinstance(e, PreemptionRequested)]
-    assert victim in ("half-a", "half-b") and p.of(victim, JobPreempted)  # the sim stops at once
+    assert victim in ("half-a", "half-b") and not p.of(victim, JobPreempted)  # the notice: batch-low's 10 s grace
+    p.feed(now=at(110))  # the deadline: the sim stops the victim, the urgent job takes its half
+    assert [e.occurred_at for e in p.of(victim, JobPreempted)] == [at(110)]
     (s,) = p.of("urgent", JobScheduled)
     assert [(a.node, a.gpu_milli) for a in s.placement] == [("l4-0", 500)] and p.of("urgent", JobStarted)
 
-    p.feed(now=at(160))  # urgent ends; the victim's next attempt takes its half back
+    p.feed(now=at(170))  # urgent ends; the victim's next attempt takes its half back
     assert p.of("urgent", JobSucceeded)
     again = [e for e in p.of(victim, JobScheduled) if e.attempt == 2]
     assert again and again[0].placement[0].gpu_milli == 500 and [e.attempt for e in p.of(victim, JobStarted)] == [1, 2]
-    p.feed(now=at(160) + timedelta(seconds=3600))
+    p.feed(now=at(170) + timedelta(seconds=3600))
     assert {e.aggregate_id for e in p.log.events if isinstance(e, JobSucceeded)} == {"half-a", "half-b", "urgent"}
