@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -54,6 +55,22 @@ class Problem(Exception):
         return body.model_dump(exclude_none=True)
 
 
+NOT_READY_RETRY_S = 5
+"""Retry-After of a 503 answered before the read models exist: accounting creates them when it
+starts, within seconds."""
+NOT_READY_ERRORS = (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError)
+"""What a read of the read models raises before accounting has created them (the CLI says the
+same errors are "not ready yet": gpusched.gateway.connection.read_models_ready)."""
+
+
+def not_ready(err: Exception) -> Problem:
+    """503: the read models do not exist yet (a platform just started, or accounting not running);
+    the same request answers once accounting has created them."""
+    return Problem(503, "not-ready", "Not ready",
+                   f"the read models are not ready yet; retry in {NOT_READY_RETRY_S} s (accounting has not created "
+                   f"them: {err})", headers={"Retry-After": str(NOT_READY_RETRY_S)})
+
+
 def invalid(errors: list[FieldError], detail: str | None = None) -> Problem:
     first = errors[0]
     return Problem(422, "invalid-input", "Invalid input", detail or f"{first.field}: {first.message}", errors=errors)
@@ -96,6 +113,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> JSONResponse:
         return respond(exc, request)
+
+    async def _not_ready(request: Request, exc: Exception) -> JSONResponse:
+        return respond(not_ready(exc), request)
+
+    for error in NOT_READY_ERRORS:  # a read before accounting created the tables, auth's included
+        app.add_exception_handler(error, _not_ready)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -36,7 +36,9 @@ USAGE_READERS = (Role.MEMBER, Role.OPERATOR, Role.ADMIN, Role.CHARGEBACK)
 TERMINAL = ("JobSucceeded", "JobCancelled", "JobRejected")
 PROBLEM = {"model": ProblemDetails}
 """An error response: its content is application/problem+json (gpusched.api.app._openapi says so)."""
-ERRORS = {400: PROBLEM, 401: PROBLEM, 403: PROBLEM, 422: PROBLEM}
+ERRORS = {400: PROBLEM, 401: PROBLEM, 403: PROBLEM, 422: PROBLEM,
+          503: {**PROBLEM, "description": "The read models are not ready yet (accounting has not created them): "
+                                          "retry after Retry-After seconds"}}
 
 router = APIRouter(prefix="/v1", responses=ERRORS)
 Me = Annotated[Identity, Depends(identity)]

@@ -144,22 +144,28 @@ class Pool:
                            message=f"{head} (borrowed {gpus_text(self.borrowed(q))}); needs {need}: would borrow "
                                    f"{gpus_text(borrowed_after)}, above its borrowingLimit "
                                    f"{gpus_text(lim.borrowing_limit)}")
-        # Even within its own nominal a queue must find that quota unlent: what others borrowed
-        # has to stay covered by what is still lendable.
+        # One computation gives the verdict and the numbers its message states (docs/quota.md,
+        # "What a reason may claim"): the message tells the very amounts the test compared.
         total_borrowed, total_lendable = self.totals()
-        new_borrowed = total_borrowed + borrowed_after - self.borrowed(q)
-        new_lendable = total_lendable + self.lendable(q, after) - self.lendable(q)
-        if new_borrowed <= new_lendable:
-            return Verdict(True, borrowed=borrowed_after - self.borrowed(q))
-        borrowers = self.borrowers()
+        others_lendable = total_lendable - self.lendable(q)
         if borrowed_after == 0:
+            # Even within its own nominal a queue must find that quota unlent: what the others
+            # borrowed has to stay covered by what is still lendable once it takes its share.
+            if total_borrowed - self.borrowed(q) <= others_lendable + self.lendable(q, after):
+                return Verdict(True)
             return Verdict(False, reason=QuotaWaitReason.NOMINAL_LENT,
                            message=f"{head}; needs {need}; its unused quota is lent out in cohort {self.cohort}; "
-                                   f"borrowed by: {borrowers}")
-        free = max(0, (total_lendable - self.lendable(q)) - (total_borrowed - self.borrowed(q)))
+                                   f"borrowed by: {self.borrowers()}")
+        # Borrowing: the others' lendable quota less everything already borrowed in the tree (this
+        # queue's own borrowing included: it is lent already) is what is free to lend.
+        extra = borrowed_after - self.borrowed(q)
+        free = others_lendable - total_borrowed
+        if extra <= free:
+            return Verdict(True, borrowed=extra)
         return Verdict(False, reason=QuotaWaitReason.COHORT_EXHAUSTED,
-                       message=f"{head}; needs {need}; cohort {self.cohort} has {gpus_text(free)} free {self.flavor} "
-                               f"to lend; borrowed by: {borrowers}")
+                       message=f"{head}; needs {need}, would borrow {gpus_text(extra)}; cohort {self.cohort} has "
+                               f"{gpus_text(max(0, free))} {self.flavor} of quota free to lend; "
+                               f"borrowed by: {self.borrowers()}")
 
     def charge(self, q: str, request: int) -> None:
         borrowed, lendable = self.totals()

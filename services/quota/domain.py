@@ -148,9 +148,9 @@ class Snapshot:
 
     used: dict[tuple[str, str], int]  # (queue, flavor) -> thousandths of a GPU
     pools: dict[tuple[str, str], Pool]  # (pool key, flavor) -> Pool over ``used``
-    # (pool key, flavor) where nobody borrows this cycle: quota is being preempted there, or a
-    # queue of it waits for its own lent-out quota (pass 1 adds those).
-    no_borrowing: set[tuple[str, str]]
+    # (pool key, flavor) where nobody borrows this cycle -> why, as a reason tells it: quota is
+    # being preempted there, or a queue of it waits for its own lent-out quota (pass 1 adds those).
+    no_borrowing: dict[tuple[str, str], str]
     spent: dict[str, float] = field(default_factory=dict)  # budget used this period, per queue
     # (queue, priority class, flavor) -> thousandths, copied and charged like ``used``
     class_used: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -563,7 +563,7 @@ class QuotaCore:
         """Phase 2. No new borrowing in a pool while quota is being preempted there: that quota
         goes to the job it is freed for, not to the next borrower (no reclaim loops)."""
         used = dict(self.state.used)
-        no_borrowing = {(self.pool_key(j.reserved.queue), j.reserved.flavor)
+        no_borrowing = {(self.pool_key(j.reserved.queue), j.reserved.flavor): "quota is being reclaimed there"
                         for j in self._holding() if j.reclaim is not None and j.reserved.queue in self.state.queues}
         return Snapshot(used, self.pools(used), no_borrowing, class_used=dict(self.state.class_used))
 
@@ -609,7 +609,8 @@ class QuotaCore:
         """The lent quota a job waits for is held for its owner: nobody borrows it this cycle."""
         for flavor in flavors:
             if self.pool_of(snap.pools, queue_name, flavor).check(queue_name, need).reason == QuotaWaitReason.NOMINAL_LENT:
-                snap.no_borrowing.add((self.pool_key(queue_name), flavor))
+                why = f"queue {queue_name} waits for its own {flavor} quota, lent out, and takes what is freed first"
+                snap.no_borrowing.setdefault((self.pool_key(queue_name), flavor), why)
 
     def _borrow(self, snap: Snapshot, heads: dict[str, list[QuotaJob]],
                 now: datetime) -> tuple[list[Event], list[Refused]]:
@@ -750,7 +751,7 @@ class QuotaCore:
         verdicts: dict = {}
         out: list[Event] = []
         for job, queue_name, position, flavors in refused:
-            events, lent_flavor = self._explain(job, queue_name, flavors, position, snap.pools, now, verdicts)
+            events, lent_flavor = self._explain(job, queue_name, flavors, position, snap, now, verdicts)
             out.extend(events)
             if job.submitted.aggregate_id not in rr.served:
                 out.extend(self._reclaim(snap, rr, job, queue_name, flavors, lent_flavor, now))
@@ -861,33 +862,37 @@ class QuotaCore:
         )
 
     def _explain(self, job: QuotaJob, queue_name: str, flavors: tuple[str, ...], position: int,
-                 pools: dict[tuple[str, str], Pool], now: datetime, cache: dict
-                 ) -> tuple[list[Event], str | None]:
+                 snap: Snapshot, now: datetime, cache: dict) -> tuple[list[Event], str | None]:
         """The job's reason event (if it changed), and the flavor whose guaranteed quota is lent
         out when that is why it waits (a reclaim candidate). ``cache`` holds the verdicts of this
         cycle's pools by (queue, flavors, request): jobs of the same shape share one."""
         shape = (queue_name, flavors, job.spec.total_milli)
         found = cache.get(shape)
         if found is None:
-            found = cache[shape] = self._verdict(queue_name, flavors, job.spec, pools)
+            found = cache[shape] = self._verdict(queue_name, flavors, job.spec, snap)
         reason, message, flavor, lent = found
         return self._reason(job, reason, message, position, flavor, now), lent
 
     def _verdict(self, queue_name: str, flavors: tuple[str, ...], spec: JobSpec,
-                 pools: dict[tuple[str, str], Pool]) -> tuple[QuotaWaitReason, str, str | None, str | None]:
+                 snap: Snapshot) -> tuple[QuotaWaitReason, str, str | None, str | None]:
         """(reason, message, flavor, lent flavor) for a request that did not get quota, told by
-        its first flavor."""
+        its first flavor, from the verdict of the cycle's snapshot after its reservations (the
+        usage the log holds once they are in; usage only grows within a cycle, so a request
+        refused earlier in the cycle is refused there too, and the message's numbers are the
+        ones that verdict compared)."""
         if not flavors:
             return (QuotaWaitReason.NO_QUOTA_FOR_FLAVOR,
                     f"queue {queue_name} has no quota for flavors {list(spec.gpu_flavors)}", None, None)
         flavor = flavors[0]
-        v = self.pool_of(pools, queue_name, flavor).check(queue_name, spec.total_milli)
+        v = self.pool_of(snap.pools, queue_name, flavor).check(queue_name, spec.total_milli)
         if not v.fits:
             return v.reason, v.message, flavor, (flavor if v.reason == QuotaWaitReason.NOMINAL_LENT else None)
-        # It fits the usage but was refused: borrowing is closed while quota is reclaimed there.
+        # It fits the usage but was refused: borrowing is closed in its pool this cycle, for the
+        # cause the snapshot recorded.
+        why = snap.no_borrowing.get((self.pool_key(queue_name), flavor), "quota is being reclaimed there")
         return (QuotaWaitReason.COHORT_EXHAUSTED,
-                f"queue {queue_name} {flavor}: quota is being reclaimed in its cohort; "
-                "no new borrowing until it completes", flavor, None)
+                f"queue {queue_name} {flavor}: would borrow {gpus_text(v.borrowed)}, but borrowing is closed in "
+                f"its cohort this cycle: {why}", flavor, None)
 
     def _reason(self, job: QuotaJob, reason: QuotaWaitReason, message: str, position: int,
                 flavor: str | None, now: datetime) -> list[Event]:

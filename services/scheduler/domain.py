@@ -753,8 +753,8 @@ class SchedulerCore:
         block = -most
         numbers = dict(free_gpus=free, free_nodes=free_nodes, largest_free_block=block,
                        largest_free_node=largest if block else None)
+        all_nodes = sum(len(names) for f in flavors for names in inv.flavor(f).shapes.values())
         if n_eligible < req.gang:
-            all_nodes = sum(len(names) for f in flavors for names in inv.flavor(f).shapes.values())
             cordoned = sum(1 for n in inv.nodes.values() if n.info.unschedulable and n.info.gpu_flavor in flavors)
             return Explanation(
                 SchedulingWaitReason.NO_NODE_OF_SHAPE,
@@ -783,6 +783,13 @@ class SchedulerCore:
                                f"memory {req.memory} MiB beside them", numbers)
         where = f"largest free block is {block} on {largest}" if block else "no GPU is free"
         summary = f"{free} {label} free across {free_nodes} node(s)"
+        if n_eligible < all_nodes:
+            # Counted on the nodes it may use; the cluster's own count (/v1/gpus) is over them all:
+            # both are told, so the message never reads as "none free" beside free GPUs it may not use.
+            everywhere = sum(whole_free_of(shape) * len(names) for f in flavors
+                             for shape, names in inv.flavor(f).shapes.items())
+            summary = (f"{free} {label} free across {free_nodes} of the {n_eligible} node(s) that meet its "
+                       f"constraints ({everywhere} free on all {all_nodes} schedulable {label} nodes)")
         if free < req.gpus * req.gang and req.milli is None:
             return Explanation(SchedulingWaitReason.INSUFFICIENT_GPUS, f"{need}; {where}; {summary}: not enough",
                                numbers)

@@ -66,7 +66,7 @@ def reasons(log) -> dict[str, QuotaPendingReasonChanged]:
                                    "above its borrowingLimit 1")}),
         # ...nor beyond what the lender may lend
         ([cq("a", "c", a100=4), cq("b", "c", a100=(4, None, 1))], [job("j", "a", 6)], {},
-         {"j": ("cohort-exhausted", "queue a nominal a100 4, used 0; needs 6; cohort c has 1 free a100 to lend; "
+         {"j": ("cohort-exhausted", "queue a nominal a100 4, used 0; needs 6, would borrow 2; cohort c has 1 a100 of quota free to lend; "
                                     "borrowed by: none")}),
         # a queue outside any cohort has only its own nominal
         ([cq("a", None, a100=4), cq("b", None, a100=4)], [job("j", "a", 6)], {},
@@ -77,7 +77,7 @@ def reasons(log) -> dict[str, QuotaPendingReasonChanged]:
         # what is lent is no longer free: the second borrower waits, naming the first
         ([cq("a", "c", a100=4), cq("b", "c", a100=4), cq("x", "c", a100=0)],
          [job("j1", "a", 6, seq=1), job("j2", "x", 3, seq=2, at_s=1)], {"j1": ("a", 6, 2)},
-         {"j2": ("cohort-exhausted", "queue x nominal a100 0, used 0; needs 3; cohort c has 2 free a100 to lend; "
+         {"j2": ("cohort-exhausted", "queue x nominal a100 0, used 0; needs 3, would borrow 3; cohort c has 2 a100 of quota free to lend; "
                                      "borrowed by: a 2")}),
     ],
     ids=["borrow", "borrowing-limit", "lending-limit", "no-cohort", "nested", "second-borrower"],
@@ -195,8 +195,8 @@ def test_the_worked_example_in_docs_quota_md():
         drive(core, job(job_id, q, 2, seq=k + 1, at_s=k), T0 + timedelta(seconds=k), log=log)
     assert reserved(log) == {"r1": ("research", 6, 2), "d1": ("product", 2, 0)}
     assert {j: (r.reason.value, r.message) for j, r in reasons(log).items()} == {
-        "p1": ("cohort-exhausted", "queue platform nominal a100 0, used 0; needs 2; cohort shared has 0 free a100 "
-                                   "to lend; borrowed by: research 2"),
+        "p1": ("cohort-exhausted", "queue platform nominal a100 0, used 0; needs 2, would borrow 2; cohort shared has 0 "
+                                   "a100 of quota free to lend; borrowed by: research 2"),
         "d2": ("nominal-lent", "queue product nominal a100 4, used 2; needs 2; its unused quota is lent out in "
                                "cohort shared; borrowed by: research 2"),
     }
