@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml sdk/pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-run: setup ## Run NATS, Postgres, the seven services and the API/console with the demo workload (Ctrl-C stops)
-	$(BIN)/gpusched dev up $(ARGS)
+run: setup ## Run NATS, Postgres, the seven services and the API/console with the demo workload (Ctrl-C stops; CLUSTERS=east,west: one sim executor per cluster)
+	$(BIN)/gpusched dev up $(if $(CLUSTERS),--clusters $(CLUSTERS)) $(ARGS)
 
 test: setup natscli otelcol chromium publishing-examples ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
 	GPUSCHED_REQUIRE_BROWSER=$${GPUSCHED_REQUIRE_BROWSER:-1} $(BIN)/python -m pytest -q tests e2e $(ARGS)

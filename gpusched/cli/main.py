@@ -402,11 +402,25 @@ def dev_up(
     demo: bool = typer.Option(True, help="Submit the demo workload"),
     demo_jobs: int = typer.Option(60, help="Jobs in the demo workload"),
     duration: float = typer.Option(0, help="Stop after this many seconds (0: run until Ctrl-C)"),
+    clusters: Optional[str] = typer.Option(None, "--clusters", help="Many clusters, one sim executor each: "
+                                           "comma-separated names (east,west); the cluster spec's nodes are dealt "
+                                           "out to them (docs/operations.md)"),
+    cluster_file: Optional[Path] = typer.Option(None, "--cluster-file", help="A sim cluster spec (groups:) instead "
+                                                "of the example's, or a spec per cluster (clusters: name -> groups)"),
 ) -> None:
     """Run NATS, Postgres and the services locally, with an optional demo workload."""
+    from gpusched.cli.common import print_error
+    from gpusched.dev import clusters as devclusters
     from gpusched.dev.run import run_dev
+    from gpusched.errors import UserError
 
-    sys.exit(run_dev(data_dir=data_dir, time_scale=time_scale, demo=demo, demo_jobs=demo_jobs, duration=duration))
+    try:
+        names = devclusters.parse_names(clusters)
+    except UserError as err:
+        print_error(str(err))
+        raise typer.Exit(2) from None
+    sys.exit(run_dev(data_dir=data_dir, time_scale=time_scale, demo=demo, demo_jobs=demo_jobs, duration=duration,
+                     clusters=names, cluster_file=cluster_file))
 
 
 @dev_app.command("nats-config")

@@ -23,7 +23,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import resources
@@ -36,13 +36,15 @@ from rich.table import Table
 
 from gpusched.gateway import commands
 from gpusched.gateway import connection
+from gpusched.dev import clusters as devclusters
 from gpusched.dev import stack as devstack
 from gpusched.gateway import history
 from gpusched.config import pricebook
 from gpusched.config import queues as queueconfig
 from gpusched.api import tokens
 from gpusched.api.__main__ import API_FD
-from gpusched.permissions import API_USER
+from gpusched.errors import UserError
+from gpusched.permissions import API_USER, CLUSTER_EXECUTOR_PREFIX
 from runtime import eventlog, observability
 from runtime.settings import NatsTls, Settings
 from schemas import JobSpec, SubmitJob
@@ -50,7 +52,7 @@ from schemas.auth import Role
 from schemas.job import JobKind
 from schemas.jobstate import JobState
 from services.accounting import queries
-from services.executor.cluster import load_cluster  # the dev stack runs the sim cluster it loads
+from services.executor.cluster import ClusterSpec, load_cluster  # the dev stack runs the sim clusters it loads
 
 console = Console(width=None if Console().is_terminal else 150)
 TEAMS = ("team-research", "team-product", "team-platform")
@@ -181,9 +183,40 @@ def piece_name(piece) -> str:
     return "NATS" if isinstance(piece, devstack.NatsServer) else "Postgres"
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The stack's clusters: name -> its spec ({"": spec}: one unnamed cluster)."""
+
+    specs: dict[str, ClusterSpec]
+    single_file: Path | None = None  # the spec file of the one unnamed cluster
+
+    @property
+    def named(self) -> tuple[str, ...]:
+        return tuple(name for name in self.specs if name)
+
+    def capacity(self, lost: Collection[str] = ()) -> int:
+        """The GPUs of the clusters not ``lost``."""
+        return sum(devclusters.gpus(spec) for name, spec in self.specs.items() if name not in lost)
+
+
+def _cluster_line(layout: Layout, reports: list[dict], procs: devstack.ServiceProcesses) -> str:
+    """``clusters: east 20 GPUs reporting (executor pid 123) · west 20 GPUs LOST (<reason>) (executor stopped)``."""
+    by_name = {r["name"]: r for r in reports}
+    parts = []
+    for name in layout.named:
+        report = by_name.get(name)
+        state = "not reported yet" if report is None else (
+            f"LOST ({report['lost_reason']})" if report["lost_at"] is not None else "reporting")
+        proc = procs.procs.get(f"{CLUSTER_EXECUTOR_PREFIX}{name}")
+        executor = ("stopped" if f"{CLUSTER_EXECUTOR_PREFIX}{name}" in procs.stopped
+                    else "down" if proc is None or proc.poll() is not None else f"pid {proc.pid}")
+        parts.append(f"{name} {devclusters.gpus(layout.specs[name])} GPUs {state} (executor {executor})")
+    return "clusters: " + " · ".join(parts)
+
+
 def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dict[str, int],
              last_seq: int | None, usage: list[dict], capacity: int, running_gpus: int,
-             deps: Dependencies | None = None) -> Table:
+             deps: Dependencies | None = None, clusters: str = "") -> Table:
     states = [s.value for s in JobState if s not in (JobState.PREEMPTING, JobState.CANCELLING)]  # brief states left out
     events = "? events (NATS down)" if last_seq is None else f"{last_seq} events"
     table = Table(title=f"gpusched — {events} in the log — GPUs busy {running_gpus}/{capacity}")
@@ -199,24 +232,30 @@ def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dic
         row = {c["state"]: c["n"] for c in counts if c["team"] == team}
         table.add_row(team, *(str(row.get(s, "")) for s in states), f"{gpu_hours.get(team, 0):.1f}")
     alive = ", ".join(
-        f"{name}{'' if p.poll() is None else ' (down)'}{f' ↻{restarts[name]}' if restarts.get(name) else ''}"
+        f"{name}{'' if p.poll() is None else ' (stopped)' if name in procs.stopped else ' (down)'}"
+        f"{f' ↻{restarts[name]}' if restarts.get(name) else ''}"
         for name, p in procs.procs.items()
     )
     down = "".join(f"    {name} down, reconnecting" for name in sorted(deps.down)) if deps else ""
-    table.caption = f"services: {alive}{down}    (Ctrl-C stops everything)"
+    table.caption = f"services: {alive}{down}    (Ctrl-C stops everything)" + (f"\n{clusters}" if clusters else "")
     return table
 
 
-async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float) -> int:
+async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float,
+                cluster_names: tuple[str, ...], cluster_file: Path | None) -> int:
     started: list = []  # NATS and Postgres, if we started them: stopped whatever happens
     listeners = devstack.Listeners()  # held from the start to the end
     run_dir = data_dir.resolve() / "run"
     _forget_connection(run_dir)  # a crashed run's: it names ports nothing of ours holds
     try:
+        layout = _layout(cluster_names, cluster_file, run_dir)
         # Before anything starts: an API port asked for (GPUSCHED_API_PORT) and taken ends the run here.
-        listeners.hold_metrics(devstack.PROCESSES)
+        listeners.hold_metrics(devstack.process_names(layout.named, api=True))
         listeners.hold(API_USER, API_FD, _api_listener())
-        return await _run(data_dir.resolve(), time_scale, demo, demo_jobs, duration, started, listeners)
+        return await _run(data_dir.resolve(), time_scale, demo, demo_jobs, duration, started, listeners, layout)
+    except UserError as err:
+        console.print(f"gpusched dev up: {err}", style="red", markup=False, soft_wrap=True)
+        return 2
     except observability.CannotListen as err:
         console.print(f"gpusched dev up: {err}", style="red", markup=False, soft_wrap=True)
         return observability.EXIT_CANNOT_LISTEN
@@ -227,11 +266,35 @@ async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, d
         _forget_connection(run_dir)
 
 
+def _layout(names: tuple[str, ...], cluster_file: Path | None, run_dir: Path) -> Layout:
+    """The clusters this run starts (:mod:`gpusched.dev.clusters`). A data directory that ran one
+    unnamed cluster cannot run named ones: the unnamed executor's nodes would stay registered
+    with nobody to run what is placed there (docs/executor.md, "Many clusters")."""
+    specs = devclusters.plan(names, cluster_file, example("cluster.yaml"))
+    if specs is None:
+        single = devclusters.single_spec(cluster_file, example("cluster.yaml"))
+        return Layout({"": load_cluster(single)}, single)
+    record = run_dir / "clusters.json"
+    ran = json.loads(record.read_text()) if record.exists() else None
+    if (run_dir / "clock.json").exists() and not ran:
+        raise UserError(f"--clusters {','.join(specs)}: {run_dir.parent} holds a platform that ran one unnamed "
+                        "cluster, whose nodes would stay registered with no executor to run them; accepted: "
+                        "another data directory (`--data-dir .data/many-clusters`; with make: "
+                        "ARGS=\"--data-dir .data/many-clusters\"), this one deleted first, or no --clusters")
+    return Layout(specs)
+
+
 async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float, started: list,
-               listeners: devstack.Listeners) -> int:
+               listeners: devstack.Listeners, layout: Layout) -> int:
     run_dir = data_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    cluster = example("cluster.yaml")
+    cluster = layout.single_file or example("cluster.yaml")
+    spec_files: dict[str, Path] = {}
+    for name in layout.named:  # each cluster's executor reads its spec from a file
+        spec_files[name] = run_dir / "clusters" / f"{name}.yaml"
+        spec_files[name].parent.mkdir(parents=True, exist_ok=True)
+        spec_files[name].write_text(devclusters.dump(layout.specs[name]))
+    (run_dir / "clusters.json").write_text(json.dumps(list(layout.named)))
 
     nats_server = None
     if os.environ.get("GPUSCHED_NATS_URL"):
@@ -239,7 +302,7 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
                                                         "GPUSCHED_NATS_PASSWORD") if k in os.environ}
         admin = connection.Connection.resolve()
     else:
-        nats_server = devstack.NatsServer(data_dir / "nats", teams=TEAMS).start()
+        nats_server = devstack.NatsServer(data_dir / "nats", teams=TEAMS, clusters=layout.named).start()
         started.append(nats_server)
         admin = connection.Connection(nats_server.url(), "admin", nats_server.creds.users["admin"], None)
     pg = None
@@ -277,8 +340,10 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     nats_env = nats_server.env if nats_server else (lambda name: external_nats_env)
     webhook_secrets = devstack.webhook_secrets(run_dir / "webhook-secrets.json", TEAMS)
     env = devstack.service_env(nats_env, dsn, cluster=cluster, time_scale=clock["time_scale"], epoch=clock["epoch"],
-                               metrics_ports=metrics_ports, webhook_secrets=webhook_secrets, api_port=api_port)
-    procs = devstack.ServiceProcesses(data_dir / "logs", env, listeners=listeners)
+                               metrics_ports=metrics_ports, webhook_secrets=webhook_secrets, api_port=api_port,
+                               clusters=spec_files)
+    executors = frozenset(f"{CLUSTER_EXECUTOR_PREFIX}{name}" for name in layout.named)
+    procs = devstack.ServiceProcesses(data_dir / "logs", env, listeners=listeners, stay_stopped=executors)
     procs.start_all()
     api_tokens = await _demo_tokens(js, run_dir / "api-tokens.json")
     api_url = f"http://127.0.0.1:{api_port}"
@@ -302,16 +367,22 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
         if nats_server:
             console.print(f"teams: NATS users {', '.join(TEAMS)} (passwords in {nats_server.creds_path}); each reads "
                           f"its stream GPUSCHED_TENANT_<team>; webhook secrets in {webhook_secrets}")
+        if layout.named:
+            lost_after = float(env[min(executors)]["GPUSCHED_CLUSTER_LOST_AFTER_S"]) / clock["time_scale"]
+            console.print("clusters, one sim executor each (executor-<cluster>): "
+                          + "   ".join(devclusters.describe(n, layout.specs[n]) for n in layout.named), soft_wrap=True)
+            console.print(f"lose a cluster: kill <its executor's pid, in the summary>; it stays stopped, the "
+                          f"scheduler declares the cluster lost after {lost_after:g} s of silence and its work is "
+                          f"placed in the others (the next `dev up` starts it again)", soft_wrap=True)
         if demo:
             already = await history.job_events(js, "demo-0000")
             offset = 0 if not already else int(time.time()) % 100000  # a second run submits new jobs
             workload = [(d, c.model_copy(update={"job_id": f"{c.job_id}-{offset}" if offset else c.job_id}))
                         for d, c in demo_workload(demo_jobs)]
             demo_task = asyncio.create_task(_submit_demo(js, workload, stop))
-        capacity = sum(n.gpu_count for n in load_cluster(cluster).nodes())
         deps = Dependencies(started, operator.pg)
         try:
-            await _supervise(procs, js, deps, capacity, stop, duration)
+            await _supervise(procs, js, deps, layout, stop, duration)
         finally:
             await deps.close()
     finally:
@@ -363,10 +434,11 @@ def _forget_connection(run_dir: Path) -> None:
     ours.unlink()
 
 
-async def _supervise(procs: devstack.ServiceProcesses, js, deps: Dependencies, capacity: int,
+async def _supervise(procs: devstack.ServiceProcesses, js, deps: Dependencies, layout: Layout | int,
                      stop: asyncio.Event, duration: float) -> None:
     """Restart services that die, and NATS or Postgres when this run started them and they died;
-    show the live summary until Ctrl-C (or ``duration``). Nothing NATS or Postgres does ends it."""
+    show the live summary until Ctrl-C (or ``duration``). Nothing NATS or Postgres does ends it.
+    ``layout``: the stack's clusters (a number: the GPUs of one unnamed cluster)."""
     restarts: dict[str, int] = {}
     deadline = time.monotonic() + duration if duration else None
     live = Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal else None
@@ -378,8 +450,12 @@ async def _supervise(procs: devstack.ServiceProcesses, js, deps: Dependencies, c
             for name in procs.restart_dead():
                 restarts[name] = restarts.get(name, 0) + 1
             await deps.revive()
-            counts, usage, running = await _read_models(deps)
-            table = _summary(counts, procs, restarts, await _last_sequence(js, deps), usage, capacity, running, deps)
+            counts, usage, running, reports = await _read_models(deps)
+            lost = {r["name"] for r in reports if r["lost_at"] is not None}
+            capacity = layout if isinstance(layout, int) else layout.capacity(lost)
+            clusters = _cluster_line(layout, reports, procs) if isinstance(layout, Layout) and layout.named else ""
+            table = _summary(counts, procs, restarts, await _last_sequence(js, deps), usage, capacity, running, deps,
+                             clusters)
             if live:
                 live.update(table)
             elif time.monotonic() - last_print > 5:
@@ -396,24 +472,24 @@ async def _supervise(procs: devstack.ServiceProcesses, js, deps: Dependencies, c
             live.stop()
 
 
-async def _read_models(deps: Dependencies) -> tuple[list[dict], list[dict], int]:
-    """(state counts, usage by team, running GPUs); empty while Postgres is away or accounting
-    has not created its tables yet."""
+async def _read_models(deps: Dependencies) -> tuple[list[dict], list[dict], int, list[dict]]:
+    """(state counts, usage by team, running GPUs, clusters); empty while Postgres is away or
+    accounting has not created its tables yet."""
     conn = await deps.postgres()
     deps.mark("Postgres", conn is not None)
     if conn is None:
-        return [], [], 0
+        return [], [], 0, []
     try:
         counts = await queries.state_counts(conn)
         usage = await queries.usage_by_team(conn)
         running = await queries.running_gpus(conn)
-        return counts, usage, running
+        return counts, usage, running, await queries.clusters(conn)
     except asyncpg.UndefinedTableError:  # accounting has not applied its migrations yet
-        return [], [], 0
+        return [], [], 0, []
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncio.TimeoutError):
         deps.lost_postgres()
         deps.mark("Postgres", False)
-        return [], [], 0
+        return [], [], 0, []
 
 
 async def _last_sequence(js, deps: Dependencies) -> int | None:
@@ -427,5 +503,7 @@ async def _last_sequence(js, deps: Dependencies) -> int | None:
     return seq
 
 
-def run_dev(*, data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float) -> int:
-    return asyncio.run(_main(data_dir, time_scale, demo, demo_jobs, duration))
+def run_dev(*, data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float,
+            clusters: tuple[str, ...] = (), cluster_file: Path | None = None) -> int:
+    """``clusters`` / ``cluster_file``: :mod:`gpusched.dev.clusters`."""
+    return asyncio.run(_main(data_dir, time_scale, demo, demo_jobs, duration, clusters, cluster_file))

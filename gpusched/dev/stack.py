@@ -448,11 +448,24 @@ class Listeners:
         self.held.clear()
 
 
+def procfile_service(name: str) -> str:
+    """The Procfile service a process runs: its own name, or ``executor`` for one cluster's
+    executor (``executor-<cluster>``)."""
+    return "executor" if permissions.cluster_executor(name) else name
+
+
+STOPPED = (0, -signal.SIGTERM)
+"""Exit statuses of a process stopped on purpose (SIGTERM: it stops cleanly; killed by it before
+its handler was set)."""
+
+
 @dataclass
 class ServiceProcesses:
     """The services as child processes, each with its own log file. A service that exits with
     runtime.observability.EXIT_CANNOT_LISTEN (another process holds its port) is not restarted:
-    :meth:`restart_dead` raises CannotListen with what it said."""
+    :meth:`restart_dead` raises CannotListen with what it said. A process named in
+    ``stay_stopped`` that was stopped on purpose (:data:`STOPPED`: ``kill PID``) is not restarted
+    either (a cluster's executor: its cluster falls silent and is declared lost); a crash is."""
 
     log_dir: Path
     env: dict[str, dict[str, str]]  # service -> environment (on top of os.environ)
@@ -460,6 +473,8 @@ class ServiceProcesses:
     runs: dict[str, str] = field(default_factory=dict)  # name -> the Procfile service it runs, where they differ
     listeners: Listeners = field(default_factory=Listeners)  # sockets the services inherit
     log_start: dict[str, int] = field(default_factory=dict)  # name -> size of its log when last started
+    stay_stopped: frozenset[str] = frozenset()  # names left stopped after a stop on purpose
+    stopped: set[str] = field(default_factory=set)  # those of them stopped so, for good
 
     def log(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -468,7 +483,7 @@ class ServiceProcesses:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         held = self.listeners.held.get(name, {})
         env = {**os.environ, **self.env[name], **{variable: str(s.fileno()) for variable, s in held.items()}}
-        command = read_procfile()[self.runs.get(name, name)]
+        command = read_procfile()[self.runs.get(name, procfile_service(name))]
         log = self.log(name)
         with open(log, "ab") as out:
             self.log_start[name] = out.tell()
@@ -496,7 +511,10 @@ class ServiceProcesses:
     def restart_dead(self) -> list[str]:
         """Start again each service that exited; the names. CannotListen (and nothing restarted)
         when one exited because it cannot listen on its port: a restart would fail the same way."""
-        dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
+        dead = [name for name, proc in self.procs.items() if proc.poll() is not None and name not in self.stopped]
+        for name in [n for n in dead if n in self.stay_stopped and self.procs[n].returncode in STOPPED]:
+            self.stopped.add(name)
+            dead.remove(name)
         for name in dead:
             if self.procs[name].returncode == EXIT_CANNOT_LISTEN:
                 raise CannotListen(self.said(name, "cannot listen on")
@@ -513,24 +531,60 @@ class ServiceProcesses:
             _terminate(proc, 10)
 
 
+def process_names(clusters: Iterable[str] = (), api: bool = False) -> tuple[str, ...]:
+    """The processes of a stack, in start order: the services, with one executor per cluster
+    (``executor-<cluster>``) in the executor's place when there are ``clusters``, and the API."""
+    executors = [f"{permissions.CLUSTER_EXECUTOR_PREFIX}{c}" for c in clusters] or ["executor"]
+    services = [e for s in SERVICES for e in (executors if s == "executor" else [s])]
+    return (*services, permissions.API_USER) if api else tuple(services)
+
+
+CLUSTER_HEARTBEAT_WALL_S = 2.0
+CLUSTER_LOST_AFTER_WALL_S = 20.0
+"""The dev stack's many-cluster timing in wall seconds (its clock runs ``time_scale`` times
+faster): a heartbeat every 2 s, a cluster lost after 20 s of silence, unless
+GPUSCHED_CLUSTER_HEARTBEAT_S / GPUSCHED_CLUSTER_LOST_AFTER_S (platform seconds) are set."""
+
+
+def cluster_timing(time_scale: float, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """GPUSCHED_CLUSTER_HEARTBEAT_S and GPUSCHED_CLUSTER_LOST_AFTER_S in platform seconds, each
+    from ``environ`` when set there, else :data:`CLUSTER_HEARTBEAT_WALL_S` /
+    :data:`CLUSTER_LOST_AFTER_WALL_S` on the platform clock (within what the services accept)."""
+    environ = os.environ if environ is None else environ
+    defaults = {"GPUSCHED_CLUSTER_HEARTBEAT_S": min(3600.0, max(0.1, CLUSTER_HEARTBEAT_WALL_S * time_scale)),
+                "GPUSCHED_CLUSTER_LOST_AFTER_S": min(86_400.0, max(1.0, CLUSTER_LOST_AFTER_WALL_S * time_scale))}
+    return {k: environ.get(k) or f"{v:g}" for k, v in defaults.items()}
+
+
 def service_env(nats_env: Callable[[str], dict[str, str]], pg_dsn: str, *, cluster: Path, time_scale: float,
                 epoch: float, extra: dict[str, str] | None = None,
                 metrics_ports: dict[str, int] | None = None,
-                webhook_secrets: Path | None = None, api_port: int | None = None) -> dict[str, dict[str, str]]:
+                webhook_secrets: Path | None = None, api_port: int | None = None,
+                clusters: dict[str, Path] | None = None) -> dict[str, dict[str, str]]:
     """Environment of each service: its NATS credentials (``nats_env(service)``), the shared
     clock, the sim cluster, for accounting the Postgres DSN, and for the notifier the teams'
     webhook signing secrets (a JSON file). With ``api_port``, the HTTP API's too (it reads
-    Postgres and listens on that port of the loopback)."""
+    Postgres and listens on that port of the loopback). With ``clusters`` (name -> its sim
+    cluster spec), one executor per cluster instead of the one executor: ``executor-<name>``,
+    with its own credential, GPUSCHED_CLUSTER and spec, and every process the clusters' timing
+    (:func:`cluster_timing`)."""
     out = {}
-    for name in (*SERVICES, permissions.API_USER) if api_port else SERVICES:
+    clusters = clusters or {}
+    timing = cluster_timing(time_scale) if clusters else {}
+    for name in process_names(clusters, api=bool(api_port)):
+        cluster_name = name.removeprefix(permissions.CLUSTER_EXECUTOR_PREFIX) if permissions.cluster_executor(name) \
+            else None
         env = {
             **nats_env(name),
             "GPUSCHED_TIME_SCALE": str(time_scale),
             "GPUSCHED_CLOCK_EPOCH": repr(epoch),
-            "GPUSCHED_SIM_CLUSTER": str(cluster),
+            "GPUSCHED_SIM_CLUSTER": str(clusters[cluster_name] if cluster_name else cluster),
             "GPUSCHED_LOG_FORMAT": "json",
             "PYTHONUNBUFFERED": "1",
+            **timing,
         }
+        if cluster_name:
+            env["GPUSCHED_CLUSTER"] = cluster_name
         if name in ("accounting", permissions.API_USER):
             env["GPUSCHED_PG_DSN"] = pg_dsn
         if name == permissions.API_USER:

@@ -587,6 +587,13 @@ async def api_token(conn: asyncpg.Connection | asyncpg.Pool, token_id: str) -> a
     return await conn.fetchrow(f"SELECT {TOKEN_COLUMNS}, token_hash FROM api_tokens WHERE token_id = $1", token_id)
 
 
+async def clusters(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    """Each cluster of a platform of several (docs/executor.md, "Many clusters"): its latest
+    heartbeat, the nodes its executor saw then, and ``lost_at`` / ``lost_reason`` while it is lost."""
+    return [dict(r) for r in await conn.fetch(
+        "SELECT name, last_report, nodes, lost_at, lost_reason FROM clusters ORDER BY name")]
+
+
 async def running_gpus(conn: asyncpg.Connection) -> int:
     """GPUs held by the jobs that run now."""
     return await conn.fetchval("SELECT coalesce(sum(total_gpus), 0) FROM jobs WHERE state = $1",
