@@ -49,7 +49,7 @@ else
 	GPUSCHED_K8S_TESTS=1 $(BIN)/python -m pytest -q tests/executor $(ARGS)
 endif
 
-bench: setup ## Benchmarks (~1 h): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, restarts after 100k/1M events, Kueue's baseline, accounting replay and its live partitions, the API, what-if over 100k jobs, an urgent SLA scale-up, what sync_interval always costs
+bench: setup ## Benchmarks (~1 h): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, restarts after 100k/1M events, Kueue's baseline, accounting replay and its live partitions, the API, what-if over 100k jobs, an urgent SLA scale-up, the preemption notice's margin on the dev stack, what sync_interval always costs
 	$(BIN)/python -m bench $(ARGS)
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.scheduler
@@ -61,6 +61,7 @@ bench: setup ## Benchmarks (~1 h): e2e beside the raw JetStream ceiling, the quo
 	$(BIN)/python -m bench.api
 	$(BIN)/python -m bench.whatif
 	$(BIN)/python -m bench.serving
+	$(BIN)/python -m bench.notice
 	$(BIN)/python -m bench.durability
 
 promtool: ## Install Debian's promtool into .cache/promtool (apt-get download + dpkg -x; for the metrics lint test)

@@ -117,6 +117,10 @@ class Observation:
     exit_code: int | None = None
     message: str = ""
     ready_at: datetime | None = None  # RUNNING: since when it passes its readiness check (None: not ready)
+    # SUCCEEDED or FAILED by the workload's own doing, not by a stop: the sim knows this of an attempt
+    # whose planned end came before its stop deadline. A real backend cannot tell an exit after
+    # SIGTERM from one caused by it, so its ends after a stop are the stop's (JobPreempted).
+    on_its_own: bool = False
 
 
 def workload_name(job_id: str, attempt: int, member: int | None = None) -> str:
@@ -277,6 +281,9 @@ class _Job:
     ran_before: bool = False
     finished: bool = False  # succeeded or cancelled
     cancel: JobCancelRequested | None = None
+    # A stop asked for an attempt before it was placed (quota reclaims a reservation the scheduler
+    # has not placed yet): that attempt, once placed, is stopped without running.
+    stop_before_placed: ReclaimRequested | PreemptionRequested | None = None
 
 
 @dataclass
@@ -402,8 +409,11 @@ class BackendCore:
             case JobScheduled():
                 if a is not None:
                     self._end_attempt(job_id, job)
+                early = job.stop_before_placed
                 job.attempt = _Attempt(event, failed_on_node=self._lost_node(event.placement),
-                                       mine=self._mine(event.placement))
+                                       mine=self._mine(event.placement),
+                                       stop=early if early is not None and early.attempt == event.attempt else None)
+                job.stop_before_placed = None
                 s.live[job_id] = None
                 self._touch(job_id)
             case JobStarted():
@@ -435,6 +445,8 @@ class BackendCore:
                 if a is not None and a.scheduled.attempt == event.attempt and a.stop is None:
                     a.stop = event
                     self._touch(job_id)
+                elif a is None or a.scheduled.attempt < event.attempt:
+                    job.stop_before_placed = event
             case JobCancelRequested():
                 if job.cancel is None:
                     job.cancel = event
@@ -691,7 +703,7 @@ class BackendCore:
                              retryable=FailureReason.NODE_LOST in job.spec.retry.retry_on)
         if obs is None:
             return None
-        if a.stop is not None:
+        if a.stop is not None and not obs.on_its_own:
             if obs.phase in _TERMINAL:
                 return new_event(JobPreempted, aggregate_id=job_id, producer=PRODUCER, occurred_at=obs.at,
                                  key=str(n), cause=a.stop, attempt=n, started_at=_started_at(a, obs),

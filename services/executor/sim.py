@@ -10,7 +10,8 @@ with the time it happened (start + duration), not the time it was noticed.
 A preemption or reclaim (a ``preempt`` stop) gives the attempt its checkpoint window: it runs on
 until its deadline, the request's time in the log plus its ``grace_seconds`` on the platform
 clock, and is stopped then (the end is stamped at the deadline, however late the pass that sees
-it); one whose planned end comes first ends then, with its planned outcome. The deadline is
+it); one whose planned end comes first ends then, with its planned outcome (JobSucceeded or JobFailed,
+not JobPreempted: it ended on its own). The deadline is
 derived from the request in the log, so a restarted executor stops the attempt at the same time.
 Any other stop (cancel, node lost, the rest of a failed gang) ends the attempt at once.
 
@@ -213,10 +214,11 @@ def _outcome(job_id: str, attempt: int, run: _Run) -> Observation:
         return Observation(job_id, attempt, Phase.GONE, run.until, started_at=run.started,
                            message="stopped (preempt) at its deadline")
     if run.reason is None:
-        return Observation(job_id, attempt, Phase.SUCCEEDED, run.ends, started_at=run.started, exit_code=0)
+        return Observation(job_id, attempt, Phase.SUCCEEDED, run.ends, started_at=run.started, exit_code=0,
+                           on_its_own=True)
     message = f"exited with code {run.exit_code}" if run.reason == FailureReason.EXIT_CODE else run.reason.value
     return Observation(job_id, attempt, Phase.FAILED, run.ends, started_at=run.started, reason=run.reason,
-                       exit_code=run.exit_code, message=message)
+                       exit_code=run.exit_code, message=message, on_its_own=True)
 
 
 class SimExecutorCore:

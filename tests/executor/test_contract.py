@@ -110,6 +110,20 @@ def test_preemption_honours_the_grace_period(driver, backend):
     assert not driver.events(j, JobFailed)
 
 
+def test_a_stop_asked_before_the_attempt_is_placed_ends_it_without_running(driver, backend):
+    # Quota reclaims a reservation the scheduler has not placed yet; the scheduler places it all
+    # the same (it is the log's next step): the attempt is stopped, never run, and requeued.
+    j = job_id("reclaimed")
+    now = datetime.now(UTC)
+    driver.feed(b.submitted(j, work(None, gpus=backend.gpus), when=now), b.admitted(j, when=now),
+                b.reclaim_requested(j, when=now).model_copy(update={"grace_seconds": 30.0}),
+                b.scheduled(j, {backend.node: tuple(range(backend.gpus))}, when=now))
+    preempted = driver.until(lambda: driver.first(j, JobPreempted), timeout=60)
+    assert preempted.attempt == 1 and preempted.started_at is None
+    assert not driver.events(j, JobStarted)
+    assert backend.count_runs(driver, j) == 0
+
+
 def test_restart_reports_what_finished_meanwhile_without_running_twice(driver, backend):
     j = job_id("restart")
     driver.submit_and_schedule(j, work(2, gpus=backend.gpus))

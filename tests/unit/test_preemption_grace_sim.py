@@ -72,8 +72,6 @@ def test_an_attempt_whose_planned_end_comes_first_ends_then():
     assert (end.aggregate_id, end.occurred_at) == ("j1", at(30))
 
 
-@pytest.mark.xfail(strict=True, reason="the lifecycle core (services/executor/lifecycle.py BackendCore._next) "
-                                       "records any end of an attempt asked to stop as JobPreempted")
 def test_an_attempt_that_completes_within_the_grace_keeps_its_success():
     h = Harness()
     h.run("j1", expected_runtime_seconds=30)

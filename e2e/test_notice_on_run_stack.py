@@ -1,0 +1,26 @@
+"""Notice, then grace, then stop, on `make run`'s own stack (issue 44, item 2): `gpusched dev up`
+with the demo workload at the demo's time scale (120 platform seconds a wall second), every demo
+team's webhook a real HTTP receiver here. Each preemption notice reaches the team before its
+deadline (on the platform clock); each running attempt it names stops at the deadline, not before,
+and the team hears of the stop after the notice. The measurement is `bench.notice`'s, run until two
+running attempts have been preempted (the demo's first reclaims come about 15 s after the start)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.notice import measure, report
+
+pytestmark = pytest.mark.e2e
+
+
+def test_the_notice_reaches_the_team_before_its_deadline_and_the_stop_comes_after(tmp_path):
+    run = measure(tmp_path, 180, enough=2)
+    figures = report(run)
+    assert len(run.stopped()) >= 2, f"the demo preempted too few running attempts: {figures}"
+    assert run.problems() == [], figures
+    for n in run.stopped():
+        assert n.arrived < n.deadline <= n.end_at and n.end_arrived > n.arrived
+    logs = tmp_path / "logs"
+    for log in logs.glob("*.log"):
+        assert "Traceback" not in log.read_text(), f"{log.name} crashed"
