@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml sdk/pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s bench-placement schemas lint clean promtool natscli otelcol chromium publishing-examples image
+.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s bench-placement schemas lint clean promtool natscli otelcol chromium publishing-examples verifiers image
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -23,13 +23,13 @@ $(STAMP): pyproject.toml sdk/pyproject.toml
 run: setup ## Run NATS, Postgres, the seven services and the API/console with the demo workload (Ctrl-C stops; CLUSTERS=east,west: one sim executor per cluster)
 	$(BIN)/gpusched dev up $(if $(CLUSTERS),--clusters $(CLUSTERS)) $(ARGS)
 
-test: setup natscli otelcol chromium publishing-examples ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
+test: setup natscli otelcol chromium publishing-examples verifiers ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
 	GPUSCHED_REQUIRE_BROWSER=$${GPUSCHED_REQUIRE_BROWSER:-1} $(BIN)/python -m pytest -q tests e2e $(ARGS)
 
 test-unit: setup ## Pure cores only (fast)
 	$(BIN)/python -m pytest -q tests/unit $(ARGS)
 
-test-integration: setup ## Each service against real NATS and Postgres
+test-integration: setup verifiers ## Each service against real NATS and Postgres
 	$(BIN)/python -m pytest -q tests/integration $(ARGS)
 
 test-e2e: setup ## All services as processes, faults included
@@ -72,6 +72,9 @@ chromium: ## Install Debian's chromium for the console's browser tests (apt-get;
 
 publishing-examples: ## Build the Go publishing example and install the JS one's npm package into ~/.cache/gpusched (docs/publishing.md)
 	@bash scripts/publishing-examples.sh >/dev/null
+
+verifiers: ## Build the statement checksum verifiers (examples/verify: Go gowebpki/jcs, npm canonicalize) into ~/.cache/gpusched (docs/accounting.md)
+	@bash scripts/verifiers.sh >/dev/null
 
 natscli: ## Build the plain `nats` CLI (natscli v0.5.0, Go module proxy) into ~/.cache/gpusched, for the tenant tests
 	@if [ "$$GPUSCHED_NO_NATSCLI" = 1 ]; then echo 'natscli: skipped (GPUSCHED_NO_NATSCLI=1)'; else bash scripts/natscli.sh >/dev/null; fi

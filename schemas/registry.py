@@ -8,7 +8,7 @@ from typing import Annotated, Any, Callable, Union
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from .accounting import ChargebackStatementIssued, PriceBookUpdated
+from .accounting import ChargebackStatementIssued, PriceBookUpdated, statement_v1_to_v2
 from .auth import ApiTokenIssued, ApiTokenRevoked
 from .envelope import Event
 from .job import (
@@ -112,9 +112,11 @@ PRODUCERS: dict[str, str] = {name: _TABLE[cls][0] for name, cls in EVENT_TYPES_B
 AnyEvent = Annotated[Union[tuple(_TABLE)], Field(discriminator="type")]  # type: ignore[valid-type]
 _ADAPTER: TypeAdapter[Event] = TypeAdapter(AnyEvent)
 
-# (type, from_version) -> function raising a raw dict to from_version + 1. None yet: every type
-# is at version 1. Add an entry, never edit an old one.
-UPCASTERS: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {}
+# (type, from_version) -> function raising a raw dict to from_version + 1. Add an entry, never
+# edit an old one.
+UPCASTERS: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {
+    ("ChargebackStatementIssued", 1): statement_v1_to_v2,
+}
 
 
 def subject_token(name: str) -> str:

@@ -5,9 +5,7 @@ and the operations metrics. Registered onto the main app by :mod:`gpusched.cli.m
 
 from __future__ import annotations
 
-import csv
 import functools
-import io
 import json
 import sys
 import uuid
@@ -196,8 +194,13 @@ def chargeback_cmd(
     with the log range it covers and its checksum."""
     from services.accounting import chargeback, queries
 
+    if format == Format.csv and output == Output.json:
+        raise UserError_exit(err_console, "--format csv and --output json ask for two formats; give one: "
+                                          "--format csv (the statement's CSV) or --format json / -o json (its JSON)")
     fmt = Format.json if output == Output.json else format
     if verify:
+        if fmt == Format.csv:
+            raise UserError_exit(err_console, "--verify answers in table or json; accepted: --format table|json")
         result = run(_verify(verify, err_console))
         if fmt == Format.json:
             print(json.dumps(result, indent=2, default=str))
@@ -211,7 +214,12 @@ def chargeback_cmd(
         return
     if issued:
         rows = run(with_pg(lambda conn: queries.issued(conn, period)))
-        if fmt == Format.json:
+        if fmt == Format.csv:  # every issued statement (jcs-sha256; older ones carry no items), one file
+            sys.stdout.write(chargeback.to_csv(*(
+                {**r["body"], "statement_id": r["statement_id"], "first_sequence": r["first_sequence"],
+                 "last_sequence": r["last_sequence"], "checksum": r["checksum"], "provisional": False}
+                for r in rows if r["body"].get("checksum_alg") == chargeback.CHECKSUM_ALG and r["group_by"] == by)))
+        elif fmt == Format.json:
             print(json.dumps(rows, indent=2, default=str))
         else:
             emit([{k: v for k, v in r.items() if k != "body"} for r in rows], Output.table)
@@ -226,18 +234,11 @@ def chargeback_cmd(
     if fmt == Format.json:
         print(json.dumps(body, indent=2))
     elif fmt == Format.csv:
-        buf = io.StringIO()
-        writer = csv.writer(buf, lineterminator="\n")
-        writer.writerows(chargeback.to_csv_rows(body))
-        sys.stdout.write(buf.getvalue())
+        sys.stdout.write(chargeback.to_csv(body))
     else:
-        rows = [dict(zip(chargeback.to_csv_rows(body)[0], r)) for r in chargeback.to_csv_rows(body)[1:]]
-        for r in rows:
-            for k, v in r.items():
-                if isinstance(v, float):
-                    r[k] = round(v, 4)
-        emit(rows, Output.table, title=f"chargeback {period} by {by} ({body['idle_quota']})")
-        console.print(f"total {body['total_cost']:.2f} {body['currency']}; "
+        rows = [{by: line["key"], **{k: v for k, v in line.items() if k != "key"}} for line in body["lines"]]
+        emit(rows, Output.table, title=f"chargeback {period} by {by} ({body['idle_quota']}, {body['currency']})")
+        console.print(f"total {body['total_cost']} {body['currency']}; {body['total_gpu_hours']} GPU-hours; "
                       f"log {body['first_sequence']}..{body['last_sequence']}; "
                       f"{body['checksum']}" + (" (period still open: provisional)" if body["provisional"] else ""))
 
@@ -431,6 +432,9 @@ async def _verify(statement_id: str, err_console) -> dict[str, Any]:
             found = parse_event(msg.data)
         if not isinstance(found, ChargebackStatementIssued):
             raise UserError(f"statement {statement_id!r} is not in the log; list them with `gpusched chargeback --issued`")
+        if found.checksum_alg != chargeback.CHECKSUM_ALG:
+            raise UserError(f"statement {statement_id!r} has checksum_alg {found.checksum_alg!r} (issued by an earlier "
+                            f"release, float figures): this release re-derives only {chargeback.CHECKSUM_ALG!r} statements")
         try:
             with _Bar(err_console, "verify", 1, found.last_sequence) as bar:
                 await replay_mod.rebuild(nc, dsn, scratch, to_seq=found.last_sequence, on_batch=bar)

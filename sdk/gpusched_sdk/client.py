@@ -331,9 +331,12 @@ class AsyncClient:
         return await self._call("GET", "/v1/usage", params=params)
 
     async def chargeback(self, period: str, *, group_by: str = "team") -> dict[str, Any]:
-        """The month's (``YYYY-MM``) chargeback statement as of the log's now: its lines per
-        group, totals, log range, checksum, ``statement_id`` and whether it is ``provisional``
-        (the period is still open). Chargeback readers, operators and admins."""
+        """The month's (``YYYY-MM``) chargeback statement as of the log's now: its items (per
+        team, project, queue, flavor and unit price), lines per group, totals, log range,
+        checksum (``checksum_alg`` ``jcs-sha256``), ``statement_id`` and whether it is
+        ``provisional`` (the period is still open). Every figure is a decimal string (money to
+        the currency's minor unit, GPU-hours to 6 places): read it with ``decimal.Decimal``,
+        never ``float`` (docs/accounting.md#money). Chargeback readers, operators and admins."""
         return await self._call("GET", "/v1/chargeback", params={"period": period, "group_by": group_by})
 
     async def summary(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime
+from decimal import Decimal
 from typing import Any, NamedTuple
 
 from schemas.jobstate import JobState
@@ -262,7 +263,7 @@ class InsertStatement(NamedTuple):
     checksum: str
     first_sequence: int        # the log range the statement covers
     last_sequence: int
-    total_cost: float
+    total_cost: Decimal        # numeric in Postgres: money is never a binary float
     body: str                  # the statement's figures as JSON
     seq: int
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 from schemas import (
@@ -228,10 +229,10 @@ def _token(e: ApiTokenIssued, j: str, t, seq: int) -> list[Operation]:
 
 
 def _statement(e: ChargebackStatementIssued, j: str, t, seq: int) -> list[Operation]:
-    body = e.model_dump_json(include={"period", "group_by", "currency", "idle_quota", "lines", "total_gpu_seconds",
-                                      "total_cost"})
-    return [InsertStatement(j, e.period, e.group_by, e.checksum, e.first_sequence, e.last_sequence, e.total_cost,
-                            body, seq)]
+    body = e.model_dump_json(include={"period", "group_by", "currency", "minor_unit", "idle_quota", "items",
+                                      "adjustments", "lines", "total_gpu_hours", "total_cost", "checksum_alg"})
+    return [InsertStatement(j, e.period, e.group_by, e.checksum, e.first_sequence, e.last_sequence,
+                            Decimal(e.total_cost), body, seq)]
 
 
 # event type -> (event, aggregate id, occurred_at, sequence) -> operations. A table, not a chain

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 import asyncpg
@@ -94,7 +95,7 @@ async def price_versions(conn: asyncpg.Connection, name: str = PRICE_BOOK,
     rows = await conn.fetch(
         """SELECT effective_from, sequence, currency, gpu_prices, cpu_core_hour, memory_gib_hour, idle_quota
            FROM price_books WHERE name = $1 AND ($2::bigint IS NULL OR sequence <= $2)""", name, max_sequence)
-    return [PriceVersion(**{**dict(r), "gpu_prices": json.loads(r["gpu_prices"])}) for r in rows]
+    return [PriceVersion(**{**dict(r), "gpu_prices": json.loads(r["gpu_prices"], parse_float=Decimal)}) for r in rows]
 
 
 async def quota_versions(conn: asyncpg.Connection, max_sequence: int | None = None) -> list[QuotaVersion]:
@@ -143,30 +144,74 @@ async def statement(conn: asyncpg.Connection, period: str, group_by: str, *, log
     range is :func:`period_first_sequence` .. last_sequence, found in ``log`` (the event log).
     Besides the statement body (:func:`services.accounting.chargeback.statement`, checksummed)
     it always carries ``statement_id`` (the id it has once issued: period, dimension, log range),
-    ``provisional`` (the period had not ended at ``as_of``) and ``as_of`` (ISO 8601). The one definition every door
-    uses; a statement of a whole closed period (issuing or verifying one) passes its end as
+    ``provisional`` (the period had not ended at ``as_of``) and ``as_of`` (ISO 8601). It carries
+    the adjustments of closed periods that belong to it (:func:`_adjustments`). The one
+    definition every door uses; a statement of a whole closed period (issuing or verifying one) passes its end as
     ``as_of``. ``whole``: None unless the read models are at one position (every accounting
     partition at the same one): a job's row holds its state at its partition's position, so a
     statement is only what the log says up to one sequence when all of them are there."""
-    start, end = chargeback.parse_period(period)
+    end = chargeback.parse_period(period)[1]
     async with conn.transaction(isolation="repeatable_read", readonly=True):
         if whole and len({seq for seq, _ in (await sink.partition_rows(conn)).values()}) > 1:
             return None
         if as_of is None:
             as_of = await log_now(conn, log)
-        until = min(end, as_of)
         seq = await position(conn) if last_sequence is None else last_sequence
-        rows = await attempts(conn, overlapping=(start, until), max_sequence=seq)
-        rows += await running_attempts(conn, until)
-        prices = await price_versions(conn, max_sequence=seq)
-        history = await quota_versions(conn, max_sequence=seq)
+        rows, prices, history = await _statement_inputs(conn, period, min(end, as_of), seq)
+        adjusting = await _adjustments(conn, period, group_by, seq)
     first = await period_first_sequence(log, period, seq)
     body = chargeback.statement(rows, prices, history, period=period, group_by=group_by, first_sequence=first,
-                                last_sequence=seq, as_of=as_of)
+                                last_sequence=seq, as_of=as_of, adjustments=adjusting)
     body["statement_id"] = chargeback.statement_id(period, group_by, seq)
     body["provisional"] = end > as_of
     body["as_of"] = as_of.isoformat()
     return body
+
+
+async def _statement_inputs(conn: asyncpg.Connection, period: str, until: datetime,
+                           seq: int) -> tuple[list[Attempt], list[PriceVersion], list[QuotaVersion]]:
+    """What a period's statement is computed from, up to ``until`` and log sequence ``seq``: the
+    ledger rows overlapping it, the attempts still running, the price and quota history."""
+    start = chargeback.parse_period(period)[0]
+    rows = await attempts(conn, overlapping=(start, until), max_sequence=seq)
+    rows += await running_attempts(conn, until)
+    return rows, await price_versions(conn, max_sequence=seq), await quota_versions(conn, max_sequence=seq)
+
+
+async def _adjustments(conn: asyncpg.Connection, period: str, group_by: str, seq: int) -> list[dict[str, Any]]:
+    """The adjustment lines a statement of ``period`` carries (chargeback.adjustments): for each
+    closed period C before it whose statement was issued, with a statement issued for every
+    period between C and this one (so this is the first period after C left open), and whose
+    figures rows logged after C's statement may change (ledger rows of attempts that ran in C,
+    price or quota versions in force by C's end, logged up to ``seq``): C recomputed from the
+    log up to ``seq``, less C's issued items, less what statements of the periods between
+    already carried for C. Issued statements are those logged up to ``seq``, so a statement's
+    adjustments are a function of the log up to its ``last_sequence``."""
+    issued = {r["period"]: (r["last_sequence"], json.loads(r["body"])) for r in await conn.fetch(
+        """SELECT DISTINCT ON (period) period, last_sequence, body FROM statements
+           WHERE group_by = $1 AND sequence <= $2 AND period < $3 ORDER BY period, last_sequence DESC""",
+        group_by, seq, period)}
+    chain, c = [], chargeback.previous_period(period)
+    while c in issued:  # the closed periods whose next open period this is
+        chain.append(c)
+        c = chargeback.previous_period(c)
+    out: list[dict[str, Any]] = []
+    for c in reversed(chain):
+        last, body = issued[c]
+        start, end = chargeback.parse_period(c)
+        if body.get("checksum_alg") != chargeback.CHECKSUM_ALG or not await conn.fetchval(
+                """SELECT EXISTS (SELECT FROM usage_ledger WHERE sequence > $3 AND sequence <= $4
+                                  AND started_at < $2 AND ended_at >= $1)
+                       OR EXISTS (SELECT FROM price_books WHERE sequence > $3 AND sequence <= $4 AND effective_from < $2)
+                       OR EXISTS (SELECT FROM quota_history WHERE sequence > $3 AND sequence <= $4
+                                  AND effective_from < $2)""", start, end, last, seq):
+            continue  # issued before items existed (sha256-json-v1), or nothing logged since touches it
+        now = chargeback.statement(*await _statement_inputs(conn, c, end, seq), period=c, group_by=group_by,
+                                   first_sequence=0, last_sequence=seq)
+        carried = [a for q, (_, b) in issued.items() if q > c for a in b.get("adjustments", ())
+                   if a["adjusts_period"] == c]
+        out += chargeback.adjustments(c, now["items"], body["items"], carried)
+    return out
 
 
 STATEMENT_EXTRAS = ("statement_id", "provisional", "as_of")

@@ -1,10 +1,10 @@
 """Issuing chargeback statements (adapter): once the log's time has passed a period's end plus a
 grace period, accounting computes the period's statement from the read models and publishes
-ChargebackStatementIssued. A statement for a period and dimension is issued once, and a revision
-(``supersedes`` the previous id) only when events logged after it change the period's figures: an
-attempt that ran in the period and ended late, a price book version or a quota change in force
-in it. A change is noticed by the sequences of the ledger, price and quota rows; the period is
-recomputed, and re-issued only if its content differs (same checksum over the same log range).
+ChargebackStatementIssued. A statement for a period and dimension is issued once and never
+revised: what events logged after it say about its period (an attempt that ran in it and ended
+late, a price book version or a quota change in force in it) is billed as adjustment lines in
+the next period still open (queries._adjustments), issued in its turn. A closed period that had
+nothing to bill when it closed is issued when something for it is logged.
 
 Settings (environment): ``GPUSCHED_STATEMENT_BY`` (comma-separated dimensions, default
 ``team``; empty: issue none), ``GPUSCHED_STATEMENT_GRACE_S`` (default 3600).
@@ -105,19 +105,17 @@ class Issuer:
         while period is not None and chargeback.parse_period(period)[1] + grace <= self.watermark:
             end = chargeback.parse_period(period)[1]
             for dim in self.config.dimensions:
-                last = await self._last_issued(conn, period, dim)
-                if last is not None and (affected is None or end <= affected):
-                    continue  # nothing logged since touches this period
+                if await self._last_issued(conn, period, dim) is not None:
+                    continue  # issued: never revised (late events are the next open period's adjustments)
                 body = await queries.statement(conn, period, dim, log=js, as_of=end, whole=True)
                 if body is None:  # the partitions are not at one position: again after a later batch
                     return issued
-                if not body["lines"] or (last is not None and _same_content(body, last)):
+                if not body["lines"]:
                     continue
                 event = new_event(
                     ChargebackStatementIssued,
                     aggregate_id=chargeback.statement_id(period, dim, body["last_sequence"]),
                     producer="accounting", occurred_at=self.watermark, key=body["checksum"],
-                    supersedes=last["statement_id"] if last is not None else None,
                     **{k: v for k, v in body.items() if k not in queries.STATEMENT_EXTRAS})
                 await eventlog.EventLog(js).append(event)
                 self._latest[(period, dim)] = {"statement_id": event.aggregate_id, "checksum": event.checksum,
@@ -125,13 +123,9 @@ class Issuer:
                                                "last_sequence": event.last_sequence}
                 issued.append(event)
                 log.info("statement issued", extra={"statement": event.aggregate_id, "checksum": body["checksum"],
-                                                    "total_cost": body["total_cost"], "supersedes": event.supersedes})
+                                                    "total_cost": body["total_cost"],
+                                                    "adjustments": len(body["adjustments"])})
             period = chargeback.next_period(period)
         self._seen, self._checked = position, (position, closed)
         return issued
 
-
-def _same_content(body: dict, last: dict) -> bool:
-    """The recomputed body says what the issued one said: the same checksum over the issued range."""
-    return chargeback.checksum({**body, "first_sequence": last["first_sequence"],
-                                "last_sequence": last["last_sequence"]}) == last["checksum"]

@@ -11,13 +11,16 @@ is in the log: every door is asked at one log position."""
 from __future__ import annotations
 
 import asyncio
+import csv
 import html
+import io
 import json
 import os
 import re
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 
@@ -108,9 +111,39 @@ def test_chargeback_totals_per_team_are_one_statement(door_stack):
     assert by_cli == by_api == by_sdk  # the whole statement: lines, totals, range, checksum, id, provisional
     assert by_api["provisional"] is True and by_api["statement_id"]
     totals = {line["key"]: line["total_cost"] for line in by_api["lines"]}
-    assert set(totals) >= {"team-a", "team-b"} and all(v > 0 for v in totals.values()), totals
+    assert set(totals) >= {"team-a", "team-b"} and all(Decimal(v) > 0 for v in totals.values()), totals
     shown = dict(re.findall(r'<tr data-team="([^"]+)">.*?<td class="total">([0-9.]+)</td>', page, re.S))
-    assert shown == {team: f"{cost:.2f}" for team, cost in totals.items()}
+    assert shown == totals  # the statement's own figures, to the cent
+    assert f"<th>total ({by_api['currency']})</th>" in page
+
+
+def test_the_chargeback_csv_is_the_same_bytes_through_the_cli_and_the_api(door_stack):
+    """`gpusched chargeback --format csv` and GET /v1/chargeback?format=csv: one function renders
+    both (services.accounting.chargeback.to_csv), one row per item, summing to the statement."""
+    from services.accounting.chargeback import CSV_COLUMNS
+
+    month = _month()
+    env = {**os.environ, **door_stack.nats_server.env("operator"), "GPUSCHED_PG_DSN": door_stack.dsn,
+           "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
+    env.pop("GPUSCHED_API_URL", None)
+    by_cli = subprocess.run([sys.executable, "-m", "gpusched.cli.main", "chargeback", "--period", month, "--format",
+                             "csv"], env=env, capture_output=True, timeout=120)
+    assert by_cli.returncode == 0, by_cli.stderr
+    with door_stack.client("money") as http:
+        by_api = http.get("/v1/chargeback", params={"period": month, "format": "csv"})
+    assert by_api.status_code == 200 and by_api.headers["content-type"].startswith("text/csv")
+    assert by_cli.stdout == by_api.content
+
+    statement = api(door_stack, "money", "/v1/chargeback", period=month)
+    rows = list(csv.DictReader(io.StringIO(by_api.text)))
+    assert by_api.text.splitlines()[0].split(",") == list(CSV_COLUMNS) and len(rows) == len(statement["items"])
+    assert {r["team"] for r in rows} >= {"team-a", "team-b"}
+    assert {(r["statement_id"], r["checksum"], r["provisional"], r["currency"]) for r in rows} == {
+        (statement["statement_id"], statement["checksum"], "true", statement["currency"])}
+    assert sum(Decimal(r["amount"]) for r in rows) == Decimal(statement["total_cost"])
+    both = subprocess.run([sys.executable, "-m", "gpusched.cli.main", "chargeback", "--period", month, "--format",
+                           "csv", "--output", "json"], env=env, capture_output=True, text=True, timeout=120)
+    assert both.returncode == 2 and both.stdout == "" and "--format csv and --output json" in both.stderr
 
 
 def test_budget_left_is_weighted_the_same_everywhere(door_stack):

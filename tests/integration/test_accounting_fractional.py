@@ -91,9 +91,9 @@ async def test_a_quarter_of_a_gpu_is_charged_a_quarter(pg_dsn):
             await queries.price_versions(conn), await queries.quota_versions(conn),
             period="2026-11", group_by="team", first_sequence=1, last_sequence=99, as_of=at(3600))
         (line,) = body["lines"]
-        assert line["gpu_seconds"] == pytest.approx(3600 * (0.25 + 1 + 0.5 + 0.1))
-        assert line["borrowed_gpu_seconds"] == pytest.approx(900.0)
-        assert line["usage_cost"] == pytest.approx(2.0 * (0.25 + 1 + 0.5 + 0.1))
+        assert line["gpu_hours"] == "1.850000"  # 0.25 + 1 + 0.5 + 0.1
+        assert line["borrowed_gpu_hours"] == "0.250000"
+        assert line["usage_cost"] == "3.70"
 
         # metrics: the running tenth is a tenth of a GPU allocated; the ledger's seconds and cost
         samples = {(s.name, s.labels): s.value for s in await metrics.gather(conn, at(3600))}

@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import asyncpg
@@ -155,10 +156,10 @@ async def test_ledger_statement_replay_and_metrics(nats_server, admin_js, pg_dsn
         assert st.period == "2026-11" and st.group_by == "team" and st.first_sequence == 1
         assert st.last_sequence == len(scenario()) + 1  # the read models had applied the December event
         lines = {line.key: line for line in st.lines}
-        assert lines["team-a"].usage_cost == pytest.approx((4000 + 4 * 3600) / 3600 * 2.0)
-        assert lines["team-a"].lost_gpu_seconds == 1600.0 and lines["team-a"].borrowed_gpu_seconds == 1000.0
-        assert lines["team-a"].idle_gpu_seconds > 0 and lines["team-a"].total_cost == lines["team-a"].usage_cost
-        assert st.total_cost == pytest.approx(lines["team-a"].total_cost + 2.0)
+        assert lines["team-a"].gpu_hours == "5.111111" and lines["team-a"].usage_cost == "10.22"  # 5.111111 h x 2.0
+        assert lines["team-a"].lost_gpu_hours == "0.444444" and lines["team-a"].borrowed_gpu_hours == "0.277778"
+        assert Decimal(lines["team-a"].idle_gpu_hours) > 0 and lines["team-a"].total_cost == lines["team-a"].usage_cost
+        assert st.total_cost == "12.22" and st.checksum_alg == "jcs-sha256"  # team-b: 1 GPU-hour x 2.0
         await eventually(lambda: _caught_up(admin_js, pg_dsn))
         assert [r["statement_id"] for r in await queries.issued(conn)] == [st.aggregate_id]
 
@@ -166,14 +167,16 @@ async def test_ledger_statement_replay_and_metrics(nats_server, admin_js, pg_dsn
         verified = await accounting_cli._verify(st.aggregate_id, _Quiet())
         assert verified["verified"] and verified["replayed_checksum"] == st.checksum
 
-        # a corrected price for the same effective time re-prices November: a new statement
+        # a corrected price for the same effective time re-prices November: November's statement
+        # stands, December (still open) carries the difference
         await log.append(price_book({"a100": 3.0}, effective_from=datetime(2026, 10, 1, tzinfo=UTC), key="fix",
                                     when=datetime(2026, 12, 1, 3, tzinfo=UTC)))
-        first, second = await eventually(lambda: _ready(_statements(admin_js), 2))
-        assert second.total_cost == pytest.approx(first.total_cost * 1.5)
-        assert second.last_sequence > first.last_sequence and second.checksum != first.checksum
-        assert (await accounting_cli._verify(second.aggregate_id, _Quiet()))["verified"]
         await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        await asyncio.sleep(0.3)
+        assert await _statements(admin_js) == [st]
+        december = await queries.statement(conn, "2026-12", "team", log=admin_js)
+        assert sum(Decimal(a["amount"]) for a in december["adjustments"]) == Decimal("18.33") - Decimal("12.22")
+        assert december["total_cost"] == "6.11" and december["provisional"] is True
 
         # replay into a shadow: identical to live, table by table; then swap it in while live runs
         result = await accounting_cli._replay("shadow", None, None, True, False, 7, _Quiet())
@@ -453,7 +456,10 @@ async def test_cli_prices_usage_and_chargeback(nats_server, admin_js, pg_dsn, tm
         body = json.loads(gs("chargeback", "--period", "2026-11", "--by", "team", "--format", "json").stdout)
         assert body["checksum"].startswith("sha256:") and body["last_sequence"] == await _position(pg_dsn)
         rows = list(csv.reader(io.StringIO(gs("chargeback", "--period", "2026-11", "--format", "csv").stdout)))
-        assert rows[0][:2] == ["team", "gpu_hours"] and [r[0] for r in rows[1:]] == ["team-a", "team-b"]
+        assert rows[0][:5] == ["statement_id", "period", "log_first_sequence", "log_last_sequence", "team"]
+        assert [r[4] for r in rows[1:]] == ["team-a", "team-b"] and rows[2][rows[0].index("checksum")] == body["checksum"]
+        both = gs("chargeback", "--period", "2026-11", "--format", "csv", "-o", "json", check=False)
+        assert both.returncode == 2 and not both.stdout and "--format csv and --output json" in both.stderr
         assert "total" in gs("chargeback", "--period", "2026-11").stdout
         bad = gs("chargeback", "--period", "2026-13", check=False)
         assert bad.returncode == 2 and "accepted: YYYY-MM" in bad.stderr
@@ -661,11 +667,13 @@ async def test_a_failed_index_build_resumes_with_what_is_left(pg_dsn):
         await conn.close()
 
 
-async def test_a_statement_counts_running_attempts_and_is_revised_by_a_late_end(nats_server, admin_js, pg_dsn,
-                                                                                cli_env):
+async def test_a_statement_counts_running_attempts_and_a_late_end_is_an_adjustment_in_the_next_period(
+        nats_server, admin_js, pg_dsn, cli_env):
     """November's statement counts the November part of an attempt still running, and of one
-    whose end has not been logged yet; when that end arrives (it happened in November), a
-    revision supersedes the statement. The running one ending in December changes nothing."""
+    whose end has not been logged yet; when that end arrives (it happened in November), November's
+    statement stays as issued and December's carries an adjustment line for it (a credit), issued
+    when December closes and re-derived by replay. The running one ending in December changes
+    nothing in November."""
     nov30 = (datetime(2026, 11, 30, tzinfo=UTC) - NOV).total_seconds()
     long = job("long", "team-b", gpus=2, start=nov30 + 20 * 3600, end=nov30 + 34 * 3600)  # until Dec 1 10:00
     late = job("late", "team-a", gpus=1, start=nov30 + 10 * 3600, end=nov30 + 12 * 3600)
@@ -679,19 +687,31 @@ async def test_a_statement_counts_running_attempts_and_is_revised_by_a_late_end(
         await eventually(lambda: _caught_up(admin_js, pg_dsn))
         await log.append(december_event())
         (first,) = await eventually(lambda: _statements(admin_js))
-        gpu_s = {line.key: line.gpu_seconds for line in first.lines}
-        assert gpu_s == {"team-a": 14 * 3600.0, "team-b": 2 * 4 * 3600.0} and first.supersedes is None
+        gpu_h = {line.key: line.gpu_hours for line in first.lines}
+        assert gpu_h == {"team-a": "14.000000", "team-b": "8.000000"} and first.adjustments == ()
 
         await log.append(late[-1])  # JobSucceeded at 12:00 on November 30, logged in December
-        first_, second = await eventually(lambda: _ready(_statements(admin_js), 2))
-        assert first_ == first and second.supersedes == first.aggregate_id
-        assert {line.key: line.gpu_seconds for line in second.lines} == {"team-a": 2 * 3600.0, "team-b": 8 * 3600.0}
-        assert (await accounting_cli._verify(second.aggregate_id, _Quiet()))["verified"]
-
         await log.append(long[-1])  # ends on December 1 at 10:00: November's part is what was counted
         await eventually(lambda: _caught_up(admin_js, pg_dsn))
         await asyncio.sleep(0.5)
-        assert len(await _statements(admin_js)) == 2
+        assert await _statements(admin_js) == [first]  # November's statement is what it was
+        december = await queries.statement(conn, "2026-12", "team", log=admin_js)
+        assert december["provisional"] is True
+        assert [(a["adjusts_period"], a["team"], a["gpu_hours"], a["amount"]) for a in december["adjustments"]] == [
+            ("2026-11", "team-a", "-12.000000", "-24.00")]  # ran 2 h, not the 14 h counted: 12 GPU-hours at 2.0
+
+        # the log passes December's end: December is issued with the adjustment, and verifies
+        await log.append(new_event(NodeRegistered, aggregate_id="n10", producer="executor",
+                                   occurred_at=datetime(2027, 1, 1, 2, tzinfo=UTC), key="1",
+                                   node=NodeInfo(name="n10", gpu_flavor="a100", gpu_count=8)))
+        _, dec = await eventually(lambda: _ready(_statements(admin_js), 2))
+        assert dec.period == "2026-12" and [a.model_dump() for a in dec.adjustments] == december["adjustments"]
+        assert {line.key: line.total_cost for line in dec.lines} == {"team-a": "-24.00", "team-b": "40.00"}
+        assert dec.total_cost == "16.00"  # team-b: 2 GPUs x 10 h of December at 2.0
+        assert (await accounting_cli._verify(dec.aggregate_id, _Quiet()))["verified"]
+        await eventually(lambda: _caught_up(admin_js, pg_dsn))
+        january = await queries.statement(conn, "2027-01", "team", log=admin_js)
+        assert january["adjustments"] == []  # carried into December's already
         by_day = await queries.rollup(conn, ["team", "day"])
         assert [(r["team"], r["day"], r["gpu_hours"], r["attempts"]) for r in by_day] == [
             ("team-a", "2026-11-30", 2.0, 1), ("team-b", "2026-11-30", 8.0, 1), ("team-b", "2026-12-01", 20.0, 0)]

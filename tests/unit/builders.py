@@ -388,13 +388,24 @@ def statement(period: str = "2026-01", group_by: str = "team", *, lines: Iterabl
               last_sequence: int = 10, when: datetime = T0):
     from schemas import ChargebackStatementIssued
 
+    from decimal import Decimal
+
     lines = tuple(lines)
     sid = f"{period}-{group_by}-{last_sequence}"
+    if any("gpu_seconds" in line for line in lines):  # figures as an earlier release wrote them: upcast
+        from schemas.accounting import statement_v1_to_v2
+
+        figures = statement_v1_to_v2({"lines": lines, "total_gpu_seconds": sum(line["gpu_seconds"] for line in lines),
+                                      "total_cost": sum(line["total_cost"] for line in lines)})
+        lines = figures.pop("lines")
+        figures.pop("schema_version")
+    else:
+        figures = {"total_gpu_hours": str(sum((Decimal(line["gpu_hours"]) for line in lines), Decimal("0.000000"))),
+                   "total_cost": str(sum((Decimal(line["total_cost"]) for line in lines), Decimal("0.00"))),
+                   "checksum_alg": "jcs-sha256"}
     return new_event(ChargebackStatementIssued, aggregate_id=sid, producer="accounting", occurred_at=when, key=sid,
                      period=period, group_by=group_by, currency="USD", idle_quota="showback", lines=lines,
-                     total_gpu_seconds=sum(line["gpu_seconds"] for line in lines),
-                     total_cost=sum(line["total_cost"] for line in lines), first_sequence=1,
-                     last_sequence=last_sequence, checksum="sha256:" + "0" * 64)
+                     **figures, first_sequence=1, last_sequence=last_sequence, checksum="sha256:" + "0" * 64)
 
 
 # -- inference services ---------------------------------------------------------------------------

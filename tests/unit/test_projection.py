@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from decimal import Decimal
 
 import pytest
 
@@ -102,9 +103,10 @@ DELETED = new_event(QueueDeleted, aggregate_id="old", producer="config", occurre
 COHORT = new_event(CohortConfigured, aggregate_id="shared", producer="config", occurred_at=T0, key="c", name="shared")
 NODE = node("gpu-1.rack-1", "a100", 8, gpu_product="NVIDIA-A100", labels={"rack": "r1"})
 
-STATEMENT = statement(lines=[{"key": "team-a", "gpu_seconds": 3600.0, "borrowed_gpu_seconds": 0.0,
-                              "lost_gpu_seconds": 0.0, "idle_gpu_seconds": 0.0, "usage_cost": 3.0, "idle_cost": 0.0,
-                              "total_cost": 3.0}])
+STATEMENT = statement(lines=[{"key": "team-a", "gpu_hours": "1.000000", "guaranteed_gpu_hours": "1.000000",
+                              "borrowed_gpu_hours": "0.000000", "lost_gpu_hours": "0.000000",
+                              "idle_gpu_hours": "0.000000", "usage_cost": "3.00", "idle_cost": "0.00",
+                              "total_cost": "3.00"}])
 
 SERVICE = service_samples()
 CASES = [
@@ -183,9 +185,11 @@ CASES = [
      [InsertPolicy(SEQ, at(2), '[{"name": "gold", "value": 900, "preemptible": false, "protection_seconds": 0.0, '
                                 '"max_preemptions": null, "preemption_grace_seconds": 30.0}]',
                     '{"enabled":true,"max_per_window":3,"window_seconds":300.0}')]),
-    (STATEMENT, [InsertStatement(STATEMENT.aggregate_id, "2026-01", "team", "sha256:" + "0" * 64, 1, 10, 3.0,
-                                  STATEMENT.model_dump_json(include={"period", "group_by", "currency", "idle_quota",
-                                                                     "lines", "total_gpu_seconds", "total_cost"}),
+    (STATEMENT, [InsertStatement(STATEMENT.aggregate_id, "2026-01", "team", "sha256:" + "0" * 64, 1, 10,
+                                  Decimal("3.00"),
+                                  STATEMENT.model_dump_json(include={"period", "group_by", "currency", "minor_unit",
+                                                                     "idle_quota", "items", "adjustments", "lines",
+                                                                     "total_gpu_hours", "total_cost", "checksum_alg"}),
                                   SEQ)]),
     *zip(SERVICE, [
         [UpsertService("chat", "team-a", "research", SERVICE[0].spec.model_dump_json(), 1, 2, "alice", T0,
