@@ -36,7 +36,7 @@ test-e2e: setup ## All services as processes, faults included
 	$(BIN)/python -m pytest -q e2e $(ARGS)
 
 # GPUSCHED_CHAOS_SEED=N (environment) repeats a run; GPUSCHED_CHAOS_JOBS, _LOAD_S, _MALFORMED, _DRAIN_S size it (docs/testing.md).
-test-chaos: setup ## Chaos run (~5 min): 3,000 jobs while every service, nats-server and Postgres are killed -9; fuzzed intake; invariants
+test-chaos: setup ## Chaos runs (~5 min each): 3,000 jobs while every service, nats-server and Postgres are killed -9; fuzzed intake; invariants; then again on a JetStream cluster of three (its leaders killed, one partitioned, the whole cluster restarted)
 	GPUSCHED_CHAOS=1 $(BIN)/python -m pytest -q -s tests/chaos -m chaos $(ARGS)
 
 # `make test-k8s KUBECONFIG=path` runs against that cluster instead; a KUBECONFIG merely inherited from
@@ -49,7 +49,7 @@ else
 	GPUSCHED_K8S_TESTS=1 $(BIN)/python -m pytest -q tests/executor $(ARGS)
 endif
 
-bench: setup ## Benchmarks (~1 h): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, restarts after 100k/1M events, Kueue's baseline, accounting replay and its live partitions, the API, what-if over 100k jobs, an urgent SLA scale-up, the preemption notice's margin on the dev stack, what sync_interval always costs
+bench: setup ## Benchmarks (~1 h): e2e beside the raw JetStream ceiling, the quota and scheduler cores at scale, restarts after 100k/1M events, Kueue's baseline, accounting replay and its live partitions, the API, what-if over 100k jobs, an urgent SLA scale-up, the preemption notice's margin on the dev stack, what sync_interval always costs, one nats-server beside a JetStream cluster of three
 	$(BIN)/python -m bench $(ARGS)
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.scheduler
@@ -63,6 +63,7 @@ bench: setup ## Benchmarks (~1 h): e2e beside the raw JetStream ceiling, the quo
 	$(BIN)/python -m bench.serving
 	$(BIN)/python -m bench.notice
 	$(BIN)/python -m bench.durability
+	$(BIN)/python -m bench.cluster
 
 promtool: ## Install Debian's promtool into .cache/promtool (apt-get download + dpkg -x; for the metrics lint test)
 	@sh scripts/promtool.sh

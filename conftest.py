@@ -30,28 +30,41 @@ def nats_server(tmp_path_factory) -> devstack.NatsServer:
 
 
 @pytest.fixture(scope="session")
+def nats_cluster(tmp_path_factory) -> devstack.NatsCluster:
+    """A JetStream cluster of three nats-servers on loopback (routes between them, a store each,
+    the same accounts and users as :func:`nats_server`); its ``env()`` gives a process every
+    server's URL and GPUSCHED_STREAM_REPLICAS=3. A test may kill a server (``kill(i)``) and must
+    start it again (``start()``)."""
+    cluster = devstack.NatsCluster(tmp_path_factory.mktemp("nats-cluster"), size=3, teams=TEST_TEAMS,
+                                   clusters=("east",)).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
 def postgres(tmp_path_factory) -> devstack.Postgres:
     server = devstack.Postgres(tmp_path_factory.mktemp("pg"), fsync=False).start()
     yield server
     server.stop()
 
 
-async def connect_as(server: devstack.NatsServer, user: str, **options) -> nats.NATS:
-    """A client as ``user``, with its own inbox prefix (the only inbox its permissions allow)."""
-    return await nats.connect(server.url(), user=user, password=server.creds.users[user], connect_timeout=5,
+async def connect_as(server: devstack.NatsServer | devstack.NatsCluster, user: str, **options) -> nats.NATS:
+    """A client as ``user``, with its own inbox prefix (the only inbox its permissions allow); to
+    a cluster, with every server's URL."""
+    return await nats.connect(server.urls(), user=user, password=server.creds.users[user], connect_timeout=5,
                               inbox_prefix=eventlog.inbox_prefix(user), **options)
 
 
-async def reset_log(js, *, immutable: bool = True) -> None:
+async def reset_log(js, *, immutable: bool = True, replicas: int = 1) -> None:
     """Empty streams, provisioned as `gpusched init` does (``immutable`` False: messages may be
-    deleted, for a test that needs a gap in the log)."""
+    deleted, for a test that needs a gap in the log; ``replicas``: on a cluster)."""
     for stream in (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM):
         with contextlib.suppress(Exception):
             await js.delete_stream(stream)
     for team in TEST_TEAMS:  # in the team's own account
         with contextlib.suppress(Exception):
             await eventlog.tenant_js(js, team).delete_stream(eventlog.tenant_stream(team))
-    await eventlog.provision(js, eventlog.StreamLimits(immutable=immutable), teams=TEST_TEAMS)
+    await eventlog.provision(js, eventlog.StreamLimits(immutable=immutable, replicas=replicas), teams=TEST_TEAMS)
 
 
 @pytest_asyncio.fixture
@@ -74,8 +87,9 @@ async def pg_dsn(postgres) -> AsyncIterator[str]:
     yield postgres.dsn.rsplit("/", 1)[0] + f"/{name}"
 
 
-def service_settings(server: devstack.NatsServer, user: str, **overrides) -> Settings:
-    base = dict(nats_url=server.url(), nats_user=user, nats_password=server.creds.users[user], tick_s=0.05)
+def service_settings(server: devstack.NatsServer | devstack.NatsCluster, user: str, **overrides) -> Settings:
+    base = dict(nats_url=server.url(), nats_user=user, nats_password=server.creds.users[user], tick_s=0.05,
+                stream_replicas=getattr(server, "replicas", 1))
     base.update(overrides)
     return Settings(**base)
 

@@ -111,6 +111,10 @@ def reader_names(user: str) -> list[str]:
 
 MAX_MSG_BYTES = 1024 * 1024
 WRONG_LAST_SEQUENCE = 10071  # JetStream error code
+WRONG_LAST_SEQUENCE_IN_FLIGHT = 10164
+"""JetStream's "wrong last sequence" without the sequence: on a replicated stream the leader
+refuses an expected-last-subject-sequence append while another append to that subject is still
+being replicated (a concurrent writer's). The same conflict as :data:`WRONG_LAST_SEQUENCE`."""
 MAX_DELIVER = 10
 """Deliveries of one message to a durable consumer; the last one must settle it (ack or dead-letter)."""
 BACKOFF_STEPS = 5
@@ -163,13 +167,17 @@ class StreamLimits:
 async def connect(settings: Settings, name: str) -> NATS:
     """Connect with reconnects that never give up: a broker restart pauses a service, it does
     not kill it. A broker that is not up yet is waited for (a warning every try), so a service
-    started during a broker restart waits instead of exiting."""
+    started during a broker restart waits instead of exiting. Every server of GPUSCHED_NATS_URL
+    (a comma-separated list: a JetStream cluster's) is in the client's pool: it connects to one and,
+    when that one is lost, goes on with another (the cluster's other servers, which the servers
+    also announce, are added to the pool)."""
     kwargs: dict[str, Any] = {}
     if settings.nats_user:
         kwargs.update(user=settings.nats_user, password=settings.nats_password or "",
                       inbox_prefix=inbox_prefix(settings.nats_user))
     if settings.nats_tls is not None:
         kwargs.update(settings.nats_tls.connect_options())
+    servers = settings.nats_servers
     failures = 0
     health.start_heartbeat()
     last_error: list[Exception | None] = [None]  # what nats-py last reported (a failed handshake's reason)
@@ -184,7 +192,7 @@ async def connect(settings: Settings, name: str) -> NATS:
             # Each try bounded: after a failed TLS handshake nats-py can wait for ever closing the
             # socket (nats-io/nats.py#718), and the service would hang instead of trying again.
             nc = await asyncio.wait_for(nats.connect(
-                settings.nats_url,
+                servers,
                 name=name,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
@@ -336,7 +344,7 @@ class EventLog:
         try:
             ack = await self.js.publish(event_subject(event, self.prefix), dumps(event), headers=hdrs, timeout=10)
         except APIError as err:
-            if err.err_code == WRONG_LAST_SEQUENCE:
+            if err.err_code in (WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_IN_FLIGHT):
                 raise ConcurrencyConflict(f"{event.type} for {event.aggregate_id}: {err.description}") from err
             raise
         observability.EVENTS_APPENDED.labels(type=event.type, duplicate=str(bool(ack.duplicate)).lower()).inc()

@@ -11,6 +11,7 @@ import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,28 @@ def env_networks(name: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Netwo
             raise ConfigError(f"{name}={raw!r}: {entry.strip()!r} is not a network ({err}); accepted: comma-separated "
                               "CIDRs, e.g. 10.20.0.0/16,2001:db8::/32") from None
     return tuple(networks)
+
+
+NATS_SCHEMES = ("nats", "tls")
+
+
+def nats_servers(raw: str, name: str = "GPUSCHED_NATS_URL") -> list[str]:
+    """The servers of a NATS URL setting: one URL, or a comma-separated list of them (every server
+    of a cluster: a client that loses one goes on with another). Each must be ``nats://`` or
+    ``tls://`` with a host and, where given, a port; a wrong entry is a ConfigError naming ``name``."""
+    servers = [entry.strip() for entry in raw.split(",")]
+    for entry in servers:
+        try:
+            url = urlsplit(entry)
+            ok = url.scheme in NATS_SCHEMES and bool(url.hostname) and url.path in ("", "/")
+            url.port  # a port that is not a number raises
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"{name}={raw!r}: {entry!r} is not a NATS server URL; accepted: nats://HOST:PORT or "
+                              "tls://HOST:PORT, or several of them separated by commas (every server of a cluster), "
+                              "e.g. nats://10.0.0.1:4222,nats://10.0.0.2:4222")
+    return servers
 
 
 def _pem(name: str, raw: str | None) -> Path | None:
@@ -145,12 +168,19 @@ class Settings:
     snapshot_min_interval_s: float = 60.0
     lease_ttl_s: float = 0.0  # single-active with a lease of this ttl (runtime/lease.py); 0: no lease
 
+    @property
+    def nats_servers(self) -> list[str]:
+        """The servers of :attr:`nats_url` (GPUSCHED_NATS_URL: one URL or a comma-separated list)."""
+        return nats_servers(self.nats_url)
+
     @classmethod
     def from_env(cls) -> "Settings":
         trace_dir = env_value("GPUSCHED_TRACE_DIR")
         sim_cluster = env_value("GPUSCHED_SIM_CLUSTER")
+        nats_url = env_value("GPUSCHED_NATS_URL", cls.nats_url) or cls.nats_url
+        nats_servers(nats_url)  # a wrong entry fails here, at start
         return cls(
-            nats_url=env_value("GPUSCHED_NATS_URL", cls.nats_url) or cls.nats_url,
+            nats_url=nats_url,
             nats_user=env_value("GPUSCHED_NATS_USER"),
             nats_password=env_value("GPUSCHED_NATS_PASSWORD"),
             nats_tls=NatsTls.from_env(),

@@ -49,7 +49,7 @@ TENANT_EVENTS = P + ".tenant.{team}.job.>"
 API_USER = permissions.API_USER
 
 def new_broker(settings: Settings) -> NatsBroker:
-    return NatsBroker(settings.nats_url, security=_security(settings),
+    return NatsBroker(settings.nats_servers, security=_security(settings),
                       inbox_prefix=eventlog.inbox_prefix(settings.nats_user or API_USER), name="gpusched-api",
                       max_reconnect_attempts=-1, graceful_timeout=5.0,
                       log_level=logging.DEBUG)  # not a line per message

@@ -407,6 +407,9 @@ def dev_up(
                                            "out to them (docs/operations.md)"),
     cluster_file: Optional[Path] = typer.Option(None, "--cluster-file", help="A sim cluster spec (groups:) instead "
                                                 "of the example's, or a spec per cluster (clusters: name -> groups)"),
+    nats_cluster: int = typer.Option(1, "--nats-cluster", min=1, max=5,
+                                     help="nats-servers to run: 1, or a JetStream cluster of N on loopback (3: "
+                                          "every stream, consumer and bucket replicated on each; docs/operations.md)"),
 ) -> None:
     """Run NATS, Postgres and the services locally, with an optional demo workload."""
     from gpusched.cli.common import print_error
@@ -420,7 +423,7 @@ def dev_up(
         print_error(str(err))
         raise typer.Exit(2) from None
     sys.exit(run_dev(data_dir=data_dir, time_scale=time_scale, demo=demo, demo_jobs=demo_jobs, duration=duration,
-                     clusters=names, cluster_file=cluster_file))
+                     clusters=names, cluster_file=cluster_file, nats_cluster=nats_cluster))
 
 
 @dev_app.command("nats-config")

@@ -66,6 +66,24 @@ def nats_config(port: int, store_dir: Path, creds: Credentials, *, sync_always: 
     return re.sub(r'"\$((GPUSCHED_NATS_PASSWORD_|POD_)[A-Z0-9_]+)"', r"$\1", text) if password_refs else text
 
 
+CLUSTER_NAME = "gpusched"
+ROUTE_USER = "route"
+"""The user each server of a cluster authenticates as on the others' route port (nats-server's
+``cluster.authorization``): a process that merely reaches a route port cannot join the cluster."""
+
+
+def cluster_block(listen: str, routes: list[str], route_password: str | None = None) -> dict:
+    """A JetStream cluster's ``cluster`` block (every server's, each with a ``server_name`` of its
+    own): it listens for routes on ``listen`` and routes to each of ``routes`` (``host:port``, every
+    server's, its own included: nats-server skips it). With ``route_password`` a route must
+    authenticate as :data:`ROUTE_USER`, and each route URL carries the credential."""
+    creds = f"{ROUTE_USER}:{route_password}@" if route_password else ""
+    block: dict = {"name": CLUSTER_NAME, "listen": listen, "routes": [f"nats://{creds}{r}" for r in routes]}
+    if route_password:
+        block["authorization"] = {"user": ROUTE_USER, "password": route_password, "timeout": 5}
+    return {"cluster": block}
+
+
 def tls_block(cert: Path, key: Path, ca: Path | None = None) -> dict:
     """The server's TLS (nats-server's ``tls`` block): every client connection is TLS with this
     certificate; with ``ca``, each client must also present a certificate that CA signed."""
@@ -93,10 +111,9 @@ def k8s_nats_config(replicas: int, teams: tuple[str, ...] = ("team-research", "t
     users = {u: "" for u in ["admin", "operator", *PROCESSES, *executors, *teams]}
     extra: dict = {"server_name": "$POD_NAME", "http_port": 8222, "pid_file": "/var/run/nats/nats.pid",
                    "lame_duck_duration": "30s", "lame_duck_grace_period": "10s", **(tls or {})}
-    if replicas > 1:
-        extra["cluster"] = {
-            "name": "gpusched", "listen": "0.0.0.0:6222",
-            "routes": [f"nats://{K8S_NATS}-{i}.{K8S_NATS}-headless.gpusched.svc:6222" for i in range(replicas)]}
+    if replicas > 1:  # the cluster block of the dev stack's and the tests' cluster (gpusched.dev.stack.NatsCluster)
+        extra.update(cluster_block("0.0.0.0:6222",
+                                   [f"{K8S_NATS}-{i}.{K8S_NATS}-headless.gpusched.svc:6222" for i in range(replicas)]))
     flags = f"--k8s {replicas}"
     if tls:
         flags += f" --tls-cert {tls['tls']['cert_file']} --tls-key {tls['tls']['key_file']}"

@@ -180,7 +180,7 @@ class Dependencies:
 
 
 def piece_name(piece) -> str:
-    return "NATS" if isinstance(piece, devstack.NatsServer) else "Postgres"
+    return "NATS" if isinstance(piece, (devstack.NatsServer, devstack.NatsCluster)) else "Postgres"
 
 
 @dataclass(frozen=True)
@@ -242,17 +242,19 @@ def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dic
 
 
 async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float,
-                cluster_names: tuple[str, ...], cluster_file: Path | None) -> int:
+                cluster_names: tuple[str, ...], cluster_file: Path | None, nats_cluster: int = 1) -> int:
     started: list = []  # NATS and Postgres, if we started them: stopped whatever happens
     listeners = devstack.Listeners()  # held from the start to the end
     run_dir = data_dir.resolve() / "run"
     _forget_connection(run_dir)  # a crashed run's: it names ports nothing of ours holds
     try:
         layout = _layout(cluster_names, cluster_file, run_dir)
+        _check_nats_layout(nats_cluster, data_dir.resolve())
         # Before anything starts: an API port asked for (GPUSCHED_API_PORT) and taken ends the run here.
         listeners.hold_metrics(devstack.process_names(layout.named, api=True))
         listeners.hold(API_USER, API_FD, _api_listener())
-        return await _run(data_dir.resolve(), time_scale, demo, demo_jobs, duration, started, listeners, layout)
+        return await _run(data_dir.resolve(), time_scale, demo, demo_jobs, duration, started, listeners, layout,
+                          nats_cluster)
     except UserError as err:
         console.print(f"gpusched dev up: {err}", style="red", markup=False, soft_wrap=True)
         return 2
@@ -264,6 +266,38 @@ async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, d
             piece.stop()
         listeners.close()
         _forget_connection(run_dir)
+
+
+NATS_CLUSTER_DIR = "nats-cluster"
+"""Where a run with --nats-cluster keeps its servers' stores (``n0``, ``n1``, ...), beside the one
+server's ``nats``."""
+
+
+def _check_nats_layout(size: int, data_dir: Path) -> None:
+    """A data directory keeps the log of the broker it ran with, and Postgres's read models of that
+    log: a run with another broker (one server after a cluster, a cluster after one server, a
+    cluster of another size) would start on an empty log under read models of another. Refused,
+    as is --nats-cluster with external NATS (GPUSCHED_NATS_URL)."""
+    if size < 1:
+        raise UserError(f"--nats-cluster {size}: accepted: 1 (one nats-server) to 5 servers (3: the usual cluster)")
+    if size > 1 and os.environ.get("GPUSCHED_NATS_URL"):
+        raise UserError(f"--nats-cluster {size} starts its own nats-servers, but GPUSCHED_NATS_URL names external "
+                        "ones; accepted: one of them (unset GPUSCHED_NATS_URL, or leave out --nats-cluster)")
+    single = data_dir / "nats" / "jetstream"
+    members = sorted(p.name for p in (data_dir / NATS_CLUSTER_DIR).glob("n[0-9]*") if (p / "jetstream").is_dir())
+    if size == 1 and members:
+        raise UserError(f"{data_dir} holds a platform that ran on a cluster of {len(members)} nats-servers (its log "
+                        f"is in {data_dir / NATS_CLUSTER_DIR}); accepted: --nats-cluster {len(members)}, another data "
+                        "directory (--data-dir), or this one deleted first")
+    if size > 1 and single.is_dir():
+        raise UserError(f"--nats-cluster {size}: {data_dir} holds a platform that ran on one nats-server (its log is "
+                        f"in {single.parent}), whose read models would face an empty log; accepted: another data "
+                        f"directory (`--data-dir .data/nats-cluster`; with make: ARGS=\"--data-dir .data/nats-cluster "
+                        f"--nats-cluster {size}\"), this one deleted first, or no --nats-cluster")
+    if size > 1 and members and len(members) != size:
+        raise UserError(f"--nats-cluster {size}: {data_dir} holds a platform that ran on a cluster of {len(members)} "
+                        f"nats-servers; accepted: --nats-cluster {len(members)}, another data directory "
+                        "(--data-dir), or this one deleted first")
 
 
 def _layout(names: tuple[str, ...], cluster_file: Path | None, run_dir: Path) -> Layout:
@@ -285,7 +319,7 @@ def _layout(names: tuple[str, ...], cluster_file: Path | None, run_dir: Path) ->
 
 
 async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float, started: list,
-               listeners: devstack.Listeners, layout: Layout) -> int:
+               listeners: devstack.Listeners, layout: Layout, nats_cluster: int = 1) -> int:
     run_dir = data_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = layout.single_file or example("cluster.yaml")
@@ -301,6 +335,12 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
         external_nats_env = {k: os.environ[k] for k in ("GPUSCHED_NATS_URL", "GPUSCHED_NATS_USER",
                                                         "GPUSCHED_NATS_PASSWORD") if k in os.environ}
         admin = connection.Connection.resolve()
+    elif nats_cluster > 1:  # every stream, consumer and bucket on each server (GPUSCHED_STREAM_REPLICAS in env())
+        nats_server = devstack.NatsCluster(data_dir / NATS_CLUSTER_DIR, size=nats_cluster, teams=TEAMS,
+                                           clusters=layout.named)
+        started.append(nats_server)
+        nats_server.start()
+        admin = connection.Connection(nats_server.url(), "admin", nats_server.creds.users["admin"], None)
     else:
         nats_server = devstack.NatsServer(data_dir / "nats", teams=TEAMS, clusters=layout.named).start()
         started.append(nats_server)
@@ -328,7 +368,10 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
                                          nats_tls=None if nats_server else NatsTls.from_env()),
                                 "gpusched-dev")  # reconnects for ever
     js = nc.jetstream()
-    await eventlog.provision(js, eventlog.StreamLimits.from_settings(Settings.from_env()), teams=TEAMS)
+    limits = eventlog.StreamLimits.from_settings(Settings.from_env())
+    if isinstance(nats_server, devstack.NatsCluster):
+        limits = dataclasses.replace(limits, replicas=nats_server.replicas)
+    await eventlog.provision(js, limits, teams=TEAMS)
     for event in queueconfig.plan_queues(example("queues.yaml"), await queueconfig.current_queues(js), datetime.now(UTC)):
         await eventlog.EventLog(js).append(event)
     for event in pricebook.plan(pricebook.read(example("pricebook.yaml")), await pricebook.current(js), datetime.now(UTC)):
@@ -357,7 +400,12 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     demo_task = None
     try:
         shown_pg = f"{pg.dsn_without_password} (password in {pg.password_file})" if pg else "GPUSCHED_PG_DSN"
-        console.print(f"NATS {admin.nats_url}   Postgres {shown_pg}   logs {data_dir / 'logs'}")
+        console.print(f"NATS {admin.nats_url}   Postgres {shown_pg}   logs {data_dir / 'logs'}", soft_wrap=True)
+        if isinstance(nats_server, devstack.NatsCluster):
+            console.print(f"NATS cluster of {nats_server.size}: " + "  ".join(
+                f"{nats_server.name(i)} pid {s.proc.pid}" for i, s in enumerate(nats_server.servers))
+                + f"; every stream, consumer and bucket on each (R{nats_server.replicas}); kill -9 one: it is "
+                "started again on its port and store", soft_wrap=True)
         console.print("metrics: " + "  ".join(f"{n} :{p}" for n, p in metrics_ports.items()))
         console.print("CLI: .venv/bin/gpusched jobs | job ID | events ID | usage | services [chat]   "
                       "(reads .data/run/connection.json; from elsewhere ~/.local/state/gpusched/)")
@@ -504,6 +552,7 @@ async def _last_sequence(js, deps: Dependencies) -> int | None:
 
 
 def run_dev(*, data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float,
-            clusters: tuple[str, ...] = (), cluster_file: Path | None = None) -> int:
-    """``clusters`` / ``cluster_file``: :mod:`gpusched.dev.clusters`."""
-    return asyncio.run(_main(data_dir, time_scale, demo, demo_jobs, duration, clusters, cluster_file))
+            clusters: tuple[str, ...] = (), cluster_file: Path | None = None, nats_cluster: int = 1) -> int:
+    """``clusters`` / ``cluster_file``: :mod:`gpusched.dev.clusters`; ``nats_cluster``: the
+    nats-servers to start (more than one: a JetStream cluster, :class:`gpusched.dev.stack.NatsCluster`)."""
+    return asyncio.run(_main(data_dir, time_scale, demo, demo_jobs, duration, clusters, cluster_file, nats_cluster))

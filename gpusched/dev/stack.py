@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from urllib.parse import quote
 
 from gpusched import permissions
 from runtime import eventlog
-from gpusched.dev.natsconf import PROCESSES, Credentials, nats_config
+from gpusched.dev.natsconf import PROCESSES, Credentials, cluster_block, nats_config
 from runtime.observability import EXIT_CANNOT_LISTEN, METRICS_FD, CannotListen, listen
 
 PROCFILE = Path(__file__).resolve().parents[2] / "deploy" / "Procfile"
@@ -194,13 +195,20 @@ class NatsServer:
     tls: dict | None = None  # tls_block(): clients connect with TLS
     proc: subprocess.Popen | None = None
     creds: Credentials | None = None
+    server_name: str = "gpusched"
+    extra: dict | None = None  # more of the server's configuration (a cluster member's: NatsCluster)
+    shared_creds: Path | None = None  # the users' passwords kept there (a cluster's, shared) instead of data_dir
 
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    def urls(self) -> list[str]:
+        """Every server a client may connect to (nats-py's ``servers``): this one."""
+        return [self.url()]
+
     @property
     def creds_path(self) -> Path:
-        return self.data_dir / "users.json"
+        return self.shared_creds or self.data_dir / "users.json"
 
     def start(self) -> "NatsServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -208,10 +216,7 @@ class NatsServer:
         executors = tuple(f"{permissions.CLUSTER_EXECUTOR_PREFIX}{c}" for c in self.clusters)
         self.creds = Credentials.load_or_create(self.creds_path, (*self.teams, *executors))
         move_streams_into_accounts(self.data_dir / "jetstream" / "jetstream")
-        conf = self.data_dir / "nats.conf"
-        conf.write_text(nats_config(self.port, self.data_dir / "jetstream", self.creds, sync_always=self.sync_always,
-                                    extra=self.tls))
-        conf.chmod(0o600)
+        conf = self.write_config()
         log = self.data_dir / "nats.log"
         with open(log, "ab") as out:
             self.proc = subprocess.Popen([_bin("nats-server"), "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT)
@@ -221,6 +226,21 @@ class NatsServer:
             self.stop()
             raise
         return self
+
+    def write_config(self) -> Path:
+        """Write the server's configuration (mode 0600: it holds the passwords); its path."""
+        assert self.creds is not None
+        conf = self.data_dir / "nats.conf"
+        conf.write_text(nats_config(self.port, self.data_dir / "jetstream", self.creds, sync_always=self.sync_always,
+                                    extra={"server_name": self.server_name, **(self.tls or {}), **(self.extra or {})}))
+        conf.chmod(0o600)
+        return conf
+
+    def reload(self) -> None:
+        """Write the configuration again and have the running server reload it (SIGHUP)."""
+        self.write_config()
+        if self.alive():
+            self.proc.send_signal(signal.SIGHUP)
 
     def env(self, user: str) -> dict[str, str]:
         assert self.creds is not None
@@ -237,6 +257,161 @@ class NatsServer:
     def kill(self) -> None:
         """kill -9 (a crash, for tests); :meth:`start` brings it back on the same port and store."""
         _kill_family(self.proc)
+
+
+@dataclass
+class NatsCluster:
+    """A JetStream cluster of ``size`` nats-servers on loopback, each a :class:`NatsServer` with
+    its own store (``data_dir/n<i>``), its own name (``gpusched-<i>``), the same accounts and users
+    (one password file, ``data_dir/users.json``) and routes to the others, which authenticate
+    (:func:`gpusched.dev.natsconf.cluster_block`; the route password in ``data_dir/route-password``).
+    Each server's monitoring endpoint listens on loopback (``/jsz``: who leads the meta group).
+    Clients get every server's URL (:meth:`url`: comma-separated, as GPUSCHED_NATS_URL accepts),
+    and :meth:`env` sets GPUSCHED_STREAM_REPLICAS to ``size``: every stream, consumer and
+    bucket a process creates is replicated on every server. Ports are chosen once and kept: a
+    server killed (:meth:`kill`) and started again (:meth:`start`) has its port, store and name."""
+
+    data_dir: Path
+    size: int = 3
+    teams: tuple[str, ...] = ()
+    sync_always: bool = False
+    clusters: tuple[str, ...] = ()  # a credential executor-<cluster> for each (many clusters)
+    servers: list[NatsServer] = field(default_factory=list)
+    http_ports: list[int] = field(default_factory=list)
+    _peers: list[str] = field(default_factory=list)  # each server's route address
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"a NATS cluster of {self.size} servers: accepted: 1 or more (3: the usual)")
+
+    @property
+    def creds(self) -> Credentials | None:
+        return self.servers[0].creds if self.servers else None
+
+    @property
+    def creds_path(self) -> Path:
+        return self.data_dir / "users.json"
+
+    @property
+    def replicas(self) -> int:
+        return self.size
+
+    def urls(self) -> list[str]:
+        return [s.url() for s in self.servers]
+
+    def url(self) -> str:
+        """Every server's URL, comma-separated (GPUSCHED_NATS_URL, the connection file's nats_url)."""
+        return ",".join(self.urls())
+
+    def name(self, i: int) -> str:
+        return f"gpusched-{i}"
+
+    def _members(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        ports = free_ports(3 * self.size)
+        clients, routes, self.http_ports = ports[:self.size], ports[self.size:2 * self.size], ports[2 * self.size:]
+        password = private_secret(self.data_dir / "route-password")
+        self._peers = [f"127.0.0.1:{p}" for p in routes]
+        peers = self._peers
+        for i in range(self.size):
+            extra = {**cluster_block(peers[i], peers, password), "http": f"127.0.0.1:{self.http_ports[i]}"}
+            self.servers.append(NatsServer(self.data_dir / f"n{i}", port=clients[i], teams=self.teams,
+                                           sync_always=self.sync_always, clusters=self.clusters,
+                                           server_name=self.name(i), extra=extra, shared_creds=self.creds_path))
+
+    def start(self) -> "NatsCluster":
+        """Start every server that is not running, then wait until the cluster has a meta leader
+        and every server is current (JetStream answers)."""
+        if not self.servers:
+            self._members()
+        for server in self.servers:
+            if not server.alive():
+                server.start()
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until a meta leader is elected and every running server knows it, with no peer behind."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reports = {self.name(i): self.jsz(i) for i, s in enumerate(self.servers) if s.alive()}
+            metas = {name: (r or {}).get("meta_cluster") or {} for name, r in reports.items()}
+            leaders = {m.get("leader") for m in metas.values()}
+            if len(leaders) == 1 and (leader := leaders.pop()) in metas:
+                behind = [r["name"] for r in metas[leader].get("replicas") or []
+                          if r.get("name") in metas and not r.get("current")]
+                if not behind:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the NATS cluster in {self.data_dir} has no meta leader all its running servers "
+                                   f"agree on, with every one current, after {timeout_s}s: {metas}")
+            time.sleep(0.1)
+
+    def jsz(self, i: int, query: str = "") -> dict | None:
+        """Server ``i``'s JetStream report (its monitoring endpoint's /jsz?``query``); None: no answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_ports[i]}/jsz?{query}", timeout=2) as answer:
+                return json.loads(answer.read())
+        except (OSError, ValueError):
+            return None
+
+    def meta_leader(self) -> int | None:
+        """The index of the server that leads the JetStream meta group (None: none elected)."""
+        for i, server in enumerate(self.servers):
+            if server.alive() and (report := self.jsz(i)) is not None:
+                leader = (report.get("meta_cluster") or {}).get("leader")
+                if leader is not None:
+                    return self.index(leader)
+        return None
+
+    def stream_leader(self, stream: str = eventlog.EVENTS_STREAM,
+                      account: str = permissions.PLATFORM_ACCOUNT) -> int | None:
+        """The index of the server that leads ``stream`` of ``account``, as the running servers
+        report it (None: no leader now)."""
+        for i, server in enumerate(self.servers):
+            report = self.jsz(i, "accounts=true&streams=true") if server.alive() else None
+            for details in (report or {}).get("account_details") or []:
+                for detail in details.get("stream_detail") or [] if details.get("name") == account else []:
+                    leader = (detail.get("cluster") or {}).get("leader")
+                    if detail.get("name") == stream and leader:
+                        return self.index(leader)
+        return None
+
+    def index(self, server_name: str) -> int:
+        """The index of the server named ``server_name`` (a stream's ``cluster.leader``)."""
+        return [self.name(i) for i in range(self.size)].index(server_name)
+
+    def env(self, user: str) -> dict[str, str]:
+        assert self.creds is not None
+        return {"GPUSCHED_NATS_URL": self.url(), "GPUSCHED_NATS_USER": user,
+                "GPUSCHED_NATS_PASSWORD": self.creds.users[user], "GPUSCHED_STREAM_REPLICAS": str(self.size)}
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def alive(self) -> bool:
+        """Every server runs (the dev supervisor starts again those that do not: :meth:`start`)."""
+        return bool(self.servers) and all(s.alive() for s in self.servers)
+
+    def kill(self, i: int) -> None:
+        """kill -9 of server ``i`` (a crash, for tests); :meth:`start` brings it back."""
+        self.servers[i].kill()
+
+    def isolate(self, i: int) -> None:
+        """Cut server ``i`` off from the others, as a network partition does (for tests): it
+        reloads a configuration whose routes authenticate with another password, so every route
+        to and from it is refused, while its clients stay connected to it. :meth:`heal` ends it."""
+        self._route_password(i, "isolated-" + secrets.token_urlsafe(12))
+
+    def heal(self, i: int) -> None:
+        """Server ``i`` takes the cluster's route password again: its routes come back."""
+        self._route_password(i, private_secret(self.data_dir / "route-password"))
+
+    def _route_password(self, i: int, password: str) -> None:
+        server = self.servers[i]
+        server.extra = {**(server.extra or {}), **cluster_block(self._peers[i], self._peers, password)}
+        server.reload()
 
 
 # -- Postgres --------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ class Connection:
         import nats
 
         from runtime import eventlog
-        from runtime.settings import ConfigError, NatsTls
+        from runtime.settings import ConfigError, NatsTls, nats_servers
 
         kwargs: dict[str, Any] = {}
         if self.nats_user:
@@ -151,12 +151,15 @@ class Connection:
                       "inbox_prefix": eventlog.inbox_prefix(self.nats_user)}
         try:
             tls = NatsTls.from_env()
+            # one URL, or every server of a cluster, comma-separated (GPUSCHED_NATS_URL or the file's nats_url)
+            servers = nats_servers(self.nats_url, "GPUSCHED_NATS_URL" if os.environ.get("GPUSCHED_NATS_URL")
+                                   else "nats_url (the connection file's)")
         except ConfigError as err:
             raise UserError(str(err)) from None
         if tls is not None:
             kwargs.update(tls.connect_options())
         try:
-            return await nats.connect(self.nats_url, connect_timeout=3, max_reconnect_attempts=2,
+            return await nats.connect(servers, connect_timeout=3, max_reconnect_attempts=2,
                                       allow_reconnect=False, name="gpusched-cli", **kwargs)
         except Exception as err:  # nats-py raises several unrelated types here
             raise UserError(f"cannot connect to NATS at {self.nats_url}: {err!r} (is `make run` running?)") from None

@@ -40,13 +40,15 @@ class Config:
     drain_s: float
     root: Path
     keep: bool
+    nats_servers: int = 1
 
     @classmethod
     def from_env(cls) -> "Config":
         """GPUSCHED_CHAOS_SEED (default: a new one, printed), GPUSCHED_CHAOS_JOBS (3000),
         GPUSCHED_CHAOS_LOAD_S (jobs / 15, at least 60), GPUSCHED_CHAOS_MALFORMED (jobs / 10, at
         least 60), GPUSCHED_CHAOS_DRAIN_S (300), GPUSCHED_CHAOS_DIR (a new temporary directory),
-        GPUSCHED_CHAOS_KEEP=1 keeps the directory after a run that passed."""
+        GPUSCHED_CHAOS_KEEP=1 keeps the directory after a run that passed; GPUSCHED_CHAOS_NATS_CLUSTER=3
+        runs it on a JetStream cluster of three servers (R3; faults.CLUSTER_BROKERS)."""
         env = os.environ.get
         jobs = int(env("GPUSCHED_CHAOS_JOBS") or 3000)
         seed = env("GPUSCHED_CHAOS_SEED")
@@ -59,7 +61,12 @@ class Config:
             drain_s=float(env("GPUSCHED_CHAOS_DRAIN_S") or 300),
             root=Path(root) if root else Path(tempfile.mkdtemp(prefix="gpusched-chaos-")),
             keep=env("GPUSCHED_CHAOS_KEEP") == "1",
+            nats_servers=int(env("GPUSCHED_CHAOS_NATS_CLUSTER") or 1),
         )
+
+    @property
+    def brokers(self) -> tuple[str, ...]:
+        return faults.CLUSTER_BROKERS if self.nats_servers > 1 else faults.BROKERS
 
 
 async def _expected(err: Exception) -> None:
@@ -68,7 +75,7 @@ async def _expected(err: Exception) -> None:
 
 async def connect(stack: Stack, user: str) -> nats.NATS:
     """A client that reconnects for ever, as the services do: the broker restarts mid-run."""
-    return await nats.connect(stack.nats.url(), user=user, password=stack.nats.creds.users[user],
+    return await nats.connect(stack.nats.urls(), user=user, password=stack.nats.creds.users[user],
                               inbox_prefix=eventlog.inbox_prefix(user), max_reconnect_attempts=-1, reconnect_time_wait=0.25, connect_timeout=5,
                               error_cb=_expected)
 
@@ -153,8 +160,10 @@ class Report:
             f"  gangs {c['gangs']}, retries {c['JobRetryScheduled']}, preempted {c['JobPreempted']} "
             f"(reclaim {c['ReclaimRequested:reclaim']}, priority in queue {c['ReclaimRequested:priority']}, "
             f"scheduler {c['PreemptionRequested']}), cancel requests {c['JobCancelRequested']}",
-            f"kills (SIGKILL, then restart): {services}; nats-server {self.kills['nats']}, "
-            f"postgres {self.kills['postgres']}",
+            f"kills (SIGKILL, then restart; a partition: cut off, then healed): {services}; "
+            f"nats-server {self.kills['nats']}"
+            + (f" (cluster of {cfg.nats_servers}: " + ", ".join(f"{b} {self.kills[b]}" for b in cfg.brokers[:-1]) + ")"
+               if cfg.nats_servers > 1 else "") + f", postgres {self.kills['postgres']}",
             f"malformed inputs: {sum(self.malformed.values())} ("
             + ", ".join(f"{k} {n}" for k, n in sorted(self.malformed.items())) + ")",
             "invariants: " + ", ".join(f"{k} {len(v)}" for k, v in self.violations.items()),
@@ -177,7 +186,7 @@ class ChaosRun:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.rng = random.Random(config.seed)
-        self.stack = Stack(config.root)
+        self.stack = Stack(config.root, config.nats_servers)
         self.report = Report(config)
         self.sent_malformed: dict[int, fuzz.Malformed] = {}  # by intake sequence
         self.final_seq: int | None = None
@@ -185,7 +194,9 @@ class ChaosRun:
 
     async def execute(self) -> Report:
         say(f"seed {self.config.seed}; {self.config.jobs} jobs over {self.config.load_s:.0f} s; "
-            f"data and logs in {self.config.root}")
+            + (f"a JetStream cluster of {self.config.nats_servers} (R{self.config.nats_servers}); "
+               if self.config.nats_servers > 1 else "")
+            + f"data and logs in {self.config.root}")
         try:
             await self._timed("setup", self.setup())
             await self._timed("load and faults", self.load_with_faults())
@@ -207,7 +218,8 @@ class ChaosRun:
         await asyncio.to_thread(self.stack.start_brokers)
         self.admin = await connect(self.stack, "admin")
         self.js = self.admin.jetstream()
-        await eventlog.provision(self.js, teams=workload.TEAMS)
+        await eventlog.provision(self.js, eventlog.StreamLimits(replicas=self.config.nats_servers),
+                                 teams=workload.TEAMS)
         for event in workload.queue_events(datetime.now(UTC)):
             await eventlog.EventLog(self.js).append(event)
         cluster = self.config.root / "cluster.yaml"
@@ -242,7 +254,7 @@ class ChaosRun:
         cfg = self.config
         actions = workload.plan(self.rng, cfg.jobs, cfg.load_s)
         malformed = [(self.rng.uniform(0, cfg.load_s), fuzz.malformed(self.rng, i)) for i in range(cfg.malformed)]
-        schedule = faults.schedule(self.rng, cfg.load_s)
+        schedule = faults.schedule(self.rng, cfg.load_s, brokers=cfg.brokers)
         say("faults: " + ", ".join(f"{f.target}@{f.at:.0f}s" for f in schedule))
         start = time.monotonic()
         supervisor = asyncio.create_task(self.supervise())
@@ -280,8 +292,9 @@ class ChaosRun:
     async def run_faults(self, schedule: list[faults.Fault], start: float) -> None:
         for fault in schedule:
             await asyncio.sleep(max(0.0, start + fault.at - time.monotonic()))
-            say(f"kill -9 {fault.target}; back in {fault.down_s:.1f} s")
-            self.stack.take_down(fault.target)
+            killed = self.stack.take_down(fault.target)
+            verb = "cut off" if fault.target == "nats-partition" else "kill -9"
+            say(f"{verb} {killed}; back in {fault.down_s:.1f} s")
             await asyncio.sleep(fault.down_s)
             await asyncio.to_thread(self.stack.bring_up, fault.target)
 
@@ -360,6 +373,7 @@ class ChaosRun:
                   "cancellations": c["JobCancelled"], "nats-server restarts": kills["nats"],
                   "postgres restarts": kills["postgres"], "malformed commands": len(self.sent_malformed)}
         wanted |= {f"kills of {s}": kills[s] for s in faults.PROCESSES}
+        wanted |= {f"kills of {b}": kills[b] for b in self.config.brokers}
         return [f"the run had no {what}" for what, n in wanted.items() if n == 0]
 
     def _all_admitted(self, histories) -> list[str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusched.dev import stack as devstack
-from tests.chaos.faults import ADMISSION_PARTITIONS, PROCESSES
+from tests.chaos.faults import ADMISSION_PARTITIONS, NATS_FAULTS, PROCESSES
 from tests.chaos.workload import TEAMS, TIME_SCALE
 
 
@@ -36,16 +36,19 @@ def log_tail(path: Path, lines: int = 5) -> str:
 @dataclass
 class Stack:
     root: Path
-    nats: devstack.NatsServer = field(init=False)
+    nats_servers: int = 1  # more: a JetStream cluster of that many (devstack.NatsCluster)
+    nats: devstack.NatsServer | devstack.NatsCluster = field(init=False)
     pg: devstack.Postgres = field(init=False)
     procs: devstack.ServiceProcesses | None = None
     down: set[str] = field(default_factory=set)  # taken down on purpose, not yet back
     kills: Counter = field(default_factory=Counter)
     exits: list[Exit] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
+    killed_servers: dict[str, list[int]] = field(default_factory=dict)  # a cluster's fault -> the servers it killed
 
     def __post_init__(self) -> None:
-        self.nats = devstack.NatsServer(self.root / "nats", teams=TEAMS)
+        self.nats = (devstack.NatsCluster(self.root / "nats", size=self.nats_servers, teams=TEAMS)
+                     if self.nats_servers > 1 else devstack.NatsServer(self.root / "nats", teams=TEAMS))
         self.pg = devstack.Postgres(self.root / "postgres", fsync=False)
 
     @property
@@ -68,21 +71,46 @@ class Stack:
         self.procs = devstack.ServiceProcesses(self.logs, env, runs={name: "admission" for name in ADMISSION_PARTITIONS})
         self.procs.start_all()
 
-    def take_down(self, target: str) -> None:
-        """kill -9: the service, nats-server, or Postgres with every process it started."""
+    def take_down(self, target: str) -> str:
+        """kill -9: the service, nats-server (on a cluster: the servers ``target`` names,
+        faults.CLUSTER_BROKERS), or Postgres with every process it started. What was killed."""
         self.down.add(target)
         self.kills[target] += 1
+        if target in NATS_FAULTS:
+            self.kills["nats"] += target != "nats"  # every fault of the broker counts as a nats-server restart
         if target == "nats":
             self.nats.kill()
+        elif target in NATS_FAULTS:
+            servers = self._cluster_targets(target)
+            self.killed_servers[target] = servers
+            for i in servers:
+                self.nats.isolate(i) if target == "nats-partition" else self.nats.kill(i)
+            return f"{target} ({', '.join(self.nats.name(i) for i in servers)})"
         elif target == "postgres":
             self.pg.kill()
         else:
             self.procs.kill(target)
+        return target
+
+    def _cluster_targets(self, target: str) -> list[int]:
+        everyone = list(range(self.nats.size))
+        if target == "nats-cluster":
+            return everyone
+        meta, events = self.nats.meta_leader(), self.nats.stream_leader()
+        if target == "nats-meta-leader" and meta is not None:
+            return [meta]
+        if target in ("nats-events-leader", "nats-partition") and events is not None:
+            return [events]
+        followers = [i for i in everyone if i not in (meta, events)]
+        return followers[:1] or everyone[-1:]
 
     def bring_up(self, target: str) -> None:
         """Start a piece taken down again, where it was (blocks until it listens)."""
-        if target == "nats":
-            self.nats.start()
+        if target in NATS_FAULTS:
+            if target == "nats-partition":
+                for i in self.killed_servers[target]:
+                    self.nats.heal(i)
+            self.nats.start()  # on a cluster: every server that is down, then until one leads the meta group
         elif target == "postgres":
             self.pg.start()
         else:
