@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml sdk/pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s bench-placement schemas lint clean promtool natscli otelcol chromium publishing-examples verifiers image
+.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s bench-placement schemas lint clean promtool natscli otelcol chromium publishing-examples verifiers focus-validator image
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -23,13 +23,13 @@ $(STAMP): pyproject.toml sdk/pyproject.toml
 run: setup ## Run NATS, Postgres, the seven services and the API/console with the demo workload (Ctrl-C stops; CLUSTERS=east,west: one sim executor per cluster)
 	$(BIN)/gpusched dev up $(if $(CLUSTERS),--clusters $(CLUSTERS)) $(ARGS)
 
-test: setup natscli otelcol chromium publishing-examples verifiers ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
+test: setup natscli otelcol chromium publishing-examples verifiers focus-validator ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
 	GPUSCHED_REQUIRE_BROWSER=$${GPUSCHED_REQUIRE_BROWSER:-1} $(BIN)/python -m pytest -q tests e2e $(ARGS)
 
 test-unit: setup ## Pure cores only (fast)
 	$(BIN)/python -m pytest -q tests/unit $(ARGS)
 
-test-integration: setup verifiers ## Each service against real NATS and Postgres
+test-integration: setup verifiers focus-validator ## Each service against real NATS and Postgres
 	$(BIN)/python -m pytest -q tests/integration $(ARGS)
 
 test-e2e: setup ## All services as processes, faults included
@@ -76,6 +76,9 @@ publishing-examples: ## Build the Go publishing example and install the JS one's
 
 verifiers: ## Build the statement checksum verifiers (examples/verify: Go gowebpki/jcs, npm canonicalize) into ~/.cache/gpusched (docs/accounting.md)
 	@bash scripts/verifiers.sh >/dev/null
+
+focus-validator: ## Install the FinOps Foundation's focus-validator 2.2.1 (FOCUS 1.2; Python 3.12) into its own venv in ~/.cache/gpusched (docs/accounting.md#focus-export)
+	@bash scripts/focus-validator.sh >/dev/null
 
 natscli: ## Build the plain `nats` CLI (natscli v0.5.0, Go module proxy) into ~/.cache/gpusched, for the tenant tests
 	@if [ "$$GPUSCHED_NO_NATSCLI" = 1 ]; then echo 'natscli: skipped (GPUSCHED_NO_NATSCLI=1)'; else bash scripts/natscli.sh >/dev/null; fi

@@ -27,7 +27,7 @@ from schemas.auth import Role
 from schemas.commands import RESERVED_JOB_ID_PREFIX, MalformedCommand, identity_problem, parse_command
 from schemas.envelope import NAME_PATTERN, Timestamp
 from schemas.jobstate import JobState
-from services.accounting import chargeback as chargeback_rules, queries
+from services.accounting import chargeback as chargeback_rules, focus as focus_rules, queries
 
 JOB_ID_PATTERN = f"^({NAME_PATTERN[1:-1]}|{RESERVED_JOB_ID_PREFIX}[0-9]+)$"
 READERS = (Role.MEMBER, Role.OPERATOR, Role.ADMIN)
@@ -390,10 +390,13 @@ async def usage(request: Request, me: Me, by: Annotated[list[Dimension], Query()
 @router.get("/chargeback", tags=["usage"], responses={200: {"content": {"text/csv": {}}}})
 async def chargeback(request: Request, me: Me,
                      period: Annotated[str, Query(pattern=MONTH, description="A calendar month (UTC)")],
-                     group_by: Literal["team", "project", "queue", "flavor"] = "team", format: Format = "json"):
+                     group_by: Literal["team", "project", "queue", "flavor"] = "team",
+                     format: Annotated[Literal["json", "csv", "focus"], Query()] = "json"):
     """The period's chargeback statement as of the log's now, as ``gpusched chargeback`` gives it
     (services.accounting.queries.statement): its ``statement_id`` and whether it is ``provisional``
-    (the period is still open). Every team's lines: chargeback readers, operators and admins."""
+    (the period is still open). Every team's lines: chargeback readers, operators and admins.
+    ``format=csv``: the statement's CSV; ``format=focus``: its FOCUS 1.2 export (docs/accounting.md#focus-export),
+    each byte for byte what the CLI's ``--format`` of the same name prints."""
     require(me, Role.CHARGEBACK, Role.OPERATOR, Role.ADMIN)
     try:
         async with _state(request).pool.acquire() as conn:
@@ -403,6 +406,9 @@ async def chargeback(request: Request, me: Me,
     if format == "csv":  # the CLI's CSV, byte for byte: one function renders both
         return Response(chargeback_rules.to_csv(body), media_type="text/csv",
                         headers={"Content-Disposition": f'attachment; filename="{body["statement_id"]}.csv"'})
+    if format == "focus":
+        return Response(focus_rules.to_focus(body), media_type="text/csv",
+                        headers={"Content-Disposition": f'attachment; filename="{body["statement_id"]}-focus.csv"'})
     return JSONResponse(body)
 
 

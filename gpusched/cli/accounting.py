@@ -31,6 +31,7 @@ class Format(str, Enum):
     table = "table"
     csv = "csv"
     json = "json"
+    focus = "focus"
 
 
 class MetricsFormat(str, Enum):
@@ -184,7 +185,8 @@ def prices(
 def chargeback_cmd(
     period: Optional[str] = typer.Option(None, help="Calendar month, YYYY-MM (UTC)"),
     by: str = typer.Option("team", help="team, project, queue or flavor"),
-    format: Format = typer.Option(Format.table, "--format", help="table, csv or json"),
+    format: Format = typer.Option(Format.table, "--format",
+                                  help="table, csv, json or focus (FOCUS 1.2 CSV, docs/accounting.md#focus-export)"),
     issued: bool = typer.Option(False, "--issued", help="List the statements accounting has issued"),
     verify: Optional[str] = typer.Option(None, "--verify", metavar="STATEMENT_ID",
                                          help="Re-derive an issued statement by replaying the log; compare checksums"),
@@ -192,14 +194,14 @@ def chargeback_cmd(
 ) -> None:
     """A chargeback statement for a period: usage, borrowed, lost and idle GPU-hours and cost per group,
     with the log range it covers and its checksum."""
-    from services.accounting import chargeback, queries
+    from services.accounting import chargeback, focus, queries
 
-    if format == Format.csv and output == Output.json:
-        raise UserError_exit(err_console, "--format csv and --output json ask for two formats; give one: "
-                                          "--format csv (the statement's CSV) or --format json / -o json (its JSON)")
+    if format in (Format.csv, Format.focus) and output == Output.json:
+        raise UserError_exit(err_console, f"--format {format.value} and --output json ask for two formats; give one: "
+                                          f"--format {format.value} or --format json / -o json (the statement's JSON)")
     fmt = Format.json if output == Output.json else format
     if verify:
-        if fmt == Format.csv:
+        if fmt in (Format.csv, Format.focus):
             raise UserError_exit(err_console, "--verify answers in table or json; accepted: --format table|json")
         result = run(_verify(verify, err_console))
         if fmt == Format.json:
@@ -214,8 +216,9 @@ def chargeback_cmd(
         return
     if issued:
         rows = run(with_pg(lambda conn: queries.issued(conn, period)))
-        if fmt == Format.csv:  # every issued statement (jcs-sha256; older ones carry no items), one file
-            sys.stdout.write(chargeback.to_csv(*(
+        if fmt in (Format.csv, Format.focus):  # every issued statement (jcs-sha256; older ones carry no items)
+            render = chargeback.to_csv if fmt == Format.csv else focus.to_focus
+            sys.stdout.write(render(*(
                 {**r["body"], "statement_id": r["statement_id"], "first_sequence": r["first_sequence"],
                  "last_sequence": r["last_sequence"], "checksum": r["checksum"], "provisional": False}
                 for r in rows if r["body"].get("checksum_alg") == chargeback.CHECKSUM_ALG and r["group_by"] == by)))
@@ -235,6 +238,8 @@ def chargeback_cmd(
         print(json.dumps(body, indent=2))
     elif fmt == Format.csv:
         sys.stdout.write(chargeback.to_csv(body))
+    elif fmt == Format.focus:
+        sys.stdout.write(focus.to_focus(body))
     else:
         rows = [{by: line["key"], **{k: v for k, v in line.items() if k != "key"}} for line in body["lines"]]
         emit(rows, Output.table, title=f"chargeback {period} by {by} ({body['idle_quota']}, {body['currency']})")

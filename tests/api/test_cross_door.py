@@ -146,6 +146,32 @@ def test_the_chargeback_csv_is_the_same_bytes_through_the_cli_and_the_api(door_s
     assert both.returncode == 2 and both.stdout == "" and "--format csv and --output json" in both.stderr
 
 
+def test_the_focus_export_is_the_same_bytes_through_the_cli_and_the_api(door_stack):
+    """`gpusched chargeback --format focus` and GET /v1/chargeback?format=focus: one function renders
+    both (services.accounting.focus.to_focus); its BilledCost sums to the statement's total."""
+    month = _month()
+    env = {**os.environ, **door_stack.nats_server.env("operator"), "GPUSCHED_PG_DSN": door_stack.dsn,
+           "GPUSCHED_CONNECTION_FILE": "/nonexistent"}
+    env.pop("GPUSCHED_API_URL", None)
+    by_cli = subprocess.run([sys.executable, "-m", "gpusched.cli.main", "chargeback", "--period", month, "--format",
+                             "focus"], env=env, capture_output=True, timeout=120)
+    assert by_cli.returncode == 0, by_cli.stderr
+    with door_stack.client("money") as http:
+        by_api = http.get("/v1/chargeback", params={"period": month, "format": "focus"})
+    assert by_api.status_code == 200 and by_api.headers["content-type"].startswith("text/csv")
+    assert by_cli.stdout == by_api.content
+
+    from services.accounting.focus import COLUMNS
+
+    statement = api(door_stack, "money", "/v1/chargeback", period=month)
+    rows = list(csv.DictReader(io.StringIO(by_api.text)))
+    assert by_api.text.splitlines()[0].split(",") == list(COLUMNS)
+    assert {(r["x_StatementId"], r["x_Checksum"], r["x_Provisional"], r["BillingCurrency"]) for r in rows} == {
+        (statement["statement_id"], statement["checksum"], "true", statement["currency"])}
+    assert {r["SubAccountId"] for r in rows} >= {"team-a", "team-b"}
+    assert sum(Decimal(r["BilledCost"]) for r in rows) == Decimal(statement["total_cost"])
+
+
 def test_budget_left_is_weighted_the_same_everywhere(door_stack):
     def left(rows) -> dict[str, float]:
         return {r["queue"]: r["budget_left_gpu_hours"] for r in rows if r.get("budget_gpu_hours") is not None}
