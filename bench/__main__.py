@@ -1,7 +1,9 @@
 """`make bench`: end-to-end throughput and latency through all five services, beside the raw
 JetStream publish/consume rates measured in the same run. The ceiling is the pipelined publish
 rate (1,000 acknowledged publishes in flight, the same message size and Nats-Msg-Id header as
-an append); the sequential rate, one ack awaited per publish, is printed beside it.
+an append); the sequential rate, one ack awaited per publish, is printed beside it. Each run's
+burst also goes through the relay (bench/relay.py: the same topology with no logic) and its
+filtered variant, on fresh streams: the services' jobs/s and CPU per event beside the relay's.
 
     python -m bench [--jobs N] [--repeats R] [--json PATH]
 """
@@ -24,6 +26,7 @@ import nats
 import psutil
 
 from bench import command_line
+from bench.relay import Relay
 from gpusched.gateway import commands
 from gpusched.dev import stack as devstack
 from runtime import eventlog
@@ -136,6 +139,39 @@ async def e2e(server: devstack.NatsServer, pg: devstack.Postgres, admin_js, n_jo
         procs.stop_all()
 
 
+async def relay(server: devstack.NatsServer, admin_js, n_jobs: int, prefix: str, filtered: bool) -> dict:
+    """The same burst through the relay's processes (bench/relay.py), with the CPU of every
+    process (the relay's, nats-server, the benchmark's client) per event appended."""
+    nc = await nats.connect(server.url(), user="operator", password=server.creds.users["operator"],
+                            inbox_prefix=eventlog.inbox_prefix("operator"))
+    load = os.getloadavg()[0]
+    r = Relay(server.env("admin"), filtered=filtered, team=TEAMS[0])
+    await asyncio.to_thread(r.start)
+    try:
+        cpu = {name: psutil.Process(p.pid) for name, p in r.procs.items()}
+        cpu["nats-server"], cpu["bench client"] = psutil.Process(server.proc.pid), psutil.Process()
+        before = {name: sum(p.cpu_times()[:2]) for name, p in cpu.items()}
+        cpu_s: dict[str, float] = {}
+        burst = await _phase(admin_js, nc.jetstream(), prefix, n_jobs, None, on_done=lambda: cpu_s.update(
+            {name: sum(p.cpu_times()[:2]) - before[name] for name, p in cpu.items()}))
+    finally:
+        r.stop()
+        await nc.close()
+    return {"jobs": n_jobs, "wall_s": burst["wall_s"], "jobs_per_s": n_jobs / burst["wall_s"], "events": burst["events"],
+            "events_per_s": burst["events"] / burst["wall_s"], "load_avg_1m": load,
+            "cpu_us_per_event": {k: v * 1e6 / burst["events"] for k, v in cpu_s.items()}}
+
+
+async def fresh_streams(js) -> None:
+    """New streams (their consumers and duplicate windows go with them). Never purge a live log:
+    the services' deterministic ids would be de-duplicated against events that are no longer there."""
+    for stream in (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM):
+        await js.delete_stream(stream)
+    for team in TEAMS:  # in the team's own account
+        await eventlog.tenant_js(js, team).delete_stream(eventlog.tenant_stream(team))
+    await eventlog.provision(js, teams=TEAMS)  # the notifier copies the team's events: its real work
+
+
 async def _phase(admin_js, ojs, prefix: str, n: int, rate: float | None, on_done=None) -> dict:
     """Submit n one-GPU jobs of 50 ms (at ``rate`` per second, or in one burst) and wait until
     every one has succeeded and released its quota."""
@@ -188,17 +224,15 @@ async def main(args) -> dict:
         pub = [await raw_publish(js, args.raw, f"raw.r{r}") for r in range(args.repeats)]
         piped = [await raw_publish_pipelined(nc, args.raw, f"raw.p{r}") for r in range(args.repeats)]
         windows = [await raw_publish_windows(js, args.raw, f"raw.w{r}") for r in range(args.repeats)]
-        runs = []
-        for r in range(args.repeats):
-            # Each run on new streams (their consumers and duplicate windows go with them). Never
-            # purge a live log: the services' deterministic ids would be de-duplicated against
-            # events that are no longer there.
-            for stream in (eventlog.EVENTS_STREAM, eventlog.INTAKE_STREAM, eventlog.DLQ_STREAM):
-                await js.delete_stream(stream)
-            for team in TEAMS:  # in the team's own account
-                await eventlog.tenant_js(js, team).delete_stream(eventlog.tenant_stream(team))
-            await eventlog.provision(js, teams=TEAMS)  # the notifier copies the team's events: its real work
-            runs.append(await e2e(server, pg, js, args.jobs, work / f"run{r}"))
+        runs, relays, filtered = [], [], []
+        for r in range(args.repeats):  # each run, the relay's and the filtered relay's on new streams
+            await fresh_streams(js)
+            load = os.getloadavg()[0]
+            runs.append({**await e2e(server, pg, js, args.jobs, work / f"run{r}"), "load_avg_1m": load})
+            await fresh_streams(js)
+            relays.append(await relay(server, js, args.jobs, f"relay{r}", filtered=False))
+            await fresh_streams(js)
+            filtered.append(await relay(server, js, args.jobs, f"filtered{r}", filtered=True))
         consume = [await raw_consume(js, 0) for _ in range(args.repeats)]
         await nc.close()
     finally:
@@ -224,7 +258,12 @@ async def main(args) -> dict:
         "ratio_events_per_s_to_pipelined": med("events_per_s") / raw_piped,
         # jobs/s the pipelined ceiling allows at this run's events per job
         "jobs_per_s_ceiling": raw_piped / med("events_per_job"),
+        "relay_jobs_per_s": statistics.median(r["jobs_per_s"] for r in relays),
+        "relay_filtered_jobs_per_s": statistics.median(r["jobs_per_s"] for r in filtered),
+        "ratio_jobs_per_s_to_relay": med("jobs_per_s") / statistics.median(r["jobs_per_s"] for r in relays),
         "runs": runs,
+        "relay_runs": relays,
+        "relay_filtered_runs": filtered,
     }
     return result
 
@@ -258,6 +297,16 @@ def report(r: dict) -> None:
     total = sum(cpu.values())
     print(f"  CPU per event appended in the burst: {total:.0f} µs in all = at most {2e6 / total:.0f} events/s on 2 "
           "cores; " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])))
+    print(f"\n  the relay (bench/relay.py: the same topology, no logic), the same burst; 1-minute load average "
+          "before each run in brackets")
+    for name, runs in (("services", r["runs"]), ("relay", r["relay_runs"]), ("relay, filtered", r["relay_filtered_runs"])):
+        cpu = {k: statistics.median(run["cpu_us_per_event"][k] for run in runs) for k in runs[0]["cpu_us_per_event"]}
+        print(f"  {name:<16} {statistics.median(run['jobs_per_s'] for run in runs):7.1f} jobs/s "
+              "(" + ", ".join(f"{run['jobs_per_s']:.0f} [{run['load_avg_1m']:.1f}]" for run in runs) + "); "
+              f"{sum(cpu.values()):.0f} µs CPU per event in all: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])))
+    print(f"  services / relay: {r['ratio_jobs_per_s_to_relay']:.2f} (jobs/s, medians); services / filtered relay: "
+          f"{r['jobs_per_s'] / r['relay_filtered_jobs_per_s']:.2f}")
 
 
 if __name__ == "__main__":
