@@ -21,6 +21,8 @@ import yaml
 
 import kubernetes_validate
 
+from gpusched.dev import natsconf
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE_DIR = REPO_ROOT / "k8s" / "base"
 KUBECTL = Path(sys.executable).parent / "kubectl"
@@ -283,6 +285,7 @@ _READ = re.compile(r'(?:env_value|env_number|env_choice|env_networks|environ\.ge
 # Read by a service, deliberately not set by the base (an overlay may), and why.
 UNSET_ON_PURPOSE = {
     "GPUSCHED_CLOCK_EPOCH": "default: the service's start time; needed only with a time scale other than 1",
+    "GPUSCHED_CLOCK_START": "default: the epoch (at scale 1, platform time is wall time); the dev stack's demo sets it",
     "GPUSCHED_TRACE_DIR": "read only with GPUSCHED_OTEL_EXPORTER=file",
     "GPUSCHED_SIM_CLUSTER": "sim backend only; the cluster runs the kubernetes backend",
     "GPUSCHED_LOCAL_DIR": "local backend only",
@@ -375,7 +378,21 @@ def test_prod_runs_nats_as_a_three_server_cluster_with_r3_streams_and_fsync_alwa
     assert nats["spec"]["replicas"] == 3 and nats["spec"]["serviceName"] == "nats-headless"
     (conf_map,) = [c for name, c in _by_kind(docs, "ConfigMap").items() if name.startswith("nats-config")]
     conf = conf_map["data"]["nats.conf"]
-    assert '"sync_interval": "always"' in conf and conf.count("nats-headless.gpusched.svc:6222") == 3
+    assert conf == (REPO_ROOT / "k8s/components/nats/nats-server.conf").read_text() and '"sync_interval": "always"' in conf
+    # Routes authenticate: the password from the Secret gpusched-nats-routes (key password) in the
+    # environment, the route URLs (which carry it) from its routes.conf, where the include points.
+    assert f'"password": ${natsconf.K8S_ROUTE_PASSWORD},' in conf and f'include "{natsconf.K8S_ROUTES_INCLUDE}"' in conf
+    pod = nats["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in server["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert server["args"] == ["--config", f"{mounts['config']}/nats.conf"]
+    included = os.path.normpath(os.path.join(mounts["config"], natsconf.K8S_ROUTES_INCLUDE))
+    (routes,) = [name for name, path in mounts.items() if included == f"{path}/routes.conf"]
+    assert volumes[routes]["secret"]["secretName"] == "gpusched-nats-routes"
+    assert {"key": "routes.conf", "path": "routes.conf"} in volumes[routes]["secret"]["items"]
+    assert {"name": natsconf.K8S_ROUTE_PASSWORD, "valueFrom": {"secretKeyRef": {
+        "name": "gpusched-nats-routes", "key": "password", "optional": True}}} in server["env"]
     config = _by_kind(docs, "ConfigMap")["gpusched-config"]["data"]
     assert config["GPUSCHED_STREAM_REPLICAS"] == "3" and config["GPUSCHED_NATS_URL"] == "nats://nats.gpusched.svc:4222"
     assert "nats" in _by_kind(docs, "Service")
