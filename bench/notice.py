@@ -32,6 +32,7 @@ import yaml
 
 from gpusched.dev.run import TEAMS
 from gpusched.dev.stack import free_port
+from runtime.clock import ScaledClock
 
 KINDS = ["started", "preemption-notice", "preempted", "succeeded", "failed", "cancelled"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +108,7 @@ def _stamp(text: str) -> float:
     return datetime.fromisoformat(text).timestamp()
 
 
-def fold(posts: list[tuple[float, dict]], epoch: float, scale: float) -> Run:
+def fold(posts: list[tuple[float, dict]], epoch: float, scale: float, start: float | None = None) -> Run:
     """The notices and the ends of their attempts, from the receiver's POSTs (a notification is
     delivered at least once: the first arrival counts)."""
     run = Run(posts=len(posts), time_scale=scale)
@@ -116,7 +117,7 @@ def fold(posts: list[tuple[float, dict]], epoch: float, scale: float) -> Run:
     started: set[tuple[str, int]] = set()
     for wall, body in sorted(posts, key=lambda p: p[0]):
         key = (body["job_id"], body.get("attempt") or 0)
-        arrived = epoch + (wall - epoch) * scale
+        arrived = ScaledClock(scale, epoch, start).platform(wall)
         if body["kind"] == "started":
             started.add(key)
         elif body["kind"] == "preemption-notice":
@@ -161,13 +162,13 @@ def measure(data_dir: Path, seconds: float, *, time_scale: float = 120.0, enough
         def done() -> bool:
             if time.time() >= ended:
                 return True
-            run = fold(list(receiver.posts), clock["epoch"], clock["time_scale"])
+            run = fold(list(receiver.posts), clock["epoch"], clock["time_scale"], clock.get("start"))
             return enough is not None and len(run.stopped()) >= enough
         _wait(lambda: done() or up.poll() is not None, seconds + 1, "")
         if up.poll() is not None:
             raise RuntimeError(f"gpusched dev up ended with {up.returncode}: {(data_dir / 'dev-up.log').read_text()}")
         time.sleep(2)  # the ends of the last notices' attempts
-        return fold(list(receiver.posts), clock["epoch"], clock["time_scale"])
+        return fold(list(receiver.posts), clock["epoch"], clock["time_scale"], clock.get("start"))
     finally:
         up.send_signal(signal.SIGINT)
         try:

@@ -119,7 +119,7 @@ class DecisionService:
         self.instance = name  # its durable consumer, lease and snapshot bucket (one per partition)
         self.core = core
         self.settings = settings
-        self.clock = clock or ScaledClock(settings.time_scale, settings.clock_epoch)
+        self.clock = clock or ScaledClock(settings.time_scale, settings.clock_epoch, settings.clock_start)
         self.applied_seq = 0
         self.own_high_water = 0  # highest sequence this service appended
         self.last_seq: dict[str, int] = {}  # subject_scope -> newest sequence seen
@@ -529,7 +529,7 @@ def run_service(name: str, build_core, service_class: type[DecisionService] = De
         otel_exporter=settings.otel_exporter,
         trace_dir=settings.trace_dir,
     )
-    clock = ScaledClock(settings.time_scale, settings.clock_epoch)
+    clock = ScaledClock(settings.time_scale, settings.clock_epoch, settings.clock_start)
 
     async def main() -> None:
         service = service_class(name, build_core(settings, clock), settings, clock)

@@ -154,6 +154,7 @@ class Settings:
     duplicate_window_s: float = 120.0
     time_scale: float = 1.0
     clock_epoch: float = field(default_factory=time.time)
+    clock_start: float | None = None  # platform time at clock_epoch (runtime/clock.py); None: clock_epoch
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_addr: str = "127.0.0.1"  # loopback unless a deployment names another address
     log_level: str = "INFO"
@@ -189,6 +190,8 @@ class Settings:
             duplicate_window_s=env_number("GPUSCHED_DUPLICATE_WINDOW_S", 120.0, minimum=1, maximum=86_400),
             time_scale=env_number("GPUSCHED_TIME_SCALE", 1.0, minimum=0.001, maximum=1_000_000),
             clock_epoch=env_number("GPUSCHED_CLOCK_EPOCH", time.time(), minimum=0, maximum=4e9),
+            clock_start=(env_number("GPUSCHED_CLOCK_START", 0.0, minimum=0, maximum=4e9)
+                         if env_value("GPUSCHED_CLOCK_START") is not None else None),
             metrics_port=int(env_number("GPUSCHED_METRICS_PORT", 0, minimum=0, maximum=65535, integer=True)),
             metrics_addr=env_address("GPUSCHED_METRICS_ADDR", "127.0.0.1"),
             log_level=env_choice("GPUSCHED_LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR")),

@@ -410,20 +410,29 @@ def dev_up(
     nats_cluster: int = typer.Option(1, "--nats-cluster", min=1, max=5,
                                      help="nats-servers to run: 1, or a JetStream cluster of N on loopback (3: "
                                           "every stream, consumer and bucket replicated on each; docs/operations.md)"),
+    clock_start: Optional[str] = typer.Option(None, "--clock-start", metavar="month-end|now|ISO-TIME",
+                                              help="Where a fresh data directory's platform clock starts (default "
+                                                   "month-end: 6 platform hours before this month's end, so it "
+                                                   "closes 3 wall minutes in at 120x; docs/accounting.md); an "
+                                                   "existing one keeps its run/clock.json"),
 ) -> None:
     """Run NATS, Postgres and the services locally, with an optional demo workload."""
+    import time
+
     from gpusched.cli.common import print_error
     from gpusched.dev import clusters as devclusters
-    from gpusched.dev.run import run_dev
+    from gpusched.dev.run import parse_clock_start, run_dev
     from gpusched.errors import UserError
 
     try:
         names = devclusters.parse_names(clusters)
+        if clock_start is not None:
+            parse_clock_start(clock_start, time.time())  # refused here, before anything starts
     except UserError as err:
         print_error(str(err))
         raise typer.Exit(2) from None
     sys.exit(run_dev(data_dir=data_dir, time_scale=time_scale, demo=demo, demo_jobs=demo_jobs, duration=duration,
-                     clusters=names, cluster_file=cluster_file, nats_cluster=nats_cluster))
+                     clusters=names, cluster_file=cluster_file, nats_cluster=nats_cluster, clock_start=clock_start))
 
 
 @dev_app.command("nats-config")

@@ -2,7 +2,9 @@
 
 NATS and Postgres are started from their wheels unless GPUSCHED_NATS_URL / GPUSCHED_PG_DSN
 point at external ones. Data stays in ``.data/`` so a second run continues where the first
-stopped. Services that die are restarted (they rebuild from the log). The supervisor outlives its
+stopped, on the same clock (``run/clock.json``); a fresh one's platform clock starts 6 platform
+hours before a month's end (``--clock-start``, :func:`plan_clock`), so a month closes, and its
+statements are issued, minutes in. Services that die are restarted (they rebuild from the log). The supervisor outlives its
 dependencies: while NATS or Postgres is away the summary says so and it reconnects; a nats-server
 or Postgres it started itself that died is started again, on the same port and data.
 
@@ -17,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import random
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import resources
@@ -46,6 +49,7 @@ from gpusched.api.__main__ import API_FD
 from gpusched.errors import UserError
 from gpusched.permissions import API_USER, CLUSTER_EXECUTOR_PREFIX
 from runtime import eventlog, observability
+from runtime.clock import ScaledClock
 from runtime.settings import NatsTls, Settings
 from schemas import JobSpec, SubmitJob
 from schemas.auth import Role
@@ -65,6 +69,11 @@ def example(name: str) -> Path:
 
 def demo_workload(n: int, seed: int = 7) -> list[tuple[float, SubmitJob]]:
     """(delay before it, command): a mixed, reproducible workload for three teams."""
+    return list(itertools.islice(demo_stream(seed), n))
+
+
+def demo_stream(seed: int = 7) -> Iterator[tuple[float, SubmitJob]]:
+    """:func:`demo_workload` without an end: job ``demo-<i>`` is the same in both."""
     rng = random.Random(seed)
     shapes = {
         "team-research": [("h100-80gb", 8, JobKind.TRAINING), ("a100-40gb", 4, JobKind.TRAINING),
@@ -73,8 +82,7 @@ def demo_workload(n: int, seed: int = 7) -> list[tuple[float, SubmitJob]]:
                          ("l4", 1, JobKind.INFERENCE, 250)],  # a quarter of one shared L4 (gpu_milli)
         "team-platform": [("a100-40gb", 2, JobKind.BATCH), ("l4", 1, JobKind.BATCH), ("a100-40gb", 8, JobKind.TRAINING)],
     }
-    out = []
-    for i in range(n):
+    for i in itertools.count():
         team = TEAMS[i % 3]
         shape = rng.choice(shapes[team])
         flavor, gpus, kind = shape[:3]
@@ -91,19 +99,28 @@ def demo_workload(n: int, seed: int = 7) -> list[tuple[float, SubmitJob]]:
             gpus=gpus, gpu_milli=milli, gpu_flavors=(flavor,), expected_runtime_seconds=rng.choice([600, 1200, 1800, 3600]),
             retry={"max_attempts": 3, "backoff_seconds": 60}, annotations=annotations,
         )
-        out.append((rng.uniform(0.05, 0.6), SubmitJob(job_id=f"demo-{i:04d}", on_behalf_of=f"{team}-bot", spec=spec)))
-    return out
+        yield rng.uniform(0.05, 0.6), SubmitJob(job_id=f"demo-{i:04d}", on_behalf_of=f"{team}-bot", spec=spec)
 
 
-async def _submit_demo(js, workload, stop: asyncio.Event) -> None:
+DEMO_TRICKLE_S = 3600.0
+"""After its first ``--demo-jobs`` (a burst), the demo submits the stream's next job every this
+many platform seconds (30 wall s at 120x) for as long as it runs: the log's time keeps moving, and
+accounting closes a month (issues its statements) only once events logged past its end plus
+GPUSCHED_STATEMENT_GRACE_S say so (services/accounting/statements.py), not on the clock alone."""
+
+
+async def _submit_demo(js, stream: Iterator[tuple[float, SubmitJob]], burst: int, trickle_s: float,
+                       stop: asyncio.Event) -> None:
+    """The example inference service, the stream's first ``burst`` jobs at their own short delays,
+    then one every ``trickle_s`` wall seconds until ``stop``."""
     # the example inference service, once (a second run's deploy of the same spec records nothing)
     deploy = commands.deploy_command_from_file(example("service.yaml"))
     await _publish_until_stored(js, deploy.model_copy(update={"on_behalf_of": "team-product-bot"}), stop,
                                 team=deploy.spec.team, verb="deploy", msg_id="demo-deploy:chat")
-    for delay, command in workload:
+    for i, (delay, command) in enumerate(stream):
         if stop.is_set():
             return
-        await asyncio.sleep(delay)
+        await asyncio.sleep(delay if i < burst else trickle_s)
         await _publish_until_stored(js, command, stop, team=command.spec.team, verb="submit",
                                     msg_id=f"demo-submit:{command.job_id}")
 
@@ -242,7 +259,8 @@ def _summary(counts: list[dict], procs: devstack.ServiceProcesses, restarts: dic
 
 
 async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float,
-                cluster_names: tuple[str, ...], cluster_file: Path | None, nats_cluster: int = 1) -> int:
+                cluster_names: tuple[str, ...], cluster_file: Path | None, nats_cluster: int = 1,
+                clock_start: str | None = None) -> int:
     started: list = []  # NATS and Postgres, if we started them: stopped whatever happens
     listeners = devstack.Listeners()  # held from the start to the end
     run_dir = data_dir.resolve() / "run"
@@ -254,7 +272,7 @@ async def _main(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, d
         listeners.hold_metrics(devstack.process_names(layout.named, api=True))
         listeners.hold(API_USER, API_FD, _api_listener())
         return await _run(data_dir.resolve(), time_scale, demo, demo_jobs, duration, started, listeners, layout,
-                          nats_cluster)
+                          nats_cluster, clock_start)
     except UserError as err:
         console.print(f"gpusched dev up: {err}", style="red", markup=False, soft_wrap=True)
         return 2
@@ -319,7 +337,8 @@ def _layout(names: tuple[str, ...], cluster_file: Path | None, run_dir: Path) ->
 
 
 async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float, started: list,
-               listeners: devstack.Listeners, layout: Layout, nats_cluster: int = 1) -> int:
+               listeners: devstack.Listeners, layout: Layout, nats_cluster: int = 1,
+               clock_start: str | None = None) -> int:
     run_dir = data_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = layout.single_file or example("cluster.yaml")
@@ -354,11 +373,9 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
         dsn = pg.dsn
 
     clock_file = run_dir / "clock.json"
-    clock = json.loads(clock_file.read_text()) if clock_file.exists() else {"epoch": time.time(), "time_scale": time_scale}
-    if clock["time_scale"] != time_scale:
-        console.print(f"[yellow]keeping time scale {clock['time_scale']} of the existing data "
-                      f"(delete {clock_file} to change it)[/yellow]")
+    clock = plan_clock(clock_file, time_scale, clock_start)
     clock_file.write_text(json.dumps(clock))
+    platform = ScaledClock(clock["time_scale"], clock["epoch"], clock.get("start"))
 
     operator = connection.Connection(admin.nats_url, "operator" if nats_server else admin.nats_user,
                                  nats_server.creds.users["operator"] if nats_server else admin.nats_password, dsn)
@@ -372,9 +389,9 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     if isinstance(nats_server, devstack.NatsCluster):
         limits = dataclasses.replace(limits, replicas=nats_server.replicas)
     await eventlog.provision(js, limits, teams=TEAMS)
-    for event in queueconfig.plan_queues(example("queues.yaml"), await queueconfig.current_queues(js), datetime.now(UTC)):
+    for event in queueconfig.plan_queues(example("queues.yaml"), await queueconfig.current_queues(js), platform.now()):
         await eventlog.EventLog(js).append(event)
-    for event in pricebook.plan(pricebook.read(example("pricebook.yaml")), await pricebook.current(js), datetime.now(UTC)):
+    for event in pricebook.plan(pricebook.read(example("pricebook.yaml")), await pricebook.current(js), platform.now()):
         await eventlog.EventLog(js).append(event)  # so that usage, chargeback and what-if have prices
 
     metrics_ports = listeners.ports(observability.METRICS_FD)
@@ -383,8 +400,8 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     nats_env = nats_server.env if nats_server else (lambda name: external_nats_env)
     webhook_secrets = devstack.webhook_secrets(run_dir / "webhook-secrets.json", TEAMS)
     env = devstack.service_env(nats_env, dsn, cluster=cluster, time_scale=clock["time_scale"], epoch=clock["epoch"],
-                               metrics_ports=metrics_ports, webhook_secrets=webhook_secrets, api_port=api_port,
-                               clusters=spec_files)
+                               start=clock.get("start"), metrics_ports=metrics_ports,
+                               webhook_secrets=webhook_secrets, api_port=api_port, clusters=spec_files)
     executors = frozenset(f"{CLUSTER_EXECUTOR_PREFIX}{name}" for name in layout.named)
     procs = devstack.ServiceProcesses(data_dir / "logs", env, listeners=listeners, stay_stopped=executors)
     procs.start_all()
@@ -401,6 +418,7 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
     try:
         shown_pg = f"{pg.dsn_without_password} (password in {pg.password_file})" if pg else "GPUSCHED_PG_DSN"
         console.print(f"NATS {admin.nats_url}   Postgres {shown_pg}   logs {data_dir / 'logs'}", soft_wrap=True)
+        console.print(_clock_line(platform), soft_wrap=True)
         if isinstance(nats_server, devstack.NatsCluster):
             console.print(f"NATS cluster of {nats_server.size}: " + "  ".join(
                 f"{nats_server.name(i)} pid {s.proc.pid}" for i, s in enumerate(nats_server.servers))
@@ -425,9 +443,10 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
         if demo:
             already = await history.job_events(js, "demo-0000")
             offset = 0 if not already else int(time.time()) % 100000  # a second run submits new jobs
-            workload = [(d, c.model_copy(update={"job_id": f"{c.job_id}-{offset}" if offset else c.job_id}))
-                        for d, c in demo_workload(demo_jobs)]
-            demo_task = asyncio.create_task(_submit_demo(js, workload, stop))
+            stream = ((d, c.model_copy(update={"job_id": f"{c.job_id}-{offset}" if offset else c.job_id}))
+                      for d, c in demo_stream())
+            demo_task = asyncio.create_task(_submit_demo(js, stream, demo_jobs, platform.real_seconds(DEMO_TRICKLE_S),
+                                                         stop))
         deps = Dependencies(started, operator.pg)
         try:
             await _supervise(procs, js, deps, layout, stop, duration)
@@ -441,6 +460,83 @@ async def _run(data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, du
         await nc.close()
         console.print(f"stopped; data kept in {data_dir}")
     return 0
+
+
+MONTH_END_LEAD_S = 6 * 3600.0
+"""``month-end`` starts the platform clock this many platform seconds before a month's end: at
+the demo's time scale (120) the month ends 3 wall minutes after the start, and its statements are
+issued once the log's time is past it by GPUSCHED_STATEMENT_GRACE_S (1 platform hour: 30 wall s)."""
+DEFAULT_CLOCK_START = "month-end"
+CLOCK_START_ACCEPTED = ("month-end (6 platform hours before the end of this UTC month), now (the wall clock), "
+                        "or an ISO 8601 time from now on, e.g. 2026-12-31T18:00:00Z (no offset: UTC)")
+
+
+def parse_clock_start(text: str, wall: float) -> float:
+    """The platform time (Unix seconds) at the wall instant ``wall`` that ``--clock-start`` asks
+    for. ``month-end``: :data:`MONTH_END_LEAD_S` before the end of the UTC month that instant
+    (plus the lead) is in; ``now``: ``wall``; an ISO time: that one (no offset: UTC). Never behind
+    the wall clock: events stamped with it (API tokens, issued with wall times) would run the
+    log's time, and so the statements, ahead of the platform clock."""
+    value = text.strip()
+    if value == "now":
+        return wall
+    if value == "month-end":
+        lead = datetime.fromtimestamp(wall + MONTH_END_LEAD_S, UTC)
+        end = datetime(lead.year + lead.month // 12, lead.month % 12 + 1, 1, tzinfo=UTC)
+        return end.timestamp() - MONTH_END_LEAD_S
+    try:
+        at = datetime.fromisoformat(value)
+    except ValueError:
+        raise UserError(f"--clock-start {text!r} is not accepted; accepted: {CLOCK_START_ACCEPTED}") from None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    if at.timestamp() > 4e9:
+        raise UserError(f"--clock-start {text!r} is out of range; accepted: now up to 2096-10-02 (Unix seconds 4e9)")
+    if at.timestamp() < wall:  # events stamped with the wall clock (API tokens) would run the log's time ahead
+        raise UserError(f"--clock-start {text!r} is before the wall clock "
+                        f"({datetime.fromtimestamp(wall, UTC):%Y-%m-%dT%H:%M:%SZ}); accepted: {CLOCK_START_ACCEPTED}, "
+                        "not earlier than now")
+    return at.timestamp()
+
+
+def plan_clock(clock_file: Path, time_scale: float, clock_start: str | None, wall: float | None = None) -> dict:
+    """The run's clock: the data directory's (``clock.json``: a second run continues its log and
+    clock, and a different ``--time-scale`` or ``--clock-start`` is ignored with a warning), or for a
+    fresh one ``{epoch: now, time_scale, start}`` with ``start`` from ``clock_start``
+    (:data:`DEFAULT_CLOCK_START` when None). A clock.json without ``start`` starts at its epoch."""
+    wall = time.time() if wall is None else wall
+    if not clock_file.exists():
+        start = parse_clock_start(DEFAULT_CLOCK_START if clock_start is None else clock_start, wall)
+        return {"epoch": wall, "time_scale": time_scale, "start": start}
+    clock = json.loads(clock_file.read_text())
+    if clock["time_scale"] != time_scale:
+        console.print(f"[yellow]keeping time scale {clock['time_scale']} of the existing data "
+                      f"(delete {clock_file} to change it)[/yellow]")
+    if clock_start is not None:
+        parse_clock_start(clock_start, wall)  # a wrong value is refused all the same
+        console.print(f"[yellow]--clock-start {clock_start}: keeping the clock of the existing data "
+                      f"(delete {clock_file}, with the rest of that data, to start another)[/yellow]")
+    return clock
+
+
+def _clock_line(clock: ScaledClock) -> str:
+    """Where the platform clock is, and when its current month closes (in wall time from now)."""
+    now = clock.now()
+    end = datetime(now.year + now.month // 12, now.month % 12 + 1, 1, tzinfo=UTC)
+    wall_s = clock.real_seconds((end - now).total_seconds())
+    return (f"platform clock {now:%Y-%m-%d %H:%M} UTC, {clock.time_scale:g}x: {now:%Y-%m} ends in "
+            f"{_duration(wall_s)} of wall time; its statements are issued GPUSCHED_STATEMENT_GRACE_S (default "
+            f"1 platform hour) later: `gpusched chargeback --issued`")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86_400:.0f} days"
 
 
 def _api_listener(default_port: int = 8080) -> socket.socket:
@@ -552,7 +648,11 @@ async def _last_sequence(js, deps: Dependencies) -> int | None:
 
 
 def run_dev(*, data_dir: Path, time_scale: float, demo: bool, demo_jobs: int, duration: float,
-            clusters: tuple[str, ...] = (), cluster_file: Path | None = None, nats_cluster: int = 1) -> int:
+            clusters: tuple[str, ...] = (), cluster_file: Path | None = None, nats_cluster: int = 1,
+            clock_start: str | None = None) -> int:
     """``clusters`` / ``cluster_file``: :mod:`gpusched.dev.clusters`; ``nats_cluster``: the
-    nats-servers to start (more than one: a JetStream cluster, :class:`gpusched.dev.stack.NatsCluster`)."""
-    return asyncio.run(_main(data_dir, time_scale, demo, demo_jobs, duration, clusters, cluster_file, nats_cluster))
+    nats-servers to start (more than one: a JetStream cluster, :class:`gpusched.dev.stack.NatsCluster`);
+    ``clock_start``: where a fresh data directory's platform clock starts (:func:`parse_clock_start`;
+    None: :data:`DEFAULT_CLOCK_START`)."""
+    return asyncio.run(_main(data_dir, time_scale, demo, demo_jobs, duration, clusters, cluster_file, nats_cluster,
+                             clock_start))

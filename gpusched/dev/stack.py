@@ -732,13 +732,14 @@ def cluster_timing(time_scale: float, environ: dict[str, str] | None = None) -> 
 
 
 def service_env(nats_env: Callable[[str], dict[str, str]], pg_dsn: str, *, cluster: Path, time_scale: float,
-                epoch: float, extra: dict[str, str] | None = None,
+                epoch: float, start: float | None = None, extra: dict[str, str] | None = None,
                 metrics_ports: dict[str, int] | None = None,
                 webhook_secrets: Path | None = None, api_port: int | None = None,
                 clusters: dict[str, Path] | None = None) -> dict[str, dict[str, str]]:
     """Environment of each service: its NATS credentials (``nats_env(service)``), the shared
-    clock, the sim cluster, for accounting the Postgres DSN, and for the notifier the teams'
-    webhook signing secrets (a JSON file). With ``api_port``, the HTTP API's too (it reads
+    clock (``start``: its platform time at ``epoch``, :class:`runtime.clock.ScaledClock`), the sim
+    cluster, for accounting the Postgres DSN, and for the notifier the teams' webhook signing
+    secrets (a JSON file). With ``api_port``, the HTTP API's too (it reads
     Postgres and listens on that port of the loopback). With ``clusters`` (name -> its sim
     cluster spec), one executor per cluster instead of the one executor: ``executor-<name>``,
     with its own credential, GPUSCHED_CLUSTER and spec, and every process the clusters' timing
@@ -758,6 +759,8 @@ def service_env(nats_env: Callable[[str], dict[str, str]], pg_dsn: str, *, clust
             "PYTHONUNBUFFERED": "1",
             **timing,
         }
+        if start is not None:
+            env["GPUSCHED_CLOCK_START"] = repr(start)
         if cluster_name:
             env["GPUSCHED_CLUSTER"] = cluster_name
         if name in ("accounting", permissions.API_USER):
