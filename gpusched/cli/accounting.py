@@ -108,9 +108,10 @@ async def apply_price_file(js, parsed: pricebook.PriceBooksFile, dry_run: bool) 
     """Publish the PriceBookUpdated events that make the log's price books equal the file's
     (none with ``dry_run``); the changes, described."""
     from gpusched.config import pricebook
+    from gpusched.gateway import commands
 
     books = await pricebook.current(js)
-    events = pricebook.plan(parsed, books, datetime.now(UTC))
+    events = pricebook.plan(parsed, books, await commands.config_time(js))
     if not dry_run:
         await publish(js, events)
     return [{"event": e.type, "name": e.aggregate_id, "change": pricebook.describe(e, books)} for e in events]

@@ -151,8 +151,10 @@ def apply(
         queues = queueconfig.parse_queues(document, file)
 
         async def go(js):
+            from gpusched.gateway import commands
+
             config = await queueconfig.current_queues(js)
-            events = queueconfig.plan(queues, config, datetime.now(UTC), prune=prune)
+            events = queueconfig.plan(queues, config, await commands.config_time(js), prune=prune)
             if not dry_run:
                 from gpusched.cli.accounting import publish
 

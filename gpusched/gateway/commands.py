@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import uuid
-from datetime import date, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from gpusched.gateway import answers, port
 from gpusched.userinput import UserError, checked, first_error, read_document
-from runtime import eventlog, observability
+from runtime import eventlog, eventtime, observability
 from schemas import CancelJob, ReportCheckpoint, SubmitJob
 from schemas.commands import (
     OPERATOR,
@@ -193,6 +193,16 @@ async def team_of(gateway: "port.Gateway", job_id: str) -> str:
             return event["spec"]["team"]
     raise UserError(f"job {job_id!r} is unknown: neither the read models nor the event log have it; "
                     "check the id (`gpusched jobs`), or give its team with --team")
+
+
+async def config_time(js: JetStreamContext) -> datetime:
+    """When a configuration change the operator publishes (`gpusched apply`, a price file)
+    happens: now, or the log's time when that is ahead (a platform clock faster than the wall, or
+    one started ahead of it: `gpusched dev up --clock-start`). A change never takes effect in the
+    platform's past, before events already logged."""
+    now = datetime.now(UTC)
+    logged = await eventtime.log_time(js, await eventlog.last_sequence(js))
+    return max(now, logged) if logged is not None else now
 
 
 def cancel_command(job_id: str, reason: str = "", on_behalf_of: str | None = None) -> CancelJob:

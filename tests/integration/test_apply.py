@@ -159,3 +159,21 @@ async def test_apply_publishes_a_policy_that_admission_uses_from_then_on(nats_se
     assert (admitted.type, admitted.priority) == ("JobAdmitted", 250)
     assert rejected.type == "JobRejected" and rejected.field == "spec.priority_class"
     assert "accepted: experiment, training" in rejected.message
+
+
+async def test_a_change_is_stamped_no_earlier_than_the_log_time(nats_server, admin_js, tmp_path):
+    # The platform clock ahead of the wall (a fast dev clock, or `dev up --clock-start`): a change
+    # applied now takes effect at the log's time, never in the platform's past.
+    from datetime import UTC, datetime, timedelta
+
+    from tests.unit.builders import queue
+
+    ahead = datetime.now(UTC) + timedelta(days=20)
+    await eventlog.EventLog(admin_js).append(
+        queue("elsewhere", ("team-z",), {"a100": 1}).model_copy(update={"occurred_at": ahead}))
+    v1 = tmp_path / "v1.yaml"
+    v1.write_text(V1.replace("research", "research-2").replace("product", "product-2"))
+    rc, changes = apply(nats_server, v1)
+    assert rc == 0 and changes
+    stamped = [parse_event(m.data) async for m in eventlog.read(admin_js, subjects=["gpusched.queue.research-2.>"])]
+    assert stamped and all(e.occurred_at >= ahead for e in stamped)
