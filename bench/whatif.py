@@ -31,7 +31,7 @@ import psutil
 
 from bench import history
 from gpusched.dev import stack as devstack
-from gpusched.cli import whatif as whatif_cli
+from gpusched.api import whatif as whatif_run
 from runtime import eventlog
 from schemas import parse_event
 
@@ -87,7 +87,7 @@ async def read_only(server: devstack.NatsServer) -> tuple[float, int]:
     began, n = time.perf_counter(), 0
     async for batch in eventlog.read_batches(js, client=nc, payloads=True, batch=4096):
         for _, payload in batch:
-            if whatif_cli.recorded_type(payload):
+            if whatif_run.recorded_type(payload):
                 parse_event(payload)
                 n += 1
     wall = time.perf_counter() - began
@@ -134,8 +134,9 @@ def report(r: dict) -> None:
         speed = r["span_s"] / run["wall_s"]
         print(f"  {name:<9}: wall {run['wall_s']:7.1f} s ({r['ceiling_s'] / run['wall_s']:.2f} of the read ceiling), "
               f"{speed:,.0f}× faster than the platform took = {speed / TARGET:,.0f}× the {TARGET:.0f}× target; "
-              f"peak RSS {run['peak_rss_mib']:,} MiB; decisions the same: {d['same']:,} of {d['jobs']:,}")
-    same = r["runs"]["no change"]["report"]["decisions"]
+              f"peak RSS {run['peak_rss_mib']:,} MiB; decisions the same as the log: {d['same']:,} of {d['jobs']:,}; "
+              f"changed from the baseline: {run['report']['changed']['different']:,}")
+    same = r["runs"]["no change"]["report"]["fidelity"]["decisions"]
     if same["same"] != same["jobs"]:
         print(f"  NOT REPRODUCED: the no-change replay differs for {same['jobs'] - same['same']} jobs, e.g. "
               f"{same['first_different']}")

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path as FilePath
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Form, Path, Query, Request
+from fastapi import APIRouter, FastAPI, File, Form, Path, Query, Request, UploadFile
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
@@ -263,6 +263,61 @@ async def deadletters(request: Request) -> HTMLResponse:
     if not me.is_operator:
         raise PageError(403, "Dead letters are for operators.")
     return page(request, "deadletters.html", me, rows=await history.dead_letters(request.app.state.js, 100))
+
+
+WHATIF_MAX_BYTES = 1024 * 1024
+"""A queues file for the what-if page: at most 1 MiB, as `gpusched whatif --apply` reads one."""
+
+
+@router.get("/whatif")
+async def whatif_form(request: Request) -> HTMLResponse:
+    me = await _operator(request)
+    return page(request, "whatif.html", me, result=None, error=None, text="")
+
+
+@router.post("/whatif")
+async def whatif_run(request: Request, queues: Annotated[str, Form(max_length=WHATIF_MAX_BYTES)] = "",
+                     file: Annotated[UploadFile | None, File()] = None) -> HTMLResponse:
+    """The whole log replayed with no change and under the queues file uploaded (or, with none,
+    pasted): the three columns per team, the baseline's fidelity first (gpusched.api.whatif)."""
+    from gpusched.api import whatif as run
+    from gpusched.errors import UserError
+
+    me = await _operator(request)
+    text, source = queues, "queues (pasted)"
+    if file is not None and file.filename:
+        raw = await file.read(WHATIF_MAX_BYTES + 1)
+        source = f"queues file {file.filename!r}"
+        if len(raw) > WHATIF_MAX_BYTES:
+            return _whatif_error(request, me, text, f"{source}: larger than {WHATIF_MAX_BYTES} bytes; accepted: "
+                                                    "files of at most 1 MiB")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return _whatif_error(request, me, text, f"{source}: not UTF-8 text; accepted: a YAML or JSON queues file")
+    if not text.strip():
+        return _whatif_error(request, me, text, "queues: nothing given; accepted: a queues file (gpusched apply's "
+                                                "format: priority_classes, preemption_limits, cohorts, queues), "
+                                                "uploaded or pasted")
+    try:
+        result = await run.run_text(request.app.state.js, text, source)
+    except UserError as err:
+        return _whatif_error(request, me, text, str(err))
+    return page(request, "whatif.html", me, result=result, error=None, text=text, fidelity=run.fidelity_lines(result),
+                figures=run.whatif.FIGURES, number=run.number)
+
+
+def _whatif_error(request: Request, me: Identity, text: str, message: str) -> HTMLResponse:
+    response = page(request, "whatif.html", me, result=None, error=message, text=text)
+    response.status_code = 400
+    return response
+
+
+async def _operator(request: Request) -> Identity:
+    me = await viewer(request)
+    if not me.is_operator:
+        raise PageError(403, "The what-if is for operators.")
+    return me
 
 
 def timeline(events: list) -> list[dict[str, Any]]:

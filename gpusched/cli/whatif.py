@@ -5,7 +5,6 @@ configuration, beside what actually happened (gpusched/sim/whatif.py; docs/whati
 from __future__ import annotations
 
 import json
-import re
 import time
 from datetime import datetime
 from pathlib import Path
@@ -17,28 +16,17 @@ from gpusched.cli.points import parse_time
 from gpusched.errors import UserError
 
 if TYPE_CHECKING:
-    from gpusched.config import queues as queueconfig
     from gpusched.sim import whatif
 
 # Light on purpose (docs/performance.md, "CLI start"): the simulator, the event log, the contract
 # and the scheduler's placement are imported by the functions that use them.
 
-RECORDED_TYPES = frozenset({
-    "JobSubmitted", "JobAdmitted", "JobRejected", "JobCancelRequested", "QuotaReserved", "JobScheduled",
-    "PreemptionRequested", "JobStarted", "JobSucceeded", "JobFailed", "JobPreempted", "JobCancelled",
-    "QueueConfigured", "QueueDeleted", "CohortConfigured", "PolicyConfigured", "PriceBookUpdated",
-    "NodeRegistered", "NodeUpdated",
-})
-"""What the what-if reads of the log: a job's decisions and ends, configuration, nodes and prices
-(not the wait reasons, telemetry, statements or tokens). The log is read whole and each
-payload's type looked at before it is parsed: a consumer filtered on these types' subjects makes
-the server deliver in bursts (measured: 14× slower on a 27,000-event log)."""
-_TYPE = re.compile(rb'"type":"(\w+)"')  # the envelope's: the first "type" key of an event's JSON
-
 
 def recorded_type(payload: bytes) -> bool:
-    found = _TYPE.search(payload)
-    return found is not None and found.group(1).decode() in RECORDED_TYPES
+    """Whether the what-if reads this payload of the log (gpusched.api.whatif.RECORDED_TYPES)."""
+    from gpusched.api import whatif as run
+
+    return run.recorded_type(payload)
 
 
 def parse_range(text: str) -> tuple[int | datetime | None, int | datetime | None]:
@@ -70,109 +58,61 @@ def parse_range(text: str) -> tuple[int | datetime | None, int | datetime | None
 
 
 async def record(js, first: int | datetime | None, last: int | datetime | None) -> whatif.Recording:
-    """The recorded log as a :class:`whatif.Recording`, its window from ``first`` to ``last``
-    (a sequence bound is the event time of the event at that sequence)."""
-    from gpusched.sim import whatif
-    from runtime import eventlog
-    from schemas import parse_event
+    from gpusched.api import whatif as run
 
-    rec = whatif.Recording(start=first if isinstance(first, datetime) else None,
-                           end=last if isinstance(last, datetime) else None,
-                           from_seq=first if isinstance(first, int) else None,
-                           to_seq=last if isinstance(last, int) else None)
-    async for batch in eventlog.read_batches(js, client=eventlog.client_of(js), payloads=True, batch=4096):
-        for seq, payload in batch:
-            if recorded_type(payload):
-                rec.add(seq, parse_event(payload))
-    if isinstance(first, int) and rec.start is None:
-        raise UserError(f"--log: FROM {first} is past the log's last sequence")
-    return rec
-
-
-def config_at(events: list) -> queueconfig.QuotaConfig:
-    """The queue, cohort and policy configuration that ``events`` (in log order) leave."""
-    from gpusched.config import queues as queueconfig
-    from schemas import CohortConfigured, PolicyConfigured, QueueConfigured, QueueDeleted
-
-    config = queueconfig.QuotaConfig({}, {})
-    for e in events:
-        if isinstance(e, QueueConfigured):
-            config.queues[e.name] = e
-        elif isinstance(e, QueueDeleted):
-            config.queues.pop(e.name, None)
-        elif isinstance(e, CohortConfigured):
-            config.cohorts[e.name] = e
-        elif isinstance(e, PolicyConfigured):
-            config.policy = e
-    return config
+    return await run.record(js, first, last)
 
 
 def options_from_env(policy: str | None) -> whatif.Options:
-    """The scheduler's placement policy and default preemption limits, from the variables the
-    scheduler reads (docs/scheduling.md), so the replay places as the live scheduler does."""
-    from gpusched.sim import whatif
-    from runtime.settings import ConfigError, env_choice, env_value
-    from services.scheduler.__main__ import flavor_policies, preemption_limits  # the variables' one parser
-    from services.scheduler.placement import Policy
+    """The scheduler's placement policy and preemption limits (gpusched.api.whatif.options_from_env)."""
+    from gpusched.api import whatif as run
 
-    accepted = tuple(p.value for p in Policy)
-    try:
-        chosen = policy or env_choice("GPUSCHED_SCHEDULER_POLICY", Policy.BEST_FIT.value, accepted)
-        if chosen not in accepted:
-            raise UserError(f"--policy {chosen!r}: accepted: {', '.join(accepted)}")
-        limits = preemption_limits()
-        by_flavor = flavor_policies(env_value("GPUSCHED_SCHEDULER_POLICY_BY_FLAVOR", "") or "")
-    except ConfigError as err:
-        raise UserError(str(err)) from None
-    return whatif.Options(policy=Policy(chosen), flavor_policies=by_flavor, limits=limits)
+    return run.options_from_env(policy)
 
 
 def changes_of(path: Path | None, recording: whatif.Recording) -> tuple[list, list[dict[str, str]]]:
-    """The events a changes file makes against the configuration at the window's start, and
-    their descriptions (as ``gpusched apply --dry-run`` gives them)."""
-    from gpusched import userinput
-    from gpusched.config import queues as queueconfig
-    from gpusched.sim import whatif
+    """The events a changes file makes and their descriptions (gpusched.api.whatif.changes_of)."""
+    from gpusched.api import whatif as run
 
-    if path is None:
-        return [], []
-    parsed = queueconfig.parse_queues(userinput.read_document(path), path)
-    config = config_at(whatif.at_start(recording))
-    start, _ = recording.window
-    events = [e for e in queueconfig.plan(parsed, config, start) if isinstance(e, whatif.CONFIG_TYPES)]
-    return events, [{"event": e.type, "name": e.aggregate_id, "change": queueconfig.describe_change(e, config)}
-                    for e in events]
+    return run.changes_of(path, recording)
 
 
 def render(result: dict[str, Any], console) -> None:
-    """The report as tables: per group, each figure actual → what-if."""
+    """The report: the baseline's fidelity first; then per group and figure what happened, the
+    baseline, the change's replay and the change's effect (what-if less baseline)."""
     from rich.markup import escape
     from rich.table import Table
 
     from gpusched.sim import whatif
 
-    w, d = result["window"], result["decisions"]
+    w = result["window"]
     console.print(f"window {w['from']} .. {w['to']} ({w['seconds'] / 3600:.1f} h), {w['capacity_gpus']:g} GPUs, "
                   f"{w['log_events']} events read")
+    from gpusched.api.whatif import fidelity_lines, number as _num
+
+    for line in fidelity_lines(result):
+        console.print(escape(line))
     for c in result["changes"]:
         console.print(escape(f"  {c['event']} {c['name']}: {c['change']}"))  # [name] is not markup
-    if d is not None:
-        console.print(f"decisions: {d['same']} of {d['jobs']} jobs decided the same ({d['same_with_times']} at the "
-                      "same times)")
+    changed = result["changed"]
+    if result["changes"]:
+        console.print(f"the change decides {changed['different']} of {changed['jobs']} jobs differently from the "
+                      "baseline")
+    else:
+        console.print("no change: the what-if column is the baseline")
     for title, groups in (("team", result["teams"]), ("queue", result["queues"])):
-        table = Table(title=f"per {title}: actual → what-if")
+        table = Table(title=f"per {title}: actual | baseline (no change) | what-if; Δ = what-if − baseline")
         table.add_column(title)
-        for f in whatif.FIGURES:
-            table.add_column(f, justify="right")
+        table.add_column("figure")
+        for column in ("actual", "baseline", "what-if", "Δ"):
+            table.add_column(column, justify="right")
         for name, cols in groups.items():
-            table.add_row(name, *(_cell(cols["actual"][f], cols["whatif"][f]) for f in whatif.FIGURES))
+            for i, f in enumerate(whatif.FIGURES):
+                delta = cols["delta"][f]
+                table.add_row(name if i == 0 else "", f, _num(cols["actual"][f]), _num(cols["baseline"][f]),
+                              _num(cols["whatif"][f]), "" if not delta else f"{delta:+g}",
+                              end_section=i == len(whatif.FIGURES) - 1)
         console.print(table)
-
-
-def _cell(a, b) -> str:
-    if a == b:
-        return "–" if a is None else f"{a:g}"
-    return f"{'–' if a is None else f'{a:g}'} → {'–' if b is None else f'{b:g}'}"
 
 
 # The commands register on the one app (gpusched.cli.common) when this module is imported.
@@ -197,7 +137,8 @@ def whatif_cmd(
     output: Output = output_option,
 ) -> None:
     """Replay recorded history through the real decision cores under changed priority classes,
-    preemption limits and quotas, and compare per team and per queue with what happened."""
+    preemption limits and quotas: per team and per queue what happened, the replay with no change
+    (the baseline, its fidelity to the log first) and the replay with the change."""
     from gpusched.sim import whatif
 
     options = options_from_env(policy)

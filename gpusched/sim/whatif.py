@@ -17,26 +17,33 @@ What is taken from the recorded log:
   take its runs in order (a preempted or cancelled attempt takes none: it did not end by
   itself); a job with no run left runs for its ``expected_runtime_seconds``, or past the window
   when it has none;
-* **prices**: the price books, to cost GPU time.
+* **prices**: the price books, to cost GPU time;
+* **the services' lag**: when each service made each decision and read each input, and when the
+  executor's reports were appended; the replay with no change (the baseline) makes each decision
+  then, the replay with a change after the lag it had in the baseline (:class:`Lag`).
+
+The report sets what happened, the baseline and the change's replay side by side, with the
+baseline's fidelity to the log first: the model's error apart from the change's effect.
 
 The replay starts at the log's first event, so that the cluster at the window's start holds
 what it held then; the report covers the jobs submitted within the window, up to its end, in
-both columns. Checkpoints are not replayed: work lost counts every GPU-second of a preempted
-attempt, in both columns.
+every column. Checkpoints are not replayed: work lost counts every GPU-second of a preempted
+attempt, in every column.
 
 Pure: no I/O. The same recording, file and options give byte-identical output.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from gpusched.sim.trace import decide_until_quiet
 from gpusched.userinput import UserError
 from schemas import (
     CohortConfigured,
@@ -48,6 +55,7 @@ from schemas import (
     JobFailed,
     JobPreempted,
     JobRejected,
+    JobRetryScheduled,
     JobScheduled,
     JobSpec,
     JobStarted,
@@ -59,8 +67,12 @@ from schemas import (
     PreemptionRequested,
     PriceBookUpdated,
     QueueConfigured,
+    QuotaPendingReasonChanged,
     QueueDeleted,
+    QuotaReleased,
     QuotaReserved,
+    ReclaimRequested,
+    SchedulingPendingReasonChanged,
 )
 from schemas.node import NodeInfo
 from services.accounting.chargeback import PriceBook, PriceVersion
@@ -81,6 +93,56 @@ class WhatIfError(UserError):
 
 
 # -- the recording -----------------------------------------------------------------------------
+
+
+def decision_key(event: Event) -> tuple | None:
+    """What a service decided, as the same decision is named in the log and in the replay: the
+    service's decision type, the job and the attempt. None: not a decision whose time the replay
+    takes from the log (a run's end is the run's; reasons and telemetry are not decisions)."""
+    match event:
+        case JobAdmitted() | JobRejected():
+            return ("admission", event.aggregate_id)
+        case QuotaReserved():
+            return ("reserve", event.aggregate_id, event.attempt)
+        case ReclaimRequested():
+            return ("reclaim", event.aggregate_id, event.attempt)
+        case QuotaReleased():
+            return ("release", event.aggregate_id, event.attempt)
+        case JobRetryScheduled():
+            return ("retry", event.aggregate_id, event.next_attempt)
+        case JobScheduled():
+            return ("schedule", event.aggregate_id, event.attempt)
+        case PreemptionRequested():
+            return ("preempt", event.aggregate_id, event.attempt)
+        case JobStarted():
+            return ("start", event.aggregate_id, event.attempt)
+        case JobCancelled():
+            return ("cancel", event.aggregate_id)
+    return None
+
+
+def report_key(event: Event) -> tuple | None:
+    """An executor's report of what happened to an attempt, whose event time is when it happened
+    (a run's end, a stop at its deadline), appended to the log when the executor noticed it."""
+    if event.producer != "executor" or event.aggregate != "job":
+        return None
+    return ("report", event.type, event.aggregate_id, getattr(event, "attempt", None))
+
+
+KINDS: dict[str, tuple[str, str | None]] = {
+    "admission": ("admission", "admission"), "cancel": ("admission", "admission"),
+    "reserve": ("quota", "quota"), "reclaim": ("quota", "quota"), "release": ("quota", "quota"),
+    "retry": ("quota", "quota"), "quota-read": ("quota-read", "quota"),
+    "schedule": ("scheduler", "scheduler"), "preempt": ("scheduler", "scheduler"),
+    "scheduler-read": ("scheduler-read", "scheduler"),
+    "start": ("start", "executor"), "report": ("report", None),
+}
+"""Per kind of decision (or read): whose recorded lags one new to the log draws from, and the
+service whose decisions in the log are the cycles it waits for (an executor's report: none)."""
+APPENDED_AFTER = timedelta(microseconds=1)
+"""An executor's report appended after events of a later time is read this long after the latest
+of them: after what the other services decided at that instant."""
+SERVICES = frozenset(service for _, service in KINDS.values() if service is not None)
 
 
 @dataclass(frozen=True)
@@ -113,13 +175,22 @@ class Recording:
     prices: list[PriceVersion] = field(default_factory=list)
     events: int = 0
     decisions_recorded: bool = True  # False: a trace (gpusched/sim/whatif_trace.py), no decisions to compare
+    decided_at: dict[tuple, datetime] = field(default_factory=dict)  # decision key -> its recorded time
+    reported_at: dict[tuple, datetime] = field(default_factory=dict)  # executor report -> when it was in the log
+    lags: dict[str, list[float]] = field(default_factory=dict)  # service -> its recorded reaction lags, seconds
+    active: dict[str, list[datetime]] = field(default_factory=dict)  # service -> when it decided something
     _started: dict[tuple[str, int], datetime] = field(default_factory=dict)
+    _inputs_at: dict[tuple, datetime] = field(default_factory=dict)  # what a service reacts to, when it was logged
+    _reserved: dict[str, int] = field(default_factory=dict)  # job -> its latest reserved attempt
+    _stop_at: dict[tuple[str, int | None], datetime] = field(default_factory=dict)  # the first stop asked of an attempt
+    _log_clock: datetime | None = None  # the latest event time read so far: no event is appended before it
 
     def add(self, seq: int, event: Event) -> None:
         at = event.occurred_at
         self._learn_run(event)  # past the window too: a job's runtime does not end with it
         if self._past_end(seq, at):
             return
+        self._learn_lag(event)
         if self.from_seq is not None and self.start is None and seq >= self.from_seq:
             self.start = at
         self.events += 1
@@ -169,6 +240,79 @@ class Recording:
                 self.runs.setdefault(event.aggregate_id, []).append(
                     Run(max(0.0, (at - started).total_seconds()), reason, code))
 
+    def _learn_lag(self, event: Event) -> None:
+        """Each service decision's recorded time (the baseline replays it then), and each
+        service's reaction lags: from an input to the decision it asks for at once (admission:
+        submitted -> admitted or rejected; quota: an attempt's end -> its release; scheduler:
+        reserved -> scheduled; executor: scheduled -> started)."""
+        job, at = event.aggregate_id, event.occurred_at
+        self._log_clock = at if self._log_clock is None else max(self._log_clock, at)
+        if event.producer in SERVICES and event.aggregate == "job":
+            self.active.setdefault(event.producer, []).append(at)
+        key = decision_key(event)
+        if key is not None:
+            self.decided_at.setdefault(key, at)
+        report = report_key(event)
+        if report is not None:  # its time is when it happened (a run's end); it was appended later:
+            # after the events before it in the log (a microsecond after the latest of them)
+            seen = self._log_clock + APPENDED_AFTER if self._log_clock > at else at
+            self.reported_at.setdefault(report, seen)
+            self.lags.setdefault("report", []).append((seen - at).total_seconds())
+        match event:
+            case JobSubmitted():
+                self._inputs_at[("submitted", job)] = at
+            case JobAdmitted() | JobRejected():
+                self._lag("admission", ("submitted", job), at)
+                if isinstance(event, JobAdmitted):
+                    self._inputs_at[("admitted", job)] = at
+            case QuotaReserved() | QuotaPendingReasonChanged() if event.attempt == 1:
+                self._read("quota-read", ("quota-read", job), ("admitted", job), at)
+            case ReclaimRequested():
+                self._read("quota-read", ("quota-read", event.for_job), ("admitted", event.for_job), at)
+        match event:
+            case QuotaReserved():
+                self._inputs_at[("reserved", job, event.attempt)] = at
+                self._reserved[job] = event.attempt
+            case JobScheduled() | SchedulingPendingReasonChanged():
+                self._read("scheduler-read", ("scheduler-read", job, event.attempt), ("reserved", job, event.attempt), at)
+            case PreemptionRequested() if event.for_job in self._reserved:
+                n = self._reserved[event.for_job]
+                self._read("scheduler-read", ("scheduler-read", event.for_job, n), ("reserved", event.for_job, n), at)
+        match event:
+            case JobScheduled():
+                self._inputs_at[("scheduled", job, event.attempt)] = at
+            case JobStarted():
+                self._lag("start", ("scheduled", job, event.attempt), at)
+            case ReclaimRequested() | PreemptionRequested():
+                self._stop_at.setdefault((job, event.attempt), at)
+            case JobCancelRequested():
+                self._stop_at.setdefault((job, None), at)
+            case JobSucceeded() | JobFailed() | JobPreempted() | JobCancelled():
+                if event.attempt is not None:
+                    self._inputs_at[("ended", job, event.attempt)] = at
+                    if ("scheduled", job, event.attempt) in self._inputs_at:
+                        # It ended without a start: the executor read the attempt no sooner than
+                        # the stop asked of it (having read it sooner, it would have started it).
+                        stop = self._stop_at.get((job, event.attempt)) or self._stop_at.get((job, None)) or at
+                        self.decided_at.setdefault(("start", job, event.attempt), stop)
+            case QuotaReleased():
+                self._lag("quota", ("ended", job, event.attempt), at)
+
+    def _read(self, service: str, key: tuple, cause: tuple, at: datetime) -> None:
+        """A core's first decision about an input (a reservation, a reason it waits, a reclaim for
+        it) is when it had read it."""
+        if key in self.decided_at:
+            return
+        self.decided_at[key] = at
+        since = self._inputs_at.get(cause)
+        if since is not None:
+            self.lags.setdefault(service, []).append(max(0.0, (at - since).total_seconds()))
+
+    def _lag(self, service: str, cause: tuple, at: datetime) -> None:
+        since = self._inputs_at.pop(cause, None)
+        if since is not None:
+            self.lags.setdefault(service, []).append(max(0.0, (at - since).total_seconds()))
+
     @property
     def window(self) -> tuple[datetime, datetime]:
         if self.first is None or self.last is None:
@@ -186,11 +330,93 @@ class Options:
     limits: PreemptionLimits = PreemptionLimits()  # until a policy in the log sets them
 
 
+class Lag:
+    """When each service's decision is made in a replay: the live services decided each input
+    not at once but after their lag, and the baseline reproduces it.
+
+    * **baseline** (no ``measured``): a decision the log holds is made no sooner than its recorded
+      time; one the log does not hold waits for its service's next decision in the log, at most
+      the service's longest recorded lag (after its last one: a lag drawn from its recorded
+      lags, the same decision always drawing the same lag);
+    * **with a change** (``measured``: the baseline's): a decision waits the lag it waited in the
+      baseline, counted from the instant the replay could first make it; one the baseline did
+      not make waits as one the log does not hold.
+
+    Each decision's wait is fixed the first time a core would make it. On a log decided without
+    lag every decision is recorded at the instant the replay can make it, and nothing waits."""
+
+    def __init__(self, recording: Recording, measured: dict[tuple, float] | None = None) -> None:
+        self.decided_at = recording.decided_at
+        self.reported_at = recording.reported_at
+        self.samples = {service: sorted(lags) for service, lags in recording.lags.items()}
+        self.active = {service: sorted(times) for service, times in recording.active.items()}
+        self.measured = measured
+        self.release: dict[tuple, datetime] = {}  # decision -> when the replay makes it
+        self.waited: dict[tuple, float] = {}  # decision -> seconds from the first instant it could be made
+
+    def at(self, key: tuple, now: datetime) -> datetime:
+        """When the decision ``key``, which a core would make at ``now``, is made."""
+        release = self.release.get(key)
+        if release is None:
+            if self.measured is not None and key in self.measured:
+                release = now + timedelta(seconds=self.measured[key])
+            elif self.measured is None and key in self.decided_at:
+                release = max(now, self.decided_at[key])
+            elif self.measured is None and key in self.reported_at:
+                release = max(now, self.reported_at[key])
+            else:
+                release = self.unrecorded(key, now)
+            self.release[key] = release
+            self.waited[key] = (release - now).total_seconds()
+        return release
+
+    def unrecorded(self, key: tuple, now: datetime) -> datetime:
+        """A decision the log does not hold: made at its service's next recorded decision (the
+        live service decided in cycles; it would have seen this one in its next), but no later
+        than its longest recorded lag; a service with no recorded decision after ``now`` waits a
+        drawn lag."""
+        lags, service = KINDS[key[0]]
+        times = self.active.get(service, []) if service is not None else []
+        i = bisect.bisect_left(times, now)
+        if i == len(times):
+            return now + timedelta(seconds=self.drawn(key))
+        samples = self.samples.get(lags)
+        return min(times[i], now + timedelta(seconds=samples[-1] if samples else 0.0))
+
+    def drawn(self, key: tuple) -> float:
+        samples = self.samples.get(KINDS[key[0]][0])
+        if not samples:
+            return 0.0
+        return samples[zlib.crc32(repr(key).encode()) % len(samples)]
+
+
+GATED = {
+    "admission": (JobAdmitted, JobRejected, JobCancelled),
+    "quota": (QuotaReserved, ReclaimRequested, QuotaReleased, JobRetryScheduled),
+    "scheduler": (JobScheduled, PreemptionRequested, JobCancelled),
+}
+"""The decisions each pure core makes that wait their service's lag. The sim executor acts on its
+backend as it decides, so its lag is on its input instead: it is given a JobScheduled (and what
+follows it for that job) when it started the attempt in the log."""
+
+
+READ_LATE: dict[type, tuple[int, Any]] = {
+    JobAdmitted: (1, lambda e: ("quota-read", e.aggregate_id)),
+    QuotaReserved: (2, lambda e: ("scheduler-read", e.aggregate_id, e.attempt)),
+    JobScheduled: (3, lambda e: ("start", e.aggregate_id, e.attempt)),
+}
+"""The inputs a core (by its place in :attr:`Replay.cores`) reads after its service's lag: quota
+an admitted job, the scheduler a reservation, the executor an attempt to start (the sim executor
+acts on its backend as it decides, so its lag is on its input only)."""
+
+
 class Replay:
     """The four cores and the log between them on a virtual clock (the sim executor runs each
-    attempt for its recorded run)."""
+    attempt for its recorded run); each service's decisions wait that service's lag
+    (:class:`Lag`)."""
 
-    def __init__(self, recording: Recording, options: Options, keep_log: bool = False) -> None:
+    def __init__(self, recording: Recording, options: Options, keep_log: bool = False,
+                 measured: dict[tuple, float] | None = None) -> None:
         self.recording = recording
         self.window = recording.window
         self.admission = AdmissionCore()
@@ -200,6 +426,14 @@ class Replay:
         nodes = [recording.nodes[name] for name in sorted(recording.nodes)]
         self.executor = SimExecutorCore(nodes, outcome=self._outcome)
         self.cores = (self.admission, self.quota, self.scheduler, self.executor)
+        self.gated = ((self.admission, GATED["admission"]), (self.quota, GATED["quota"]),
+                      (self.scheduler, GATED["scheduler"]), (self.executor, ()))
+        self.lag = Lag(recording, measured)
+        self.held: dict[tuple, datetime] = {}  # decisions waiting their lag -> when they are made
+        self.on_the_way: list[tuple[datetime, int, int, str]] = []  # (when, order, core, job): an input read late
+        self.inbox: list[dict[str, list[Event]]] = [{} for _ in self.cores]  # per core: job -> events not read yet
+        self.reports: list[tuple[datetime, int, Event]] = []  # the executor's events the others have not read yet
+        self._order = 0
         self.outcomes = Outcomes()
         self.log: list[Event] | None = [] if keep_log else None  # every event the replay made (tests)
         self.failures: dict[str, int] = {}  # job -> JobFailed in the replay so far
@@ -217,29 +451,114 @@ class Replay:
         start, end = self.window
         return (end - start).total_seconds() + 86_400.0, None, 0  # still running when the window ends
 
-    def feed(self, events: Iterable[Event]) -> None:
+    def feed(self, events: Iterable[Event], *, executor: bool = True) -> None:
+        """Give ``events`` to every core (``executor``: to the executor too; False: it has them)."""
         start, end = self.window
         for event in events:
             if self.log is not None:
                 self.log.append(event)
-            for core in self.cores:
-                core.evolve(event)
+            for i, core in enumerate(self.cores):
+                if executor or core is not self.executor:
+                    self._give(i, event)
             if event.aggregate == "job" and event.occurred_at <= end:
                 self.outcomes.add(event, counted=event.occurred_at >= start)
             match event:
                 case JobSucceeded() | JobCancelled() | JobRejected():
                     self.ended.add(event.aggregate_id)
-                case JobFailed():
-                    self.failures[event.aggregate_id] = self.failures.get(event.aggregate_id, 0) + 1
+
+    def _reported(self, events: list[Event], now: datetime) -> None:
+        """The executor's own events: it knows them at once (its next run is the one after those
+        that failed); the other cores read them once the executor has appended them."""
+        ready = []
+        for event in events:
+            self.executor.evolve(event)
+            if isinstance(event, JobFailed):
+                self.failures[event.aggregate_id] = self.failures.get(event.aggregate_id, 0) + 1
+            key = report_key(event)
+            when = self.lag.at(key, event.occurred_at) if key is not None else now
+            if when <= now:
+                ready.append(event)
+            else:
+                self._order += 1
+                heapq.heappush(self.reports, (when, self._order, event))
+        self.feed(ready, executor=False)
+
+    def _deliver_reports(self, now: datetime) -> bool:
+        ready = []
+        while self.reports and self.reports[0][0] <= now:
+            ready.append(heapq.heappop(self.reports)[2])
+        self.feed(ready, executor=False)
+        return bool(ready)
+
+    def _give(self, i: int, event: Event) -> None:
+        """Core ``i`` reads a job's input after its service's lag (:data:`READ_LATE`); what comes
+        after for the same job waits behind it, in order."""
+        core = self.cores[i]
+        inbox = self.inbox[i]
+        job = event.aggregate_id if event.aggregate == "job" else None
+        if job is not None and job in inbox:
+            inbox[job].append(event)
+            return
+        late = READ_LATE.get(type(event))
+        if late is not None and late[0] == i:
+            when = self.lag.at(late[1](event), event.occurred_at)
+            if when > event.occurred_at:
+                inbox[event.aggregate_id] = [event]
+                self._order += 1
+                heapq.heappush(self.on_the_way, (when, self._order, i, event.aggregate_id))
+                return
+        core.evolve(event)
+
+    def _deliver(self, now: datetime) -> None:
+        while self.on_the_way and self.on_the_way[0][0] <= now:
+            _, _, i, job = heapq.heappop(self.on_the_way)
+            for event in self.inbox[i].pop(job):
+                self.cores[i].evolve(event)
 
     def settle(self, now: datetime) -> None:
-        if not decide_until_quiet(self.cores, self.feed, now, MAX_ROUNDS):
-            raise WhatIfError(f"the cores are still deciding at {now.isoformat()} after {MAX_ROUNDS} rounds")
+        """Let each core decide at ``now`` and feed what it decided to all of them, until none
+        decides anything new; a decision still waiting its lag is not fed, and its core is told
+        so (it decides it again later)."""
+        for _ in range(MAX_ROUNDS):
+            self._deliver(now)
+            decided = self._deliver_reports(now)
+            for core, gated in self.gated:
+                out = core.decide(now)
+                if not out:
+                    continue
+                if core is self.executor:
+                    decided = True
+                    self._reported(out, now)
+                    continue
+                passed, held = [], False
+                for event in out:
+                    key = decision_key(event) if isinstance(event, gated) else None
+                    if key is not None:
+                        when = self.lag.at(key, now)
+                        if when > now:
+                            self.held[key] = when
+                            held = True
+                            continue
+                        self.held.pop(key, None)
+                    passed.append(event)
+                if held:
+                    core.decisions_refused()
+                if passed:
+                    decided = True
+                    self.feed(passed)
+            if not decided:
+                return
+        raise WhatIfError(f"the cores are still deciding at {now.isoformat()} after {MAX_ROUNDS} rounds")
 
     def next_step(self, now: datetime) -> datetime | None:
         """The next instant a core may decide something without a new input."""
         times = [self.executor.next_end(), self.quota.next_wake(), self.scheduler.next_wake()]
+        if self.on_the_way:
+            times.append(self.on_the_way[0][0])
+        if self.reports:
+            times.append(self.reports[0][0])
         later = [t for t in times if t is not None and t > now]
+        later.extend(t for t in self.held.values() if t > now)
         return min(later) if later else None
 
     def run(self, changes: list[Event], overridden: set[tuple[str, str]]) -> None:
@@ -420,36 +739,80 @@ def _timed(job: JobOutcome) -> tuple:
     return (_decisions(job), tuple((n, a.started_at, a.ended_at) for n, a in sorted(job.attempts.items())))
 
 
-def report(recording: Recording, replayed: dict[str, JobOutcome], *,
+def _delta(baseline: Any, changed: Any) -> Any:
+    """What the change did to a figure: the change's replay less the baseline's."""
+    if isinstance(baseline, (int, float)) and isinstance(changed, (int, float)):
+        return round(changed - baseline, 6)
+    return None
+
+
+def _error(recorded: float | None, replayed: float | None) -> float | None:
+    """The baseline's relative error on a recorded figure (0 where both are 0)."""
+    if recorded is None or replayed is None:
+        return None
+    if recorded == 0:
+        return 0.0 if replayed == 0 else None
+    return round(abs(replayed - recorded) / abs(recorded), 4)
+
+
+def _compared(left: dict[str, JobOutcome], right: dict[str, JobOutcome]) -> tuple[list[str], list[str], list[str]]:
+    """The jobs of ``left`` decided the same in ``right``, of those the ones at the same times,
+    and the ones that differ."""
+    same = [j for j in left if j in right and _decisions(left[j]) == _decisions(right[j])]
+    timed = [j for j in same if _timed(left[j]) == _timed(right[j])]
+    return same, timed, sorted(set(left) - set(same))
+
+
+def report(recording: Recording, baseline: dict[str, JobOutcome], replayed: dict[str, JobOutcome], *,
            changes: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    """Per team, per queue and in all: the recorded figures beside the replay's, and how many of
-    the jobs got the same decisions."""
+    """Per team, per queue and in all: what happened (``actual``), the replay with no change
+    (``baseline``: the model's error is the difference between these two), the replay with the
+    change (``whatif``) and the change's effect (``delta``: whatif less baseline). ``fidelity``:
+    how many jobs the baseline decided as the log did, and each team's waits beside the recorded
+    ones; ``decisions``: the same for the change's replay; ``changed``: the jobs the change
+    decided differently from the baseline."""
     start, end = recording.window
     span_s = (end - start).total_seconds()
     capacity = float(sum(n.gpu_count for n in recording.nodes.values()))
     prices = PriceBook(recording.prices)
-    actual, whatif = recording.actual.jobs, replayed
+    actual = recording.actual.jobs
+    sides = (("actual", actual), ("baseline", baseline), ("whatif", replayed))
 
     def columns(key) -> dict[str, dict[str, Any]]:
-        groups: dict[str, tuple[list[JobOutcome], list[JobOutcome]]] = {}
-        for jobs, side in ((actual, 0), (whatif, 1)):
+        groups: dict[str, dict[str, list[JobOutcome]]] = {}
+        for side, jobs in sides:
             for job in jobs.values():
-                groups.setdefault(key(job), ([], []))[side].append(job)
-        return {name: {"actual": _figures(a, end, capacity, span_s, prices),
-                       "whatif": _figures(w, end, capacity, span_s, prices)}
-                for name, (a, w) in sorted(groups.items())}
+                groups.setdefault(key(job), {name: [] for name, _ in sides})[side].append(job)
+        out = {}
+        for name, by_side in sorted(groups.items()):
+            cols = {side: _figures(jobs, end, capacity, span_s, prices) for side, jobs in by_side.items()}
+            cols["delta"] = {f: _delta(cols["baseline"][f], cols["whatif"][f]) for f in FIGURES}
+            out[name] = cols
+        return out
 
-    same = [j for j in actual if j in whatif and _decisions(actual[j]) == _decisions(whatif[j])]
-    timed = [j for j in same if _timed(actual[j]) == _timed(whatif[j])]
-    differing = sorted(j for j in actual if j not in same)
+    teams = columns(lambda j: j.team)
+    recorded = recording.decisions_recorded
+    b_same, b_timed, b_diff = _compared(actual, baseline)
+    w_same, w_timed, w_diff = _compared(actual, replayed)
+    _, _, changed = _compared(baseline, replayed)
     return {
         "window": {"from": start.isoformat(), "to": end.isoformat(), "seconds": round(span_s, 3),
                    "capacity_gpus": capacity, "log_events": recording.events},
         "changes": changes or [],
-        "decisions": ({"jobs": len(actual), "same": len(same), "same_with_times": len(timed),
-                       "first_different": differing[:5]} if recording.decisions_recorded else None),
+        "fidelity": {
+            "decisions": ({"jobs": len(actual), "same": len(b_same), "same_with_times": len(b_timed),
+                           "share": round(len(b_same) / len(actual), 4) if actual else None,
+                           "first_different": b_diff[:5]} if recorded else None),
+            "waits": {team: {f: {"actual": cols["actual"][f], "baseline": cols["baseline"][f],
+                                 "error": _error(cols["actual"][f], cols["baseline"][f])}
+                             for f in ("wait_p50_s", "wait_p95_s")}
+                      for team, cols in teams.items()},
+        },
+        "decisions": ({"jobs": len(actual), "same": len(w_same), "same_with_times": len(w_timed),
+                       "first_different": w_diff[:5]} if recorded else None),
+        "changed": {"jobs": len(baseline), "different": len(changed), "first_different": changed[:5]},
         "total": columns(lambda j: "all")["all"] if actual else {},
-        "teams": columns(lambda j: j.team),
+        "teams": teams,
         "queues": columns(lambda j: j.queue),
     }
 
@@ -457,11 +820,17 @@ def report(recording: Recording, replayed: dict[str, JobOutcome], *,
 def whatif(recording: Recording, changes: list[Event], overridden: set[tuple[str, str]], options: Options,
            described: list[dict[str, str]] | None = None, *,
            keep_log: bool = False) -> tuple[dict[str, Any], list[Event] | None]:
-    """Replay the recording under ``changes`` (applied at the window's start); the report and,
-    with ``keep_log``, every event the replay made."""
-    replay = Replay(recording, options, keep_log)
-    replay.run(changes, overridden)
-    return report(recording, replay.outcomes.jobs, changes=described), replay.log
+    """Replay the recording with no change (the baseline: each service's recorded lag
+    replayed), then under ``changes`` (applied at the window's start; each decision waits the lag
+    it waited in the baseline); the report and, with ``keep_log``, every event the change's replay
+    made. With no change the baseline is the change's replay."""
+    baseline = Replay(recording, options, keep_log and not changes)
+    baseline.run([], set())
+    replay = baseline
+    if changes:
+        replay = Replay(recording, options, keep_log, measured=baseline.lag.waited)
+        replay.run(changes, overridden)
+    return report(recording, baseline.outcomes.jobs, replay.outcomes.jobs, changes=described), replay.log
 
 
 def overridden_by(events: Iterable[Event]) -> set[tuple[str, str]]:

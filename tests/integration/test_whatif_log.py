@@ -91,7 +91,7 @@ async def test_whatif_window_and_bad_input(nats_server, admin_js, recorded_log, 
     assert report["window"]["from"] == recorded_log[lo - 1].occurred_at.isoformat()
 
     table = cli(nats_server, "whatif", "--log", f"{lo}..{hi}")
-    assert table.returncode == 0 and "per team: actual → what-if" in table.stdout and "team-research" in table.stdout
+    assert table.returncode == 0 and "per team: actual | baseline (no change) | what-if" in table.stdout and "team-research" in table.stdout
 
     bad = cli(nats_server, "whatif", "--log", "soon..")
     assert bad.returncode == 2 and "--log 'soon..'" in bad.stderr and "accepted" in bad.stderr
@@ -104,3 +104,24 @@ async def test_whatif_window_and_bad_input(nats_server, admin_js, recorded_log, 
 async def test_whatif_on_an_empty_log_says_so(nats_server, admin_js):
     empty = cli(nats_server, "whatif")
     assert empty.returncode == 2 and "the log holds no event in the range" in empty.stderr
+
+
+async def test_whatif_on_a_live_recording_prints_the_baselines_fidelity_first(nats_server, admin_js):
+    """The dev stack's own recording (tests/unit/test_whatif_lag.py says how it was made), read
+    back by the CLI: the report opens with the baseline's fidelity, at the issue's numbers."""
+    import gzip
+
+    from tests.unit.test_whatif_lag import FIXTURE
+
+    with gzip.open(FIXTURE, "rt") as lines:
+        events = [parse_event({k: v for k, v in json.loads(line).items() if k != "sequence"}) for line in lines]
+    await history.store(admin_js, events)
+    table = cli(nats_server, "whatif")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].startswith("window ") and lines[1].startswith("baseline fidelity: ")
+    assert "no change: the what-if column is the baseline" in table.stdout
+    report = json.loads(cli(nats_server, "whatif", "-o", "json").stdout)
+    d = report["fidelity"]["decisions"]
+    assert d["same"] / d["jobs"] >= 0.98
+    assert all(w[f]["error"] <= 0.10 for w in report["fidelity"]["waits"].values() for f in ("wait_p50_s", "wait_p95_s"))

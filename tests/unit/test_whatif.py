@@ -104,7 +104,8 @@ def test_a_replay_with_no_change_reproduces_every_recorded_decision(recorded):
     d = report["decisions"]
     assert d["jobs"] == 300 and d["same"] == 300 and d["same_with_times"] == 300, d["first_different"]
     for group in report["teams"].values():
-        assert group["actual"] == group["whatif"]
+        assert group["actual"] == group["baseline"] == group["whatif"]
+    assert report["fidelity"]["decisions"]["same"] == 300 and report["changed"]["different"] == 0
 
 
 def test_the_same_inputs_give_byte_identical_reports(recorded):
@@ -237,4 +238,5 @@ def test_the_table_prints_what_a_change_names(recorded, tmp_path):
     whatif_cli.render(result, console)
     text = console.export_text()
     assert "quotas[h100-80gb].nominal: 8 → 2" in text and "quotas[a100-40gb]: removed" in text
-    assert "per team: actual → what-if" in text and "team-research" in text
+    assert "per team: actual | baseline (no change) | what-if" in text and "team-research" in text
+    assert "baseline fidelity: 300 of 300 jobs decided as the log did (100.0 %; 300 at the same times)" in text
