@@ -247,10 +247,11 @@ async def usage(request: Request) -> HTMLResponse:
     statement = None
     async with request.app.state.pool.acquire() as conn:
         rows = await queries.team_usage(conn, _team(me), ["team", "flavor"], None, request.app.state.js)
+        now = await queries.log_now(conn, request.app.state.js)
+        currency = await queries.currency_at(conn, now)  # the price book's, for every role
         if me.role in CHARGEBACK_READERS:  # the roles /v1/chargeback answers
-            month = (await queries.log_now(conn, request.app.state.js)).strftime("%Y-%m")
-            statement = await queries.statement(conn, month, "team", log=request.app.state.js)
-    return page(request, "usage.html", me, rows=rows, statement=statement)
+            statement = await queries.statement(conn, now.strftime("%Y-%m"), "team", log=request.app.state.js)
+    return page(request, "usage.html", me, rows=rows, statement=statement, currency=currency)
 
 
 CHARGEBACK_READERS = (Role.CHARGEBACK, Role.OPERATOR, Role.ADMIN)

@@ -90,6 +90,12 @@ async def running_attempts(conn: asyncpg.Connection, until: datetime) -> list[At
     return out
 
 
+async def currency_at(conn: asyncpg.Connection, at: datetime) -> str:
+    """The price book's currency in force at ``at`` (its first version's before it; USD with no
+    price book): what the usage roll-ups' costs are in."""
+    return chargeback.PriceBook(await price_versions(conn)).currency(at)
+
+
 async def price_versions(conn: asyncpg.Connection, name: str = PRICE_BOOK,
                          max_sequence: int | None = None) -> list[PriceVersion]:
     rows = await conn.fetch(

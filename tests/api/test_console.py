@@ -144,6 +144,8 @@ def test_pages_for_an_operator(browser, api_stack, shots):
     member.goto(f"{api_stack.url}/console/queues")
     assert "q-team-b" not in member.inner_text("#queues")
     assert member.goto(f"{api_stack.url}/console/deadletters").status == 403
+    member.goto(f"{api_stack.url}/console/usage")  # costs in the price book's currency for every role
+    assert re.search(r"cost \([A-Z]{3}, estimate\)", member.inner_text("#usage"))
     member.close()
 
 
