@@ -91,26 +91,13 @@ class StatementItem(Contract):
     amount: Figure = Field(description="usage + other (+ idle under charge-owner): what the item bills")
 
 
-class StatementAdjustment(Contract):
+class StatementAdjustment(StatementItem):
     """What the log learned about a closed period after its statement was issued (an end logged
     late, a price correction, a quota change), billed in the next open period: the differences of
-    one item's figures (negative: a credit). The issued statement itself never changes."""
+    one item's figures (negative: a credit), with the period it corrects. The issued statement
+    itself never changes."""
 
     adjusts_period: str = Field(pattern=PERIOD_PATTERN, description="The closed period it corrects")
-    team: str = Field(max_length=253)
-    project: str = Field(max_length=253)
-    queue: str = Field(max_length=253)
-    flavor: str = Field(max_length=253)
-    unit_price: Figure
-    gpu_hours: Figure
-    guaranteed_gpu_hours: Figure
-    borrowed_gpu_hours: Figure
-    lost_gpu_hours: Figure
-    idle_gpu_hours: Figure
-    usage_amount: Figure
-    idle_amount: Figure
-    other_amount: Figure
-    amount: Figure
 
 
 class StatementLine(Contract):

@@ -79,62 +79,6 @@ async def _direct_batches(js, batch: int = 512):
         yield out
 
 
-def config_at(events: list) -> queueconfig.QuotaConfig:
-    """The queue, cohort and policy configuration that ``events`` (in log order) leave."""
-    from gpusched.config import queues as queueconfig
-    from schemas import CohortConfigured, PolicyConfigured, QueueConfigured, QueueDeleted
-
-    config = queueconfig.QuotaConfig({}, {})
-    for e in events:
-        if isinstance(e, QueueConfigured):
-            config.queues[e.name] = e
-        elif isinstance(e, QueueDeleted):
-            config.queues.pop(e.name, None)
-        elif isinstance(e, CohortConfigured):
-            config.cohorts[e.name] = e
-        elif isinstance(e, PolicyConfigured):
-            config.policy = e
-    return config
-
-
-async def _direct_batches(js, batch: int = 512):
-    """The log's (sequence, payload) pairs by direct gets of the next message, in lists."""
-    from nats.js.errors import NotFoundError
-
-    from runtime import eventlog
-
-    seq, out = 1, []
-    while True:
-        try:
-            raw = await js.get_msg(eventlog.EVENTS_STREAM, seq=seq, direct=True, next=True, subject=">")
-        except NotFoundError:
-            break
-        out.append((raw.seq, raw.data))
-        seq = raw.seq + 1
-        if len(out) >= batch:
-            yield out
-            out = []
-    if out:
-        yield out
-
-
-def config_at(events: list) -> queueconfig.QuotaConfig:
-    """The queue, cohort and policy configuration that ``events`` (in log order) leave."""
-    from schemas import CohortConfigured, PolicyConfigured, QueueConfigured, QueueDeleted
-
-    config = queueconfig.QuotaConfig({}, {})
-    for e in events:
-        if isinstance(e, QueueConfigured):
-            config.queues[e.name] = e
-        elif isinstance(e, QueueDeleted):
-            config.queues.pop(e.name, None)
-        elif isinstance(e, CohortConfigured):
-            config.cohorts[e.name] = e
-        elif isinstance(e, PolicyConfigured):
-            config.policy = e
-    return config
-
-
 def changes_of(path: Path | None, recording: whatif.Recording) -> tuple[list, list[dict[str, str]]]:
     """The events a changes file makes against the configuration at the window's start, and
     their descriptions (as ``gpusched apply --dry-run`` gives them)."""
@@ -148,7 +92,7 @@ def changes_of(path: Path | None, recording: whatif.Recording) -> tuple[list, li
 def changes_from(document: Any, source: str | Path, recording: whatif.Recording) -> tuple[list, list[dict[str, str]]]:
     """:func:`changes_of` for a document already read (``source`` names it in errors)."""
     parsed = queueconfig.parse_queues(document, source)
-    config = config_at(whatif.at_start(recording))
+    config = queueconfig.fold(whatif.at_start(recording))
     start, _ = recording.window
     events = [e for e in queueconfig.plan(parsed, config, start) if isinstance(e, whatif.CONFIG_TYPES)]
     return events, [{"event": e.type, "name": e.aggregate_id, "change": queueconfig.describe_change(e, config)}

@@ -9,6 +9,7 @@ keeps the other as the log has it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -107,11 +108,11 @@ class QuotaConfig:
         return {pc.name: pc for pc in self.policy.priority_classes}
 
 
-async def current_queues(js: JetStreamContext) -> QuotaConfig:
+def fold(events: Iterable[Event]) -> QuotaConfig:
+    """The queue, cohort, team and policy configuration that ``events`` (in log order) leave;
+    other events change nothing."""
     config = QuotaConfig({}, {})
-    subjects = [f"{SUBJECT_PREFIX}.{aggregate}.>" for aggregate in ("queue", "cohort", "team", "policy")]
-    async for msg in eventlog.read(js, subjects=subjects):
-        event = parse_event(msg.data)
+    for event in events:
         if isinstance(event, PolicyConfigured):
             config.policy = event
         elif isinstance(event, TeamConfigured):
@@ -123,6 +124,12 @@ async def current_queues(js: JetStreamContext) -> QuotaConfig:
         elif isinstance(event, CohortConfigured):
             config.cohorts[event.name] = event
     return config
+
+
+async def current_queues(js: JetStreamContext) -> QuotaConfig:
+    """The configuration the log holds now."""
+    subjects = [f"{SUBJECT_PREFIX}.{aggregate}.>" for aggregate in ("queue", "cohort", "team", "policy")]
+    return fold([parse_event(msg.data) async for msg in eventlog.read(js, subjects=subjects)])
 
 
 def describe_change(event: Event, config: QuotaConfig) -> str:
