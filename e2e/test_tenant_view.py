@@ -29,14 +29,21 @@ from tests.unit.builders import queue
 pytestmark = pytest.mark.e2e
 
 TIME_SCALE = 10.0
-CLUSTER = "groups:\n  - {prefix: node, count: 1, gpu_flavor: a100, gpu_count: 8, gpu_memory_mib: 40960}\n"
+# team-b runs on nodes of its own: its job never competes with team-a's, so the notice team-a reads
+# is the one its own urgent job causes (tests/integration/test_notifier.py covers a preemption by
+# another team's job, which team-a reads unnamed).
+CLUSTER = ("groups:\n  - {prefix: node, count: 1, gpu_flavor: a100, gpu_count: 8, gpu_memory_mib: 40960}\n"
+           "  - {prefix: bnode, count: 1, gpu_flavor: h100, gpu_count: 8, gpu_memory_mib: 81920}\n")
 SECRET = "team-a-webhook-secret"
+
+
+FLAVOR = {"team-a": "a100", "team-b": "h100"}
 
 
 def job(job_id: str, team: str, priority_class: str, runtime_s: float) -> str:
     return json.dumps({"job_id": job_id, "spec": {
         "kind": "training", "queue": f"q-{team}", "team": team, "image": "img", "gpus": 8,
-        "gpu_flavors": ["a100"], "priority_class": priority_class, "expected_runtime_seconds": runtime_s}})
+        "gpu_flavors": [FLAVOR[team]], "priority_class": priority_class, "expected_runtime_seconds": runtime_s}})
 
 
 @pytest.fixture
@@ -71,7 +78,7 @@ async def stack(nats_server, postgres, admin_js, pg_dsn, tmp_path, receiver):
                                       "GPUSCHED_WEBHOOK_ALLOW": "127.0.0.0/8"})  # the receiver is on loopback
     log = eventlog.EventLog(admin_js)
     for team in ("team-a", "team-b"):
-        await log.append(queue(f"q-{team}", (team,), {"a100": 8}, preemption={"within_queue": "lower-priority"}))
+        await log.append(queue(f"q-{team}", (team,), {FLAVOR[team]: 8}, preemption={"within_queue": "lower-priority"}))
     url, _ = receiver
     await log.append(new_event(TeamConfigured, aggregate_id="team-a", producer="config", occurred_at=datetime.now(UTC),
                                key="1", name="team-a",

@@ -21,6 +21,7 @@ from runtime.settings import ConfigError, env_number, env_value
 from schemas import Event, JobRejected, JobSubmitted
 from schemas.registry import SUBJECT_PREFIX, parse_event, subject_token
 from schemas.service import ServiceDeployed, ServiceUpdated
+from schemas.tenant import E, counterpart, unnamed
 
 MAX_PARTITIONS = 16
 """Most partitions of a team-partitioned service (their durables and position rows are named)."""
@@ -187,3 +188,12 @@ class TeamIndex:
                 self.remember(kind, subject_token(event.aggregate_id), team, sequence)
             return team
         return await self.lookup(kind, subject_token(event.aggregate_id), sequence)
+
+    async def as_seen_by(self, event: E, team: str) -> E:
+        """``event`` as ``team`` may read it: when the other job it names (a preemption's or a
+        reclaim's, :func:`schemas.tenant.counterpart`) is not known to be ``team``'s, that job and
+        its queue are unnamed (:func:`schemas.tenant.unnamed`)."""
+        job = counterpart(event)
+        if job is None or await self.lookup("job", subject_token(job)) == team:
+            return event
+        return unnamed(event)

@@ -7,12 +7,16 @@ admission refused unread (``gpusched.tenant.<team>.refused.<intake sequence>``: 
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Literal, TypeVar
 
 from pydantic import Field
 
-from .envelope import NAME_PATTERN, Contract, Timestamp
+from .envelope import NAME_PATTERN, Contract, Event, Timestamp
+from .job import JobPreempted, PreemptionRequested, ReclaimRequested
 from .notify import NotificationKind
+
+E = TypeVar("E", bound=Event)
 
 
 class JobNotification(Contract):
@@ -78,3 +82,49 @@ class CommandRefused(Contract):
     reason: str = Field(max_length=2000, description="Why it was refused: what was wrong and what is accepted")
     refused_at: Timestamp = Field(description="When it was dead-lettered")
     document_base64: str = Field(description="The command's bytes, base64 (RFC 4648), unchanged")
+
+
+OTHER_TEAMS_JOB = "a job of another team"
+"""What a team reads where an event names another team's job (schemas.tenant.unnamed)."""
+OTHER_TEAMS_QUEUE = "another-team"
+"""What a team reads where a reclaim names another team's queue."""
+
+
+def counterpart(event: Event) -> str | None:
+    """The other job an event of a job names: the one a preemption or a reclaim is for, or the
+    one that preempted it; None for every other event."""
+    if isinstance(event, (PreemptionRequested, ReclaimRequested)):
+        return event.for_job
+    if isinstance(event, JobPreempted):
+        return event.preempted_by
+    return None
+
+
+def unnamed(event: E) -> E:
+    """``event`` as a team sees it when its counterpart (:func:`counterpart`) is another team's:
+    that job's id, and a reclaim's lending queue, replaced in their fields and in the message by
+    :data:`OTHER_TEAMS_JOB` and :data:`OTHER_TEAMS_QUEUE` (a JobPreempted's reason is said anew). The event id, attempt, grace and
+    deadline stay: the team still learns when its attempt stops and why in general terms. Every
+    door a team reads events through applies it (the notifier's copies and notifications, the
+    API's and the console's histories): one team never reads another's job or queue names."""
+    job = counterpart(event)
+    if job is None:
+        return event
+    names = {job: OTHER_TEAMS_JOB}
+    if isinstance(event, ReclaimRequested):
+        update: dict = {"for_job": OTHER_TEAMS_JOB}
+        if event.kind == "reclaim":  # the lender's queue; a priority reclaim's is the attempt's own
+            names[event.for_queue] = update["for_queue"] = OTHER_TEAMS_QUEUE
+        update["message"] = _unname(event.message, names)
+    elif isinstance(event, PreemptionRequested):
+        update = {"for_job": OTHER_TEAMS_JOB, "message": _unname(event.message, names)}
+    else:  # its reason repeats the request's message, whose queue names it does not carry: said anew
+        update = {"preempted_by": OTHER_TEAMS_JOB, "reason": f"its GPUs or quota went to {OTHER_TEAMS_JOB}"}
+    return event.model_copy(update=update)
+
+
+def _unname(text: str, names: dict[str, str]) -> str:
+    """``text`` with each whole name (not part of a longer name) replaced."""
+    for name, instead in names.items():
+        text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])", instead, text)
+    return text

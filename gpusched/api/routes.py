@@ -193,8 +193,13 @@ async def job_events(request: Request, me: Me, job_id: JobId) -> list[dict[str, 
     """The job's events from the log, in order, each with its stream sequence."""
     require(me, *READERS)
     await _job_visible(request, me, job_id)
-    log = await history.job_events(_state(request).js, job_id)
+    log = await history.job_events(_state(request).js, job_id, seen_by=_viewing_team(me))
     return [{"sequence": s, **e.model_dump(mode="json")} for s, e in log]
+
+
+def _viewing_team(me: Identity) -> str | None:
+    """The team whose view a caller reads events in (a member's); None: the log as it is."""
+    return me.team if me.role == Role.MEMBER else None
 
 
 @router.get("/jobs/{job_id}/why", tags=["jobs"], responses={404: PROBLEM})
@@ -267,7 +272,7 @@ async def _stream_team(me: Me, team: TeamName) -> str:
 
 @router.get("/jobs/{job_id}/stream", tags=["events"], response_class=EventSourceResponse,
             responses={404: PROBLEM})
-async def job_stream(request: Request, job_id: JobId, job: Annotated[dict[str, Any], Depends(_stream_job)]):
+async def job_stream(request: Request, me: Me, job_id: JobId, job: Annotated[dict[str, Any], Depends(_stream_job)]):
     """Server-sent events: the job's history, then its events as they happen, until it ends
     (or the stream's time limit; reconnect to go on). Each event's ``event`` is its type, ``id``
     its event id, ``data`` the event as JSON."""
@@ -277,7 +282,7 @@ async def job_stream(request: Request, job_id: JobId, job: Annotated[dict[str, A
     try:
         seen: set[str] = set()
         ended = False
-        for _, e in await history.job_events(state.js, job_id):
+        for _, e in await history.job_events(state.js, job_id, seen_by=_viewing_team(me)):
             seen.add(e.event_id)
             ended = ended or e.type in TERMINAL
             yield ServerSentEvent(raw_data=e.model_dump_json(), event=e.type, id=e.event_id)

@@ -15,6 +15,7 @@ from nats.js.errors import NotFoundError
 
 from gpusched.userinput import UserError
 from runtime import eventlog
+from runtime.teams import TeamIndex
 from schemas import Event, JobRetryScheduled, parse_event
 from schemas.registry import SUBJECT_PREFIX
 from services.accounting import queries
@@ -24,10 +25,16 @@ MAX_EVENTS = 10_000
 """The most events of one job read back (a job has tens; the bound keeps a request bounded)."""
 
 
-async def job_events(js: JetStreamContext, job_id: str, after: int = 0) -> list[tuple[int, Event]]:
+async def job_events(js: JetStreamContext, job_id: str, after: int = 0, *,
+                     seen_by: str | None = None) -> list[tuple[int, Event]]:
     """The job's events after stream sequence ``after``, in order, by direct gets of the next
-    message on the job's subjects: no consumer is created, so any number of readers may run."""
+    message on the job's subjects: no consumer is created, so any number of readers may run.
+    ``seen_by``: a team's view (a member's), where another team's job is never named
+    (runtime.teams.TeamIndex.as_seen_by); None: the log as it is (operators)."""
     out: list[tuple[int, Event]] = []
+    if seen_by is not None:
+        teams = TeamIndex(js)
+        return [(s, await teams.as_seen_by(e, seen_by)) for s, e in await job_events(js, job_id, after)]
     subject = f"{SUBJECT_PREFIX}.job.{job_id}.>"
     seq = after + 1
     while len(out) < MAX_EVENTS:

@@ -196,7 +196,9 @@ class Notifier:
             # was for the events stream, and the copy's de-duplication id is the event id.
             headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
             headers["Nats-Msg-Id"] = event.event_id
-            await self._store(team, core.copy_subject(team, event), msg.data, headers, core.notification(event, team),
+            seen = await self.teams.as_seen_by(event, team)  # another team's job is never named to this one
+            data = msg.data if seen is event else seen.model_dump_json().encode()
+            await self._store(team, core.copy_subject(team, event), data, headers, core.notification(seen, team),
                               trace=msg.headers)
         await msg.ack()
 

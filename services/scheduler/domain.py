@@ -563,9 +563,11 @@ class SchedulerCore:
             return [self._place(cycle, job, placement, now)], True
         job.tried_generation = generation
         if self._victims_alive(job):
+            # The victims are not named: they may be other teams' jobs, and this reason is the
+            # head's team's to read (their PreemptionRequested events name the head, for operators).
             explained = Explanation(SchedulingWaitReason.PREEMPTING,
-                                    f"waiting for {len(job.victims)} preempted attempt(s) to stop: "
-                                    f"{', '.join(v for v, _ in sorted(job.victims)[:5])}")
+                                    f"waiting for {len(job.victims)} preempted attempt(s) to stop at the end of "
+                                    "their grace period")
             return (self._reason(job, group, explained, now) if self.explain else []), True
         if not (retried and self.limits.enabled and job.spec.gpus > 0
                 and job.priority > self._lowest_running_priority(cycle, group)):

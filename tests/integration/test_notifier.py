@@ -27,11 +27,12 @@ from conftest import connect_as, eventually, running, service_settings
 
 from runtime import eventlog
 from schemas import NotifySpec, TeamConfigured, Webhook, new_event
-from schemas.tenant import JobNotification, NotificationDelivery
+from schemas.tenant import OTHER_TEAMS_JOB, OTHER_TEAMS_QUEUE, JobNotification, NotificationDelivery
 from services.notifier.__main__ import Notifier
 from services.notifier.settings import NotifierSettings
 from tests.integration.test_telemetry import REPO
-from tests.unit.builders import admitted, preemption_requested, spec, started, submitted, succeeded
+from tests.unit.builders import (admitted, preempted, preemption_requested, reclaim_requested, spec, started, submitted,
+                                 succeeded)
 
 SECRET = "a-secret-of-some-length"
 
@@ -249,6 +250,7 @@ async def test_the_preemption_notice_reaches_the_webhook_before_the_grace_deadli
                                                                                   kinds=("preemption-notice",)),))))
     async with running(notifier(nats_server)):
         await log.append(submitted("p1", spec(team="team-a"), when=now))
+        await log.append(submitted("urgent", spec(team="team-a"), when=now))  # the team's own: named
         await log.append(preemption_requested("p1", "urgent", grace_seconds=30, when=datetime.now(UTC)))
         await eventually(lambda: hook.got, timeout_s=15)
     at, _, body = hook.got[0]
@@ -257,6 +259,39 @@ async def test_the_preemption_notice_reaches_the_webhook_before_the_grace_deadli
     deadline = datetime.fromisoformat(notice["deadline"])
     assert deadline - datetime.fromisoformat(notice["occurred_at"]) == timedelta(seconds=30)
     assert at < deadline.timestamp()
+
+
+async def test_a_preemption_for_another_teams_job_names_neither_that_job_nor_its_queue(nats_server, admin_js,
+                                                                                       receivers):
+    """team-b's job takes team-a's GPUs (the scheduler's preemption) and team-b's queue reclaims
+    the quota team-a borrowed: team-a's copies, notifications and webhook say when and why, and
+    never name team-b's job or queue. A job whose team the log does not name is unnamed too."""
+    hook = receivers()
+    log = eventlog.EventLog(admin_js)
+    now = datetime.now(UTC)
+    await log.append(new_event(TeamConfigured, aggregate_id="team-a", producer="config", occurred_at=now, key="1",
+                               name="team-a", notify=NotifySpec(webhooks=(Webhook(
+                                   url=hook.url, kinds=("preemption-notice", "preempted")),))))
+    await log.append(submitted("a-long", spec(team="team-a"), when=now))
+    await log.append(submitted("b-secret-job", spec(team="team-b", queue="b-secret-queue"), when=now))
+    async with running(notifier(nats_server)):
+        await log.append(preemption_requested("a-long", "b-secret-job", grace_seconds=30, when=datetime.now(UTC)))
+        await log.append(reclaim_requested("a-long", "b-secret-job", for_queue="b-secret-queue",
+                                           when=datetime.now(UTC)))
+        await log.append(preemption_requested("a-long", "never-submitted", when=datetime.now(UTC)))
+        await log.append(preempted("a-long", by="b-secret-job", when=datetime.now(UTC)))
+        await eventually(lambda: len(hook.got) >= 4, timeout_s=15)
+        copies = await read_tenant(nats_server, "team-a", "gpusched.tenant.team-a.>")
+    everything = b"".join(m.data for m in copies) + b"".join(body for _, _, body in hook.got)
+    for secret in (b"b-secret-job", b"b-secret-queue", b"never-submitted", b"team-b"):
+        assert secret not in everything, f"{secret!r} reached team-a"
+    notices = [json.loads(body) for _, _, body in hook.got]
+    assert [(n["kind"], n["by_job"]) for n in notices] == [("preemption-notice", OTHER_TEAMS_JOB)] * 3 + [
+        ("preempted", OTHER_TEAMS_JOB)]
+    assert notices[0]["grace_seconds"] == 30.0 and notices[0]["deadline"]
+    reclaim = next(json.loads(m.data) for m in copies if m.subject.endswith(".reclaim_requested"))
+    assert (reclaim["for_job"], reclaim["for_queue"]) == (OTHER_TEAMS_JOB, OTHER_TEAMS_QUEUE)
+    assert reclaim["message"] == f"queue {OTHER_TEAMS_QUEUE} needs its guaranteed a100 back for job {OTHER_TEAMS_JOB}"
 
 
 async def test_a_restart_copies_nothing_twice_and_loses_nothing(nats_server, admin_js):
