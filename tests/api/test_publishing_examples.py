@@ -50,7 +50,8 @@ def test_the_example_submits_and_reads_the_decision(api_stack, toolchains, nats_
     argv, extra = example
     server = api_stack.nats_server
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("GPUSCHED_", "NATS_"))},
-           "GPUSCHED_NATS_URL": server.url(), "GPUSCHED_NATS_USER": "team-a",
+           # a cluster's form, comma-separated (here the one server twice): each example splits it
+           "GPUSCHED_NATS_URL": f"{server.url()},{server.url()}", "GPUSCHED_NATS_USER": "team-a",
            "GPUSCHED_NATS_PASSWORD": server.creds.users["team-a"], **extra}
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ async function main() {
   }
   const team = process.env.GPUSCHED_NATS_USER; // a team's credential is named after the team
   const nc = await connect({
-    servers: process.env.GPUSCHED_NATS_URL, user: team, pass: process.env.GPUSCHED_NATS_PASSWORD,
+    servers: process.env.GPUSCHED_NATS_URL.split(","), user: team, pass: process.env.GPUSCHED_NATS_PASSWORD,
     inboxPrefix: `_INBOX.${team}`, // the only inbox this credential may use
   });
   const js = nc.jetstream();

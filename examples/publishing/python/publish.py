@@ -16,7 +16,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 async def main(job_id: str, queue: str, key: str) -> int:
     team = os.environ["GPUSCHED_NATS_USER"]  # a team's credential is named after the team
-    nc = await nats.connect(os.environ["GPUSCHED_NATS_URL"], user=team, password=os.environ["GPUSCHED_NATS_PASSWORD"],
+    nc = await nats.connect(os.environ["GPUSCHED_NATS_URL"].split(","), user=team, password=os.environ["GPUSCHED_NATS_PASSWORD"],
                             inbox_prefix=f"_INBOX.{team}")  # the only inbox this credential may use
     js = nc.jetstream()
     # Follow the job on the team's stream first, so that no answer can come before we listen.
