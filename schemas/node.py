@@ -2,8 +2,9 @@
 
 Inventory: NodeRegistered once, NodeUpdated when the description changes, NodeLost when the node
 leaves the backend's inventory. Telemetry: NodeTelemetryReported, one per node and window, from
-backends that can measure their GPUs (the local backend through NVML); the kubernetes backend
-reports none (NVIDIA's DCGM exporter measures GPUs there).
+backends that can measure their GPUs (the local backend through NVML, ``source`` ``nvml``) and from
+the sim backend, which models it (``source`` ``simulated``); the kubernetes backend reports none
+(NVIDIA's DCGM exporter measures GPUs there).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from .envelope import DNS_SUBDOMAIN_PATTERN, NAME_PATTERN, Contract, Event, Time
 
 MAX_TELEMETRY_WINDOW_S = 86_400
 """Longest window one NodeTelemetryReported may cover."""
+
+TelemetrySource = Literal["nvml", "simulated"]
+"""Where a NodeTelemetryReported's figures come from: measured through NVML, or modelled by the sim
+backend (docs/executor.md, "Simulated telemetry")."""
 
 
 class NodeInfo(Contract):
@@ -166,6 +171,9 @@ class NodeTelemetryReported(Event):
     # "at least 1 item") whenever an entry is invalid, burying the real error.
     gpus: tuple[GpuTelemetry, ...] = Field(max_length=64, json_schema_extra={"minItems": 1},
                                            description="One entry per GPU sampled (at least one)")
+    source: TelemetrySource = Field(
+        default="nvml", description="nvml: measured on the node (NVML); simulated: modelled by the sim backend from "
+        "the attempts it runs, not measured")
 
     @model_validator(mode="after")
     def _consistent(self) -> "NodeTelemetryReported":

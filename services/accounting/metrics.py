@@ -8,7 +8,8 @@ every scrape is consistent with itself. Fragmentation is the scheduler's
 (``gpusched_scheduler_fragmentation_ratio{flavor}``, ``gpusched_scheduler_largest_placeable_gang{flavor}``).
 Measured utilization comes from NodeTelemetryReported (the local executor's NVML windows); without
 telemetry those metrics are absent, not 0. Nodes on Kubernetes are measured by NVIDIA's DCGM
-exporter, which is scraped directly.
+exporter, which is scraped directly. The sim executor's modelled windows (``source`` ``simulated``)
+are never counted as measured: they make the ``*_utilization_simulated_ratio`` gauges instead.
 """
 
 from __future__ import annotations
@@ -36,10 +37,17 @@ HELP = {
     "gpusched_gpu_capacity": ("GPUs on schedulable, not lost nodes", ("flavor",)),
     "gpusched_gpu_allocated": ("GPUs held by scheduled or running attempts", ("flavor",)),
     "gpusched_gpu_allocation_ratio": ("Allocated / capacity", ("flavor",)),
+    "gpusched_team_gpu_allocated": ("GPUs held by a team's scheduled or running attempts", ("team", "flavor")),
     "gpusched_gpu_utilization_measured_ratio": (
         "Mean NVML utilization of the GPUs that reported telemetry in the last hour, time-weighted", ("flavor",)),
     "gpusched_node_gpu_utilization_measured_ratio": (
         "Mean NVML utilization of a node's GPUs over the last hour, time-weighted", ("flavor", "node")),
+    "gpusched_gpu_utilization_simulated_ratio": (
+        "Mean simulated utilization (the sim executor's model, not measured) of the GPUs it reported in the last "
+        "hour, time-weighted", ("flavor",)),
+    "gpusched_node_gpu_utilization_simulated_ratio": (
+        "Mean simulated utilization (not measured) of a node's GPUs over the last hour, time-weighted",
+        ("flavor", "node")),
     "gpusched_gpu_allocated_measured_seconds": (
         "GPU-seconds in the last hour that GPUs were allocated to attempts and measured", ("flavor",)),
     "gpusched_gpu_allocated_idle_seconds": (
@@ -91,17 +99,17 @@ _TEAM_COST = """
 # GPU's allocated time in a window is the overlap times its share of samples taken while allocated.
 _TELEMETRY = """
     WITH w AS (
-        SELECT t.node, coalesce(n.gpu_flavor, '-') AS flavor, t.utilization, t.allocated_utilization,
+        SELECT t.node, coalesce(n.gpu_flavor, '-') AS flavor, t.source, t.utilization, t.allocated_utilization,
                t.allocated_samples::float8 / t.samples AS allocated_share,
                greatest(0, extract(epoch FROM least(t.window_end, $1::timestamptz)
                                    - greatest(t.window_start, $1::timestamptz - make_interval(secs => $2))))::float8
                    AS seconds
         FROM gpu_telemetry t LEFT JOIN nodes n ON n.name = t.node
         WHERE t.window_end > $1::timestamptz - make_interval(secs => $2) AND t.window_start < $1::timestamptz)
-    SELECT flavor, node, sum(seconds) AS seconds, sum(seconds * utilization) AS busy_seconds,
+    SELECT source, flavor, node, sum(seconds) AS seconds, sum(seconds * utilization) AS busy_seconds,
            sum(seconds * allocated_share) AS allocated_seconds,
            sum(CASE WHEN allocated_utilization < $3 THEN seconds * allocated_share ELSE 0 END) AS idle_seconds
-    FROM w WHERE seconds > 0 GROUP BY flavor, node ORDER BY flavor, node"""
+    FROM w WHERE seconds > 0 GROUP BY source, flavor, node ORDER BY source, flavor, node"""
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,10 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
             "SELECT flavor, sum(total_gpus * coalesce(gpu_milli, 1000) / 1000.0::float8) FROM jobs "
             "WHERE state = ANY($1::text[]) AND flavor IS NOT NULL AND finished_at IS NULL GROUP BY 1",
             list(PLACED_STATES)))
+        team_allocated = await conn.fetch(
+            "SELECT team, flavor, sum(total_gpus * coalesce(gpu_milli, 1000) / 1000.0::float8) AS gpus FROM jobs "
+            "WHERE state = ANY($1::text[]) AND flavor IS NOT NULL AND finished_at IS NULL GROUP BY 1, 2 ORDER BY 1, 2",
+            list(PLACED_STATES))
         waits = await queries.wait_percentiles(conn, by_queue=True, window_s=WAIT_WINDOW_S)
         pending = await queries.pending_by_queue(conn)
         failures = await conn.fetch(
@@ -152,6 +164,8 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
         add("gpusched_gpu_capacity", cap, flavor=flavor)
         add("gpusched_gpu_allocated", alloc, flavor=flavor)
         add("gpusched_gpu_allocation_ratio", alloc / cap if cap else 0.0, flavor=flavor)
+    for r in team_allocated:
+        add("gpusched_team_gpu_allocated", r["gpus"], team=r["team"], flavor=r["flavor"])
     for svc in services:
         who = {"service": svc["service"], "team": svc["team"]}
         add("gpusched_service_desired_replicas", svc["desired"], **who)
@@ -186,9 +200,21 @@ async def gather(conn: asyncpg.Connection, now: datetime, *,
 
 
 def _utilization(rows, add: Callable[..., None]) -> None:
-    """Measured utilization per flavor and node, and allocated-idle GPU time per flavor. Nothing
-    at all without telemetry: absent, not 0."""
+    """Measured utilization per flavor and node, and allocated-idle GPU time per flavor, from NVML
+    windows; simulated utilization per flavor and node from the sim executor's. Nothing at all
+    without telemetry: absent, not 0."""
+    simulated = [r for r in rows if r["source"] == "simulated"]
+    rows = [r for r in rows if r["source"] != "simulated"]
     per_flavor: dict[str, list[float]] = {}
+    for r in simulated:
+        f = per_flavor.setdefault(r["flavor"], [0.0, 0.0])
+        f[0], f[1] = f[0] + r["seconds"], f[1] + r["busy_seconds"]
+    for flavor, (seconds, busy) in sorted(per_flavor.items()):
+        add("gpusched_gpu_utilization_simulated_ratio", busy / seconds, flavor=flavor)
+    for r in simulated:  # ordered by flavor, node
+        add("gpusched_node_gpu_utilization_simulated_ratio", r["busy_seconds"] / r["seconds"], flavor=r["flavor"],
+            node=r["node"])
+    per_flavor = {}
     for r in rows:
         f = per_flavor.setdefault(r["flavor"], [0.0, 0.0, 0.0, 0.0])
         for i, k in enumerate(("seconds", "busy_seconds", "allocated_seconds", "idle_seconds")):

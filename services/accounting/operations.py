@@ -177,6 +177,7 @@ class InsertGpuTelemetry(NamedTuple):
     allocated_samples: int     # samples taken while an attempt held the GPU
     allocated_utilization: float | None
     seq: int
+    source: str = "nvml"       # NodeTelemetryReported.source: nvml (measured) or simulated (the sim executor)
 
 
 # ---- queues, prices, teams, policy, tokens, statements ----------------------------------------

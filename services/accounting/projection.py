@@ -188,7 +188,7 @@ def _cluster_lost(e: ClusterLost, j: str, t, seq: int) -> list[Operation]:
 def _telemetry(e: NodeTelemetryReported, j: str, t, seq: int) -> list[Operation]:
     return [InsertGpuTelemetry(e.node, g.index, e.window_start, e.window_end, g.utilization, g.memory_used_mib,
                                g.memory_total_mib, g.power_w, g.samples, g.allocated_samples, g.allocated_utilization,
-                               seq) for g in e.gpus]
+                               seq, e.source) for g in e.gpus]
 
 
 def _queue(e: QueueConfigured, j: str, t, seq: int) -> list[Operation]:

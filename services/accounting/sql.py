@@ -86,8 +86,9 @@ SQL = {
     "gpu_telemetry": """
         INSERT INTO gpu_telemetry (node, gpu, window_start, window_end, utilization, memory_used_mib,
                                    memory_total_mib, power_w, samples, allocated_samples, allocated_utilization,
-                                   sequence)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (node, gpu, window_start) DO NOTHING""",
+                                   sequence, source)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+        ON CONFLICT (node, gpu, window_start) DO NOTHING""",
     "queue": """
         INSERT INTO queues (name, cohort, config, last_sequence, deleted) VALUES ($1, $2, $3::jsonb, $4, false)
         ON CONFLICT (name) DO UPDATE SET cohort = $2, config = $3::jsonb, last_sequence = $4, deleted = false""",

@@ -1,6 +1,6 @@
 """Executor adapter. ``GPUSCHED_EXECUTOR_BACKEND`` picks the backend:
 
-* ``sim``: virtual nodes, declared runtimes;
+* ``sim``: virtual nodes, declared runtimes, simulated GPU telemetry;
 * ``kubernetes``: batch/v1 Jobs on a cluster (in-cluster config or KUBECONFIG);
 * ``local``: processes on this host, GPUs from NVML (CPU-only when there are none).
 
@@ -22,14 +22,14 @@ from services.executor.config import ClusterConfig
 from services.executor.sim import SimExecutorCore
 
 
-def build(settings, clock, clusters: ClusterConfig):
+def build(settings, clock, clusters: ClusterConfig, telemetry_s: float = 0.0):
     if settings.sim_cluster is None:
         sys.exit("GPUSCHED_SIM_CLUSTER must name a cluster spec YAML for the sim backend")
     try:
         cluster = load_cluster(settings.sim_cluster)
     except ClusterSpecError as err:
         sys.exit(str(err))
-    return SimExecutorCore(cluster.nodes(), **clusters.core_options())
+    return SimExecutorCore(cluster.nodes(), telemetry_s=telemetry_s, **clusters.core_options())
 
 
 def make_backend(kind: str, cfg):
@@ -55,7 +55,9 @@ def main() -> None:
         clusters = ClusterConfig.from_env()
         name = clusters.service_name  # one executor (durable, lease, credential) per cluster
         if settings.executor_backend == "sim":
-            run_service(name, functools.partial(build, clusters=clusters))
+            from services.executor.config import sim_telemetry_interval
+
+            run_service(name, functools.partial(build, clusters=clusters, telemetry_s=sim_telemetry_interval()))
             return
         from services.executor.config import ExecutorConfig
 

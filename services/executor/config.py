@@ -48,6 +48,26 @@ class ClusterConfig:
         return {"cluster": self.name, "heartbeat_s": self.heartbeat_s, "cluster_flavors": self.per_cluster_quota}
 
 
+SIM_TELEMETRY_S = 300.0
+"""The sim backend's default telemetry window, platform seconds."""
+
+
+def sim_telemetry_interval() -> float:
+    """GPUSCHED_TELEMETRY_INTERVAL_S for the sim backend: 0 (no simulated telemetry), or a window of
+    1..3600 platform seconds (default :data:`SIM_TELEMETRY_S`)."""
+    name, raw = "GPUSCHED_TELEMETRY_INTERVAL_S", env_value("GPUSCHED_TELEMETRY_INTERVAL_S")
+    if raw is None:
+        return SIM_TELEMETRY_S
+    accepted = "accepted: 0 (no telemetry reports) or a number of platform seconds 1..3600"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number; {accepted}") from None
+    if value != 0 and not 1 <= value <= 3600:
+        raise ConfigError(f"{name}={raw!r} is out of range; {accepted}")
+    return value
+
+
 @dataclass(frozen=True)
 class ExecutorConfig:
     sync_s: float = 1.0

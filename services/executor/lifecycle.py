@@ -153,6 +153,7 @@ class TelemetryReport:
     window_end: datetime
     gpu_count: int
     gpus: tuple[GpuTelemetry, ...]
+    source: str = "nvml"  # NodeTelemetryReported.source: "simulated" for the sim backend's modelled figures
 
 
 @dataclass(frozen=True)
@@ -521,7 +522,7 @@ class BackendCore:
         event = new_event(NodeTelemetryReported, aggregate_id=node, producer=PRODUCER,
                           occurred_at=report.window_end, key=report.window_start.isoformat(), node=node,
                           window_start=report.window_start, window_end=report.window_end,
-                          gpu_count=report.gpu_count, gpus=report.gpus)
+                          gpu_count=report.gpu_count, gpus=report.gpus, source=report.source)
         pending = self.state.telemetry
         pending[event.event_id] = event
         while len(pending) > MAX_PENDING_REPORTS:
