@@ -8,20 +8,20 @@ itself. A member sees its team's jobs and queues only, exactly as the API shows 
 
 from __future__ import annotations
 
-import math
 from datetime import UTC, datetime
 from pathlib import Path as FilePath
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, File, Form, Path, Query, Request, UploadFile
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
-from markupsafe import Markup
 
 from gpusched.gateway import history, queue_usage
+from gpusched.api import charts as chart
+from gpusched.api import readable
 from gpusched.api.auth import COOKIE, Identity, bearer
 from gpusched.api.problems import Problem
-from gpusched.api.routes import JOB_ID_PATTERN
+from gpusched.api.routes import JOB_ID_PATTERN, READERS, USAGE_READERS
 from schemas.auth import Role
 from schemas.envelope import NAME_PATTERN
 from schemas.jobstate import FINAL_STATES, WAITING_FOR_NODES, WAITING_FOR_QUOTA, JobState
@@ -29,6 +29,7 @@ from services.accounting import queries
 
 HERE = FilePath(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
+readable.install(templates.env)
 router = APIRouter(prefix="/console", include_in_schema=False)
 root = APIRouter(include_in_schema=False)
 WAITING = (*WAITING_FOR_QUOTA, *WAITING_FOR_NODES)
@@ -44,9 +45,9 @@ class LoginRequired(Exception):
 class PageError(Exception):
     """A console page that cannot be shown (404, 403): an HTML error page."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, me: Identity | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.me = status, message, me
 
 
 def install(app: FastAPI) -> None:
@@ -61,27 +62,89 @@ def install(app: FastAPI) -> None:
     async def _login(request: Request, exc: LoginRequired) -> RedirectResponse:
         return RedirectResponse("/console/login", status_code=303)
 
+    @app.exception_handler(Elsewhere)
+    async def _elsewhere(request: Request, exc: Elsewhere) -> RedirectResponse:
+        return RedirectResponse(exc.url, status_code=303)
+
     @app.exception_handler(PageError)
     async def _error(request: Request, exc: PageError) -> HTMLResponse:
-        response = page(request, "error.html", None, status=exc.status, message=exc.message)
+        response = page(request, "error.html", exc.me, status=exc.status, message=exc.message)
         response.status_code = exc.status
         return response
 
 
+class Elsewhere(Exception):
+    """A page this identity may not open, asked for as its landing page: a redirect to the first
+    page it may open (a chargeback token lands on Charts)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.url = url
+
+
+OPERATORS = (Role.OPERATOR, Role.ADMIN)
+PAGES: tuple[tuple[str, str, tuple[Role, ...]], ...] = (
+    ("/console", "Cluster", READERS),
+    ("/console/queues", "Queues", READERS),
+    ("/console/jobs", "Jobs", READERS),
+    ("/console/services", "Services", READERS),
+    ("/console/charts", "Charts", USAGE_READERS),
+    ("/console/usage", "Usage", USAGE_READERS),
+    ("/console/deadletters", "Dead letters", OPERATORS),
+    ("/console/whatif", "What-if", OPERATORS),
+)
+"""The console's pages (path, name in the menu, the roles that may open it), as the JSON API
+answers the roles (gpusched.api.routes): a page's parts and subpages (``/console/jobs/<id>``,
+``/console/jobs-table``) go with the longest path they start with. The menu lists only the pages
+the viewer may open; any other answers a 403 page that says who may open it."""
+
+
+def page_of(path: str) -> tuple[str, str, tuple[Role, ...]]:
+    return max((p for p in PAGES if path.startswith(p[0])), key=lambda p: len(p[0]), default=PAGES[0])
+
+
+def pages_for(me: Identity) -> list[tuple[str, str]]:
+    """The (path, name) of the pages ``me`` may open, in menu order."""
+    return [(path, name) for path, name, roles in PAGES if me.role in roles]
+
+
 async def viewer(request: Request) -> Identity:
+    """Who asks (a login page when nobody valid does), refused with a 403 page where the page
+    asked for is not for its role (:data:`PAGES`)."""
     try:
-        return await request.app.state.auth.identify(bearer(request))
+        me = await request.app.state.auth.identify(bearer(request))
     except Problem:
         raise LoginRequired() from None
+    _, name, roles = page_of(request.url.path)
+    if me.role not in roles:
+        mine = pages_for(me)
+        if request.url.path in ("/console", "/console/") and mine:
+            raise Elsewhere(mine[0][0])
+        raise PageError(403, f"{name} is for {_roles(roles)}; you are logged in as {me.name} "
+                             f"({me.role.value}{' of ' + me.team if me.team else ''}).", me)
+    return me
+
+
+def _roles(roles: tuple[Role, ...]) -> str:
+    names = [f"{r.value}s" for r in roles]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def page(request: Request, name: str, me: Identity | None, **context: Any) -> HTMLResponse:
-    return templates.TemplateResponse(request, name, {"me": me, "now": datetime.now().astimezone(), **context})
+    return templates.TemplateResponse(request, name, {"me": me, "now": datetime.now().astimezone(),
+                                                      "menu": pages_for(me) if me else [], **context})
 
 
 @root.get("/")
 async def home() -> RedirectResponse:
     return RedirectResponse("/console", status_code=303)
+
+
+@root.get("/favicon.ico")
+async def favicon() -> FileResponse:
+    """The console's icon where browsers look for one unasked (base.html names the same file)."""
+    return FileResponse(HERE / "static" / "favicon.svg", media_type="image/svg+xml",
+                        headers={"Cache-Control": "public, max-age=86400"})
 
 
 @router.get("/login")
@@ -114,11 +177,35 @@ def _team(me: Identity) -> str | None:
 
 @router.get("")
 async def overview(request: Request) -> HTMLResponse:
+    """The cluster at a glance: the occupancy map (live), GPU allocation by team over the last
+    day, each queue's quota bar, then the tables."""
     me = await viewer(request)
     async with request.app.state.pool.acquire() as conn:
-        nodes = await queries.nodes(conn)
         summary = await queries.summary(conn, _team(me), request.app.state.js)
-    return page(request, "overview.html", me, flavors=queries.gpus_by_flavor(nodes), nodes=nodes, summary=summary)
+        allocation = await queries.allocation_series(conn, _team(me), 24, 24 * 3600 // 48, request.app.state.js)
+        queue_rows = await queue_usage.queues_for(conn, _team(me), request.app.state.js)
+    by_team = [chart.Series(t, v) for t, v in allocation["by_team"].items()]
+    return page(request, "overview.html", me, summary=summary, quota_bars=chart.quota_bars(queue_rows),
+                allocation=chart.time_chart(allocation["t0"], by_team, "GPUs", kind="area"),
+                **await _occupancy(request, me))
+
+
+async def _occupancy(request: Request, me: Identity) -> dict[str, Any]:
+    async with request.app.state.pool.acquire() as conn:
+        nodes = await queries.nodes(conn)
+        holders = await queries.gpu_holders(conn)
+    teams = sorted({h["team"] for h in holders if me.sees_team(h["team"])})
+    if any(not me.sees_team(h["team"]) for h in holders):
+        teams.append("other teams")
+    return {"nodes": nodes, "flavors": queries.gpus_by_flavor(nodes),
+            "occupancy": chart.occupancy_map(nodes, holders, _team(me)), "legend": chart.team_legend(teams)}
+
+
+@router.get("/occupancy-part")
+async def occupancy_part(request: Request) -> HTMLResponse:
+    """The overview's live part (the occupancy map and the GPU tables), for the refresh."""
+    me = await viewer(request)
+    return page(request, "occupancy.html", me, **await _occupancy(request, me))
 
 
 @router.get("/services")
@@ -137,7 +224,8 @@ async def queues(request: Request) -> HTMLResponse:
     async with request.app.state.pool.acquire() as conn:
         rows = await queue_usage.queues_for(conn, _team(me), request.app.state.js)
         cohorts = await queries.cohorts(conn)
-    return page(request, "queues.html", me, queues=rows, cohorts=cohort_totals(rows, cohorts))
+    return page(request, "queues.html", me, queues=rows, cohorts=cohort_totals(rows, cohorts),
+                quota_bars=chart.quota_bars(rows))
 
 
 def cohort_totals(queue_rows: list[dict[str, Any]], cohorts: list[queries.Cohort]) -> list[dict[str, Any]]:
@@ -201,13 +289,15 @@ async def jobs_table(request: Request, state: Filter = None, queue: Filter = Non
 async def _job(request: Request, me: Identity, job_id: str) -> dict[str, Any]:
     async with request.app.state.pool.acquire() as conn:
         job = await queries.get_job(conn, job_id)
-        position = await queries.job_position(conn, job_id) if job else None
-    if job is None or not me.sees_team(job["team"]):
-        raise PageError(404, f"No job {job_id} (or not yet in the read models).")
-    events = await history.job_events(request.app.state.js, job_id)
+        if job is None or not me.sees_team(job["team"]):
+            raise PageError(404, f"No job {job_id} (or not yet in the read models).")
+        position = await queries.job_position(conn, job_id)
+        costs = await queries.job_costs(conn, job_id)  # per attempt, in the price book's currency
+        currency = await queries.currency_at(conn, await queries.log_now(conn, request.app.state.js))
+    events = await history.job_events(request.app.state.js, job_id, seen_by=_team(me))
     why = history.explain(job_id, events) if events else None
-    return {"job": job, "timeline": timeline(events), "why": why, "position": position, "waiting": WAITING,
-            "final": FINAL_STATES}
+    return {"job": job, "timeline": readable.timeline(events), "why": why, "position": position, "waiting": WAITING,
+            "final": FINAL_STATES, "costs": costs, "currency": currency}
 
 
 @router.get("/jobs/{job_id}")
@@ -225,20 +315,47 @@ async def job_detail(request: Request, job_id: Annotated[str, JOB_ID]) -> HTMLRe
 
 @router.get("/charts")
 async def charts(request: Request, hours: Annotated[int, Query(ge=1, le=168)] = 24) -> HTMLResponse:
+    """Charts over the last ``hours`` in 48 buckets, from the reads GET /v1/metrics/series and
+    /v1/usage use (services.accounting.queries), scoped as they are: a member's team only."""
     me = await viewer(request)
     bucket = max(60, hours * 3600 // 48)
+    team, log = _team(me), request.app.state.js
     async with request.app.state.pool.acquire() as conn:
-        points = await queries.series(conn, _team(me), hours, bucket, request.app.state.js)
-    series = {
-        "GPU utilization (mean)": [p["utilization"] for p in points],
-        "Median wait, seconds (jobs started)": [p["wait_p50_s"] for p in points],
-        "Waiting jobs (congestion)": [p["waiting"] for p in points],
-        "Jobs submitted": [p["submitted"] for p in points],
-    }
-    labels = [p["t0"] for p in points]
-    return page(request, "charts.html", me, hours=hours,
-                charts=[(title, svg_chart(values), _last(values)) for title, values in series.items()],
-                first=labels[0] if labels else None, last=labels[-1] if labels else None)
+        points = await queries.series(conn, team, hours, bucket, log)
+        allocation = await queries.allocation_series(conn, team, hours, bucket, log)
+        waits = await queries.wait_series(conn, team, hours, bucket, log)
+        outcomes = await queries.outcome_series(conn, team, hours, bucket, log)
+        simulated = "simulated" in await queries.telemetry_sources(conn, allocation["t0"][0])
+    S, t0, currency = chart.Series, allocation["t0"], allocation["currency"]
+    series_t0 = [p["t0"] for p in points]
+    utilization = [None if p["utilization"] is None else p["utilization"] * 100 for p in points]
+    sim = " (simulated)" if simulated else ""
+    figures = [  # (id, title, note, svg)
+        ("allocation-team", "GPU allocation by team", "GPUs held, mean over each bucket",
+         chart.time_chart(t0, [S(k, v) for k, v in allocation["by_team"].items()], "GPUs", kind="area")),
+        ("allocation-flavor", "GPU allocation by flavor", "GPUs held, mean over each bucket",
+         chart.time_chart(t0, [S(k, v) for k, v in allocation["by_flavor"].items()], "GPUs", kind="area")),
+        ("utilization", f"GPU utilization{sim}", "mean over the GPUs that reported telemetry, every team's"
+         + ("; simulated: the sim executor's model, not measured" if simulated else ""),
+         chart.time_chart(series_t0, [S(f"utilization{sim}", utilization)], "%", top=100, join_gaps=True)),
+        ("waits", "Wait from queued to started, per priority class", "p50 (solid) and p90 (dashed) of the attempts "
+         "started in each bucket",
+         chart.time_chart(waits["t0"], [S(f"{c} {p}", v[p], chart.colour(c), dashed=p == "p90")
+                                        for c, v in waits["classes"].items() for p in ("p50", "p90")],
+                          "wait", fmt=chart.fmt_duration, step_of=chart.nice_duration_step, join_gaps=True)),
+        ("outcomes", "Preemptions and failures", "attempts that ended preempted or failed, per bucket",
+         chart.time_chart(outcomes["t0"], [S("preempted", outcomes["preempted"], "#f79009"),
+                                           S("failed", outcomes["failed"], "#d92d20")], "attempts", kind="bars",
+                          step_of=chart.count_step)),
+        ("cost", f"Cost by team ({currency})", "usage cost per bucket, priced by the price book as it is now",
+         chart.time_chart(t0, [S(k, v) for k, v in allocation["cost_by_team"].items()], currency, kind="bars")),
+        ("congestion", "Congestion", "jobs waiting at each bucket's end, and jobs submitted in it",
+         chart.time_chart(series_t0, [S("waiting", [p["waiting"] for p in points], "#b54708"),
+                                      S("submitted", [p["submitted"] for p in points], "#2d5bd7")], "jobs",
+                          step_of=chart.count_step)),
+    ]
+    return page(request, "charts.html", me, hours=hours, bucket=chart.fmt_duration(bucket), charts=figures,
+                first=t0[0], last=t0[-1])
 
 
 @router.get("/usage")
@@ -304,8 +421,10 @@ async def whatif_run(request: Request, queues: Annotated[str, Form(max_length=WH
         result = await run.run_text(request.app.state.js, text, source)
     except UserError as err:
         return _whatif_error(request, me, text, str(err))
+    async with request.app.state.pool.acquire() as conn:  # the price book's, as the usage page shows
+        currency = await queries.currency_at(conn, await queries.log_now(conn, request.app.state.js))
     return page(request, "whatif.html", me, result=result, error=None, text=text, fidelity=run.fidelity_lines(result),
-                figures=run.whatif.FIGURES, number=run.number)
+                figures=run.whatif.FIGURES, cell=run.cell, delta_cell=run.delta_cell, currency=currency)
 
 
 def _whatif_error(request: Request, me: Identity, text: str, message: str) -> HTMLResponse:
@@ -319,56 +438,3 @@ async def _operator(request: Request) -> Identity:
     if not me.is_operator:
         raise PageError(403, "The what-if is for operators.")
     return me
-
-
-def timeline(events: list) -> list[dict[str, Any]]:
-    """A job's events as timeline rows: when, what, which attempt, and the detail that matters."""
-    rows = []
-    for _, e in events:
-        detail = {k: v for k, v in e.model_dump(mode="json").items()
-                  if k in ("queue", "reason", "message", "flavor", "exit_code", "next_attempt", "after", "grace_seconds",
-                           "step", "location", "by_job", "position") and v not in (None, "", [])}
-        if getattr(e, "placement", None):
-            detail["nodes"] = ", ".join(p.node for p in e.placement)
-        rows.append({"time": e.occurred_at, "type": e.type, "attempt": getattr(e, "attempt", None),
-                     "producer": e.producer, "detail": detail})
-    return rows
-
-
-def svg_chart(values: list[float | int | None], width: int = 560, height: int = 120) -> Markup:
-    """A polyline of ``values`` (None: a gap) scaled to the box, with its maximum marked. Markup
-    (the template inserts it as is) built only by ``Markup.format``, which escapes every value it
-    puts in: nothing but numbers goes in today, and a label added later is escaped all the same."""
-    known = [float(v) for v in values if v is not None]
-    top = max(known, default=0.0) or 1.0
-    step = width / max(1, len(values) - 1)
-    lines, current = [], []
-    for i, v in enumerate(values):
-        if v is None:
-            if current:
-                lines.append(current)
-            current = []
-            continue
-        current.append((f"{i * step:.1f}", f"{height - 4 - (float(v) / top) * (height - 8):.1f}"))
-    if current:
-        lines.append(current)
-    paths = Markup("").join(
-        Markup('<polyline fill="none" stroke="currentColor" stroke-width="2" points="{}"/>').format(
-            " ".join(f"{x},{y}" for x, y in pts))
-        if len(pts) > 1 else Markup('<circle r="3" fill="currentColor" cx="{}" cy="{}"/>').format(*pts[0])
-        for pts in lines)
-    return Markup('<svg viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img">'
-                  '<line x1="0" y1="{base}" x2="{w}" y2="{base}" stroke="#ccc"/>{paths}'
-                  '<text x="4" y="12" font-size="11">max {top}</text></svg>').format(
-        w=width, h=height, base=height - 4, paths=paths, top=_fmt(top))
-
-
-def _fmt(x: float) -> str:
-    if float(x).is_integer():
-        return f"{int(x):,}"
-    return f"{x:.2f}" if x < 10 else f"{x:,.0f}"
-
-
-def _last(values: list) -> str:
-    known = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return _fmt(float(known[-1])) if known else "–"

@@ -145,6 +145,28 @@ def number(value) -> str:
     return "–" if value is None else f"{value:g}"
 
 
+def cell(figure: str, value, currency: str | None = None) -> str:
+    """A figure as the console's what-if page shows it: a wait (``*_s``) as a duration, the cost
+    with the price book's currency, the rest as :func:`number` prints it."""
+    from gpusched.api.readable import money
+    from schemas.wording import duration
+
+    if value is None:
+        return "–"
+    if figure.endswith("_s"):
+        return duration(value)
+    if figure == "cost" and currency:
+        return money(value, currency)
+    return number(value)
+
+
+def delta_cell(figure: str, value, currency: str | None = None) -> str:
+    """A change as the what-if page shows it: signed, in the figure's unit; empty for none."""
+    if not value:
+        return ""
+    return ("+" if value > 0 else "-") + cell(figure, abs(value), currency)
+
+
 def read_text(text: str, source: str) -> Any:
     """A changes file given as text (the console's upload or textarea), read as a file is, its
     errors naming ``source``."""

@@ -6,8 +6,9 @@ applications read through it and hold no SQL of their own."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -25,9 +26,9 @@ PRICE_BOOK = "default"
 
 async def attempts(conn: asyncpg.Connection, *, ended_from: datetime | None = None, ended_before: datetime | None = None,
                    overlapping: tuple[datetime, datetime] | None = None,
-                   max_sequence: int | None = None) -> list[Attempt]:
+                   max_sequence: int | None = None, job_id: str | None = None) -> list[Attempt]:
     """Ledger rows ending in [ended_from, ended_before) or overlapping a window (either), logged
-    at or before ``max_sequence``."""
+    at or before ``max_sequence``, of one job only with ``job_id``."""
     clauses, args = [], []
 
     def arg(value: Any) -> str:
@@ -48,6 +49,8 @@ async def attempts(conn: asyncpg.Connection, *, ended_from: datetime | None = No
         clauses.append("(" + " OR ".join(window) + ")")
     if max_sequence is not None:
         clauses.append(f"sequence <= {arg(max_sequence)}")
+    if job_id is not None:
+        clauses.append(f"job_id = {arg(job_id)}")
     where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
     rows = await conn.fetch(
         f"""SELECT job_id, attempt, team, project, queue, flavor, gpus, borrowed_gpus, started_at, ended_at,
@@ -354,6 +357,13 @@ async def get_job(conn: asyncpg.Connection, job_id: str) -> dict[str, Any] | Non
     return job
 
 
+async def job_costs(conn: asyncpg.Connection, job_id: str) -> dict[int, float]:
+    """The usage cost of each ended attempt of a job (attempt -> amount in :func:`currency_at`'s
+    currency), priced as :func:`rollup` prices it: the price book as it is now."""
+    book = chargeback.PriceBook(await price_versions(conn))
+    return {a.attempt: book.attempt_cost(a) for a in await attempts(conn, job_id=job_id)}
+
+
 async def usage_by_team(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     rows = await conn.fetch(
         """SELECT team, flavor, count(*) AS attempts, sum(gpu_seconds) / 3600.0 AS gpu_hours
@@ -649,3 +659,115 @@ async def running_gpus(conn: asyncpg.Connection) -> int:
     """GPUs held by the jobs that run now."""
     return await conn.fetchval("SELECT coalesce(sum(total_gpus), 0) FROM jobs WHERE state = $1",
                                JobState.RUNNING.value)
+
+
+# -- the console's charts and occupancy map ---------------------------------------------------------
+
+
+def buckets(now: datetime, hours: int, bucket_s: int) -> list[datetime]:
+    """The starts of the buckets :func:`series` reports (bins of ``bucket_s`` from the epoch, from
+    the one holding ``now - hours`` to the one holding ``now``), less a last one that starts at
+    ``now`` (no time in it yet: the log's time is often a round telemetry window's end)."""
+    first = math.floor((now.timestamp() - hours * 3600) / bucket_s) * bucket_s
+    last = math.ceil(now.timestamp() / bucket_s) * bucket_s - bucket_s
+    return [datetime.fromtimestamp(t, UTC) for t in range(first, max(first, last) + 1, bucket_s)]
+
+
+async def allocation_series(conn: asyncpg.Connection, team: str | None, hours: int = 24, bucket_s: int = 3600,
+                            log: JetStreamContext | None = None) -> dict[str, Any]:
+    """Per bucket of :func:`buckets`: the GPUs attempts held, as a mean over the bucket (GPU-seconds
+    / the bucket's seconds up to now), per team and per flavor, and their cost per team in the
+    price book's currency: :func:`rollup`'s figures (ledger rows and running attempts, prorated,
+    priced by :func:`services.accounting.chargeback.rollup`) cut at each bucket's edges.
+    ``team``: only that team's attempts. Keys: ``t0``, ``by_team``, ``by_flavor``, ``cost_by_team``
+    (name -> one value per bucket) and ``currency``."""
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        now = await log_now(conn, log)
+        t0s = buckets(now, hours, bucket_s)
+        rows = await attempts(conn, overlapping=(t0s[0], now)) + await running_attempts(conn, now)
+        prices = await price_versions(conn)
+        currency = await currency_at(conn, now)
+    rows = [a for a in rows if team is None or a.team == team]
+    return {"t0": t0s, "currency": currency, **allocation_buckets(rows, prices, t0s, bucket_s, now)}
+
+
+def allocation_buckets(rows: list[Attempt], prices: list[PriceVersion], t0s: list[datetime], bucket_s: int,
+                       now: datetime) -> dict[str, dict[str, list[float]]]:
+    """:func:`allocation_series`' figures from its attempts: per bucket starting at each of
+    ``t0s`` (up to ``now``), mean GPUs held per team and per flavor, and cost per team."""
+    teams, flavors = sorted({a.team for a in rows}), sorted({a.flavor for a in rows})
+    out: dict[str, dict[str, list[float]]] = {"by_team": {t: [] for t in teams}, "by_flavor": {f: [] for f in flavors},
+                                              "cost_by_team": {t: [] for t in teams}}
+    for t0 in t0s:
+        t1 = min(t0 + timedelta(seconds=bucket_s), now)
+        seconds = max(1.0, (t1 - t0).total_seconds())
+        inside = [a for a in rows if a.started_at < t1 and a.ended_at >= t0]
+        groups = chargeback.rollup(inside, prices, ["team", "flavor"], start=t0, end=t1) if inside else []
+        for name, key, figure, scale in (("by_team", "team", "gpu_hours", 3600 / seconds),
+                                         ("by_flavor", "flavor", "gpu_hours", 3600 / seconds),
+                                         ("cost_by_team", "team", "cost", 1)):
+            sums: dict[str, float] = {}
+            for g in groups:
+                sums[g[key]] = sums.get(g[key], 0.0) + float(g[figure]) * scale
+            for k, values in out[name].items():
+                values.append(round(sums.get(k, 0.0), 4))
+    return out
+
+
+async def wait_series(conn: asyncpg.Connection, team: str | None, hours: int = 24, bucket_s: int = 3600,
+                      log: JetStreamContext | None = None) -> dict[str, Any]:
+    """Per priority class and bucket of :func:`buckets`: p50 and p90 of the waits (the ledger's
+    ``wait_seconds``, as :func:`wait_percentiles`) of the attempts that started in the bucket
+    (None: none started). Keys: ``t0`` and ``classes`` (class -> {"p50": [...], "p90": [...]})."""
+    now = await log_now(conn, log)
+    t0s = buckets(now, hours, bucket_s)
+    rows = await conn.fetch(
+        """SELECT date_bin(make_interval(secs => $1), u.started_at, 'epoch'::timestamptz) AS t0,
+                  coalesce(j.priority_class, '-') AS priority_class,
+                  percentile_cont(0.5) WITHIN GROUP (ORDER BY u.wait_seconds) AS p50,
+                  percentile_cont(0.9) WITHIN GROUP (ORDER BY u.wait_seconds) AS p90
+           FROM usage_ledger u LEFT JOIN jobs j USING (job_id)
+           WHERE u.wait_seconds IS NOT NULL AND u.started_at >= $2 AND u.started_at <= $3
+             AND ($4::text IS NULL OR u.team = $4)
+           GROUP BY 1, 2""", bucket_s, t0s[0], now, team)
+    index = {t: i for i, t in enumerate(t0s)}
+    classes: dict[str, dict[str, list[float | None]]] = {}
+    for r in rows:
+        c = classes.setdefault(r["priority_class"], {"p50": [None] * len(t0s), "p90": [None] * len(t0s)})
+        if (i := index.get(r["t0"])) is not None:
+            c["p50"][i], c["p90"][i] = r["p50"], r["p90"]
+    return {"t0": t0s, "classes": {k: classes[k] for k in sorted(classes)}}
+
+
+async def outcome_series(conn: asyncpg.Connection, team: str | None, hours: int = 24, bucket_s: int = 3600,
+                         log: JetStreamContext | None = None) -> dict[str, Any]:
+    """Per bucket of :func:`buckets`: the attempts that ended preempted (JobPreempted) and failed
+    (JobFailed, a retried attempt's too), by when they ended (the usage ledger's outcome).
+    Keys: ``t0``, ``preempted`` and ``failed`` (one count per bucket)."""
+    now = await log_now(conn, log)
+    t0s = buckets(now, hours, bucket_s)
+    rows = await conn.fetch(
+        """SELECT date_bin(make_interval(secs => $1), ended_at, 'epoch'::timestamptz) AS t0,
+                  count(*) FILTER (WHERE outcome = 'JobPreempted')::int AS preempted,
+                  count(*) FILTER (WHERE outcome = 'JobFailed')::int AS failed
+           FROM usage_ledger WHERE ended_at >= $2 AND ended_at <= $3 AND ($4::text IS NULL OR team = $4)
+           GROUP BY 1""", bucket_s, t0s[0], now, team)
+    by_t0 = {r["t0"]: r for r in rows}
+    return {"t0": t0s, **{k: [by_t0[t][k] if t in by_t0 else 0 for t in t0s] for k in ("preempted", "failed")}}
+
+
+async def gpu_holders(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    """Who holds GPUs on which node now: per placed attempt (:data:`schemas.jobstate.PLACED_STATES`,
+    as :func:`nodes` counts them) and node, its ``team``, ``job_id``, ``gpus`` on that node and
+    ``gpu_milli`` (thousandths of one shared GPU; None: whole GPUs)."""
+    rows = await conn.fetch(
+        """SELECT node, team, job_id, gpus_per_node AS gpus, gpu_milli FROM jobs, unnest(nodes) AS node
+           WHERE state = ANY($1::text[]) ORDER BY node, gpu_milli NULLS FIRST, job_id""", list(PLACED_STATES))
+    return [dict(r) for r in rows]
+
+
+async def telemetry_sources(conn: asyncpg.Connection, since: datetime) -> list[str]:
+    """Where the GPU telemetry of the windows ending after ``since`` comes from (``nvml``,
+    ``simulated``: the sim executor's model), so a chart of it can say which it shows."""
+    return [r["source"] for r in await conn.fetch(
+        "SELECT DISTINCT source FROM gpu_telemetry WHERE window_end >= $1 ORDER BY 1", since)]

@@ -8,7 +8,7 @@ import hashlib
 import hmac
 import json
 import re
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import NamedTuple
 
 from schemas import (
@@ -37,6 +37,7 @@ from schemas.envelope import NAME_PATTERN, derive_event_id
 from schemas.service import ReplicaLost, ScaledTo, ServiceDeleted, ServiceDeployed, ServiceUpdated
 from schemas.registry import SUBJECT_PREFIX, subject_suffix
 from schemas.tenant import CommandRefused, JobNotification
+from schemas.wording import describe, notice_deadline
 
 K = NotificationKind
 _NAME = re.compile(NAME_PATTERN)
@@ -187,51 +188,31 @@ def _service_details(e: Event) -> dict:
 
 
 def _details(e: Event) -> dict:
-    """The summary line and the fields of the kind."""
+    """The summary line (schemas.wording's sentence, after ``attempt <n>:`` where the event is an
+    attempt's, as the console's timeline words it) and the fields of the kind."""
+    summary = describe(e)
+    if summary is None:
+        raise AssertionError(f"no details for {e.type}")
+    attempt = getattr(e, "attempt", None)
+    if attempt is not None and not isinstance(e, QuotaPendingReasonChanged | SchedulingPendingReasonChanged):
+        summary = f"attempt {attempt}: {summary}"
     match e:
-        case JobSubmitted():
-            return {"summary": f"submitted by {e.submitter}" + (f" for {e.on_behalf_of}" if e.on_behalf_of else "")
-                    + f" to queue {e.spec.queue}: {e.spec.gpus} GPU(s) × {e.spec.gang_size}"}
-        case JobAdmitted():
-            return {"summary": f"admitted to queue {e.queue} at priority {e.priority}"
-                    + ("" if e.preemptible else " (not preemptible)")}
         case JobRejected():
-            return {"summary": f"rejected ({e.reason.value}): {e.message}", "reason": e.reason.value, "field": e.field}
+            return {"summary": summary, "reason": e.reason.value, "field": e.field}
         case QuotaPendingReasonChanged() | SchedulingPendingReasonChanged():
-            return {"summary": f"waiting ({e.reason.value}): {e.message}", "reason": e.reason.value}
-        case JobScheduled():
-            nodes = ", ".join(p.node for p in e.placement)
-            return {"summary": f"attempt {e.attempt} placed on {nodes} ({e.flavor})"}
-        case JobStarted():
-            return {"summary": f"attempt {e.attempt} started on {', '.join(e.nodes)}"}
-        case JobCheckpointed():
-            return {"summary": f"attempt {e.attempt} checkpointed at {e.checkpointed_at.isoformat()}"
-                    + (f", step {e.step}" if e.step is not None else "")}
+            return {"summary": summary, "reason": e.reason.value}
         case PreemptionRequested() | ReclaimRequested():
-            deadline = e.occurred_at + timedelta(seconds=e.grace_seconds)
-            why = ("a higher-priority job needs its GPUs" if isinstance(e, PreemptionRequested)
-                   else f"its queue's quota is reclaimed ({e.kind})")
-            return {"summary": f"attempt {e.attempt} will be preempted for {e.for_job}: {why}; checkpoint before "
-                               f"{deadline.isoformat()} ({e.grace_seconds:g} s); it is requeued after. {e.message}",
-                    "deadline": deadline, "grace_seconds": e.grace_seconds, "by_job": e.for_job}
+            return {"summary": summary, "deadline": notice_deadline(e), "grace_seconds": e.grace_seconds,
+                    "by_job": e.for_job}
         case JobPreempted():
-            return {"summary": f"attempt {e.attempt} was preempted by {e.preempted_by}: {e.reason}",
-                    "reason": "preempted", "by_job": e.preempted_by}
+            return {"summary": summary, "reason": "preempted", "by_job": e.preempted_by}
         case JobRetryScheduled():
-            return {"summary": f"attempt {e.failed_attempt} ended; attempt {e.next_attempt} queued, not before "
-                               f"{e.not_before.isoformat()}", "next_attempt": e.next_attempt, "not_before": e.not_before}
-        case JobSucceeded():
-            return {"summary": f"attempt {e.attempt} succeeded after {(e.occurred_at - e.started_at).total_seconds():.0f} s"}
+            return {"summary": summary, "next_attempt": e.next_attempt, "not_before": e.not_before}
         case JobFailed():
-            return {"summary": f"attempt {e.attempt} failed ({e.reason.value}, exit code {e.exit_code}): {e.message}"
-                               + ("; retryable" if e.retryable else ""),
-                    "reason": e.reason.value, "exit_code": e.exit_code, "retryable": e.retryable}
-        case JobCancelRequested():
-            who = e.requested_by + (f" for {e.on_behalf_of}" if e.on_behalf_of else "")
-            return {"summary": f"cancel requested by {who}" + (f": {e.reason}" if e.reason else "")}
+            return {"summary": summary, "reason": e.reason.value, "exit_code": e.exit_code, "retryable": e.retryable}
         case JobCancelled():
-            return {"summary": "cancelled" + (f": {e.reason}" if e.reason else ""), "reason": "cancelled"}
-    raise AssertionError(f"no details for {e.type}")
+            return {"summary": summary, "reason": "cancelled"}
+    return {"summary": summary}
 
 
 def webhooks_for(kind: NotificationKind, *specs: NotifySpec | None) -> list[str]:

@@ -49,6 +49,11 @@ class ApiStack:
     # (default: all); with only accounting and the API nothing but that history is in the log.
     history: list | None = None
     processes: tuple[str, ...] = ()
+    # Another platform than the default's (the console screens' demo stack): more teams' NATS
+    # accounts, another sim cluster, another time scale.
+    teams: tuple[str, ...] = TEAMS
+    cluster: str = CLUSTER
+    time_scale: float = TIME_SCALE
 
     def start(self) -> "ApiStack":
         try:
@@ -58,14 +63,14 @@ class ApiStack:
             raise
 
     def _start(self) -> "ApiStack":
-        self.nats_server = devstack.NatsServer(self.root / "nats", teams=TEAMS).start()
+        self.nats_server = devstack.NatsServer(self.root / "nats", teams=self.teams).start()
         self.dsn = asyncio.run(self._database())
         asyncio.run(self._provision())
         cluster = self.root / "cluster.yaml"
-        cluster.write_text(CLUSTER)
+        cluster.write_text(self.cluster)
         port, *metrics = devstack.free_ports(1 + len(devstack.PROCESSES))
         self.metrics_ports = dict(zip(devstack.PROCESSES, metrics))
-        env = devstack.service_env(self.nats_server.env, self.dsn, cluster=cluster, time_scale=TIME_SCALE,
+        env = devstack.service_env(self.nats_server.env, self.dsn, cluster=cluster, time_scale=self.time_scale,
                                    epoch=time.time(), api_port=port, metrics_ports=self.metrics_ports,
                                    extra={"GPUSCHED_TICK_S": "0.05", "GPUSCHED_API_STREAM_MAX_S": "2"})
         self.procs = devstack.ServiceProcesses(self.root / "logs", env)
@@ -111,7 +116,7 @@ class ApiStack:
     async def _provision(self) -> None:
         nc = await self.admin()
         js = nc.jetstream()
-        await eventlog.provision(js, teams=TEAMS)
+        await eventlog.provision(js, teams=self.teams)
         log = eventlog.EventLog(js)
         for event in self.history if self.history is not None else [queue(f"q-{team}", (team,), {"a100": 8})
                                                                        for team in TEAMS]:

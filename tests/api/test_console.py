@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpusched.api.console import cohort_totals, svg_chart
+from gpusched.api.console import cohort_totals
 from tests.api.stack import job_document
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,9 +86,19 @@ def test_a_member_submits_and_watches_a_job_finish(browser, api_stack, shots):
 
     page.click(f"tr[data-job='{job_id}'] a")
     page.wait_for_selector("#timeline")
+    page.wait_for_selector("#timeline li.ev-JobSucceeded")  # the ledger's row (the usage table) may trail it
+    page.wait_for_selector("#usage td.cost")
     timeline = page.inner_text("#timeline")
-    for event in ("JobSubmitted", "JobAdmitted", "QuotaReserved", "JobScheduled", "JobStarted", "JobSucceeded"):
-        assert event in timeline
+    steps = ("Submitted by alice to queue q-team-a", "Admitted and queued in q-team-a", "Quota reserved: 1 GPU of a100",
+             "Placed on ", "Started on ", "Succeeded after ")
+    for step in steps:  # one plain step a line, in order, each with its time and no event name
+        assert step in timeline, timeline
+    assert [timeline.index(step) for step in steps] == sorted(timeline.index(step) for step in steps)
+    assert not re.search(r"\b(Job|Quota)[A-Z][a-z]+", timeline), timeline  # no JobSubmitted, QuotaReserved, ...
+    assert re.search(r"Succeeded after \d+(\.\d)? s|Succeeded after \d+ min \d+ s", timeline), timeline
+    usage = page.inner_text("#usage")  # the attempt: how long it ran, in human units, and its cost with currency
+    assert re.search(r"\t(\d+(\.\d)? s|\d+ min \d+ s)\t", usage) and re.search(r"\d\.\d\d [A-Z]{3}", usage), usage
+    assert "succeeded" in usage and "JobSucceeded" not in usage
     page.screenshot(path=shots / "05-job.png", full_page=True)
     page.close()
 
@@ -108,6 +118,8 @@ def test_a_waiting_job_says_why_and_another_teams_job_is_not_there(browser, api_
     page.wait_for_selector("#why")
     assert page.inner_text("#why-code")  # the reason code, e.g. queue-exhausted
     assert "8" in page.inner_text("#why-message")  # its message names the numbers
+    timeline = page.inner_text("#timeline")  # its timeline says so in words, not as an event name
+    assert "Waiting for quota because queue q-team-a" in timeline and "QuotaPendingReasonChanged" not in timeline
     page.screenshot(path=shots / "06-waiting.png", full_page=True)
 
     page.goto(f"{api_stack.url}/console/jobs")
@@ -143,10 +155,42 @@ def test_pages_for_an_operator(browser, api_stack, shots):
     member = login(browser, api_stack, "alice")
     member.goto(f"{api_stack.url}/console/queues")
     assert "q-team-b" not in member.inner_text("#queues")
-    assert member.goto(f"{api_stack.url}/console/deadletters").status == 403
+    menu = member.inner_text("header nav")  # links only to the pages a member may open
+    assert "Jobs" in menu and "Usage" in menu and "Dead letters" not in menu and "What-if" not in menu
+    for path, name in (("/console/deadletters", "Dead letters"), ("/console/whatif", "What-if")):
+        assert member.goto(f"{api_stack.url}{path}").status == 403  # a page that says why, not a bare 403
+        assert member.inner_text("#error-title") == "Not for your role"
+        assert member.inner_text("#error") == (f"{name} is for operators and admins; you are logged in as alice "
+                                               "(member of team-a).")
+        assert "Jobs" in member.inner_text("#error-pages")
+    member.screenshot(path=shots / "08-member-403.png", full_page=True)
     member.goto(f"{api_stack.url}/console/usage")  # costs in the price book's currency for every role
     assert re.search(r"cost \([A-Z]{3}, estimate\)", member.inner_text("#usage"))
     member.close()
+
+
+def test_a_chargeback_reader_sees_its_pages_only(browser, api_stack):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(f"{api_stack.url}/console/login")
+    page.fill("#token", api_stack.tokens["money"])
+    page.click("#login")
+    page.wait_for_url(re.compile(r".*/console/charts$"))  # not the cluster page: its API is not for this role
+    assert page.inner_text("header nav").split() == ["Charts", "Usage"]
+    assert page.goto(f"{api_stack.url}/console/jobs").status == 403
+    assert page.inner_text("#error") == "Jobs is for members, operators and admins; you are logged in as money " \
+                                        "(chargeback)."
+    page.close()
+
+
+def test_the_console_has_an_icon(browser, api_stack):
+    page = login(browser, api_stack, "alice")
+    icon = page.get_attribute("link[rel=icon]", "href")
+    assert icon is not None, "no <link rel=icon>"
+    for path in (icon, "/favicon.ico"):  # what the page names and where a browser looks unasked
+        response = page.request.get(f"{api_stack.url}{path}")
+        assert response.status == 200 and response.headers["content-type"].startswith("image/svg+xml"), path
+        assert response.body().startswith(b"<svg")
+    page.close()
 
 
 def test_a_teams_services_page_shows_its_replicas_and_only_its_own(browser, api_stack, shots):
@@ -191,11 +235,3 @@ def test_cohort_totals_sum_queues_up_the_tree():
     assert (org["queues"], org["nominal"], org["used"], org["borrowed"], org["lent"]) == (2, 16, 16, 2, 2)
     assert org["pending_jobs"] + totals[("org", "h100")]["pending_jobs"] == 4  # queue a's 3 counted once
     assert totals[("idle", "–")]["queues"] == 0
-
-
-def test_svg_chart_is_numbers_only_with_gaps():
-    svg = svg_chart([0, 2, None, 4, 1, None, 3], width=60, height=24)
-    assert svg.startswith("<svg") and svg.endswith("</svg>")
-    assert svg.count("<polyline") == 2 and svg.count("<circle") == 1  # [0, 2], [4, 1], [3]
-    assert "max 4" in svg
-    assert "<polyline" not in svg_chart([None, None]) and "max 0" not in svg_chart([])

@@ -73,6 +73,7 @@ def test_an_operator_uploads_a_queues_file_and_reads_three_columns(whatif_stack,
     page.screenshot(path=shots / "whatif.png", full_page=True)
 
     expected = _expected()
+    currency = "USD"  # the recording's price book
     fidelity = page.inner_text("#whatif-fidelity").splitlines()
     assert [" ".join(line.split()) for line in fidelity if line.strip()] == [
         " ".join(line.split()) for line in run.fidelity_lines(expected)]  # HTML collapses runs of spaces
@@ -82,9 +83,13 @@ def test_an_operator_uploads_a_queues_file_and_reads_three_columns(whatif_stack,
         for f in whatif.FIGURES:
             row = page.locator(f"#whatif-teams tr[data-team='{team}'][data-figure='{f}']")
             cells = [row.locator(f"td.{c}").inner_text() for c in ("actual", "baseline", "whatif", "delta")]
-            delta = cols["delta"][f]
-            assert cells == [run.number(cols["actual"][f]), run.number(cols["baseline"][f]),
-                             run.number(cols["whatif"][f]), f"{delta:+g}" if delta else ""], (team, f)
+            assert cells == [run.cell(f, cols["actual"][f], currency), run.cell(f, cols["baseline"][f], currency),
+                             run.cell(f, cols["whatif"][f], currency),
+                             run.delta_cell(f, cols["delta"][f], currency)], (team, f)
+            if f == "wait_p50_s" and cols["actual"][f]:
+                assert cells[0].endswith((" s", " min", " h")), cells  # a duration, not bare seconds
+            if f == "cost" and cols["actual"][f]:
+                assert cells[0].endswith(f" {currency}"), cells
     assert any(page.locator("#whatif-teams td.delta").all_inner_texts())  # the change did something
 
     page.fill("#queues", "queues: [")
@@ -98,6 +103,6 @@ def test_a_member_has_no_what_if_page(whatif_stack, browser):  # noqa: F811
     page = login(browser, whatif_stack, "alice")
     assert "What-if" not in page.inner_text("nav")
     page.goto(f"{whatif_stack.url}/console/whatif")
-    assert "The what-if is for operators." in page.inner_text("#error")
+    assert "What-if is for operators and admins" in page.inner_text("#error")
     with whatif_stack.client("alice") as client:
         assert client.post("/console/whatif", data={"queues": CHANGES}).status_code == 403

@@ -25,6 +25,7 @@ from decimal import Decimal
 import pytest
 
 from runtime import eventlog
+from schemas.wording import duration
 from tests.api.recorded import JOBS, QUEUES, history
 from tests.api.stack import ApiStack
 
@@ -112,7 +113,7 @@ def test_chargeback_totals_per_team_are_one_statement(door_stack):
     assert by_api["provisional"] is True and by_api["statement_id"]
     totals = {line["key"]: line["total_cost"] for line in by_api["lines"]}
     assert set(totals) >= {"team-a", "team-b"} and all(Decimal(v) > 0 for v in totals.values()), totals
-    shown = dict(re.findall(r'<tr data-team="([^"]+)">.*?<td class="total">([0-9.]+)</td>', page, re.S))
+    shown = dict(re.findall(r'<tr data-team="([^"]+)">.*?<td class="total">([0-9.]+) [A-Z]{3}</td>', page, re.S))
     assert shown == totals  # the statement's own figures, to the cent
     assert f"<th>total ({by_api['currency']})</th>" in page
 
@@ -200,12 +201,12 @@ def test_wait_percentiles_have_one_definition(door_stack, team, holder):
     with sdk(door_stack, holder) as client:
         by_sdk = client.summary()["wait_s"]
     page = console(door_stack, holder, "/console")
-    shown = re.search(r"p50 ([0-9.–]+) s,\s*p95 ([0-9.–]+) s", page)
+    shown = re.search(r"p50 ([^,]+),\s*p95 (.+?) over", page)
 
     by_api = summary["wait_s"]
     assert by_api == by_sdk
     assert by_cli == {0.5: by_api["p50"], 0.95: by_api["p95"]}, (by_cli, by_api)
-    assert shown is not None and shown.groups() == (f"{by_api['p50']:.1f}", f"{by_api['p95']:.1f}")
+    assert shown is not None and shown.groups() == (duration(by_api["p50"]), duration(by_api["p95"]))  # in words
     assert by_api["p50"] is not None and by_api["p50"] > 0
 
 

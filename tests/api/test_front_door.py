@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 
 from markupsafe import Markup
 
-from gpusched.api.console import svg_chart, templates
+from gpusched.api.charts import Series, time_chart
+from gpusched.api.console import templates
 from tests.api.stack import job_document
 from tests.api.test_console import browser, login  # noqa: F401  (browser: the module's fixture)
 
@@ -144,13 +146,15 @@ def test_a_hostile_string_is_text_on_the_page_and_in_its_live_refresh(browser, a
 
 
 def test_charts_are_markup_built_from_escaped_parts():
-    svg = svg_chart([1, None, 3])
+    times = [datetime(2026, 12, 7, tzinfo=UTC) + timedelta(minutes=30 * i) for i in range(3)]
+    svg = time_chart(times, [Series(HOSTILE, [1, None, 3])], HOSTILE)  # a series and a unit named by an attacker
     assert isinstance(svg, Markup)  # the template inserts it as is: no |safe on anything else
+    assert "<script>" not in svg and svg.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 5  # 2 dots, legend; unit ×2
     page = templates.get_template("charts.html").render(
-        me=None, hours=24, first=None, last=None,
-        charts=[(HOSTILE, HOSTILE, HOSTILE), ("ok", svg, "3")])
+        me=None, hours=24, first=times[0], last=times[-1], bucket="30 min",
+        charts=[(HOSTILE, HOSTILE, HOSTILE, HOSTILE), ("ok", "ok", "", svg)])
     assert "<script>" not in page and "<svg onload" not in page and "<img src=x" not in page
-    assert page.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 3  # title, a str passed as the SVG, the value
+    assert page.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 4 + 5  # id, title, note, a str passed as the SVG
     assert str(svg) in page
 
 
