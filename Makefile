@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml sdk/pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-unit test-integration test-e2e test-chaos test-k8s bench bench-k8s bench-placement schemas lint clean promtool natscli otelcol chromium publishing-examples verifiers focus-validator image
+.PHONY: help setup run test test-unit test-integration test-e2e test-e2e-heavy test-chaos test-k8s tools bench bench-k8s bench-placement schemas lint clean promtool natscli otelcol chromium publishing-examples verifiers focus-validator image
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -23,11 +23,28 @@ $(STAMP): pyproject.toml sdk/pyproject.toml
 run: setup ## Run NATS, Postgres, the seven services and the API/console with the demo workload (Ctrl-C stops; CLUSTERS=east,west: one sim executor per cluster)
 	$(BIN)/gpusched dev up $(if $(CLUSTERS),--clusters $(CLUSTERS)) $(ARGS)
 
-test: setup natscli otelcol chromium publishing-examples verifiers focus-validator ## Unit, integration and end-to-end tests (real nats-server, Postgres and Chromium)
-	GPUSCHED_REQUIRE_BROWSER=$${GPUSCHED_REQUIRE_BROWSER:-1} $(BIN)/python -m pytest -q tests e2e $(ARGS)
+# The end-to-end runs only CI makes (`make test-e2e-heavy`, in .ci/run after `make test`): each brings up a
+# whole stack for a minute or more, and the chaos run (`make test-chaos`) holds the same guarantees at a
+# larger scale: every service, nats-server and Postgres killed -9 under load.
+HEAVY_E2E := e2e/test_month_close_on_run_stack.py e2e/test_e2e.py::test_500_jobs_survive_kill_9_of_every_service \
+             e2e/test_restarts.py
+# The test tools built from the package registries (scripts/*.sh: once per machine, under a lock)
+BUILT_TOOLS := natscli otelcol publishing-examples verifiers focus-validator
+# pytest-xdist workers for the unit tier (a test file per worker at a time)
+UNIT_WORKERS ?= $(shell nproc)
+# pytest-xdist workers for tests/ but the unit tier in `make test` (0: one process; e2e/ runs in one; docs/testing.md)
+REST_WORKERS ?= 2
 
-test-unit: setup ## Pure cores only (fast)
-	$(BIN)/python -m pytest -q tests/unit $(ARGS)
+test: setup ## Unit tier while the test tools build (`make -j tools`, once per machine), then integration, API and executor tests (REST_WORKERS workers), then e2e/ but HEAVY_E2E (real nats-server, Postgres and Chromium)
+	@UNIT_WORKERS=$(UNIT_WORKERS) REST_WORKERS=$(REST_WORKERS) BUILT_TOOLS='$(BUILT_TOOLS)' bash scripts/test.sh $(addprefix --deselect=,$(HEAVY_E2E)) $(ARGS)
+
+test-unit: setup ## Pure cores only (fast; UNIT_WORKERS pytest-xdist workers)
+	$(BIN)/python -m pytest -q -n $(UNIT_WORKERS) --dist loadfile tests/unit $(ARGS)
+
+test-e2e-heavy: setup ## The end-to-end runs `make test` leaves to CI (HEAVY_E2E: the month close on make run's stack, 500 jobs under kill -9, broker and database restarts)
+	$(BIN)/python -m pytest -q $(HEAVY_E2E) $(ARGS)
+
+tools: chromium $(BUILT_TOOLS) ## Every tool the tests use, built or fetched once per machine (`make -j tools`: in parallel)
 
 test-integration: setup verifiers focus-validator ## Each service against real NATS and Postgres
 	$(BIN)/python -m pytest -q tests/integration $(ARGS)

@@ -11,6 +11,9 @@ for p in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 python3.13 "$HO
 done
 [ -n "$PY" ] || { echo "focus-validator $VERSION needs python3.12 or 3.13 (PATH or ~/.pyenv/versions); none runs here" >&2; exit 1; }
 VENV="${GPUSCHED_CACHE:-$HOME/.cache/gpusched}/focus-validator-$VERSION-$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"  # make -j tools and a test may ask at once: one installs, the other waits
+flock 9
 if [ ! -f "$VENV/.ok" ]; then
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"

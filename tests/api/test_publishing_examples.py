@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -62,8 +63,11 @@ def test_the_example_submits_and_reads_the_decision(api_stack, toolchains, nats_
     assert first.returncode == 0, first.stdout + first.stderr
     assert f"admitted {job_id}" in first.stdout
     with api_stack.client("alice") as alice:  # the platform has it, submitted by the team's credential
-        job = alice.get(f"/v1/jobs/{job_id}/events").json()
-        assert job[0]["type"] == "JobSubmitted" and job[0]["submitter"] == "team-a"
+        deadline = time.monotonic() + 30  # once accounting has read it: the admission answers first
+        while (reply := alice.get(f"/v1/jobs/{job_id}/events")).status_code == 404 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        job = reply.json()
+        assert job[0]["type"] == "JobSubmitted" and job[0]["submitter"] == "team-a", job
     again = run(job_id, "q-team-a", key)  # a retry: JetStream drops the copy, the decision stands
     assert again.returncode == 0 and f"admitted {job_id}" in again.stdout, again.stdout + again.stderr
     assert re.search(r'duplicate"?:? ?true', again.stdout.lower()), again.stdout

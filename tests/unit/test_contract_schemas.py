@@ -11,6 +11,7 @@ and event type (issue 21, deliverable 1).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -48,6 +49,13 @@ MODEL_ONLY_RULES = (
 SLOW = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 
 
+@functools.cache
+def documents(name: str) -> st.SearchStrategy:
+    """One strategy per type, built once and shared by the tests and their examples: building one
+    (a regex strategy per pattern) costs more than drawing a document from it."""
+    return from_schema(SCHEMAS[name])
+
+
 def model_accepts(name: str, document: Any) -> tuple[bool, str]:
     raw = json.dumps(document)
     try:
@@ -69,7 +77,7 @@ def test_every_command_and_event_type_has_a_schema():
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_documents_from_the_schema_are_accepted_by_the_model(name):
     @SLOW
-    @given(from_schema(SCHEMAS[name]))
+    @given(documents(name))
     def check(document):
         ok, why = model_accepts(name, document)
         assert ok or any(rule in why for rule in MODEL_ONLY_RULES), why
@@ -116,6 +124,7 @@ def _set(document: Any, path: tuple, value: Any) -> Any:
 
 
 _DROP = object()
+_CHANGES = st.one_of(_mutations(None), st.just(_DROP), st.just("extra-field"))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -123,11 +132,11 @@ def test_a_document_changed_in_one_place_is_refused_by_both_or_neither(name):
     @SLOW
     @given(st.data())
     def check(data):
-        document = data.draw(from_schema(SCHEMAS[name]))
+        document = data.draw(documents(name))
         if not model_accepts(name, document)[0]:
             return  # broke a model-only rule already (the test above checks which)
         path = data.draw(st.sampled_from(_paths(document)))
-        change = data.draw(st.one_of(_mutations(None), st.just(_DROP), st.just("extra-field")))
+        change = data.draw(_CHANGES)
         if change == "extra-field":
             path, change = (*path, "unknown_field"), 1
             if not isinstance(_get(document, path[:-1]), dict):
