@@ -127,10 +127,16 @@ class ConsumerLost(nats.errors.Error):
     reader's own position."""
 
 
+class ReadEndedEarly(nats.errors.Error):
+    """A read of the log ended before the sequence it was to reach, without an error from the
+    broker (seen on a JetStream cluster while its leaders change): nothing past what was read
+    may be taken as folded; read again from the reader's own position."""
+
+
 TRANSIENT_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
                     nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
                     nats.errors.OutboundBufferLimitError, nats.errors.FlushTimeoutError,
-                    ServiceUnavailableError, asyncio.TimeoutError, ConsumerLost)
+                    ServiceUnavailableError, asyncio.TimeoutError, ConsumerLost, ReadEndedEarly)
 """What a broker restart or a slow broker raises (JetStream answers 503 until it has recovered its
 store): try again later, after :func:`retry_delay`."""
 

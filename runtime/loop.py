@@ -193,9 +193,17 @@ class DecisionService:
                     log.warning("passed over a poison event", extra={"sequence": eventlog.sequence(msg),
                                                                      "reason": reason[:500]})
             count += len(msgs)
-        self.applied_seq = max(self.applied_seq, end)
+        self._read_to(end)
         (log.info if count else log.debug)("folded the log in", extra={"events": count, "last_sequence": end})
         return end
+
+    def _read_to(self, end: int) -> None:
+        """After a read of the log up to ``end``: every message up to it was folded (the event
+        stream's sequences have no gaps), or the read ended early and the position stays where
+        the read got to. Taking ``end`` as read anyway would leave events out of the state for
+        good (a scheduler then preempting a job that had ended, again and again)."""
+        if self.applied_seq < end:
+            raise eventlog.ReadEndedEarly(f"the read of the log ended at sequence {self.applied_seq}, before {end}")
 
     async def wait_caught_up(self) -> None:
         """Until the state includes every event this service appended."""
@@ -469,7 +477,7 @@ class DecisionService:
             for msg in msgs:
                 if not await self._fold_live(js, msg):
                     return False
-        self.applied_seq = max(self.applied_seq, end)
+        self._read_to(end)
         return True
 
     async def _handle_batch(self, js, appender: eventlog.EventLog, msgs: list[Msg]) -> None:

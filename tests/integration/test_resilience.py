@@ -181,3 +181,36 @@ async def test_what_the_durable_consumer_delivers_to_another_process_is_read_fro
 
 async def _all_reserved(js, count: int) -> bool:
     return all([await reserved(js, f"k{i}") for i in range(count)])
+
+
+async def test_a_read_of_the_log_that_ends_early_is_read_again_not_taken_as_whole(nats_server, admin_js, monkeypatch):
+    """A cluster changing leaders can end a read of the log before the sequence it was to reach,
+    without an error (the cluster chaos run saw a scheduler skip a job's JobSucceeded this way and
+    preempt the ended job for ever). The fault is put in here: the first read stops after two
+    messages. The rebuild raises ReadEndedEarly with the position where the read got to, and the
+    next rebuild folds the rest."""
+    log = eventlog.EventLog(admin_js)
+    await log.append(queue())
+    for k in range(3):
+        await job(log, f"early-{k}")
+    end = await eventlog.last_sequence(admin_js)
+    real = eventlog.read_batches
+
+    async def ends_early(js, **kwargs):
+        async for msgs in real(js, **kwargs):
+            yield msgs[:2]
+            return
+    core = FaultyCore()
+    service = quota(nats_server, core)
+    js = admin_js
+    monkeypatch.setattr(eventlog, "read_batches", ends_early)
+    try:
+        await service.rebuild(js)
+    except eventlog.ReadEndedEarly as err:
+        assert f"ended at sequence 2, before {end}" in str(err)
+    else:
+        raise AssertionError("a read that ended early was taken as the whole log")
+    assert service.applied_seq == 2 and len(core.folded) == 2
+    monkeypatch.setattr(eventlog, "read_batches", real)
+    assert await service.rebuild(js) == end
+    assert service.applied_seq == end and len(core.folded) == end
