@@ -320,6 +320,7 @@ class ChaosRun:
                                        final.model_dump_json().encode(), "submit-final")
         say(f"final command published (intake sequence {self.final_seq}); waiting for every job to end")
         await self._until(self._all_ended, self.config.drain_s, "every admitted job ended")
+        self.stack.quiet()  # the sim executor's telemetry would keep the log moving
         await self._until(self._projection_caught_up, 120, "accounting applied the whole log")
 
     async def _all_ended(self) -> bool:

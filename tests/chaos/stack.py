@@ -5,6 +5,7 @@ the same data directory), and restarts and records any service that exits on its
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -128,6 +129,21 @@ class Stack:
             self.procs.start(name)
         self.exits += found
         return found
+
+    def quiet(self) -> None:
+        """Stop the executors (SIGTERM: a clean exit) once every job has ended. The sim executor
+        reports GPU telemetry on its own clock, a window every few wall seconds, so with it
+        running the log never stays quiet long enough to compare the ledger with a rebuild at
+        one position (a rebuild goes to where live was when it started)."""
+        for name, proc in self.procs.procs.items():
+            if name.startswith("executor") and proc.poll() is None:
+                self.down.add(name)  # not restarted by restart_exited
+                proc.terminate()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
     def stop(self) -> None:
         if self.procs is not None:
