@@ -7,13 +7,10 @@ telemetry")."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import subprocess
 import sys
 import time
-import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -27,7 +24,7 @@ from schemas import JobScheduled, JobSpec, JobSubmitted, NodeTelemetryReported, 
 from schemas.job import NodeAssignment
 from services.executor.sim import ANN_UTILIZATION, TELEMETRY_SAMPLES
 from tests.integration.test_accounting_ledger import promtool_check
-from tests.integration.test_telemetry import caught_up, events, series
+from tests.integration.test_telemetry import accounting_metrics, events, series
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = """groups:
@@ -60,21 +57,6 @@ def sim_executor(nats_server, tmp_path, clock):
     proc.wait(10)
 
 
-@contextlib.asynccontextmanager
-async def accounting_metrics(nats_server, admin_js, pg_dsn: str, clock: dict[str, str]):
-    """The accounting process on the executor's platform clock: its /metrics once caught up."""
-    port = devstack.free_port()
-    proc = start("accounting", {**nats_server.env("accounting"), **clock, "GPUSCHED_PG_DSN": pg_dsn,
-                                "GPUSCHED_METRICS_PORT": str(port)})
-    try:
-        await eventually(lambda: caught_up(admin_js, pg_dsn), timeout_s=30)
-        yield await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                                                     timeout=10).read())
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 async def test_the_sim_executor_reports_simulated_utilization_to_the_metrics(nats_server, admin_js, pg_dsn, clock,
                                                                             sim_executor):
     log = eventlog.EventLog(admin_js)
@@ -102,7 +84,7 @@ async def test_the_sim_executor_reports_simulated_utilization_to_the_metrics(nat
     assert [(r.gpus[0].utilization, r.gpus[1].utilization, r.gpus[1].allocated_utilization) for r in held[:2]] == \
         [(0.0, 0.7, 0.7)] * 2
 
-    async with accounting_metrics(nats_server, admin_js, pg_dsn, clock) as body:
+    async with accounting_metrics(nats_server, admin_js, pg_dsn, clock) as body:  # the executor's clock
         conn = await asyncpg.connect(pg_dsn)
         try:
             rows = await conn.fetch("SELECT DISTINCT source FROM gpu_telemetry")

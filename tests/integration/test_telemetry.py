@@ -87,12 +87,13 @@ async def caught_up(js, dsn: str) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def accounting_metrics(nats_server, admin_js, pg_dsn: str) -> AsyncIterator[bytes]:
+async def accounting_metrics(nats_server, admin_js, pg_dsn: str,
+                             extra: dict[str, str] | None = None) -> AsyncIterator[bytes]:
     """The accounting process, run until the block ends: its /metrics once it has caught up
-    with the log."""
+    with the log. ``extra``: more of its environment (another process's platform clock)."""
     port = devstack.free_port()
     env = {**os.environ, **nats_server.env("accounting"), "GPUSCHED_PG_DSN": pg_dsn,
-           "GPUSCHED_METRICS_PORT": str(port), "GPUSCHED_TICK_S": "0.05"}
+           "GPUSCHED_METRICS_PORT": str(port), "GPUSCHED_TICK_S": "0.05", **(extra or {})}
     proc = subprocess.Popen([sys.executable, "-m", "services.accounting"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
