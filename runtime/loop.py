@@ -59,6 +59,7 @@ from schemas.registry import event_subject, parse_event
 log = logging.getLogger(__name__)
 
 APPEND_WINDOW = 128  # appends in flight at once (different aggregates only)
+STOP_GRACE_S = 3.0  # on stop(), how long the side loop may take to end its pass (a fetch waits 1 s)
 LOG_EVERY_S = 30.0  # a failure that repeats every cycle is logged at most this often
 END_CHECK_EVERY_S = 1.0  # an idle main loop compares the log's end with its position at most this often
 
@@ -136,6 +137,7 @@ class DecisionService:
 
     def stop(self) -> None:
         self._stop.set()
+        self._caught_up.set()  # wait_caught_up returns: the main loop folds nothing more
 
     def passes_over(self, subject: str) -> bool:
         """Whether a message on ``subject`` surely changes nothing in the state, so that it need not
@@ -206,8 +208,8 @@ class DecisionService:
             raise eventlog.ReadEndedEarly(f"the read of the log ended at sequence {self.applied_seq}, before {end}")
 
     async def wait_caught_up(self) -> None:
-        """Until the state includes every event this service appended."""
-        while self.applied_seq < self.own_high_water:
+        """Until the state includes every event this service appended, or the service is stopped."""
+        while self.applied_seq < self.own_high_water and not self._stop.is_set():
             self._caught_up.clear()
             await self._caught_up.wait()
 
@@ -295,6 +297,11 @@ class DecisionService:
             if lease is not None:
                 tasks.append(asyncio.create_task(self._keep(lease)))
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if self._stop.is_set():
+                # A clean stop lets the side loop end its pass rather than cancel it: cancelled in
+                # a fetch, it would leave its pull request on the broker, which can hand the next
+                # intake command to this closing connection (redelivered only after ack_wait).
+                done, _ = await asyncio.wait(tasks, timeout=STOP_GRACE_S)
             # Any task ending ends the service: stop() ends the main loop; a side loop that fails
             # for anything but the broker, or a lost lease, takes the process down (its
             # supervisor restarts it).

@@ -114,7 +114,7 @@ class AdmissionService(DecisionService):
                                  name=lambda k: durable_names(self.name, k)[1])
         sub = await eventlog.durable_consumer(js, stream=eventlog.INTAKE_STREAM, durable=self.intake_durable,
                                               backoff=False)
-        while True:
+        while not self._stop.is_set():
             if not await self._lease_current():
                 return  # lost: the process ends (runtime.loop)
             msgs = await eventlog.fetch(sub, self.settings.batch_size, 1.0)

@@ -238,3 +238,16 @@ async def test_a_partition_starting_alone_starts_where_partition_0_stopped(nats_
     assert [e.type for e in await events(js) if e.aggregate_id == "earlier"] == ["JobSubmitted", "JobAdmitted"]
     await js.stream_info(lease.stream("admission-p1"))
     await js.stream_info(snapshot.stream("admission-p1"))  # saved on the clean stop
+
+
+async def test_a_stopped_admission_leaves_no_pull_request_on_the_broker(nats_server, configured):
+    """A clean stop lets the intake fetch end: a pull request left waiting on the broker would take
+    the next command to the closed connection, for another admission only after ack_wait (30 s)."""
+    js = configured
+    service = partition(nats_server, 0, count=1)
+    async with running(service):
+        await submit(js, "team-a", "first")
+        await eventually(lambda: _admitted(js, "first"))
+        await asyncio.sleep(0.3)  # a fetch is waiting on the broker now
+    info = await js.consumer_info(eventlog.INTAKE_STREAM, "admission-intake")
+    assert info.num_waiting == 0
