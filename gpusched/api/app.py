@@ -216,8 +216,13 @@ def create_app(settings: ApiSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         runtime = settings.runtime
+        # Not ready before the app has started and Postgres has answered (health.watch below). The
+        # pool opens its connections when first used: a Postgres away at start is waited for, not
+        # a reason to exit.
+        health.HEALTH.waiting_for("startup")
+        health.HEALTH.waiting_for("postgres")
         nc = await eventlog.connect(runtime, "api")
-        pool = await asyncpg.create_pool(runtime.pg_dsn, min_size=1, max_size=10)
+        pool = await asyncpg.create_pool(runtime.pg_dsn, min_size=0, max_size=10)
         broker = bus.new_broker(runtime)
         subscribed, hub = answers.Subscribed(), bus.Hub(nc)
         publishers = bus.declare_publishers(broker)
@@ -231,6 +236,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         app.state.broker = broker
         # /readyz on the metrics port: not ready while Postgres (tokens, every read) does not answer
         postgres = asyncio.create_task(health.watch("postgres", lambda: pool.fetchval("SELECT 1")))
+        health.HEALTH.done("startup")
         try:
             yield
         finally:

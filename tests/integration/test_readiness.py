@@ -86,3 +86,28 @@ async def test_accounting_and_the_api_are_ready_only_when_caught_up_and_postgres
                 p.kill()
         if pg.alive():
             pg.stop()
+
+
+async def test_the_api_started_while_postgres_is_away_waits_for_it_and_is_not_ready_until_it_answers(
+        nats_server, tmp_path):
+    pg = devstack.Postgres(tmp_path / "pg", fsync=False).start()  # its port and password, then away
+    pg.stop()
+    api_port, api_http = devstack.free_ports(2)
+    env = {**os.environ, **nats_server.env("api"), "GPUSCHED_PG_DSN": pg.dsn, "GPUSCHED_API_PORT": str(api_http),
+           "GPUSCHED_METRICS_PORT": str(api_port), "GPUSCHED_LOG_FORMAT": "text"}
+    proc = subprocess.Popen([sys.executable, "-m", "gpusched.api"], cwd=REPO, env=env,
+                            stdout=open(tmp_path / "api.log", "ab"), stderr=subprocess.STDOUT)
+    try:
+        await eventually(_waiting(api_port, "postgres"), timeout_s=60)
+        assert proc.poll() is None, "the API exited instead of waiting for Postgres"
+        pg.start()
+        await eventually(_ready(api_port), timeout_s=60)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if pg.alive():
+            pg.stop()
