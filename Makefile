@@ -106,8 +106,8 @@ otelcol: ## Build the OpenTelemetry Collector (OTLP in, file out; Go module prox
 image: ## Build the services image gpusched:<version> from deploy/Dockerfile with buildah (installs Debian's as root; GPUSCHED_BASE_IMAGE=mirror; skipped with a message when it cannot)
 	@bash scripts/image.sh
 
-bench-placement: setup ## Placement on the Alibaba trace under the FGD paper's protocol, 10 seeds, beside its simulator (~20 min; ARGS="--peer DIR" runs it too)
-	$(BIN)/python -m bench.placement $(ARGS)
+bench-placement: setup ## Placement on the Alibaba trace under the FGD paper's protocol, 10 seeds, beside its simulator (~20 min; ARGS="--peer DIR" runs it too; LISTS=DIR: the paper's 16 variant lists, ~80 min)
+	$(BIN)/python -m bench.placement $(if $(LISTS),--lists $(LISTS)) $(ARGS)
 
 bench-k8s: setup ## Kubernetes backend on the test control plane: Jobs created/s beside the raw API create rate, watch-to-event latency
 	tests/executor/controlplane/build.sh >/dev/null

@@ -3,6 +3,7 @@ it (`gpusched sim --protocol fgd`), beside that simulator's own results.
 
     python -m bench.placement [--seeds 42-51] [--policy P ...] [--variant gpuspec20] [--json PATH]
                               [--draws go|python] [--peer DIR [--peer-seeds 42]]
+    python -m bench.placement --lists DIR [--only cpu250,gpuspec20] [--seeds 42-51] [--policy P ...]
 
 Each (policy, seed) runs the platform's own cores (gpusched.sim.trace: QuotaCore, SchedulerCore,
 SimExecutorCore) in a worker process, two at a time; its wall time and peak memory are the
@@ -18,6 +19,13 @@ runs takes about 40 minutes on a 2-core machine, so it runs on --peer-seeds only
 
 --variant KIND+LEVEL (cpu250, gpuspec20, gpushare40, multigpu30, ...) rebuilds one of the peer's
 variant pod lists from the default one (bench/podlists.py); --pods PATH reads any pod list.
+
+--lists DIR runs the policies (default: fgd-balance alone) on the peer's own variant lists, the 16 it reports (PEER_VARIANTS:
+cpu050-250, gpushare40-100, gpuspec10-33, multigpu20-50), read from DIR as
+openb_pod_list_<list>.csv (the node list: DIR's openb_node_list_gpu_node.csv if there, else the
+trace's), and prints one table: each list, the peer's committed BestFit and FGD 10-seed means at
+100 % arrived, and each policy's mean over --seeds beside them. The lists are not shipped with
+gpusched: they are the Alibaba trace repository's (LISTS_SOURCE below).
 """
 
 from __future__ import annotations
@@ -65,6 +73,10 @@ PEER_VARIANTS: dict[str, tuple[float, float]] = {
     "gpuspec25": (85.67, 93.91), "gpuspec33": (80.39, 87.84), "multigpu20": (93.73, 95.53),
     "multigpu30": (94.57, 96.36), "multigpu40": (95.10, 96.91), "multigpu50": (95.62, 97.09),
 }
+
+
+LISTS_SOURCE = ("the Alibaba trace repository, https://github.com/alibaba/clusterdata, "
+                "folder cluster-trace-gpu-v2023/csv (the FGD paper's pod lists)")
 
 
 # SHA-256 of the shipped trace's files (= the peer's data/csv/openb_node_list_gpu_node.csv and
@@ -158,6 +170,82 @@ def main(args) -> dict:
             "peer": committed}
 
 
+def real_lists(directory: Path, names: list[str]) -> dict[str, Path]:
+    """The pod list file in ``directory`` of each of ``names`` (keys of PEER_VARIANTS)."""
+    unknown = [n for n in names if n not in PEER_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--only {','.join(unknown)}: not a list the peer reports; accepted: {', '.join(PEER_VARIANTS)}")
+    if not directory.is_dir():
+        raise SystemExit(f"--lists {directory}: not a directory; give the directory that holds the pod lists "
+                         f"openb_pod_list_<list>.csv from {LISTS_SOURCE}")
+    files = {n: directory / f"openb_pod_list_{n}.csv" for n in names}
+    missing = [str(f) for f in files.values() if not f.is_file()]
+    if missing:
+        raise SystemExit(f"--lists {directory}: missing {', '.join(missing)}; the lists come from {LISTS_SOURCE}: "
+                         "download them into one directory and give it to --lists")
+    return files
+
+
+def main_lists(directory: Path, names: list[str], nodes: Path, policies: list[str], seeds: list[int],
+               ratio: float, draws_wanted: str, workers: int) -> dict:
+    """Every (list, policy, seed) run in one pool; per list and policy the mean at 100 % arrived
+    beside the peer's committed BestFit and FGD."""
+    files = real_lists(directory, names)
+    if (directory / tracesim.NODE_FILE).is_file():
+        nodes = directory / tracesim.NODE_FILE
+    if not nodes.is_file():
+        raise SystemExit(f"the node list is missing ({nodes}, and {directory} has no {tracesim.NODE_FILE}); "
+                         "give --nodes PATH or put it beside the pod lists")
+    draws, draws_line = draws_kind(draws_wanted)
+    jobs = [(name, policy, seed) for name in names for policy in policies for seed in seeds]
+    with ProcessPoolExecutor(max_workers=workers, max_tasks_per_child=1) as pool:
+        runs = list(pool.map(run_one, *zip(*[(str(nodes), str(files[n]), p, s, ratio, draws) for n, p, s in jobs])))
+    for (name, _, _), run in zip(jobs, runs):
+        run["list"] = name
+    return {"seeds": seeds, "ratio": ratio, "draws": draws, "draws_line": draws_line, "lists_dir": str(directory),
+            "nodes": str(nodes), "runs": runs, "table": list_table(runs, names, policies)}
+
+
+def list_table(runs: list[dict], names: list[str], policies: list[str]) -> list[dict]:
+    """One row per (list, policy): the peer's committed BestFit and FGD at 100 %, the policy's mean
+    over its seeds at 100 %, the difference from FGD, the seeds and their values."""
+    at = POINTS.index(100)
+    rows = []
+    for name in names:
+        best_fit, fgd = PEER_VARIANTS[name]
+        for policy in policies:
+            mine = sorted(((r["seed"], r["curve"][at]) for r in runs if r["list"] == name and r["policy"] == policy))
+            values = [v for _, v in mine if v is not None]
+            mean = round(statistics.mean(values), 2) if values else None
+            rows.append({"list": name, "peer_best_fit": best_fit, "peer_fgd": fgd, "policy": policy, "mean": mean,
+                         "delta_vs_fgd": None if mean is None else round(mean - fgd, 2),
+                         "seeds": [s for s, _ in mine], "per_seed": [v for _, v in mine],
+                         "wall_s": statistics.median(r["wall_s"] for r in runs
+                                                     if r["list"] == name and r["policy"] == policy)})
+    return rows
+
+
+def report_lists(r: dict) -> None:
+    seeds = r["seeds"]
+    print(f"\ngpusched bench — placement on the peer's pod lists ({r['lists_dir']}), the FGD paper's protocol "
+          f"(tune {r['ratio']}); allocated share of GPU capacity at 100 % arrived, %")
+    span = f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else ",".join(map(str, seeds))
+    print(f"  tasks: {r['draws_line']}; peer: its committed 10-seed means (seeds 42-51); gpusched: seeds {span}")
+    print(f"  {'list':<12}{'peer BestFit':>13}{'peer FGD':>10}  {'gpusched policy':<16}{'mean':>8}{'vs FGD':>9}"
+          f"{'s / run':>9}   per seed")
+    for row in r["table"]:
+        mean = f"{row['mean']:>8.2f}" if row["mean"] is not None else f"{'-':>8}"
+        delta = f"{row['delta_vs_fgd']:>+9.2f}" if row["delta_vs_fgd"] is not None else f"{'-':>9}"
+        per_seed = " ".join(f"{s}:{v:.2f}" if v is not None else f"{s}:-" for s, v in zip(row["seeds"], row["per_seed"]))
+        print(f"  {row['list']:<12}{row['peer_best_fit']:>13.2f}{row['peer_fgd']:>10.2f}  {row['policy']:<16}{mean}{delta}"
+              f"{row['wall_s']:>9.0f}   {per_seed}")
+    for policy in dict.fromkeys(row["policy"] for row in r["table"]):
+        deltas = [row["delta_vs_fgd"] for row in r["table"] if row["policy"] == policy and row["delta_vs_fgd"] is not None]
+        if deltas:
+            print(f"  {policy}: above the peer's FGD on {sum(d > 0 for d in deltas)} of {len(deltas)} lists "
+                  f"(difference min {min(deltas):+.2f}, median {statistics.median(deltas):+.2f}, max {max(deltas):+.2f})")
+
+
 def variant_of(text: str) -> tuple[str, int]:
     m = re.fullmatch(rf"({'|'.join(podlists.KINDS)})(\d+)", text)
     if m is None:
@@ -214,6 +302,10 @@ if __name__ == "__main__":
     parser.add_argument("--nodes", type=Path, default=None, help="a node list (default: the trace's)")
     parser.add_argument("--pods", type=Path, default=None, help="a pod list (default: the trace's)")
     parser.add_argument("--variant", default=None, help="rebuild a variant of the pod list: cpu250, gpuspec20, ...")
+    parser.add_argument("--lists", type=Path, default=None,
+                        help="a directory with the peer's pod lists (openb_pod_list_<list>.csv, from the Alibaba "
+                             "trace repository's cluster-trace-gpu-v2023/csv): run every list it reports")
+    parser.add_argument("--only", default=None, help="with --lists: these lists only, comma-separated (cpu250,gpuspec20)")
     parser.add_argument("--draws", choices=("go", "python"), default="go")
     parser.add_argument("--peer", dest="peer_src", type=Path, default=None,
                         help="a checkout or a bare clone of hkust-adsl/kubernetes-scheduler-simulator "
@@ -222,8 +314,21 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    args.policy = args.policy or ["best-fit", "fgd", "fgd-spread", "fgd-balance"]
+    # --lists: 16 lists x 10 seeds of one policy already take about 80 minutes on two cores
+    args.policy = args.policy or (["fgd-balance"] if args.lists else ["best-fit", "fgd", "fgd-spread", "fgd-balance"])
     args.nodes = args.nodes or args.trace / tracesim.NODE_FILE
+    if args.lists is not None:
+        if args.variant or args.pods or args.peer_src:
+            raise SystemExit("--lists runs the peer's own lists: give it without --variant, --pods and --peer")
+        names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else list(PEER_VARIANTS)
+        result = main_lists(args.lists, names, args.nodes, args.policy, seeds_of(args.seeds), args.ratio, args.draws,
+                            args.workers)
+        report_lists(result)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        raise SystemExit(0)
+    if args.only:
+        raise SystemExit("--only selects among --lists: give --lists DIR too")
     args.pods = args.pods or args.trace / tracesim.POD_FILE
     if not args.nodes.exists() or not args.pods.exists():
         raise SystemExit(f"the node or pod list is missing ({args.nodes}, {args.pods}); "

@@ -16,9 +16,12 @@ Policies (docs/scheduling.md):
 * ``fgd-balance``: ``fgd-spread`` with one more key between the score and the order: the growth
   of the node's *CPU deficit*, the CPU it would lack to serve its free GPU capacity at the
   workload's CPU per GPU (``Workload.cpu_per_milli``). Among equally fragmenting choices it takes
-  the one that keeps CPU and GPU in step, so GPUs are not stranded behind used-up CPU. A
-  CPU-only task goes to the node with the fewest free GPU thousandths (then the order), as in
-  ``best-fit``: its CPU is least needed there.
+  the one that keeps CPU and GPU in step, so GPUs are not stranded behind used-up CPU. The
+  deficit counts only on nodes of a GPU model that no class of the workload is restricted to
+  (``Workload.restricted_models``): it draws CPU-light work to CPU-poor nodes, and where those
+  are of a model that restricted tasks need, that work would take their GPUs (there, ties go to
+  the order, as in ``fgd-spread``). A CPU-only task goes to the node with the fewest free GPU
+  thousandths (then the order), as in ``best-fit``: its CPU is least needed there.
 
 A request is one gang member's share (``gpus`` whole GPUs or one ``milli`` fraction), repeated on
 ``gang`` distinct nodes, all or nothing. A gang takes the smallest topology domain that holds all
@@ -233,6 +236,8 @@ class Workload:
         gpu = sum(p * _class_milli(c) for c, p in dist.items())
         cpu_asked = sum(p * millis for (c, _), pairs in (cpu or {}).items() if c != 0 for millis, p in pairs)
         self.cpu_per_milli: float | None = cpu_asked / gpu if cpu is not None and gpu else None
+        # the GPU models some class is restricted to (any one of its models): tasks that cannot go elsewhere want them
+        self.restricted_models: frozenset[str] = frozenset().union(*(models for (_, models) in (cpu or {})))
 
     @classmethod
     def of_requests(cls, requests: dict[tuple, float]) -> "Workload":
@@ -300,18 +305,20 @@ def _score(policy: Policy, name: str, free: tuple[int, ...], req: Request, dist:
         return (-local, left, name)
     if policy.integer_scored:
         return (-local, *_integer_key(policy, name, free, after, cpu, req, dist,
-                                      _fgd_delta(free, req, dist, cpu, model)))
+                                      _fgd_delta(free, req, dist, cpu, model), model))
     return (-local, round(_fgd_delta(free, req, dist), 6), left, name)
 
 
 def _integer_key(policy: Policy, name: str, free, after, cpu: int | None, req: Request, dist: Workload,
-                 growth: float) -> tuple:
+                 growth: float, model: str | None = None) -> tuple:
     """``fgd-spread`` and ``fgd-balance``: the integer score, the CPU deficit's growth (0 for
-    ``fgd-spread``, and where the node's CPU or the workload's is not known), the order.
-    ``fgd-balance`` puts a CPU-only task where the fewest GPU thousandths are free."""
+    ``fgd-spread``, where the node's CPU or the workload's is not known, and on a node of a GPU
+    model that some class of the workload is restricted to), the order. ``fgd-balance`` puts a
+    CPU-only task where the fewest GPU thousandths are free."""
     if policy == Policy.FGD_BALANCE and req.gpus == 0:
         return (sum(free), 0, spread_rank(name))
-    if policy == Policy.FGD_BALANCE and cpu is not None and dist.cpu_per_milli is not None:
+    if policy == Policy.FGD_BALANCE and cpu is not None and dist.cpu_per_milli is not None \
+            and model not in dist.restricted_models:
         deficit = cpu_deficit_growth(sum(free), sum(after), cpu, cpu - req.cpu, dist.cpu_per_milli)
         return (spread_score(growth), round(deficit), spread_rank(name))
     return (spread_score(growth), 0, spread_rank(name))
@@ -369,7 +376,8 @@ def _best_node_fgd_cpu(inv, flavors, req: Request, policy: Policy, dist: Workloa
                 continue
             if group not in growth:
                 growth[group] = _fgd_delta(shape[1], req, dist, cpu, node.info.gpu_product)
-            score = _integer_key(policy, name, shape[1], after, cpu, req, dist, growth[group]) if spread else \
+            score = _integer_key(policy, name, shape[1], after, cpu, req, dist, growth[group],
+                                 node.info.gpu_product) if spread else \
                 (round(growth[group], 6), sum(after), name)
             if best is None or score < best:
                 best, chosen = score, node

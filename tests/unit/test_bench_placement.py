@@ -118,3 +118,44 @@ def test_peer_input_documents_follow_its_csv_to_yaml(tmp_path):
     assert profile["plugins"]["score"]["enabled"] == [{"name": "FGDScore", "weight": 1000}]
     with pytest.raises(peer.PeerUnavailable, match="not a checkout"):
         peer.source(tmp_path)
+
+
+def test_real_lists_run_each_list_beside_the_peers_committed_figures(trace_dir, tmp_path, capsys):
+    from bench import placement
+
+    lists = tmp_path / "lists"
+    lists.mkdir()
+    for name in ("cpu050", "gpuspec20"):  # two of the peer's lists, both the tiny trace's pods here
+        shutil.copy(trace_dir / POD_FILE, lists / f"openb_pod_list_{name}.csv")
+    shutil.copy(trace_dir / NODE_FILE, lists / NODE_FILE)
+    r = placement.main_lists(lists, ["cpu050", "gpuspec20"], tmp_path / "absent.csv", ["best-fit"], [42, 43],
+                             1.3, "python", 2)
+    assert r["nodes"] == str(lists / NODE_FILE)  # the directory's node list when it has one
+    assert [(row["list"], row["policy"], row["seeds"]) for row in r["table"]] == [
+        ("cpu050", "best-fit", [42, 43]), ("gpuspec20", "best-fit", [42, 43])]
+    at = placement.POINTS.index(100)
+    for row in r["table"]:
+        assert (row["peer_best_fit"], row["peer_fgd"]) == placement.PEER_VARIANTS[row["list"]]
+        runs = [x for x in r["runs"] if x["list"] == row["list"]]
+        assert row["per_seed"] == [x["curve"][at] for x in sorted(runs, key=lambda x: x["seed"])]
+        assert row["mean"] == round(sum(row["per_seed"]) / 2, 2)
+        assert row["delta_vs_fgd"] == round(row["mean"] - row["peer_fgd"], 2)
+    # the same pods under two names: the same figures
+    assert r["table"][0]["per_seed"] == r["table"][1]["per_seed"]
+    placement.report_lists(r)
+    out = capsys.readouterr().out
+    assert "cpu050" in out and "gpuspec20" in out and f"{placement.PEER_VARIANTS['gpuspec20'][1]:.2f}" in out
+    assert "best-fit: above the peer's FGD on" in out
+
+
+def test_real_lists_name_the_missing_file_and_where_the_lists_come_from(tmp_path):
+    from bench import placement
+
+    (tmp_path / "openb_pod_list_cpu050.csv").write_text("name\n")
+    with pytest.raises(SystemExit, match=r"missing .*openb_pod_list_cpu100\.csv.*cluster-trace-gpu-v2023/csv"):
+        placement.real_lists(tmp_path, ["cpu050", "cpu100"])
+    with pytest.raises(SystemExit, match="not a list the peer reports; accepted: cpu050"):
+        placement.real_lists(tmp_path, ["cpu075"])
+    with pytest.raises(SystemExit, match="not a directory"):
+        placement.real_lists(tmp_path / "nowhere", ["cpu050"])
+    assert set(placement.real_lists(tmp_path, ["cpu050"])) == {"cpu050"}

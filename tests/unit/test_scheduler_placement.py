@@ -386,6 +386,27 @@ def test_model_aware_fragmentation_keeps_constrained_models_for_their_tasks():
         assert list(placements(out)["j"]) == ["b-g2"], policy
 
 
+def test_fgd_balance_leaves_the_gpus_of_a_restricted_model_to_its_tasks():
+    from services.scheduler.placement import Workload
+
+    # The workload asks 4 cores per GPU; 2 % of it may run on V100 only. "v100" (4 GPUs, 12 cores)
+    # is 4 cores short, "g2" (4 GPUs, 64 cores) has CPU to spare; a 1-GPU, 1-core task ties on
+    # FGD's integer score on both (its growth differs by 0.02 GPU). The CPU deficit would draw it
+    # to "v100" (it eases the shortage there), onto a GPU the V100-only tasks need; on a node of a
+    # model some class is restricted to, the deficit does not count, and the order decides.
+    assert spread_rank("g2") < spread_rank("v100")
+    nodes = [node("g2", gpus=4, cpu_millis=64000, gpu_product="G2"),
+             node("v100", gpus=4, cpu_millis=12000, gpu_product="V100")]
+    task = spec(gpus=1, cpu_millis=1000)
+    restricted = Workload.of_requests({(1, 4000): 0.98, (1, 4000, frozenset({"V100"})): 0.02})
+    assert restricted.restricted_models == {"V100"} and restricted.cpu_per_milli == 4.0
+    assert spread_and_balance_pick(restricted, nodes, task) == (["g2"], ["g2"])
+    # with no class restricted to a model, the deficit acts as before
+    free = Workload.of_requests({(1, 4000): 0.98, (1, 4000, frozenset()): 0.02})
+    assert free.restricted_models == frozenset()
+    assert spread_and_balance_pick(free, nodes, task) == (["g2"], ["v100"])
+
+
 # -- property: constraints and capacity under every policy ---------------------------------------
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
