@@ -51,15 +51,13 @@ async def test_accounting_and_the_api_are_ready_only_when_caught_up_and_postgres
     for i in range(BACKLOG):
         await log.append(submitted(f"j{i}", spec(gpus=1)))
     backlog_end = await eventlog.last_sequence(admin_js)
-    acc_port, api_port, api_http = devstack.free_ports(3)
+    acc_port = devstack.free_ports(1)[0]
     procs: list[subprocess.Popen] = []
     try:
         procs.append(start(nats_server, "accounting", tmp_path / "accounting.log", acc_port,
                            GPUSCHED_PG_DSN=pg.dsn))
-        env = {**os.environ, **nats_server.env("api"), "GPUSCHED_PG_DSN": pg.dsn, "GPUSCHED_API_PORT": str(api_http),
-               "GPUSCHED_METRICS_PORT": str(api_port), "GPUSCHED_LOG_FORMAT": "text"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "gpusched.api"], cwd=REPO, env=env,
-                                      stdout=open(tmp_path / "api.log", "ab"), stderr=subprocess.STDOUT))
+        api, api_port = _start_api(nats_server, pg, tmp_path)
+        procs.append(api)
 
         # ready means caught up: the first ready answer comes after the backlog is in Postgres
         await eventually(_ready(acc_port), timeout_s=60, interval_s=0.02)
@@ -77,26 +75,14 @@ async def test_accounting_and_the_api_are_ready_only_when_caught_up_and_postgres
         await eventually(_ready(api_port), timeout_s=60)
         assert await _position(pg.dsn) >= backlog_end + 1
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if pg.alive():
-            pg.stop()
+        _stop(procs, pg)
 
 
 async def test_the_api_started_while_postgres_is_away_waits_for_it_and_is_not_ready_until_it_answers(
         nats_server, tmp_path):
     pg = devstack.Postgres(tmp_path / "pg", fsync=False).start()  # its port and password, then away
     pg.stop()
-    api_port, api_http = devstack.free_ports(2)
-    env = {**os.environ, **nats_server.env("api"), "GPUSCHED_PG_DSN": pg.dsn, "GPUSCHED_API_PORT": str(api_http),
-           "GPUSCHED_METRICS_PORT": str(api_port), "GPUSCHED_LOG_FORMAT": "text"}
-    proc = subprocess.Popen([sys.executable, "-m", "gpusched.api"], cwd=REPO, env=env,
-                            stdout=open(tmp_path / "api.log", "ab"), stderr=subprocess.STDOUT)
+    proc, api_port = _start_api(nats_server, pg, tmp_path)
     try:
         await eventually(_waiting(api_port, "postgres"), timeout_s=60)
         assert proc.poll() is None, "the API exited instead of waiting for Postgres"
@@ -104,10 +90,25 @@ async def test_the_api_started_while_postgres_is_away_waits_for_it_and_is_not_re
         await eventually(_ready(api_port), timeout_s=60)
         assert proc.poll() is None
     finally:
-        proc.terminate()
+        _stop([proc], pg)
+
+
+def _start_api(nats_server, pg: devstack.Postgres, tmp_path) -> tuple[subprocess.Popen, int]:
+    """The API as a process, and the port of its readiness (its metrics port)."""
+    metrics_port, api_port = devstack.free_ports(2)
+    env = {**os.environ, **nats_server.env("api"), "GPUSCHED_PG_DSN": pg.dsn, "GPUSCHED_API_PORT": str(api_port),
+           "GPUSCHED_METRICS_PORT": str(metrics_port), "GPUSCHED_LOG_FORMAT": "text"}
+    return subprocess.Popen([sys.executable, "-m", "gpusched.api"], cwd=REPO, env=env,
+                            stdout=open(tmp_path / "api.log", "ab"), stderr=subprocess.STDOUT), metrics_port
+
+
+def _stop(procs: list[subprocess.Popen], pg: devstack.Postgres) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
         try:
-            proc.wait(10)
+            p.wait(10)
         except subprocess.TimeoutExpired:
-            proc.kill()
-        if pg.alive():
-            pg.stop()
+            p.kill()
+    if pg.alive():
+        pg.stop()
