@@ -8,6 +8,7 @@ the ones of the cluster the other tests run on (the nats_cluster fixture)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -118,7 +119,12 @@ async def test_the_k8s_nats_config_forms_a_jetstream_cluster_that_refuses_a_wron
                             inbox_prefix=eventlog.inbox_prefix("admin"))
     try:
         js = nc.jetstream(timeout=10)
-        await js.add_stream(name="K8S_R3", subjects=["k8scheck.>"], num_replicas=3)
+        info = await js.add_stream(name="K8S_R3", subjects=["k8scheck.>"], num_replicas=3)
+        for _ in range(100):  # the new stream answers publishes once its replicas have elected a leader
+            if info.cluster is not None and info.cluster.leader:
+                break
+            await asyncio.sleep(0.1)
+            info = await js.stream_info("K8S_R3")
         for n in range(10):
             await js.publish(f"k8scheck.{n}", b"x")
         info = await js.stream_info("K8S_R3")
