@@ -2,8 +2,9 @@
 against (issue 47).
 
 One process per service (admission, quota, scheduler, executor, notifier, accounting, serving),
-each reading the log through its own durable pull consumer and parsing every message it gets
-(``schemas.parse_event``; admission's intake: ``parse_command``). Four append the next event of a
+each reading the log through its own durable pull consumer (``runtime.eventlog.PullConsumer``, as
+the services read) and parsing every message it gets (``schemas.parse_event``; admission's
+intake: ``parse_command``). Four append the next event of a
 job's chain, as the services do (``runtime.eventlog.EventLog.append``: ``Nats-Msg-Id`` and the
 aggregate's expected last subject sequence), real pydantic events of the real sizes:
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -82,45 +82,10 @@ def consumers(role: str, filtered: bool) -> list[tuple[str, str | None]]:
     return intake + [(events, f"{JOB}.*.{token}") for token in ACTS[role]]
 
 
-class Pull:
-    """A durable pull consumer read with plain pull requests into a subscription callback: up to
-    :data:`BATCH` of what is there (``no_wait``), else a wait for the next one. (nats-py's ``fetch``
-    waits for each message with a timer task of its own: about 40 µs of CPU an event on this VM.)"""
-
-    def __init__(self, nc, stream: str, durable: str) -> None:
-        self.nc, self.next = nc, f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
-        self.msgs: list = []
-        self.over = asyncio.Event()
-
-    async def start(self) -> "Pull":
-        self.inbox = self.nc.new_inbox()
-        await self.nc.subscribe(self.inbox, cb=self._take)
-        return self
-
-    async def _take(self, msg) -> None:
-        if msg.headers and "Status" in msg.headers:  # 404/408: this request is over
-            self.over.set()
-        else:
-            self.msgs.append(msg)
-            if len(self.msgs) >= self.want:
-                self.over.set()
-
-    async def fetch(self) -> list:
-        for request in ({"batch": BATCH, "no_wait": True}, {"batch": 1, "expires": 1_000_000_000}):
-            self.over.clear()
-            self.want = request["batch"]
-            await self.nc.publish(self.next, json.dumps(request).encode(), reply=self.inbox)
-            await self.over.wait()
-            if self.msgs:
-                msgs, self.msgs = self.msgs, []
-                return msgs
-        return []
-
-
-async def pump(js, role: str, stream: str, sub: Pull, team: str) -> None:
+async def pump(js, role: str, stream: str, sub: eventlog.PullConsumer, team: str) -> None:
     log = eventlog.EventLog(js)
     while True:
-        msgs = await sub.fetch()
+        msgs = await sub.fetch(BATCH, 1.0)
         now, work = datetime.now(UTC), []
         for m in msgs:
             if stream == eventlog.INTAKE_STREAM:
@@ -149,8 +114,8 @@ async def serve(role: str, filtered: bool, team: str) -> None:
     subs = []
     for i, (stream, subject) in enumerate(consumers(role, filtered)):
         durable = f"relay-{role}-{i}"
-        await eventlog.ensure_durable(js, stream=stream, durable=durable, filter_subjects=[subject] if subject else None)
-        subs.append((stream, await Pull(nc, stream, durable).start()))
+        subs.append((stream, await eventlog.durable_consumer(js, stream=stream, durable=durable,
+                                                             filter_subjects=[subject] if subject else None)))
     print("ready", flush=True)
     await asyncio.gather(*(pump(js, role, stream, sub, team) for stream, sub in subs))
 

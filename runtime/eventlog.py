@@ -382,12 +382,94 @@ async def dead_letter(js: JetStreamContext, service: str, msg: Msg, reason: str)
     )
 
 
-async def durable_consumer(js: JetStreamContext, *, stream: str, durable: str,
-                           **config) -> JetStreamContext.PullSubscription:
+JS_API = "$JS.API"
+
+
+class PullConsumer:
+    """A durable pull consumer read with plain pull requests into one subscription callback.
+
+    :meth:`fetch` asks for up to ``batch`` of what is there (``no_wait``) and, when nothing was,
+    for the next message, waiting up to ``timeout`` (the request's ``expires``). It is what
+    nats-py's ``PullSubscription.fetch`` does, without its wait per message (``next_msg`` with a
+    timer of its own: about 40 µs of CPU an event on the development VM, the largest per-event
+    cost of a service's loop; docs/performance.md, "The relay ceiling"). One timer per request
+    still bounds a request the broker never answers (a consumer that is gone, a connection
+    that dropped): the fetch returns nothing and the caller goes on as after an idle wait.
+
+    A delivery that comes after its request was given up is kept for the next fetch; the loops
+    that read through this pass over what they have already folded. The broker saying the
+    consumer was deleted raises :class:`ConsumerLost` (the loops bind it again).
+
+    ``api``: the JetStream API prefix of the consumer's account (:func:`tenant_api` for a team's)."""
+
+    ANSWER_MARGIN_S = 0.5  # past a request's expiry, how long its end (a 408) may take to arrive
+
+    def __init__(self, nc: NATS, stream: str, durable: str, api: str = JS_API) -> None:
+        self.nc, self.durable = nc, durable
+        self.next_subject = f"{api}.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.msgs: list[Msg] = []
+        self.want = 1
+        self.over = asyncio.Event()  # the current request ended, or has brought ``want`` messages
+        self.lost: str | None = None
+        self.gave_up = False  # the current fetch's time is up
+        self.sub: Subscription | None = None
+
+    async def start(self) -> "PullConsumer":
+        self.inbox = self.nc.new_inbox()
+        self.sub = await self.nc.subscribe(self.inbox, cb=self._take, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        return self
+
+    async def _take(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is None:
+            self.msgs.append(msg)
+            if len(self.msgs) >= self.want:
+                self.over.set()
+            return
+        # 404 no messages, 408 expired, 409 a conflict (max waiting, leadership change, ...)
+        if status == "409" and "deleted" in (msg.headers.get("Description") or "").lower():
+            self.lost = f"the durable consumer {self.durable} was deleted"
+        self.over.set()
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        """Up to ``batch`` messages; [] when none came within ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        self.gave_up = False
+        timer = loop.call_at(deadline + self.ANSWER_MARGIN_S, self._give_up)  # one per fetch, not per message
+        try:
+            for lingering in (False, True):
+                left = deadline - loop.time()
+                if self.msgs or self.gave_up or left <= 0:
+                    break
+                self.over.clear()
+                self.want = 1 if lingering else batch
+                request = {"batch": 1, "expires": int(left * 1e9)} if lingering else {"batch": batch, "no_wait": True}
+                await self.nc.publish(self.next_subject, json.dumps(request).encode(), reply=self.inbox)
+                await self.over.wait()
+                if self.lost is not None:
+                    lost, self.lost = self.lost, None
+                    raise ConsumerLost(lost)
+        finally:
+            timer.cancel()
+        msgs, self.msgs = self.msgs[:batch], self.msgs[batch:]
+        return msgs
+
+    def _give_up(self) -> None:
+        self.gave_up = True
+        self.over.set()
+
+    async def unsubscribe(self) -> None:
+        if self.sub is not None:
+            await self.sub.unsubscribe()
+
+
+async def durable_consumer(js: JetStreamContext, *, stream: str, durable: str, api: str = JS_API,
+                           **config) -> PullConsumer:
     """Bind to a durable pull consumer, creating it if absent (:func:`ensure_durable`, which takes
-    ``config``)."""
+    ``config``); ``api``: the prefix of the JetStream API ``js`` speaks to (:class:`PullConsumer`)."""
     await ensure_durable(js, stream=stream, durable=durable, **config)
-    return await js.pull_subscribe_bind(durable=durable, stream=stream)
+    return await PullConsumer(client_of(js), stream, durable, api).start()
 
 
 async def ensure_durable(
@@ -443,7 +525,8 @@ def last_delivery(msg: Msg) -> bool:
     return msg.metadata.num_delivered >= MAX_DELIVER
 
 
-async def fetch(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: float) -> list[Msg]:
+async def fetch(sub: PullConsumer | JetStreamContext.PullSubscription, batch: int, timeout_s: float) -> list[Msg]:
+    """Up to ``batch`` messages from a pull consumer; [] when none came within ``timeout_s``."""
     try:
         return await sub.fetch(batch, timeout=timeout_s)
     except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -497,6 +580,7 @@ async def read_batches(
     idle_s: float = 1.0,
     client: NATS | None = None,
     payloads: bool = False,
+    linger_s: float = 0.0,
 ) -> AsyncIterator[list[Msg] | list[Payload]]:
     """The log's reader: lists of at most ``batch`` messages, in stream order, from ``from_seq``
     or the first message stored at or after ``from_time`` (default: the first), up to ``to_seq``
@@ -517,7 +601,9 @@ async def read_batches(
     consumer's deliveries with a core subscription, without JetStream's per-message
     subscription handling. ``payloads``: lists of (stream sequence, payload) pairs instead of
     messages (a rebuild's writers need nothing else); through a :class:`RawDeliveryClient` they
-    skip nats-py's per-message handling."""
+    skip nats-py's per-message handling. ``linger_s`` (a following read): once a message has
+    arrived, how long to wait for a whole ``batch`` before handing over what is there (a
+    reader whose cost is per list, such as a projection's transaction, gets fewer, larger ones)."""
     end: float = float("inf") if follow else (to_seq if to_seq is not None else await last_sequence(js, stream))
     if end == 0 or (from_seq is not None and from_seq > end):
         return
@@ -551,7 +637,7 @@ async def read_batches(
     idle = 0.0
     try:
         while True:
-            msgs = await reader.next(1 if follow else batch, batch, idle_s)
+            msgs = await reader.next(1 if follow else batch, batch, idle_s, linger_s)
             if msgs or follow:
                 yield msgs
             await reader.acknowledge()
@@ -623,20 +709,26 @@ class _PushReader:
     def finished(self) -> bool:
         return self.done and not self.buffer
 
-    async def next(self, want: int, batch: int, idle_s: float) -> list[Msg] | list[Payload]:
+    async def next(self, want: int, batch: int, idle_s: float, linger_s: float = 0.0) -> list[Msg] | list[Payload]:
         """Up to ``batch`` messages once ``want`` have arrived, the read is complete, or
-        ``idle_s`` passed."""
-        self.want = want
-        if len(self.buffer) < want and not self.done:
-            self.arrived.clear()
-            try:
-                await asyncio.wait_for(self.arrived.wait(), timeout=idle_s)
-            except asyncio.TimeoutError:
-                pass
+        ``idle_s`` passed; with ``linger_s``, once some have arrived, until ``batch`` have or
+        ``linger_s`` passed."""
+        await self._wait(want, idle_s)
+        if linger_s and self.buffer:
+            await self._wait(batch, linger_s)
         if self.error is not None:
             raise self.error
         msgs, self.buffer = self.buffer[:batch], self.buffer[batch:]
         return msgs
+
+    async def _wait(self, want: int, timeout_s: float) -> None:
+        self.want = want
+        if len(self.buffer) < want and not self.done:
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def acknowledge(self) -> None:
         """After a batch was handed over: every tenth of the window, or when nothing is left to

@@ -289,6 +289,7 @@ class Notifier:
         while True:
             try:
                 sub = await eventlog.durable_consumer(eventlog.tenant_js(self.js, team), stream=stream, durable=DURABLE,
+                                                      api=eventlog.tenant_api(team),
                                                       filter_subjects=[f"{SUBJECT_PREFIX}.tenant.{team}.notify.>"],
                                                       ack_wait_s=600, max_ack_pending=1, backoff=False)
                 # no proxy from the environment: a request goes to the address egress checked

@@ -71,6 +71,39 @@ async def test_durable_consumer_redelivers_until_acked(admin_js):
     assert eventlog.parse_message(nxt).aggregate_id == "j2"
 
 
+async def test_a_pull_consumer_hands_over_a_batch_waits_for_the_next_and_says_when_it_is_deleted(admin_js):
+    """runtime.eventlog.PullConsumer: what is there in one batch, then a wait for the next message
+    that ends when it comes (not at the timeout), [] after the timeout, and ConsumerLost when the
+    durable is deleted under a waiting fetch (the loops bind it again)."""
+    log = eventlog.EventLog(admin_js)
+    for i in range(5):
+        await log.append(submitted(f"p{i}"))
+    sub = await eventlog.durable_consumer(admin_js, stream=eventlog.EVENTS_STREAM, durable="t3")
+    first = await eventlog.fetch(sub, 3, 2)
+    rest = await eventlog.fetch(sub, 10, 2)
+    assert [m.metadata.sequence.stream for m in first + rest] == [1, 2, 3, 4, 5]
+    for msg in first + rest:
+        await msg.ack()
+
+    loop = asyncio.get_running_loop()
+    waiting = asyncio.create_task(eventlog.fetch(sub, 10, 5))
+    await asyncio.sleep(0.3)
+    started = loop.time()
+    await log.append(submitted("p5"))
+    [late] = await waiting
+    assert late.metadata.sequence.stream == 6 and loop.time() - started < 2
+    await late.ack()
+    started = loop.time()
+    assert await eventlog.fetch(sub, 10, 0.5) == [] and 0.4 < loop.time() - started < 1.5
+
+    waiting = asyncio.create_task(eventlog.fetch(sub, 10, 5))
+    await asyncio.sleep(0.3)
+    await admin_js.delete_consumer(eventlog.EVENTS_STREAM, "t3")
+    with pytest.raises(eventlog.ConsumerLost):
+        await asyncio.wait_for(waiting, 2)
+    await sub.unsubscribe()
+
+
 async def test_dead_letter_keeps_reason_and_original_bytes(admin_js):
     await admin_js.publish("gpusched.job.j9.submitted", b"\x00not json")
     sub = await eventlog.durable_consumer(admin_js, stream=eventlog.EVENTS_STREAM, durable="t2")
