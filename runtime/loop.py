@@ -134,6 +134,7 @@ class DecisionService:
         self._snapshot_at = time.monotonic()
         self.lease: Lease | None = None  # a single-active service's, once it is active
         self._end_checked = 0.0  # monotonic time the main loop last compared the log's end with its position
+        self._consumed_counters: dict[str, Counter] = {}
 
     def stop(self) -> None:
         self._stop.set()
@@ -173,8 +174,17 @@ class DecisionService:
         self.last_seq[subject_scope(msg.subject)] = seq
         if reason is None:
             self._remember_trace(event, msg)
-            observability.EVENTS_CONSUMED.labels(service=self.name, type=event.type).inc()
+            self._consumed(event.type).inc()
         return reason
+
+    def _consumed(self, type_: str):
+        """This service's consumed-events counter of one event type (looked up once per type: the
+        lookup costs more than the count, on every event)."""
+        counter = self._consumed_counters.get(type_)
+        if counter is None:
+            counter = self._consumed_counters[type_] = observability.EVENTS_CONSUMED.labels(service=self.name,
+                                                                                            type=type_)
+        return counter
 
     def _remember_trace(self, event: Event, msg: Msg) -> None:
         if type(event).aggregate == "job":
@@ -224,50 +234,68 @@ class DecisionService:
         returning ends the service, so the default waits for stop()."""
         await self._stop.wait()
 
-    async def append_all(self, log_: eventlog.EventLog, events: Iterable[Event]) -> set[tuple[str, str]]:
+    def basis(self, events: Iterable[Event]) -> dict[str, int]:
+        """The last sequence of each aggregate of ``events`` as the state holds it now: what
+        decisions taken now are conditional on (:meth:`append_all`)."""
+        return {scope: self.last_seq.get(scope, 0) for scope in {subject_scope(event_subject(e)) for e in events}}
+
+    async def append_all(self, log_: eventlog.EventLog, events: Iterable[Event],
+                         basis: dict[str, int] | None = None) -> set[tuple[str, str]]:
         """Append decisions; returns the aggregates whose decisions were refused (concurrency
         conflict) or failed transiently. Those are re-derived on a later cycle.
 
-        One aggregate's events are appended in order, each conditional on the one before;
-        different aggregates are independent, so their appends are pipelined."""
+        One aggregate's events are appended in order, the first conditional on the aggregate's
+        last sequence in ``basis`` (:meth:`basis` when the decisions were taken; default: now),
+        each later one on the one before; different aggregates are independent, so their appends
+        are pipelined. A decision taken beside the main loop (admission's intake) must give its
+        basis: the main loop may fold an event of the aggregate between the decision and its
+        append, and a condition read then would let a decision on the older state through."""
         groups: dict[tuple[str, str], list[Event]] = {}
         for event in events:
             groups.setdefault(aggregate_key(event), []).append(event)
+        if basis is None:
+            basis = self.basis(e for group in groups.values() for e in group)
         refused: set[tuple[str, str]] = set()
-        window = asyncio.Semaphore(APPEND_WINDOW)
+        todo = iter(groups.items())
 
-        async def append_group(key: tuple[str, str], group: list[Event]) -> None:
-            async with window:
+        async def appender() -> None:  # APPEND_WINDOW of these take the groups in turn
+            for key, group in todo:
+                last: int | None = basis[subject_scope(event_subject(group[0]))]
                 for event in group:
-                    if not await self._append_one(log_, key, event):
+                    if (last := await self._append_one(log_, event, last)) is None:
                         refused.add(key)  # the rest of the group assumed this one
-                        return
+                        break
 
-        await asyncio.gather(*(append_group(k, g) for k, g in groups.items()))
+        await asyncio.gather(*(appender() for _ in range(min(APPEND_WINDOW, len(groups)))))
         return refused
 
-    async def _append_one(self, log_: eventlog.EventLog, key: tuple[str, str], event: Event) -> bool:
+    async def _append_one(self, log_: eventlog.EventLog, event: Event, expected_last_seq: int) -> int | None:
+        """Append one decision if its aggregate's last sequence is still ``expected_last_seq``;
+        its sequence, or None (refused, or not appended)."""
         # The decision is a span in the job's trace (continued from the job's latest event); the
-        # append carries this span's context on to whoever consumes the event.
-        parent = self.trace_ctx.get(event.aggregate_id, {}) if key[0] == "job" else {}
+        # append carries this span's context on to whoever consumes the event. When nothing
+        # exports spans, the append carries the job's trace context on as it came.
+        job = type(event).aggregate == "job"
+        parent = self.trace_ctx.get(event.aggregate_id) if job else None
         scope = subject_scope(event_subject(event))
         if self.lease is not None and not self.lease.current():
-            return False  # paused past the lease, or it is being lost: decided again once renewed
-        with observability.span_from_headers(f"{self.name} {event.type}", parent, job=event.aggregate_id):
+            return None  # paused past the lease, or it is being lost: decided again once renewed
+        with observability.span_if_recording(f"{self.name} {event.type}", parent, job=event.aggregate_id):
             try:
-                seq = await log_.append(event, expected_last_seq=self.last_seq.get(scope, 0))
+                seq = await log_.append(event, expected_last_seq=expected_last_seq,
+                                        headers=None if observability.recording() else parent)
             except eventlog.ConcurrencyConflict as err:
                 observability.CONFLICTS.labels(service=self.name).inc()
                 log.info("decision refused, re-deciding after catch-up", extra={"reason": str(err)})
-                return False
+                return None
             except Exception as err:  # the broker away or refusing: derived again next cycle
                 self._log_throttled(f"append {event.type}", "append failed, will retry",
                                     type=event.type, error=failure(err))
-                return False
+                return None
         self.last_seq[scope] = max(self.last_seq.get(scope, 0), seq)
         self.own_high_water = max(self.own_high_water, seq)
         observability.DECISIONS.labels(service=self.name, type=event.type).inc()
-        return True
+        return seq
 
     async def run(self) -> None:
         health.HEALTH.waiting_for("rebuild")  # ready once the state has caught up with the log

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import NoReturn
@@ -240,6 +240,11 @@ def tracer() -> trace.Tracer:
     return _tracer
 
 
+def recording() -> bool:
+    """Whether this process's spans are exported (``setup`` with an exporter)."""
+    return _recording
+
+
 def inject_trace(headers: dict[str, str]) -> None:
     """Put the current span's context into outgoing NATS headers (unless already set)."""
     if "traceparent" not in headers:
@@ -260,6 +265,13 @@ def span_from_headers(name: str, headers: Mapping[str, str] | None, **attributes
             yield
     finally:
         otel_context.detach(token)
+
+
+def span_if_recording(name: str, headers: Mapping[str, str] | None, **attributes: str | int):
+    """:func:`span_from_headers` when spans are exported; else nothing, not even the trace's
+    context: for work that appends nothing inside it, or passes the trace on in the headers it
+    writes itself (runtime.loop's appends), which then costs no context per message."""
+    return span_from_headers(name, headers, **attributes) if _recording else nullcontext()
 
 
 def trace_headers(headers: Mapping[str, str] | None) -> dict[str, str]:

@@ -119,7 +119,7 @@ class AdmissionService(DecisionService):
                 return  # lost: the process ends (runtime.loop)
             msgs = await eventlog.fetch(sub, self.settings.batch_size, 1.0)
             await self.wait_caught_up()
-            pending: list[tuple[Msg, list[Event]]] = []
+            pending: list[tuple[Msg, list[Event], dict[str, int]]] = []
             seen: set[str] = set()
             for msg in msgs:
                 if not self.mine(msg):
@@ -141,7 +141,9 @@ class AdmissionService(DecisionService):
                     await eventlog.dead_letter(js, DEAD_LETTER_NAME, msg, outcome)
                     await msg.ack()
                     continue
-                pending.append((msg, outcome))
+                # what the decision was taken on, read with no await since _handle: the main loop
+                # may fold events of the job before the append (runtime.loop append_all's basis)
+                pending.append((msg, outcome, self.basis(outcome)))
                 seen |= _identity(outcome)
             await self._flush(appender, pending)
 
@@ -150,7 +152,7 @@ class AdmissionService(DecisionService):
         core: AdmissionCore = self.core  # type: ignore[assignment]
         seq = msg.metadata.sequence.stream
         verb = msg.subject.rsplit(".", 1)[-1]
-        with observability.span_from_headers(f"admission intake {verb}", msg.headers, sequence=seq):
+        with observability.span_if_recording(f"admission intake {verb}", msg.headers, sequence=seq):
             try:
                 try:
                     sender = intake_principal(msg.subject)
@@ -186,12 +188,13 @@ class AdmissionService(DecisionService):
                 self.trace_ctx[event.aggregate_id] = ctx
         return events
 
-    async def _flush(self, appender: eventlog.EventLog, pending: list[tuple[Msg, list[Event]]]) -> bool:
+    async def _flush(self, appender: eventlog.EventLog, pending: list[tuple[Msg, list[Event], dict[str, int]]]) -> bool:
         """Append the events of the commands so far and ack them; nak those whose events were
         refused (decided again on redelivery). True when any was."""
         if not pending:
             return False
-        refused = await self.append_all(appender, [e for _, events in pending for e in events])
+        basis = {scope: seq for _, _, taken_on in pending for scope, seq in taken_on.items()}
+        refused = await self.append_all(appender, [e for _, events, _ in pending for e in events], basis)
         if refused:
             # What refused them (another partition's job of that id, a decision already taken) is
             # in the log: they are decided again once the state holds it.
@@ -199,7 +202,7 @@ class AdmissionService(DecisionService):
                 await self.wait_applied(await eventlog.last_sequence(appender.js), timeout_s=10.0)
             except eventlog.BROKER_ERRORS:
                 pass
-        for msg, events in pending:
+        for msg, events, _ in pending:
             if not any((type(e).aggregate, e.aggregate_id) in refused for e in events):
                 await msg.ack()
             elif eventlog.last_delivery(msg):  # a nak now would drop it without a word

@@ -21,7 +21,7 @@ class RefusingAdmission(AdmissionService):
 
     """Every append refused, as a concurrency conflict on the job would be each time."""
 
-    async def append_all(self, log_, events):
+    async def append_all(self, log_, events, basis=None):
         return {(type(e).aggregate, e.aggregate_id) for e in events}
 
 
