@@ -51,6 +51,7 @@ from schemas.service import (
     READINESS_DELAY,
     READINESS_PATH,
     READINESS_PORT,
+    REPLICA_PREFIX,
     SERVICE_ANNOTATION,
     ReplicaLost,
     ReplicaReady,
@@ -76,6 +77,13 @@ REPLICA_RETRY = RetryPolicy(max_attempts=20, backoff_seconds=1.0, backoff_factor
                             retry_on=tuple(FailureReason))
 """A replica's job retries every kind of failure (a service should come back), with a growing
 backoff; after 20 failed attempts its job ends and the controller asks for a new one."""
+
+
+def passes_over(aggregate: str, token: str) -> bool:
+    """Whether the events of an aggregate (its kind and subject token, read from the subject)
+    surely change nothing here: a job's, unless it is a replica's (``replica-…``). The adapter
+    leaves those unparsed; :meth:`ServingCore.evolve` does nothing with them either."""
+    return aggregate == "job" and not token.startswith(REPLICA_PREFIX)
 
 
 @dataclass

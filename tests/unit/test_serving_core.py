@@ -311,3 +311,33 @@ def test_a_replica_with_a_readiness_probe_carries_it_to_the_backend():
     assert {k: v for k, v in request.spec.annotations.items() if k.startswith("gpusched.io/")} == {
         "gpusched.io/service": "chat", "gpusched.io/readiness-path": "/ok", "gpusched.io/readiness-port": "8000",
         "gpusched.io/readiness-delay": "20"}
+
+
+def test_the_events_the_adapter_leaves_unparsed_change_nothing():
+    """The adapter does not parse a job's events unless the job is a replica
+    (services.serving.domain.passes_over): a core fed only the others holds the same state and
+    decides the same as one fed the whole log, which here also has a team's own jobs, one of them
+    named like a replica in all but its prefix."""
+    from schemas.registry import event_subject, subject_parts
+    from services.serving.domain import passes_over
+
+    whole, log = ServingCore(), Log()
+    drive(whole, [deployed(service_spec(desired=2))], T0, log=log)
+    up(whole, log, 0, 1)
+    t1 = T0 + timedelta(seconds=30)
+    others = [e for j in ("train-1", "chat.v2-1-0", "xreplica-chat-1-0")
+              for e in (scheduled(j, when=t1), started(j, when=t1), ready(j, when=t1),
+                        preempted(j, when=t1), retry_scheduled(j), succeeded(j))]
+    drive(whole, [*others, preempted(job(1), when=t1)], t1, log=log)
+    drive(whole, [retry_scheduled(job(1)), scheduled(job(1), attempt=2), started(job(1), attempt=2)],
+          t1 + timedelta(seconds=5), log=log)
+
+    skipped = [e for e in log.events if passes_over(*subject_parts(event_subject(e))[:2])]
+    assert {e.aggregate_id for e in skipped} == {"train-1", "chat.v2-1-0", "xreplica-chat-1-0"}
+    filtered = ServingCore()
+    for event in log.events:
+        if event not in skipped:
+            filtered.evolve(event)
+    assert filtered.services == whole.services and filtered.wake_at == whole.wake_at
+    later = t1 + timedelta(minutes=10)
+    assert [e.event_id for e in filtered.decide(later)] == [e.event_id for e in whole.decide(later)]
