@@ -59,6 +59,9 @@ def convert(msgs: Sequence[Msg], *, trace: str | None = None,
     without operations or id (another partition's: :mod:`.partition`)."""
     out = Converted(messages=msgs)
     entries, events, poison, sequence = out.entries, out.events, out.poison, eventlog.sequence
+    # Without an exporter a span would be seen by no one, and nothing appended inside a
+    # conversion needs the producer's trace context: the projection writes rows, not events.
+    trace = trace if observability.recording() else None
     for msg in msgs:
         seq = sequence(msg)
         if skip is not None and skip(msg.subject, seq):
