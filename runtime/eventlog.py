@@ -580,7 +580,6 @@ async def read_batches(
     idle_s: float = 1.0,
     client: NATS | None = None,
     payloads: bool = False,
-    linger_s: float = 0.0,
 ) -> AsyncIterator[list[Msg] | list[Payload]]:
     """The log's reader: lists of at most ``batch`` messages, in stream order, from ``from_seq``
     or the first message stored at or after ``from_time`` (default: the first), up to ``to_seq``
@@ -601,9 +600,7 @@ async def read_batches(
     consumer's deliveries with a core subscription, without JetStream's per-message
     subscription handling. ``payloads``: lists of (stream sequence, payload) pairs instead of
     messages (a rebuild's writers need nothing else); through a :class:`RawDeliveryClient` they
-    skip nats-py's per-message handling. ``linger_s`` (a following read): once a message has
-    arrived, how long to wait for a whole ``batch`` before handing over what is there (a
-    reader whose cost is per list, such as a projection's transaction, gets fewer, larger ones)."""
+    skip nats-py's per-message handling."""
     end: float = float("inf") if follow else (to_seq if to_seq is not None else await last_sequence(js, stream))
     if end == 0 or (from_seq is not None and from_seq > end):
         return
@@ -637,7 +634,7 @@ async def read_batches(
     idle = 0.0
     try:
         while True:
-            msgs = await reader.next(1 if follow else batch, batch, idle_s, linger_s)
+            msgs = await reader.next(1 if follow else batch, batch, idle_s)
             if msgs or follow:
                 yield msgs
             await reader.acknowledge()
@@ -650,6 +647,13 @@ async def read_batches(
                     state = await js.consumer_info(stream, info.name)
                 except NotFoundError:
                     raise ConsumerLost(f"the reader's consumer on {stream} is gone (a server restart?)") from None
+                if follow and state.num_ack_pending and not reader.buffer:
+                    # Nothing arrived for CHECK_IDLE_S, yet the consumer holds deliveries this reader
+                    # has not acknowledged: lost on the way (a reconnect), or resent by a consumer that
+                    # a restarted JetStream cluster brought back at its first sequence (taken already,
+                    # so passed over above, unacknowledged). Nothing more comes before ack_wait.
+                    raise ConsumerLost(f"the reader's consumer on {stream} holds {state.num_ack_pending} "
+                                       f"deliveries this reader has not taken (a server restart?)")
                 if not follow and state.num_pending == 0 and (state.delivered.stream_seq or 0) <= reader.top:
                     return
     finally:
@@ -709,26 +713,20 @@ class _PushReader:
     def finished(self) -> bool:
         return self.done and not self.buffer
 
-    async def next(self, want: int, batch: int, idle_s: float, linger_s: float = 0.0) -> list[Msg] | list[Payload]:
+    async def next(self, want: int, batch: int, idle_s: float) -> list[Msg] | list[Payload]:
         """Up to ``batch`` messages once ``want`` have arrived, the read is complete, or
-        ``idle_s`` passed; with ``linger_s``, once some have arrived, until ``batch`` have or
-        ``linger_s`` passed."""
-        await self._wait(want, idle_s)
-        if linger_s and self.buffer:
-            await self._wait(batch, linger_s)
-        if self.error is not None:
-            raise self.error
-        msgs, self.buffer = self.buffer[:batch], self.buffer[batch:]
-        return msgs
-
-    async def _wait(self, want: int, timeout_s: float) -> None:
+        ``idle_s`` passed."""
         self.want = want
         if len(self.buffer) < want and not self.done:
             self.arrived.clear()
             try:
-                await asyncio.wait_for(self.arrived.wait(), timeout=timeout_s)
+                await asyncio.wait_for(self.arrived.wait(), timeout=idle_s)
             except asyncio.TimeoutError:
                 pass
+        if self.error is not None:
+            raise self.error
+        msgs, self.buffer = self.buffer[:batch], self.buffer[batch:]
+        return msgs
 
     async def acknowledge(self) -> None:
         """After a batch was handed over: every tenth of the window, or when nothing is left to

@@ -27,11 +27,6 @@ connection or a server restart, which :func:`run` rides out by reconnecting."""
 PG_UNAVAILABLE = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
 """A lost connection, a server restarting or not up yet (any other Postgres error than
 :data:`UNSTORABLE`): reconnect and go on from the stored position."""
-LINGER_S = 0.02
-"""Once an event has arrived, how long the projection waits for a whole batch before writing:
-each batch costs about seven round trips to Postgres however few events it holds, so a busy
-log is written in fewer, larger transactions, at most this much later (docs/performance.md,
-"The relay ceiling")."""
 STOP_GRACE_S = 5.0
 """On SIGTERM a batch being written may commit for this long; then the service stops wherever it
 is (a retry, a reconnect): an uncommitted batch commits nothing, and the next start resumes from
@@ -135,7 +130,7 @@ async def _project(js, store: "_Store", settings: Settings, stop: asyncio.Event)
     if position >= store.catch_up_to:
         health.HEALTH.done("catch-up")
     batches = eventlog.read_batches(js, from_seq=position + 1, follow=True, batch=settings.batch_size,
-                                    idle_s=settings.tick_s, linger_s=LINGER_S)
+                                    idle_s=settings.tick_s)
     await pipeline.run(_until(stop, batches, store), store, trace="accounting", observe=store.observe,
                        skip=store.share.skip if p.partitions > 1 else None)
 

@@ -104,6 +104,29 @@ async def test_a_pull_consumer_hands_over_a_batch_waits_for_the_next_and_says_wh
     await sub.unsubscribe()
 
 
+async def test_a_following_read_whose_deliveries_never_came_reads_again_from_its_position(admin_js, monkeypatch):
+    """Deliveries that never reach the reader (lost on the way, or taken already and resent by a
+    consumer that a restarted JetStream cluster brought back at its first sequence) stay
+    unacknowledged until ack_wait, 300 s: a following read that received nothing for
+    CHECK_IDLE_S while its consumer holds them raises ConsumerLost, so its caller reads again
+    from its own position (the chaos run on a cluster saw accounting's projection stall for good)."""
+    log = eventlog.EventLog(admin_js)
+    for i in range(3):
+        await log.append(submitted(f"lost-{i}"))
+
+    async def lost_on_the_way(self, msg) -> None:
+        pass
+
+    monkeypatch.setattr(eventlog._PushReader, "take", lost_on_the_way)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    batches = eventlog.read_batches(admin_js, follow=True, idle_s=0.5)
+    with pytest.raises(eventlog.ConsumerLost, match="has not taken"):
+        async for msgs in batches:
+            assert msgs == [] and loop.time() - started < eventlog.CHECK_IDLE_S + 5
+    assert loop.time() - started >= eventlog.CHECK_IDLE_S
+
+
 async def test_dead_letter_keeps_reason_and_original_bytes(admin_js):
     await admin_js.publish("gpusched.job.j9.submitted", b"\x00not json")
     sub = await eventlog.durable_consumer(admin_js, stream=eventlog.EVENTS_STREAM, durable="t2")
