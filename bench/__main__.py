@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -238,6 +239,7 @@ async def main(args) -> dict:
     finally:
         pg.stop()
         server.stop()
+    shutil.rmtree(work, ignore_errors=True)  # 150-260 MB a run; a failed run keeps its logs there
     med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
     raw_pub = statistics.median(pub)
     raw_piped = statistics.median(piped)
